@@ -1,0 +1,35 @@
+# The two commands the README promises: `make demo` and `make test`.
+# Both create .venv when it is missing and install slipstream with the pinned
+# versions of constraints.txt (torch named with its pin, so pip takes the CPU
+# build from local disk instead of a multi-GB CUDA download).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.slipstream-installed
+
+.PHONY: demo test lint setup clean bench-packing
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev,trl,qlora]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/slipstream ab
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+bench-packing: $(STAMP)
+	$(BIN)/python benchmarks/packing.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,20 @@
+"""slipstream: faster LoRA / QLoRA fine-tuning of Hugging Face causal LMs, proven by A/B.
+
+The public API::
+
+    import slipstream
+    batch = slipstream.collate_packed(samples)       # list of {"input_ids": [...], "labels": [...]}
+    model = slipstream.optimize(model, packed_attention=True)   # the same model, changed in place
+    out = model(**batch.model_inputs())              # out.loss: token-weighted mean over all docs
+
+- ``collate_packed``: documents into one row, metadata (position_ids, cu_seqlens,
+  max_seqlen) built once on the host; returns a ``PackedBatch``.
+- ``optimize``: each speedup a toggle whose other arm is the stock path.
+- ``PackedBatch``: the batch and its metadata; ``model_inputs()`` gives the model kwargs.
+"""
+
+from ._version import __version__
+from .optimize import optimize
+from .packing import PackedBatch, collate_packed
+
+__all__ = ["PackedBatch", "__version__", "collate_packed", "optimize"]

@@ -1,0 +1,134 @@
+"""``slipstream.optimize``: switch a transformers model onto slipstream's fast paths, in place.
+
+Every speedup is a toggle whose other arm is the stock path, so the A/B harness can compare
+them and the tests can prove they compute the same thing. Calling ``optimize`` again with a
+toggle off restores the stock behaviour.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
+from .packing.batch import PACKED_BATCH_KWARG
+
+logger = logging.getLogger("slipstream")
+
+_STATE_ATTR = "slipstream_state"
+
+
+@dataclass
+class OptimizeState:
+    """What ``optimize`` changed on a model, so it can be reported and undone."""
+
+    stock_attn_implementation: str | None
+    stock_use_cache: bool | None
+    packed_attention: str | None = None  # the backend name, None when stock
+    policies: list[str] = field(default_factory=list)
+    hook: object | None = field(default=None, repr=False)
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _has_attention_sinks(model: torch.nn.Module) -> bool:
+    return any(hasattr(module, "sinks") for module in model.modules())
+
+
+def _refuse_unsupported(model: torch.nn.Module) -> None:
+    config = model.config
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise NotImplementedError(
+            f"{name} does not route attention through transformers' AttentionInterface, "
+            "so slipstream cannot plug packed attention into it. Use packed_attention=False."
+        )
+    if not getattr(config, "is_causal", True) or getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(f"{name}: packed attention is for causal decoder-only models")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise NotImplementedError(
+            f"{name} uses attention logit softcapping (attn_logit_softcapping={softcap}); slipstream's packed "
+            "attention does not implement it and will not compute something else. Use packed_attention=False."
+        )
+
+
+def _padding_guard(module, args, kwargs):
+    """Forward pre-hook: a padded (2D-masked) batch cannot run on the packed attention.
+
+    The packed backends take document boundaries from the PackedBatch; a padding mask would be
+    silently dropped by transformers' mask builders, so refuse it instead. Only the unpacked
+    path pays for this check (one sync), never a PackedBatch.
+    """
+    if kwargs.get(PACKED_BATCH_KWARG) is not None:
+        return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise ValueError(
+            "this model runs slipstream's packed attention, which takes document boundaries from a "
+            "PackedBatch (slipstream.collate_packed), not from a padding mask. Pack the batch, or call "
+            "slipstream.optimize(model, packed_attention=False) to go back to the stock attention."
+        )
+    return None
+
+
+def optimize(
+    model: torch.nn.Module,
+    packed_attention: bool = True,
+    attention_backend: str = "auto",
+) -> torch.nn.Module:
+    """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
+
+    packed_attention: attend within each document of a :class:`PackedBatch`, reading the
+        metadata the collator built on the host: no host syncs, no [T, T] mask, O(sum Li^2)
+        attention. ``False`` restores the model's stock attention.
+    attention_backend: "auto" (varlen flash on CUDA when importable, per-document SDPA
+        otherwise), or "sdpa", "varlen", "flex".
+
+    Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
+    each other in stock transformers); ``optimize`` turns it off and restores it when undone.
+    Each choice is logged once and kept in ``model.slipstream_state``.
+    """
+    base = _base_model(model)
+    state: OptimizeState | None = getattr(base, _STATE_ATTR, None)
+    if state is None:
+        state = OptimizeState(
+            stock_attn_implementation=base.config._attn_implementation,
+            stock_use_cache=getattr(base.config, "use_cache", None),
+        )
+        setattr(base, _STATE_ATTR, state)
+
+    if packed_attention:
+        _refuse_unsupported(base)
+        register_attention_functions()
+        device = next(base.parameters()).device
+        backend, reason = choose_backend(attention_backend, device, _has_attention_sinks(base))
+        name = BACKEND_NAMES[backend]
+        if state.packed_attention != name:
+            base.set_attn_implementation(name)
+            if base.config._attn_implementation != name:
+                raise RuntimeError(f"transformers refused attention implementation {name!r} for {type(base).__name__}")
+            base.config.use_cache = False
+            if state.hook is None:
+                state.hook = base.register_forward_pre_hook(_padding_guard, with_kwargs=True)
+            state.packed_attention = name
+            policy = f"packed attention: {name} ({reason}); use_cache off"
+            state.policies.append(policy)
+            logger.info(policy)
+    elif state.packed_attention is not None:
+        base.set_attn_implementation(state.stock_attn_implementation)
+        if state.stock_use_cache is not None:
+            base.config.use_cache = state.stock_use_cache
+        if state.hook is not None:
+            state.hook.remove()
+            state.hook = None
+        state.packed_attention = None
+        state.policies.append("packed attention: off (stock)")
+        logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
+    return model

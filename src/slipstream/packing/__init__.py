@@ -1,0 +1,15 @@
+"""Packed sequences: metadata built once per batch on the host, attention with no syncs and no T x T mask."""
+
+from .attention import BACKENDS, UnsupportedAttentionFeature, register_attention_functions
+from .batch import IGNORE_INDEX, PACKED_BATCH_KWARG, PackedBatch, collate_packed, collate_padded
+
+__all__ = [
+    "BACKENDS",
+    "IGNORE_INDEX",
+    "PACKED_BATCH_KWARG",
+    "PackedBatch",
+    "UnsupportedAttentionFeature",
+    "collate_packed",
+    "collate_padded",
+    "register_attention_functions",
+]

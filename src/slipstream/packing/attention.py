@@ -1,0 +1,349 @@
+"""Packed attention backends, registered with transformers' ``AttentionInterface``.
+
+Each backend reads the :class:`PackedBatch` that rides along in the model's ``**kwargs`` and
+attends within each document only. Nothing here builds a [T, T] mask or reads a device value
+back to the host: document boundaries are Python ints on the batch, and anything derived
+from them (small per-document masks, a flex BlockMask) is memoised on that batch.
+
+Backends (``config._attn_implementation`` names):
+
+- ``slipstream_docwise`` (backend "sdpa"): one ``scaled_dot_product_attention`` call per document, so attention
+  costs O(sum Li^2) instead of O(T^2). Works everywhere (CPU included).
+- ``slipstream_varlen``: one varlen flash-attention call for the whole row
+  (``torch.nn.attention.varlen.varlen_attn``, or flash-attn's ``flash_attn_varlen_func``). CUDA.
+- ``slipstream_flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
+
+Attention sinks (GPT-OSS) take a per-document eager path on every backend, since none of the
+fused kernels above implements them; it is still O(sum Li^2) and still mask-free at T x T.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .batch import PACKED_BATCH_KWARG, PackedBatch
+
+BACKENDS = ("sdpa", "varlen", "flex")
+
+
+class UnsupportedAttentionFeature(NotImplementedError):
+    """A model asks for an attention feature the packed backends do not implement."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _window_allowed(q_len: int, k_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [q_len, k_len] mask: causal (aligned to the end of the keys) and, if set, a window.
+
+    Same semantics as transformers: key j is visible to query i when j <= i and j > i - window.
+    Only ever built per document (or per decode step), never for the whole packed row.
+    """
+    q_pos = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(1)
+    k_pos = torch.arange(k_len, device=device).unsqueeze(0)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
+
+
+def _doc_mask(batch: PackedBatch | None, length: int, window: int | None, device) -> torch.Tensor:
+    """A document's window mask, memoised on the batch (one build per length per batch)."""
+    if batch is None:
+        return _window_allowed(length, length, window, device)
+    return batch.memo(("window_mask", length, window, str(device)), lambda: _window_allowed(length, length, window, device))
+
+
+def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        raise UnsupportedAttentionFeature(
+            f"{type(module).__name__} uses attention logit softcapping (softcap={softcap}); "
+            "slipstream's packed attention does not implement it. Use optimize(model, packed_attention=False)."
+        )
+
+
+def _sdpa_one(query, key, value, scaling, dropout, window, batch):
+    """SDPA over one document (or one unpacked row): [B, H, L, D] in, [B, H, L, D] out."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    enable_gqa = query.shape[1] != key.shape[1]
+    if window is None or k_len <= window:
+        if q_len == k_len:
+            return F.scaled_dot_product_attention(
+                query, key, value, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+            )
+        if q_len == 1:
+            return F.scaled_dot_product_attention(
+                query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+            )
+    if q_len == k_len:
+        mask = _doc_mask(batch, q_len, window, query.device)
+    else:
+        mask = _window_allowed(q_len, k_len, window, query.device)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
+    )
+
+
+def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch):
+    """Eager attention with per-head sink logits over one document: [B, H, L, D] in and out.
+
+    The sink is an extra logit per head that takes part in the softmax and is then dropped,
+    as in GPT-OSS. Computed in the query's dtype, like the stock eager path.
+    """
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    allowed = _doc_mask(batch, q_len, window, query.device) if q_len == k_len else _window_allowed(
+        q_len, k_len, window, query.device
+    )
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    sink_logits = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, q_len, 1).to(scores.dtype)
+    logits = torch.cat([scores, sink_logits], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    probs = F.dropout(probs, p=dropout, training=module.training).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
+def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
+    """Run ``fn`` on every document's slice and put the row back together: [1, H, T, D]."""
+    outputs = [fn(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], batch=batch, **kw) for s, e in batch.doc_bounds()]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _unpack_args(module, query, kwargs, scaling, dropout, sliding_window):
+    _check_supported(module, kwargs)
+    batch = kwargs.get(PACKED_BATCH_KWARG)
+    if batch is not None and query.shape[0] != 1:
+        raise ValueError(
+            f"a PackedBatch is one row of documents, but attention got batch size {query.shape[0]}; "
+            "pack micro-batches with slipstream.collate_packed"
+        )
+    scaling = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    dropout = dropout if module.training else 0.0
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    return batch, scaling, dropout, sliding_window, sinks
+
+
+def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks):
+    """No PackedBatch: each row is one causal sequence (unpadded training rows, generation)."""
+    if attention_mask is not None:
+        # A 4D mask a caller prepared itself: honour it exactly as stock SDPA / eager would.
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if sinks is not None:
+            from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+            return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+    if sinks is not None:
+        out = _sinks_one(module, query, key, value, scaling, dropout, window, sinks, None)
+    else:
+        out = _sdpa_one(query, key, value, scaling, dropout, window, None)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def packed_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Per-document SDPA. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    if batch is None:
+        return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
+    if sinks is not None:
+        out = _per_document(
+            lambda q, k, v, **kw: _sinks_one(module, q, k, v, **kw),
+            batch, query, key, value, scaling=scaling, dropout=dropout, window=window, sinks=sinks,
+        )
+    else:
+        out = _per_document(_sdpa_one, batch, query, key, value, scaling=scaling, dropout=dropout, window=window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_kernel() -> tuple[str, Callable] | None:
+    """The varlen flash kernel available here, if any: torch's own first, then flash-attn."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        return "torch.varlen_attn", varlen_attn
+    except ImportError:
+        pass
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        return "flash_attn", flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+def packed_varlen_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """One varlen flash-attention call over the whole packed row, reading the batch's cu_seqlens."""
+    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    if batch is None or sinks is not None or query.device.type != "cuda":
+        return packed_sdpa_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+    kernel = _varlen_kernel()
+    if kernel is None:
+        raise RuntimeError("slipstream_varlen needs CUDA and torch.nn.attention.varlen or flash-attn")
+    name, fn = kernel
+    q_THD = query[0].transpose(0, 1)
+    k_THD = key[0].transpose(0, 1)
+    v_THD = value[0].transpose(0, 1)
+    left = -1 if window is None else window - 1
+    if name == "torch.varlen_attn":
+        params = _varlen_params(fn)
+        extra = {}
+        if "window_size" in params:
+            extra["window_size"] = (left, 0)
+        elif window is not None:
+            raise UnsupportedAttentionFeature("this torch's varlen_attn has no sliding window; use backend 'sdpa'")
+        else:
+            extra["is_causal"] = True
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = query.shape[1] != key.shape[1]
+        elif query.shape[1] != key.shape[1]:
+            groups = query.shape[1] // key.shape[1]
+            k_THD = k_THD.repeat_interleave(groups, dim=1)
+            v_THD = v_THD.repeat_interleave(groups, dim=1)
+        out_THD = fn(
+            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, scale=scaling, **extra
+        )
+    else:
+        out_THD = fn(
+            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
+            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=(left, 0),
+        )
+    return out_THD.unsqueeze(0), None
+
+
+_VARLEN_PARAMS: dict[int, frozenset[str]] = {}
+
+
+def _varlen_params(fn: Callable) -> frozenset[str]:
+    if id(fn) not in _VARLEN_PARAMS:
+        _VARLEN_PARAMS[id(fn)] = frozenset(inspect.signature(fn).parameters)
+    return _VARLEN_PARAMS[id(fn)]
+
+
+def flex_block_mask(batch: PackedBatch, window: int | None):
+    """Document-causal (and windowed) BlockMask for the packed row, built once per batch."""
+
+    def build():
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc_ids = torch.repeat_interleave(
+            torch.arange(batch.num_docs, device=batch.device),
+            torch.tensor(batch.seq_lens, device=batch.device),
+            output_size=batch.num_tokens,
+        )
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            allowed = (doc_ids[q_idx] == doc_ids[kv_idx]) & (kv_idx <= q_idx)
+            if window is not None:
+                allowed = allowed & (kv_idx > q_idx - window)
+            return allowed
+
+        T = batch.num_tokens
+        return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=batch.device)
+
+    return batch.memo(("flex_block_mask", window), build)
+
+
+def packed_flex_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """flex_attention with a BlockMask memoised on the batch (built once, used by every layer)."""
+    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    if batch is None or sinks is not None:
+        return packed_sdpa_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    out = flex_attention(
+        query, key, value, block_mask=flex_block_mask(batch, window), scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+# transformers runs its own SDPA / flex capability checks on any name containing "sdpa" or
+# "flex_attention" (and refuses GPT-OSS for them), so the registered names avoid both.
+ATTENTION_FUNCTIONS: dict[str, Callable] = {
+    "slipstream_docwise": packed_sdpa_attention,
+    "slipstream_varlen": packed_varlen_attention,
+    "slipstream_flex": packed_flex_attention,
+}
+
+
+BACKEND_NAMES = {"sdpa": "slipstream_docwise", "varlen": "slipstream_varlen", "flex": "slipstream_flex"}
+
+
+def register_attention_functions() -> None:
+    """Register the packed backends with transformers (idempotent).
+
+    No mask function is registered on purpose: for an attention name without one,
+    transformers' mask builders return ``None`` straight away, before they would inspect
+    position_ids (a host sync) or build a dense [B, 1, T, T] mask.
+    """
+    from transformers import AttentionInterface
+
+    for name, fn in ATTENTION_FUNCTIONS.items():
+        AttentionInterface.register(name, fn)
+
+
+def choose_backend(requested: str, device: torch.device, has_sinks: bool) -> tuple[str, str]:
+    """Pick a backend for ``requested`` ("auto" or one of BACKENDS); returns (backend, reason)."""
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
+    if requested != "auto":
+        if requested == "varlen" and _varlen_kernel() is None:
+            raise ValueError("attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn")
+        return requested, "requested"
+    if device.type == "cuda":
+        kernel = _varlen_kernel()
+        if kernel is not None and not has_sinks:
+            return "varlen", f"CUDA with {kernel[0]}"
+        if has_sinks:
+            return "sdpa", "attention sinks: per-document path (no fused varlen kernel has sinks)"
+        return "sdpa", "CUDA without a varlen kernel"
+    return "sdpa", f"{device.type}: per-document SDPA"

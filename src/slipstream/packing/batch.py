@@ -1,0 +1,219 @@
+"""PackedBatch: several documents in one row, with their metadata built once on the host.
+
+The collator knows every document length as a Python int, so it derives everything the
+attention needs (position_ids, cu_seqlens, max_seqlen) here, before the batch reaches the
+device. No layer ever has to recover these from a device tensor, so no layer syncs.
+Anything derived later (a sliding-window mask, a flex BlockMask) is memoised on the batch
+object itself: when the batch goes away so does the memo, and nothing can go stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+# The keyword under which the batch travels through transformers' **kwargs to the attention.
+PACKED_BATCH_KWARG = "slipstream_packed_batch"
+
+
+@dataclass(eq=False)
+class PackedBatch:
+    """Documents concatenated into one row of T tokens, plus host-built metadata.
+
+    Tensors are ``[1, T]`` (``input_ids``, ``labels``, ``position_ids``) and ``[N+1]``
+    (``cu_seqlens``, int32). ``seq_lens``, ``max_seqlen`` and ``num_label_tokens`` are plain
+    Python values, so reading them never touches the device.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_lens: tuple[int, ...]
+    max_seqlen: int
+    num_label_tokens: int
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens in the batch (T); a packed batch has no padding."""
+        return sum(self.seq_lens)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def doc_bounds(self) -> list[tuple[int, int]]:
+        """``[(start, end), ...]`` of every document, as Python ints (memoised)."""
+
+        def build() -> list[tuple[int, int]]:
+            bounds, start = [], 0
+            for length in self.seq_lens:
+                bounds.append((start, start + length))
+                start += length
+            return bounds
+
+        return self.memo("doc_bounds", build)
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Return ``build()``, computed once per batch and kept on this object."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
+
+    def to(self, device: torch.device | str, non_blocking: bool | None = None) -> PackedBatch:
+        """Move the tensors once. From CUDA-bound host tensors this pins and copies without blocking."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        pin = device.type == "cuda" and torch.cuda.is_available()
+        if non_blocking is None:
+            non_blocking = pin
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if pin and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, non_blocking=non_blocking)
+
+        return PackedBatch(
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
+            seq_lens=self.seq_lens,
+            max_seqlen=self.max_seqlen,
+            num_label_tokens=self.num_label_tokens,
+        )
+
+    def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:
+        """Keyword arguments for ``model(**...)``.
+
+        Besides input_ids / labels / position_ids it passes the batch itself (read by
+        slipstream's packed attention) and the varlen kwargs transformers' flash-attention
+        path understands (so even stock flash attention stops re-deriving cu_seqlens per layer).
+        ``use_cache=False``: with a cache, stock transformers lets packed documents see each other.
+
+        ``num_items_in_batch``: for gradient accumulation, the label-token count of the whole
+        accumulated batch, so every token weighs the same whichever micro-batch it sits in.
+        """
+        inputs: dict[str, Any] = {
+            "input_ids": self.input_ids,
+            "labels": self.labels,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_seqlen,
+            "max_length_k": self.max_seqlen,
+            PACKED_BATCH_KWARG: self,
+        }
+        if num_items_in_batch is not None:
+            inputs["num_items_in_batch"] = num_items_in_batch
+        return inputs
+
+    def stock_inputs(self) -> dict[str, Any]:
+        """The same batch as stock transformers sees it: ids, labels and position_ids only."""
+        return {
+            "input_ids": self.input_ids,
+            "labels": self.labels,
+            "position_ids": self.position_ids,
+            "use_cache": False,
+        }
+
+
+def _as_int_list(values: Any, name: str, index: int) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, Sequence) or isinstance(values, str | bytes):
+        raise TypeError(f"sample {index}: {name!r} must be a list of ints, got {type(values).__name__}")
+    out = list(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+        raise TypeError(f"sample {index}: {name!r} must contain only ints")
+    return out
+
+
+def collate_packed(
+    samples: Sequence[dict[str, Any]],
+    device: torch.device | str | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> PackedBatch:
+    """Pack ``samples`` (``{"input_ids": [...], "labels": [...]}``; labels optional) into one row.
+
+    position_ids restart at 0 for every document; cu_seqlens and max_seqlen come from the
+    Python lengths. The label of each document's first token is set to -100, so no document
+    is trained to predict its first token from the previous document's last one.
+    ``pad_to_multiple_of`` appends one padding document (label -100) so T is a multiple of it,
+    which keeps kernel shapes stable. ``device``: where the tensors go (once, pinned and
+    non-blocking on CUDA).
+    """
+    if len(samples) == 0:
+        raise ValueError("collate_packed needs at least one sample")
+    input_ids: list[int] = []
+    labels: list[int] = []
+    position_ids: list[int] = []
+    seq_lens: list[int] = []
+    for index, sample in enumerate(samples):
+        if "input_ids" not in sample:
+            raise KeyError(f"sample {index} has no 'input_ids'")
+        ids = _as_int_list(sample["input_ids"], "input_ids", index)
+        if not ids:
+            raise ValueError(f"sample {index} is empty")
+        labs = _as_int_list(sample.get("labels", ids), "labels", index)
+        if len(labs) != len(ids):
+            raise ValueError(f"sample {index}: {len(labs)} labels for {len(ids)} input_ids")
+        labs = [IGNORE_INDEX, *labs[1:]]
+        input_ids += ids
+        labels += labs
+        position_ids += range(len(ids))
+        seq_lens.append(len(ids))
+    if pad_to_multiple_of:
+        pad = -len(input_ids) % pad_to_multiple_of
+        if pad:
+            input_ids += [0] * pad
+            labels += [IGNORE_INDEX] * pad
+            position_ids += range(pad)
+            seq_lens.append(pad)
+    cu_seqlens = [0]
+    for length in seq_lens:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+    batch = PackedBatch(
+        input_ids=torch.tensor([input_ids], dtype=torch.long),
+        labels=torch.tensor([labels], dtype=torch.long),
+        position_ids=torch.tensor([position_ids], dtype=torch.long),
+        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+        seq_lens=tuple(seq_lens),
+        max_seqlen=max(seq_lens),
+        num_label_tokens=sum(1 for label in labels if label != IGNORE_INDEX),
+    )
+    return batch.to(device) if device is not None else batch
+
+
+def collate_padded(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """The stock layout of the same samples: one right-padded row each, with an attention mask.
+
+    Used by the A/B benchmark and the parity tests as the reference arm.
+    """
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids, labs, mask = [], [], []
+    for sample in samples:
+        row = list(sample["input_ids"])
+        lab = list(sample.get("labels", row))
+        pad = longest - len(row)
+        ids.append(row + [pad_token_id] * pad)
+        labs.append(lab + [IGNORE_INDEX] * pad)
+        mask.append([1] * len(row) + [0] * pad)
+    return {
+        "input_ids": torch.tensor(ids, dtype=torch.long),
+        "labels": torch.tensor(labs, dtype=torch.long),
+        "attention_mask": torch.tensor(mask, dtype=torch.long),
+        "use_cache": False,
+    }
