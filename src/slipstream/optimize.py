@@ -113,7 +113,9 @@ def optimize(
         if state.packed_attention != name:
             base.set_attn_implementation(name)
             if base.config._attn_implementation != name:
-                raise RuntimeError(f"transformers refused attention implementation {name!r} for {type(base).__name__}")
+                raise RuntimeError(
+                    f"transformers refused attention implementation {name!r} for {type(base).__name__}"
+                )
             base.config.use_cache = False
             if state.hook is None:
                 state.hook = base.register_forward_pre_hook(_padding_guard, with_kwargs=True)

@@ -56,7 +56,9 @@ def _doc_mask(batch: PackedBatch | None, length: int, window: int | None, device
     """A document's window mask, memoised on the batch (one build per length per batch)."""
     if batch is None:
         return _window_allowed(length, length, window, device)
-    return batch.memo(("window_mask", length, window, str(device)), lambda: _window_allowed(length, length, window, device))
+    return batch.memo(
+        ("window_mask", length, window, str(device)), lambda: _window_allowed(length, length, window, device)
+    )
 
 
 def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
@@ -102,8 +104,10 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    allowed = _doc_mask(batch, q_len, window, query.device) if q_len == k_len else _window_allowed(
-        q_len, k_len, window, query.device
+    allowed = (
+        _doc_mask(batch, q_len, window, query.device)
+        if q_len == k_len
+        else _window_allowed(q_len, k_len, window, query.device)
     )
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     sink_logits = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, q_len, 1).to(scores.dtype)
@@ -116,7 +120,10 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
 
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
     """Run ``fn`` on every document's slice and put the row back together: [1, H, T, D]."""
-    outputs = [fn(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], batch=batch, **kw) for s, e in batch.doc_bounds()]
+    outputs = [
+        fn(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], batch=batch, **kw)
+        for s, e in batch.doc_bounds()
+    ]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
@@ -145,8 +152,12 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
         if sinks is not None:
             from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-            return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout)
+            return eager_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
+        )
     if sinks is not None:
         out = _sinks_one(module, query, key, value, scaling, dropout, window, sinks, None)
     else:
@@ -169,16 +180,27 @@ def packed_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Per-document SDPA. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    batch, scaling, dropout, window, sinks = _unpack_args(
+        module, query, kwargs, scaling, dropout, sliding_window
+    )
     if batch is None:
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
     if sinks is not None:
         out = _per_document(
             lambda q, k, v, **kw: _sinks_one(module, q, k, v, **kw),
-            batch, query, key, value, scaling=scaling, dropout=dropout, window=window, sinks=sinks,
+            batch,
+            query,
+            key,
+            value,
+            scaling=scaling,
+            dropout=dropout,
+            window=window,
+            sinks=sinks,
         )
     else:
-        out = _per_document(_sdpa_one, batch, query, key, value, scaling=scaling, dropout=dropout, window=window)
+        out = _per_document(
+            _sdpa_one, batch, query, key, value, scaling=scaling, dropout=dropout, window=window
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -212,9 +234,13 @@ def packed_varlen_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """One varlen flash-attention call over the whole packed row, reading the batch's cu_seqlens."""
-    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    batch, scaling, dropout, window, sinks = _unpack_args(
+        module, query, kwargs, scaling, dropout, sliding_window
+    )
     if batch is None or sinks is not None or query.device.type != "cuda":
-        return packed_sdpa_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+        return packed_sdpa_attention(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs
+        )
     kernel = _varlen_kernel()
     if kernel is None:
         raise RuntimeError("slipstream_varlen needs CUDA and torch.nn.attention.varlen or flash-attn")
@@ -229,7 +255,9 @@ def packed_varlen_attention(
         if "window_size" in params:
             extra["window_size"] = (left, 0)
         elif window is not None:
-            raise UnsupportedAttentionFeature("this torch's varlen_attn has no sliding window; use backend 'sdpa'")
+            raise UnsupportedAttentionFeature(
+                "this torch's varlen_attn has no sliding window; use backend 'sdpa'"
+            )
         else:
             extra["is_causal"] = True
         if "enable_gqa" in params:
@@ -239,12 +267,29 @@ def packed_varlen_attention(
             k_THD = k_THD.repeat_interleave(groups, dim=1)
             v_THD = v_THD.repeat_interleave(groups, dim=1)
         out_THD = fn(
-            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen, scale=scaling, **extra
+            q_THD,
+            k_THD,
+            v_THD,
+            batch.cu_seqlens,
+            batch.cu_seqlens,
+            batch.max_seqlen,
+            batch.max_seqlen,
+            scale=scaling,
+            **extra,
         )
     else:
         out_THD = fn(
-            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, batch.max_seqlen, batch.max_seqlen,
-            dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=(left, 0),
+            q_THD,
+            k_THD,
+            v_THD,
+            batch.cu_seqlens,
+            batch.cu_seqlens,
+            batch.max_seqlen,
+            batch.max_seqlen,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+            window_size=(left, 0),
         )
     return out_THD.unsqueeze(0), None
 
@@ -294,13 +339,21 @@ def packed_flex_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """flex_attention with a BlockMask memoised on the batch (built once, used by every layer)."""
-    batch, scaling, dropout, window, sinks = _unpack_args(module, query, kwargs, scaling, dropout, sliding_window)
+    batch, scaling, dropout, window, sinks = _unpack_args(
+        module, query, kwargs, scaling, dropout, sliding_window
+    )
     if batch is None or sinks is not None:
-        return packed_sdpa_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs)
+        return packed_sdpa_attention(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs
+        )
     from torch.nn.attention.flex_attention import flex_attention
 
     out = flex_attention(
-        query, key, value, block_mask=flex_block_mask(batch, window), scale=scaling,
+        query,
+        key,
+        value,
+        block_mask=flex_block_mask(batch, window),
+        scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(1, 2).contiguous(), None
@@ -337,7 +390,9 @@ def choose_backend(requested: str, device: torch.device, has_sinks: bool) -> tup
         raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
     if requested != "auto":
         if requested == "varlen" and _varlen_kernel() is None:
-            raise ValueError("attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn")
+            raise ValueError(
+                "attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn"
+            )
         return requested, "requested"
     if device.type == "cuda":
         kernel = _varlen_kernel()
