@@ -119,12 +119,20 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
 
 
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
-    """Run ``fn`` on every document's slice and put the row back together: [1, H, T, D]."""
+    """Run ``fn`` on every document and put the row back together: [1, H, T, D].
+
+    ``split`` rather than one slice per document: the backward of a split is a single
+    concatenation, while each slice's backward would zero-fill and add a full [1, H, T, D]
+    gradient (O(documents x T) work per layer).
+    """
+    if batch.num_docs == 1:
+        return fn(query, key, value, batch=batch, **kw)
+    lengths = list(batch.seq_lens)
     outputs = [
-        fn(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], batch=batch, **kw)
-        for s, e in batch.doc_bounds()
+        fn(q, k, v, batch=batch, **kw)
+        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
     ]
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return torch.cat(outputs, dim=2)
 
 
 def _unpack_args(module, query, kwargs, scaling, dropout, sliding_window):

@@ -1,0 +1,311 @@
+"""The A/B harness: the same model, data, batch and seed under each arm; time, memory, loss.
+
+Each arm runs in its own process (fresh allocator, no state leaking between arms), arms
+interleave over repeats, warm-up steps are excluded from timing, and every arm trains on
+the very same packed bins from the same initial weights. The loss curves must agree: if they
+move, something other than scheduling changed.
+
+Arms:
+- ``stock-padded``: stock transformers (sdpa), one right-padded row per document.
+- ``stock-packed``: stock transformers (sdpa), the packed row with restarting position_ids
+  (transformers detects packing and builds a dense [1, 1, T, T] mask).
+- ``slipstream``: ``slipstream.optimize`` and the PackedBatch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARMS = ("stock-padded", "stock-packed", "slipstream")
+
+
+@dataclass
+class ABConfig:
+    """One A/B workload. Every arm sees exactly this."""
+
+    model: str = "demo"
+    layers: int | None = None
+    max_seq_len: int = 1024
+    steps: int = 24
+    warmup: int = 2
+    grad_accum: int = 1
+    lr: float = 2e-3
+    seed: int = 0
+    num_rows: int = 1500
+    dtype: str = "float32"
+    device: str = "auto"
+    arms: tuple[str, ...] = ARMS
+    repeats: int = 1
+    threads: int | None = None
+    out_dir: str | None = None
+
+    def __post_init__(self):
+        unknown = [arm for arm in self.arms if arm not in ARMS]
+        if unknown:
+            raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
+        if self.steps <= self.warmup:
+            raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    step_s: list[float]
+    tokens: list[int]
+    loss: list[float]
+    grad_norm: list[float]
+    host_syncs_per_step: int
+    host_syncs_by_op: dict[str, int]
+    peak_memory_mb: float
+    memory_kind: str
+    attn_implementation: str
+    policies: list[str] = field(default_factory=list)
+
+    def timed(self, warmup: int) -> tuple[list[float], list[int]]:
+        return self.step_s[warmup:], self.tokens[warmup:]
+
+
+def _resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
+    """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
+    from ..data import demo_samples, demo_tokenizer, pack_samples
+
+    tokenizer = demo_tokenizer()
+    samples = demo_samples(tokenizer, num_rows=config.num_rows, seed=config.seed)
+    bins, report = pack_samples(samples, config.max_seq_len, seed=config.seed, overflow="truncate")
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
+        raise ValueError(f"the data packs into {len(bins)} bins, fewer than steps x grad_accum = {needed}")
+    bins = bins[:needed]
+    plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+    slim = [[[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan]
+    return slim, len(tokenizer), dataclasses.asdict(report)
+
+
+def _micro_batch_inputs(arm: str, docs: list[dict], device: str):
+    from ..packing import collate_packed, collate_padded
+    from ..train.step import count_label_tokens
+
+    if arm == "stock-padded":
+        inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in collate_padded(docs).items()}
+        return inputs, count_label_tokens(inputs["labels"])
+    batch = collate_packed(docs, device=device)
+    inputs = batch.model_inputs() if arm == "slipstream" else batch.stock_inputs()
+    return inputs, batch.num_label_tokens
+
+
+def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
+    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict."""
+    import torch
+
+    from .. import optimize
+    from ..models import build_model
+    from ..train.step import train_step
+    from .counters import HostSyncCounter
+
+    config = ABConfig(**{**config_dict, "arms": tuple(config_dict["arms"])})
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = _resolve_device(config.device)
+    dtype = getattr(torch, config.dtype)
+    model = build_model(config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype)
+    model.to(device).train()
+    if arm == "slipstream":
+        optimize(model, packed_attention=True)
+    state = getattr(model, "slipstream_state", None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    result = ArmResult(
+        arm=arm, step_s=[], tokens=[], loss=[], grad_norm=[], host_syncs_per_step=0, host_syncs_by_op={},
+        peak_memory_mb=0.0, memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
+        attn_implementation=model.config._attn_implementation, policies=list(state.policies) if state else [],
+    )
+    for step, micro_docs in enumerate(plan):
+        micro = [_micro_batch_inputs(arm, docs, device) for docs in micro_docs]
+        tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
+        sync()
+        start = time.perf_counter()
+        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
+            syncs = HostSyncCounter()
+            metrics = train_step(model, micro, optimizer, model_context=lambda: syncs)
+            result.host_syncs_by_op = dict(syncs.by_op)
+            result.host_syncs_per_step = syncs.total
+        else:
+            metrics = train_step(model, micro, optimizer)
+        sync()
+        result.step_s.append(time.perf_counter() - start)
+        result.tokens.append(tokens)
+        result.loss.append(metrics["loss"])
+        result.grad_norm.append(metrics["grad_norm"])
+    if device == "cuda":
+        result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        result.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dataclasses.asdict(result)
+
+
+def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: int) -> dict:
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(run_arm, dataclasses.asdict(config), arm, plan, vocab_size).result()
+
+
+def loss_parity(reference: list[float], other: list[float], dtype: str) -> tuple[str, float]:
+    """("identical" | "within tolerance" | "diverged", max relative difference per step)."""
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, other, strict=True))
+    identical, tolerance = (1e-6, 1e-3) if dtype == "float32" else (1e-3, 3e-2)
+    if worst <= identical:
+        return "identical", worst
+    return ("within tolerance" if worst <= tolerance else "diverged"), worst
+
+
+def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
+    """Per-arm medians and throughput, speedups against each stock arm, loss parity."""
+    summary: dict[str, Any] = {}
+    for arm, runs in arms.items():
+        step_s = [s for run in runs for s in run["step_s"][config.warmup :]]
+        tokens = [t for run in runs for t in run["tokens"][config.warmup :]]
+        first = runs[0]
+        summary[arm] = {
+            "median_step_s": statistics.median(step_s),
+            "tokens_per_s": sum(tokens) / sum(step_s),
+            "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
+            "memory_kind": first["memory_kind"],
+            "host_syncs_per_step": first["host_syncs_per_step"],
+            "attn_implementation": first["attn_implementation"],
+            "final_loss": first["loss"][-1],
+        }
+    reference = next(iter(arms))
+    for arm in arms:
+        verdict, worst = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
+        summary[arm]["loss_vs_" + reference] = verdict
+        summary[arm]["loss_max_rel_diff"] = worst
+    if "slipstream" in summary:
+        fast = summary["slipstream"]["tokens_per_s"]
+        for arm in arms:
+            if arm != "slipstream":
+                summary["slipstream"][f"speedup_vs_{arm}"] = fast / summary[arm]["tokens_per_s"]
+    return summary
+
+
+def run_ab(config: ABConfig, progress: bool = True) -> dict:
+    """Run every arm ``config.repeats`` times (interleaved) and return the full record."""
+    from tqdm import tqdm
+
+    from .fingerprint import fingerprint
+
+    plan, vocab_size, packing = prepare_bins(config)
+    runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
+    jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
+    for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
+        runs[arm].append(_run_in_fresh_process(config, arm, plan, vocab_size))
+    return {
+        "kind": "slipstream-ab",
+        "config": dataclasses.asdict(config),
+        "fingerprint": fingerprint(),
+        "packing": packing,
+        "summary": summarize(config, runs),
+        "runs": runs,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary name beside ``path``, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def markdown_report(record: dict) -> str:
+    from .fingerprint import describe
+
+    config, summary = record["config"], record["summary"]
+    lines = [
+        f"# slipstream A/B: {config['model']} @ max_seq_len {config['max_seq_len']}",
+        "",
+        f"Machine: {describe(record['fingerprint'])}",
+        f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
+        f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; packing efficiency "
+        f"{record['packing']['efficiency']:.1%}",
+        "",
+        "| arm | attention | median step (s) | tokens/s | peak memory (MB) | host syncs/step | loss parity |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    for arm, s in summary.items():
+        lines.append(
+            f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | {s['tokens_per_s']:.0f} | "
+            f"{s['peak_memory_mb']:.0f} | {s['host_syncs_per_step']} | "
+            f"{s[next(k for k in s if k.startswith('loss_vs_'))]} ({s['loss_max_rel_diff']:.1e}) |"
+        )
+    if "slipstream" in summary:
+        lines += ["", "Speedup of slipstream (tokens/s ratio):"]
+        lines += [f"- vs {k.removeprefix('speedup_vs_')}: {v:.2f}x" for k, v in summary["slipstream"].items() if k.startswith("speedup_vs_")]
+    arms = list(record["runs"])
+    lines += ["", "Per-step loss (first repeat):", "", "| step | " + " | ".join(arms) + " |", "|---:|" + "---:|" * len(arms)]
+    for step in range(config["steps"]):
+        lines.append(f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_record(record: dict, out_dir: Path) -> tuple[Path, Path]:
+    json_path, md_path = out_dir / "ab.json", out_dir / "ab.md"
+    write_atomically(json_path, json.dumps(record, indent=1))
+    write_atomically(md_path, markdown_report(record))
+    return json_path, md_path
+
+
+def print_tables(record: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from .fingerprint import describe
+
+    console = Console()
+    config, summary = record["config"], record["summary"]
+    table = Table(title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}")
+    for column in ("arm", "median step (s)", "tokens/s", "peak mem (MB)", "host syncs/step", "speedup", "loss"):
+        table.add_column(column, justify="left" if column in ("arm", "loss") else "right")
+    for arm, s in summary.items():
+        speedups = [f"{v:.2f}x vs {k.removeprefix('speedup_vs_')}" for k, v in s.items() if k.startswith("speedup_vs_")]
+        verdict = s[next(k for k in s if k.startswith("loss_vs_"))]
+        table.add_row(
+            arm, f"{s['median_step_s']:.4f}", f"{s['tokens_per_s']:.0f}", f"{s['peak_memory_mb']:.0f}",
+            str(s["host_syncs_per_step"]), "\n".join(speedups) or "-", verdict,
+        )
+    console.print(table)
+    arms = list(record["runs"])
+    losses = Table(title="per-step loss (same data, same seed: the curves must agree)")
+    losses.add_column("step", justify="right")
+    for arm in arms:
+        losses.add_column(arm, justify="right")
+    for step in range(config["steps"]):
+        losses.add_row(str(step), *(f"{record['runs'][arm][0]['loss'][step]:.5f}" for arm in arms))
+    console.print(losses)
+    console.print(f"measured on {describe(record['fingerprint'])}")

@@ -1,0 +1,78 @@
+"""Hardware and software fingerprint stored with every benchmark record."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_revision() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=False
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def fingerprint() -> dict:
+    """Where a figure was measured: device, CPU, library versions, git revision."""
+    import transformers
+
+    from .. import __version__
+
+    info = {
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "slipstream": __version__,
+        "git_revision": _git_revision(),
+        "device": "cpu",
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            device=props.name,
+            device_memory_gb=round(props.total_memory / 2**30, 1),
+            cuda=torch.version.cuda,
+            driver=_nvidia_driver(),
+        )
+    return info
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )
+        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def describe(info: dict) -> str:
+    """One line for a report: "cpu: AMD EPYC ... (2 threads), torch 2.13.0, transformers 5.24.0"."""
+    where = info["device"] if info["device"] != "cpu" else f"cpu: {info['cpu']} ({info['torch_threads']} threads)"
+    return f"{where}, torch {info['torch']}, transformers {info['transformers']}, slipstream {info['slipstream']}" + (
+        f" @ {info['git_revision']}" if info.get("git_revision") else ""
+    )

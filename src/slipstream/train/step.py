@@ -1,0 +1,57 @@
+"""One optimizer step over micro-batches, weighting every label token the same.
+
+Gradient accumulation that averages per-micro-batch mean losses over-weights the tokens of
+short micro-batches. Here each micro-batch's summed loss is divided by the label-token count
+of the whole step (``num_items_in_batch``), which is the loss of one big batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from ..packing.batch import IGNORE_INDEX
+
+# A micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
+MicroBatch = tuple[dict[str, Any], int]
+
+
+def count_label_tokens(labels: torch.Tensor, shifted: bool = True) -> int:
+    """Label tokens the causal-LM loss will count (after the one-token shift when ``shifted``)."""
+    labels = labels[..., 1:] if shifted else labels
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def train_step(
+    model: torch.nn.Module,
+    micro_batches: Sequence[MicroBatch],
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None = 1.0,
+    model_context: Callable[[], AbstractContextManager] = nullcontext,
+) -> dict[str, float]:
+    """Forward + backward every micro-batch, clip, step, zero. Returns loss and grad norm.
+
+    The returned loss is the token-weighted mean over the whole step, the number a single
+    batch holding all micro-batches would report. ``model_context`` wraps each forward +
+    backward (and nothing else), e.g. a host-sync counter.
+    """
+    total_tokens = sum(tokens for _, tokens in micro_batches)
+    if total_tokens == 0:
+        raise ValueError("a training step with no label tokens")
+    items = torch.tensor(total_tokens, dtype=torch.float32)
+    loss_sum: torch.Tensor | None = None  # stays on the device: one read per step, at the end
+    for inputs, _ in micro_batches:
+        if "num_items_in_batch" not in inputs:
+            inputs = {**inputs, "num_items_in_batch": items.to(inputs["input_ids"].device)}
+        with model_context():
+            loss = model(**inputs).loss
+            loss.backward()
+        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
