@@ -26,6 +26,7 @@ TARGET = 1.6
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-bench-cpu")
+    parser.add_argument("--layers", type=int, default=None, help="shorten the model to N layers")
     parser.add_argument("--max-seq-len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
@@ -37,7 +38,7 @@ def main() -> int:
     args = parser.parse_args()
 
     config = ABConfig(
-        model=args.model, max_seq_len=args.max_seq_len, steps=args.steps, warmup=args.warmup,
+        model=args.model, layers=args.layers, max_seq_len=args.max_seq_len, steps=args.steps, warmup=args.warmup,
         repeats=args.repeats, threads=args.threads, device=args.device, dtype=args.dtype, num_rows=3000,
     )
     record = run_ab(config)

@@ -152,7 +152,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         start = time.perf_counter()
         if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
             syncs = HostSyncCounter()
-            metrics = train_step(model, micro, optimizer, model_context=lambda: syncs)
+            metrics = train_step(model, micro, optimizer, model_context=lambda counter=syncs: counter)
             result.host_syncs_by_op = dict(syncs.by_op)
             result.host_syncs_per_step = syncs.total
         else:

@@ -1,0 +1,111 @@
+"""Bin packing: samples into rows of at most ``max_seq_len`` tokens, with little room left over.
+
+Best-fit-decreasing: longest samples first, each into the open bin it fills most tightly,
+found by bisecting a sorted list of ``(room left, bin index)``. Ties in length are broken by
+a seeded shuffle before a stable sort, and the bins are shuffled at the end, so one seed
+always gives the same bins and another seed a different order. A sample longer than a bin
+is truncated or split into chunks, as asked, and counted: nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Overflow = Literal["truncate", "split"]
+OVERFLOW_POLICIES: tuple[str, ...] = ("truncate", "split")
+
+Sample = dict[str, Any]  # at least "input_ids" and "labels", lists of the same length
+
+
+@dataclass
+class PackingReport:
+    """How full the bins are, and what was cut to make the samples fit."""
+
+    num_samples: int  # samples given, before any split
+    num_bins: int
+    real_tokens: int  # tokens placed in bins
+    capacity: int  # num_bins * max_seq_len
+    efficiency: float  # real_tokens / capacity
+    truncated: int = 0  # samples cut to max_seq_len
+    tokens_truncated: int = 0  # tokens those cuts removed
+    split: int = 0  # samples cut into chunks
+    chunks_from_splits: int = 0  # chunks those samples became
+
+    def summary(self) -> str:
+        line = (
+            f"packed {self.num_samples} samples into {self.num_bins} bins: {self.real_tokens} of "
+            f"{self.capacity} token slots used ({self.efficiency:.1%})"
+        )
+        if self.truncated:
+            line += f"; {self.truncated} truncated ({self.tokens_truncated} tokens dropped)"
+        if self.split:
+            line += f"; {self.split} split into {self.chunks_from_splits} chunks"
+        return line
+
+
+def pack_samples(
+    samples: Sequence[Sample], max_seq_len: int, seed: int = 0, overflow: Overflow = "truncate"
+) -> tuple[list[list[Sample]], PackingReport]:
+    """Group ``samples`` into bins of at most ``max_seq_len`` tokens; see the module docstring."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow={overflow!r}: expected one of {', '.join(OVERFLOW_POLICIES)}")
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len={max_seq_len}: must be at least 1")
+    report = PackingReport(num_samples=len(samples), num_bins=0, real_tokens=0, capacity=0, efficiency=0.0)
+    pieces = _fit_to_length(samples, max_seq_len, overflow, report)
+
+    rng = random.Random(seed)
+    rng.shuffle(pieces)  # a seeded order among equal lengths, kept by the stable sort
+    pieces.sort(key=lambda piece: len(piece["input_ids"]), reverse=True)
+
+    bins: list[list[Sample]] = []
+    rooms: list[tuple[int, int]] = []  # (room left, bin index) of bins with room, ascending
+    for piece in pieces:
+        length = len(piece["input_ids"])
+        slot = bisect.bisect_left(rooms, (length, -1))  # the tightest bin the piece fits in
+        if slot < len(rooms):
+            room, index = rooms.pop(slot)
+        else:
+            room, index = max_seq_len, len(bins)
+            bins.append([])
+        bins[index].append(piece)
+        if room > length:
+            bisect.insort(rooms, (room - length, index))
+    rng.shuffle(bins)
+
+    report.num_bins = len(bins)
+    report.real_tokens = sum(len(piece["input_ids"]) for piece in pieces)
+    report.capacity = len(bins) * max_seq_len
+    report.efficiency = report.real_tokens / report.capacity if report.capacity else 0.0
+    return bins, report
+
+
+def _fit_to_length(
+    samples: Sequence[Sample], max_seq_len: int, overflow: str, report: PackingReport
+) -> list[Sample]:
+    """Samples no longer than ``max_seq_len``: longer ones truncated or split, and counted."""
+    pieces = []
+    for index, sample in enumerate(samples):
+        input_ids, labels = sample["input_ids"], sample["labels"]
+        length = len(input_ids)
+        if length != len(labels) or length == 0:
+            raise ValueError(f"sample {index}: needs as many labels as input_ids, and at least one token")
+        if length <= max_seq_len:
+            pieces.append(sample)
+        elif overflow == "truncate":
+            pieces.append({**sample, "input_ids": input_ids[:max_seq_len], "labels": labels[:max_seq_len]})
+            report.truncated += 1
+            report.tokens_truncated += length - max_seq_len
+        else:
+            starts = range(0, length, max_seq_len)
+            pieces += [
+                {**sample, "input_ids": input_ids[s : s + max_seq_len], "labels": labels[s : s + max_seq_len]}
+                for s in starts
+            ]
+            report.split += 1
+            report.chunks_from_splits += len(starts)
+    return pieces

@@ -1,0 +1,58 @@
+"""What went wrong with which row: ``DataError`` (raised) and ``DataReport`` (kept, in skip mode).
+
+A data problem is only useful to a user if it says where it is, so every ``DataError``
+message starts with a location a text editor or ``ds[i]`` can go to:
+``train.jsonl:17: invalid JSON (...)`` or ``rows.parquet: row 5: missing field 'messages'``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+BadRowPolicy = Literal["error", "skip"]
+BAD_ROW_POLICIES: tuple[str, ...] = ("error", "skip")
+
+
+class DataError(ValueError):
+    """A problem in the data itself; ``str(error)`` is ``"<location>: <reason>"``."""
+
+    def __init__(self, location: str, reason: str):
+        super().__init__(f"{location}: {reason}")
+        self.location = location
+        self.reason = reason
+
+    def __reduce__(self):  # keep it picklable (DataLoader workers) despite the two-argument constructor
+        return (type(self), (self.location, self.reason))
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages like "expected an object, got array"."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number" if isinstance(value, int | float) else type(value).__name__)
+
+
+def check_bad_row_policy(on_bad_row: str) -> None:
+    """Reject a typo in ``on_bad_row`` at once, rather than at the first bad row."""
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row={on_bad_row!r}: expected one of {', '.join(BAD_ROW_POLICIES)}")
+
+
+@dataclass
+class DataReport:
+    """Rows read and used, and every skipped row with the reason, for printing after a load."""
+
+    rows_read: int = 0
+    rows_used: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
+
+    def skip(self, location: str, reason: str) -> None:
+        self.skipped.append((location, reason))
+
+    def summary(self, max_listed: int = 5) -> str:
+        """One line of counts, then the first ``max_listed`` skipped rows."""
+        lines = [f"rows: {self.rows_read} read, {self.rows_used} used, {len(self.skipped)} skipped"]
+        lines += [f"  skipped {location}: {reason}" for location, reason in self.skipped[:max_listed]]
+        if len(self.skipped) > max_listed:
+            lines.append(f"  ... and {len(self.skipped) - max_listed} more")
+        return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The three row shapes, detected per row, turned into ``input_ids`` and ``labels``.
+
+- chat: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with the
+  tokenizer's chat template;
+- Alpaca: ``{"instruction": ..., "input": ... (optional), "output": ...}``, made a two-turn
+  chat when the tokenizer has a template, else plain ``instruction\\n\\ninput\\n\\noutput``;
+- plain ``{"text": ...}``: its tokens and EOS, all trained on (there is no prompt to leave out).
+
+Every malformed row raises a ``DataError`` naming its location, so skip mode can count it.
+Columnar files give ``None`` for a field a row lacks, so ``None`` counts as missing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .chat import IGNORE_INDEX, has_chat_template, tokenize_chat
+from .errors import DataError, json_type
+
+ROLES = ("system", "user", "assistant")
+SHAPE_FIELDS = ("messages", "instruction", "text")  # the field that tells a row's shape
+
+
+def tokenize_row(
+    record: dict[str, Any], tokenizer: Any, response_only: bool = False, location: str = "?"
+) -> dict[str, list[int]]:
+    """``{"input_ids", "labels"}`` of one row; with ``response_only`` only the answer is labelled."""
+    shape = _shape_of(record, location)
+    if shape == "messages":
+        messages = _chat_messages(record["messages"], location)
+        if response_only and not any(message["role"] == "assistant" for message in messages):
+            raise DataError(location, "response_only needs an assistant message; this chat has none")
+        _require_chat_template(tokenizer)
+        sample = tokenize_chat(messages, tokenizer, response_only, location)
+    elif shape == "instruction":
+        prompt, response = _alpaca_prompt_and_response(record, location)
+        if has_chat_template(tokenizer):
+            messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            sample = tokenize_chat(messages, tokenizer, response_only, location)
+        else:
+            sample = _tokenize_plain_prompt(prompt + "\n\n", response, tokenizer, response_only)
+    else:
+        sample = _tokenize_text(_nonempty_string(record, "text", location), tokenizer)
+    if not sample["input_ids"]:
+        raise DataError(location, "the row tokenized to zero tokens")
+    if all(label == IGNORE_INDEX for label in sample["labels"]):
+        raise DataError(location, "the row has no response tokens to train on")
+    return sample
+
+
+def _shape_of(record: dict[str, Any], location: str) -> str:
+    present = [name for name in SHAPE_FIELDS if record.get(name) is not None]
+    if present:
+        return present[0]
+    named = [name for name in SHAPE_FIELDS if name in record]  # a column with a null in this row
+    if named:
+        raise DataError(location, f"missing field {named[0]!r}")
+    keys = ", ".join(map(repr, record)) or "none"
+    raise DataError(
+        location,
+        "missing field: expected 'messages' (chat), 'instruction' and 'output' (Alpaca) or 'text'; "
+        f"the row has {keys}",
+    )
+
+
+def _chat_messages(messages: Any, location: str) -> list[dict[str, str]]:
+    if not isinstance(messages, list):
+        raise DataError(
+            location, f"'messages' must be a list of {{role, content}} objects, got {json_type(messages)}"
+        )
+    if not messages:
+        raise DataError(location, "'messages' is empty")
+    checked = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise DataError(location, f"{where} must be a {{role, content}} object, got {json_type(message)}")
+        role = message.get("role")
+        if role is None:
+            raise DataError(location, f"{where}: missing field 'role'")
+        if role not in ROLES:
+            raise DataError(location, f"{where}: unknown role {role!r} (expected {', '.join(ROLES)})")
+        content = _nonempty_string(message, "content", location, where=f"{where}: ")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def _alpaca_prompt_and_response(record: dict[str, Any], location: str) -> tuple[str, str]:
+    instruction = _nonempty_string(record, "instruction", location)
+    extra = record.get("input")
+    if extra is not None and not isinstance(extra, str):
+        raise DataError(location, f"'input' must be a string, got {json_type(extra)}")
+    response = _nonempty_string(record, "output", location)
+    prompt = f"{instruction}\n\n{extra}" if extra and extra.strip() else instruction
+    return prompt, response
+
+
+def _nonempty_string(record: dict[str, Any], name: str, location: str, where: str = "") -> str:
+    value = record.get(name)
+    if value is None:
+        raise DataError(location, f"{where}missing field {name!r}")
+    if not isinstance(value, str):
+        raise DataError(location, f"{where}{name!r} must be a string, got {json_type(value)}")
+    if not value.strip():
+        raise DataError(location, f"{where}{name!r} is empty")
+    return value
+
+
+def _require_chat_template(tokenizer: Any) -> None:
+    if not has_chat_template(tokenizer):  # a setup problem, not a row problem: never skipped
+        raise ValueError("chat rows need a tokenizer with a chat template; this tokenizer has none")
+
+
+def _tokenize_text(text: str, tokenizer: Any) -> dict[str, list[int]]:
+    input_ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
+    return {"input_ids": input_ids, "labels": list(input_ids)}
+
+
+def _tokenize_plain_prompt(
+    prompt: str, response: str, tokenizer: Any, response_only: bool
+) -> dict[str, list[int]]:
+    """Prompt and response tokenized apart, as at inference, where the model continues the prompt's tokens."""
+    eos = tokenizer.eos_token_id
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if eos is not None and prompt_ids[-1:] == [eos]:  # a post-processor that appends EOS to everything
+        prompt_ids = prompt_ids[:-1]
+    response_ids = _with_eos(tokenizer(response, add_special_tokens=False)["input_ids"], tokenizer)
+    prompt_labels = [IGNORE_INDEX] * len(prompt_ids) if response_only else list(prompt_ids)
+    return {"input_ids": prompt_ids + response_ids, "labels": prompt_labels + response_ids}
+
+
+def _with_eos(ids: list[int], tokenizer: Any) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and ids[-1:] != [eos] else list(ids)
