@@ -27,21 +27,38 @@ def _add_ab(sub) -> None:
     from .bench.ab import ARMS, ABConfig
 
     defaults = ABConfig()
-    p = sub.add_parser("ab", help="A/B: stock transformers vs slipstream on the same workload",
-                       description="Run each arm in its own process on the same model, data, batch and seed.")
-    p.add_argument("--model", default=defaults.model, help="model shape (tiny config or real-model preset, random init)")
+    p = sub.add_parser(
+        "ab",
+        help="A/B: stock transformers vs slipstream on the same workload",
+        description="Run each arm in its own process on the same model, data, batch and seed.",
+    )
+    p.add_argument(
+        "--model", default=defaults.model, help="model shape (tiny config or real-model preset, random init)"
+    )
     p.add_argument("--layers", type=int, default=None, help="shorten the model to N layers")
-    p.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len, help="tokens per packed micro-batch")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="optimizer steps per arm (warm-up included)")
+    p.add_argument(
+        "--max-seq-len", type=int, default=defaults.max_seq_len, help="tokens per packed micro-batch"
+    )
+    p.add_argument(
+        "--steps", type=int, default=defaults.steps, help="optimizer steps per arm (warm-up included)"
+    )
     p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed warm-up steps")
     p.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--rows", type=int, default=defaults.num_rows, help="built-in demo rows to draw from")
+    p.add_argument(
+        "--batching",
+        choices=("bfd", "sequential"),
+        default=defaults.batching,
+        help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
     p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
     p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated, from {','.join(ARMS)}")
-    p.add_argument("--repeats", type=int, default=defaults.repeats, help="run every arm this many times, interleaved")
+    p.add_argument(
+        "--repeats", type=int, default=defaults.repeats, help="run every arm this many times, interleaved"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per arm")
     p.add_argument("--out", default=None, help="output directory (default: runs/ab-<time>)")
     p.set_defaults(func=_cmd_ab)
@@ -52,10 +69,21 @@ def _cmd_ab(args) -> int:
 
     try:
         config = ABConfig(
-            model=args.model, layers=args.layers, max_seq_len=args.max_seq_len, steps=args.steps, warmup=args.warmup,
-            grad_accum=args.grad_accum, lr=args.lr, seed=args.seed, num_rows=args.rows, dtype=args.dtype,
-            device=args.device, arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
-            repeats=args.repeats, threads=args.threads,
+            model=args.model,
+            layers=args.layers,
+            max_seq_len=args.max_seq_len,
+            steps=args.steps,
+            warmup=args.warmup,
+            grad_accum=args.grad_accum,
+            lr=args.lr,
+            seed=args.seed,
+            num_rows=args.rows,
+            batching=args.batching,
+            dtype=args.dtype,
+            device=args.device,
+            arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+            repeats=args.repeats,
+            threads=args.threads,
         )
     except ValueError as error:
         print(f"slipstream ab: {error}", file=sys.stderr)
@@ -71,13 +99,21 @@ def _cmd_ab(args) -> int:
 def _add_pack(sub) -> None:
     p = sub.add_parser("pack", help="tokenize and bin-pack a dataset file; report skips and efficiency")
     p.add_argument("path", help="a .jsonl, .json or .parquet file, or a datasets save_to_disk directory")
-    p.add_argument("--tokenizer", default=None, help="a local tokenizer directory (default: the built-in demo tokenizer)")
+    p.add_argument(
+        "--tokenizer", default=None, help="a local tokenizer directory (default: the built-in demo tokenizer)"
+    )
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--overflow", choices=("truncate", "split"), default="truncate",
-                   help="what to do with a sample longer than --max-seq-len")
+    p.add_argument(
+        "--overflow",
+        choices=("truncate", "split"),
+        default="truncate",
+        help="what to do with a sample longer than --max-seq-len",
+    )
     p.add_argument("--response-only", action="store_true", help="train on assistant / response tokens only")
-    p.add_argument("--skip-bad-rows", action="store_true", help="skip and report bad rows instead of stopping")
+    p.add_argument(
+        "--skip-bad-rows", action="store_true", help="skip and report bad rows instead of stopping"
+    )
     p.set_defaults(func=_cmd_pack)
 
 
@@ -92,7 +128,9 @@ def _cmd_pack(args) -> int:
         tokenizer = demo_tokenizer()
     try:
         samples, report = load_samples(
-            args.path, tokenizer, response_only=args.response_only,
+            args.path,
+            tokenizer,
+            response_only=args.response_only,
             on_bad_row="skip" if args.skip_bad_rows else "error",
         )
     except (DataError, FileNotFoundError) as error:
@@ -108,8 +146,9 @@ def _cmd_pack(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slipstream", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="slipstream", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each policy decision")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -121,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s"
+    )
     if args.command is None:
         parser.print_help()
         return 2

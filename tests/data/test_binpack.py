@@ -101,3 +101,17 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="sample 0"):
         pack_samples([{"input_ids": [], "labels": []}], 8)
     assert pack_samples([], 8)[1].efficiency == 0.0
+
+
+def test_sequential_strategy_fills_bins_in_shuffled_order():
+    samples = [{"input_ids": [1] * n, "labels": [1] * n} for n in [5, 9, 3, 7, 2, 8, 6, 4]]
+    bins, report = pack_samples(samples, max_seq_len=10, seed=3, strategy="sequential")
+    assert all(sum(len(s["input_ids"]) for s in b) <= 10 for b in bins)
+    assert report.real_tokens == sum(range(2, 10)) == sum(len(s["input_ids"]) for b in bins for s in b)
+    # no reordering by length: bins follow the seeded order, so closing a bin wastes room
+    best, best_report = pack_samples(samples, max_seq_len=10, seed=3)
+    assert report.num_bins >= best_report.num_bins
+    again, _ = pack_samples(samples, max_seq_len=10, seed=3, strategy="sequential")
+    assert again == bins
+    with pytest.raises(ValueError, match="strategy"):
+        pack_samples(samples, max_seq_len=10, strategy="random")

@@ -36,12 +36,17 @@ class ABConfig:
     model: str = "demo"
     layers: int | None = None
     max_seq_len: int = 1024
-    steps: int = 24
+    steps: int = 40
     warmup: int = 2
     grad_accum: int = 1
     lr: float = 2e-3
     seed: int = 0
     num_rows: int = 1500
+    # How documents are grouped into micro-batches (every arm gets the same groups):
+    # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
+    # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
+    # to the token budget, the batches padded training usually sees.
+    batching: str = "bfd"
     dtype: str = "float32"
     device: str = "auto"
     arms: tuple[str, ...] = ARMS
@@ -55,6 +60,8 @@ class ABConfig:
             raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
+        if self.batching not in ("bfd", "sequential"):
+            raise ValueError(f"batching must be 'bfd' or 'sequential', got {self.batching!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
@@ -91,13 +98,17 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
 
     tokenizer = demo_tokenizer()
     samples = demo_samples(tokenizer, num_rows=config.num_rows, seed=config.seed)
-    bins, report = pack_samples(samples, config.max_seq_len, seed=config.seed, overflow="truncate")
+    bins, report = pack_samples(
+        samples, config.max_seq_len, seed=config.seed, overflow="truncate", strategy=config.batching
+    )
     needed = config.steps * config.grad_accum
     if len(bins) < needed:
         raise ValueError(f"the data packs into {len(bins)} bins, fewer than steps x grad_accum = {needed}")
     bins = bins[:needed]
     plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
-    slim = [[[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan]
+    slim = [
+        [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
+    ]
     return slim, len(tokenizer), dataclasses.asdict(report)
 
 
@@ -127,7 +138,9 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         torch.set_num_threads(config.threads)
     device = _resolve_device(config.device)
     dtype = getattr(torch, config.dtype)
-    model = build_model(config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype)
+    model = build_model(
+        config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype
+    )
     model.to(device).train()
     if arm == "slipstream":
         optimize(model, packed_attention=True)
@@ -141,9 +154,17 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     result = ArmResult(
-        arm=arm, step_s=[], tokens=[], loss=[], grad_norm=[], host_syncs_per_step=0, host_syncs_by_op={},
-        peak_memory_mb=0.0, memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-        attn_implementation=model.config._attn_implementation, policies=list(state.policies) if state else [],
+        arm=arm,
+        step_s=[],
+        tokens=[],
+        loss=[],
+        grad_norm=[],
+        host_syncs_per_step=0,
+        host_syncs_by_op={},
+        peak_memory_mb=0.0,
+        memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
+        attn_implementation=model.config._attn_implementation,
+        policies=list(state.policies) if state else [],
     )
     for step, micro_docs in enumerate(plan):
         micro = [_micro_batch_inputs(arm, docs, device) for docs in micro_docs]
@@ -252,7 +273,8 @@ def markdown_report(record: dict) -> str:
         "",
         f"Machine: {describe(record['fingerprint'])}",
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
-        f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; packing efficiency "
+        f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
+        f"packing efficiency "
         f"{record['packing']['efficiency']:.1%}",
         "",
         "| arm | attention | median step (s) | tokens/s | peak memory (MB) | host syncs/step | loss parity |",
@@ -266,11 +288,23 @@ def markdown_report(record: dict) -> str:
         )
     if "slipstream" in summary:
         lines += ["", "Speedup of slipstream (tokens/s ratio):"]
-        lines += [f"- vs {k.removeprefix('speedup_vs_')}: {v:.2f}x" for k, v in summary["slipstream"].items() if k.startswith("speedup_vs_")]
+        lines += [
+            f"- vs {k.removeprefix('speedup_vs_')}: {v:.2f}x"
+            for k, v in summary["slipstream"].items()
+            if k.startswith("speedup_vs_")
+        ]
     arms = list(record["runs"])
-    lines += ["", "Per-step loss (first repeat):", "", "| step | " + " | ".join(arms) + " |", "|---:|" + "---:|" * len(arms)]
+    lines += [
+        "",
+        "Per-step loss (first repeat):",
+        "",
+        "| step | " + " | ".join(arms) + " |",
+        "|---:|" + "---:|" * len(arms),
+    ]
     for step in range(config["steps"]):
-        lines.append(f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |")
+        lines.append(
+            f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -287,17 +321,37 @@ def print_tables(record: dict) -> None:
 
     from .fingerprint import describe
 
-    console = Console()
+    console = Console(width=max(Console().width, 120))
     config, summary = record["config"], record["summary"]
-    table = Table(title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}")
-    for column in ("arm", "median step (s)", "tokens/s", "peak mem (MB)", "host syncs/step", "speedup", "loss"):
+    table = Table(
+        title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
+        f"batching {config['batching']}"
+    )
+    for column in (
+        "arm",
+        "median step (s)",
+        "tokens/s",
+        "peak mem (MB)",
+        "host syncs/step",
+        "speedup",
+        "loss",
+    ):
         table.add_column(column, justify="left" if column in ("arm", "loss") else "right")
     for arm, s in summary.items():
-        speedups = [f"{v:.2f}x vs {k.removeprefix('speedup_vs_')}" for k, v in s.items() if k.startswith("speedup_vs_")]
+        speedups = [
+            f"{v:.2f}x vs {k.removeprefix('speedup_vs_')}"
+            for k, v in s.items()
+            if k.startswith("speedup_vs_")
+        ]
         verdict = s[next(k for k in s if k.startswith("loss_vs_"))]
         table.add_row(
-            arm, f"{s['median_step_s']:.4f}", f"{s['tokens_per_s']:.0f}", f"{s['peak_memory_mb']:.0f}",
-            str(s["host_syncs_per_step"]), "\n".join(speedups) or "-", verdict,
+            arm,
+            f"{s['median_step_s']:.4f}",
+            f"{s['tokens_per_s']:.0f}",
+            f"{s['peak_memory_mb']:.0f}",
+            str(s["host_syncs_per_step"]),
+            "\n".join(speedups) or "-",
+            verdict,
         )
     console.print(table)
     arms = list(record["runs"])

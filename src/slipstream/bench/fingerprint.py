@@ -24,7 +24,12 @@ def _git_revision() -> str | None:
     try:
         here = Path(__file__).resolve().parent
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=False
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
         )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
@@ -63,7 +68,10 @@ def _nvidia_driver() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=10, check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
         )
         return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
     except (OSError, subprocess.SubprocessError):
@@ -72,7 +80,10 @@ def _nvidia_driver() -> str | None:
 
 def describe(info: dict) -> str:
     """One line for a report: "cpu: AMD EPYC ... (2 threads), torch 2.13.0, transformers 5.24.0"."""
-    where = info["device"] if info["device"] != "cpu" else f"cpu: {info['cpu']} ({info['torch_threads']} threads)"
-    return f"{where}, torch {info['torch']}, transformers {info['transformers']}, slipstream {info['slipstream']}" + (
-        f" @ {info['git_revision']}" if info.get("git_revision") else ""
+    where = (
+        info["device"] if info["device"] != "cpu" else f"cpu: {info['cpu']} ({info['torch_threads']} threads)"
+    )
+    return (
+        f"{where}, torch {info['torch']}, transformers {info['transformers']}, slipstream {info['slipstream']}"
+        + (f" @ {info['git_revision']}" if info.get("git_revision") else "")
     )

@@ -5,6 +5,12 @@ found by bisecting a sorted list of ``(room left, bin index)``. Ties in length a
 a seeded shuffle before a stable sort, and the bins are shuffled at the end, so one seed
 always gives the same bins and another seed a different order. A sample longer than a bin
 is truncated or split into chunks, as asked, and counted: nothing is dropped silently.
+
+``strategy="sequential"`` is the other common way to fill a token budget: the samples in a
+seeded random order, each bin closed when the next sample does not fit. It packs less
+tightly, and unlike best-fit-decreasing it does not gather samples of similar length into
+the same bin, which is how padded training sees its batches (the A/B harness uses it to give
+the padded arm realistic batches).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any, Literal
 
 Overflow = Literal["truncate", "split"]
 OVERFLOW_POLICIES: tuple[str, ...] = ("truncate", "split")
+STRATEGIES: tuple[str, ...] = ("bfd", "sequential")
 
 Sample = dict[str, Any]  # at least "input_ids" and "labels", lists of the same length
 
@@ -48,9 +55,15 @@ class PackingReport:
 
 
 def pack_samples(
-    samples: Sequence[Sample], max_seq_len: int, seed: int = 0, overflow: Overflow = "truncate"
+    samples: Sequence[Sample],
+    max_seq_len: int,
+    seed: int = 0,
+    overflow: Overflow = "truncate",
+    strategy: str = "bfd",
 ) -> tuple[list[list[Sample]], PackingReport]:
     """Group ``samples`` into bins of at most ``max_seq_len`` tokens; see the module docstring."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow={overflow!r}: expected one of {', '.join(OVERFLOW_POLICIES)}")
     if max_seq_len < 1:
@@ -60,8 +73,34 @@ def pack_samples(
 
     rng = random.Random(seed)
     rng.shuffle(pieces)  # a seeded order among equal lengths, kept by the stable sort
-    pieces.sort(key=lambda piece: len(piece["input_ids"]), reverse=True)
+    if strategy == "sequential":
+        bins = _fill_in_order(pieces, max_seq_len)
+    else:
+        bins = _best_fit_decreasing(pieces, max_seq_len)
+        rng.shuffle(bins)
 
+    report.num_bins = len(bins)
+    report.real_tokens = sum(len(piece["input_ids"]) for piece in pieces)
+    report.capacity = len(bins) * max_seq_len
+    report.efficiency = report.real_tokens / report.capacity if report.capacity else 0.0
+    return bins, report
+
+
+def _fill_in_order(pieces: list[Sample], max_seq_len: int) -> list[list[Sample]]:
+    bins: list[list[Sample]] = [[]]
+    room = max_seq_len
+    for piece in pieces:
+        length = len(piece["input_ids"])
+        if length > room:
+            bins.append([])
+            room = max_seq_len
+        bins[-1].append(piece)
+        room -= length
+    return [b for b in bins if b]
+
+
+def _best_fit_decreasing(pieces: list[Sample], max_seq_len: int) -> list[list[Sample]]:
+    pieces = sorted(pieces, key=lambda piece: len(piece["input_ids"]), reverse=True)
     bins: list[list[Sample]] = []
     rooms: list[tuple[int, int]] = []  # (room left, bin index) of bins with room, ascending
     for piece in pieces:
@@ -75,13 +114,7 @@ def pack_samples(
         bins[index].append(piece)
         if room > length:
             bisect.insort(rooms, (room - length, index))
-    rng.shuffle(bins)
-
-    report.num_bins = len(bins)
-    report.real_tokens = sum(len(piece["input_ids"]) for piece in pieces)
-    report.capacity = len(bins) * max_seq_len
-    report.efficiency = report.real_tokens / report.capacity if report.capacity else 0.0
-    return bins, report
+    return bins
 
 
 def _fit_to_length(

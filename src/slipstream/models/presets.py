@@ -162,7 +162,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=128,
         vocab_size=201088,
     ),
-    # The packing benchmark's CPU-sized Qwen3 shape (hidden >= 256, GQA, 4 layers).
+    # The packing benchmark's CPU-sized Qwen3: Qwen3-0.6B's proportions at a quarter of its
+    # width (hidden 256, intermediate 3x hidden, 2:1 GQA, head_dim 128 as in every Qwen3).
     "qwen3-bench-cpu": dict(
         family=Qwen3Config,
         hidden_size=256,
@@ -170,7 +171,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
+        head_dim=128,
     ),
 }
 

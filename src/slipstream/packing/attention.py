@@ -130,7 +130,9 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     lengths = list(batch.seq_lens)
     outputs = [
         fn(q, k, v, batch=batch, **kw)
-        for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True)
+        for q, k, v in zip(
+            query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True
+        )
     ]
     return torch.cat(outputs, dim=2)
 
