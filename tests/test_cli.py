@@ -19,14 +19,23 @@ def test_version_and_help(capsys):
 
 
 def test_console_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "slipstream", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "slipstream", "--help"], capture_output=True, text=True, check=True
+    )
     assert "A/B" in out.stdout
 
 
 def test_pack_reports_efficiency(tmp_path, capsys):
     path = tmp_path / "chat.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"add {i} and {i}"}, {"role": "assistant", "content": str(2 * i)}]}
-            for i in range(20)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"add {i} and {i}"},
+                {"role": "assistant", "content": str(2 * i)},
+            ]
+        }
+        for i in range(20)
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert main(["pack", str(path), "--max-seq-len", "64"]) == 0
     out = capsys.readouterr().out

@@ -15,8 +15,16 @@ def test_loss_parity_verdicts():
 
 
 def _run(arm, step_s, tokens, loss):
-    return {"arm": arm, "step_s": step_s, "tokens": tokens, "loss": loss, "peak_memory_mb": 1.0,
-            "memory_kind": "cpu peak RSS", "host_syncs_per_step": 0, "attn_implementation": "x"}
+    return {
+        "arm": arm,
+        "step_s": step_s,
+        "tokens": tokens,
+        "loss": loss,
+        "peak_memory_mb": 1.0,
+        "memory_kind": "cpu peak RSS",
+        "host_syncs_per_step": 0,
+        "attn_implementation": "x",
+    }
 
 
 def test_summary_speedup_is_a_tokens_per_second_ratio_without_warmup():

@@ -89,3 +89,53 @@ def test_gradient_accumulation_weights_tokens_not_micro_batches():
         (model(**batch.model_inputs()).loss / 2).backward()
     naive = [p.grad for p in model.parameters()]
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(naive, accumulated, strict=True))
+
+
+def test_flex_backend_matches_and_builds_its_block_mask_once_per_batch(monkeypatch):
+    """flex has no backward on CPU, so this checks the forward and the memo."""
+    import torch.nn.attention.flex_attention as flex
+
+    calls = []
+    real = flex.create_block_mask
+    monkeypatch.setattr(flex, "create_block_mask", lambda *a, **k: calls.append(1) or real(*a, **k))
+    reference = slipstream.optimize(build_model("qwen3-sliding"), attention_backend="sdpa")
+    model = build_model("qwen3-sliding")
+    model.load_state_dict(reference.state_dict())
+    slipstream.optimize(model, attention_backend="flex")
+    batch = slipstream.collate_packed(random_docs([5, 17, 9, 30, 12]))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(**batch.model_inputs()).logits, reference(**batch.model_inputs()).logits
+        )
+    # two layers, one sliding and one full: one mask each, memoised on the batch
+    assert len(calls) == 2
+    with torch.no_grad():
+        model(**batch.model_inputs())
+    assert len(calls) == 2
+
+
+def test_custom_attention_scaling_is_honoured():
+    """Granite scales attention by config.attention_multiplier instead of 1/sqrt(head_dim)."""
+    from transformers import GraniteConfig
+
+    config = GraniteConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_multiplier=0.5,
+        use_cache=False,
+    )
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    packed = AutoModelForCausalLM.from_config(config)
+    packed.load_state_dict(stock.state_dict())
+    slipstream.optimize(packed)
+    docs = random_docs([7, 19, 4, 11])
+    batch = slipstream.collate_packed(docs)
+    with torch.no_grad():
+        logits = packed(**batch.model_inputs()).logits
+        for (start, end), doc in zip(batch.doc_bounds(), docs, strict=True):
+            alone = stock(input_ids=torch.tensor([doc["input_ids"]])).logits
+            assert (logits[0, start:end] - alone[0]).abs().max().item() <= 1e-5
