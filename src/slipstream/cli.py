@@ -23,19 +23,15 @@ commands:
 """
 
 
-def _add_ab(sub) -> None:
+def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
+    """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts)."""
     from .bench.ab import ARMS, ABConfig
 
-    defaults = ABConfig()
-    p = sub.add_parser(
-        "ab",
-        help="A/B: stock transformers vs slipstream on the same workload",
-        description="Run each arm in its own process on the same model, data, batch and seed.",
-    )
+    defaults = defaults or ABConfig()
     p.add_argument(
         "--model", default=defaults.model, help="model shape (tiny config or real-model preset, random init)"
     )
-    p.add_argument("--layers", type=int, default=None, help="shorten the model to N layers")
+    p.add_argument("--layers", type=int, default=defaults.layers, help="shorten the model to N layers")
     p.add_argument(
         "--max-seq-len", type=int, default=defaults.max_seq_len, help="tokens per packed micro-batch"
     )
@@ -51,7 +47,8 @@ def _add_ab(sub) -> None:
         "--batching",
         choices=("bfd", "sequential"),
         default=defaults.batching,
-        help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget",
+        help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
+        "(sequential: the batches padded training usually sees)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
     p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
@@ -59,32 +56,49 @@ def _add_ab(sub) -> None:
     p.add_argument(
         "--repeats", type=int, default=defaults.repeats, help="run every arm this many times, interleaved"
     )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads per arm")
-    p.add_argument("--out", default=None, help="output directory (default: runs/ab-<time>)")
+    p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads per arm")
+    p.add_argument("--out", default=defaults.out_dir, help="output directory (default: runs/ab-<time>)")
+
+
+def ab_config_from_args(args: argparse.Namespace):
+    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
+    from .bench.ab import ABConfig
+
+    return ABConfig(
+        model=args.model,
+        layers=args.layers,
+        max_seq_len=args.max_seq_len,
+        steps=args.steps,
+        warmup=args.warmup,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        seed=args.seed,
+        num_rows=args.rows,
+        batching=args.batching,
+        dtype=args.dtype,
+        device=args.device,
+        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        repeats=args.repeats,
+        threads=args.threads,
+        out_dir=args.out,
+    )
+
+
+def _add_ab(sub) -> None:
+    p = sub.add_parser(
+        "ab",
+        help="A/B: stock transformers vs slipstream on the same workload",
+        description="Run each arm in its own process on the same model, data, batch and seed.",
+    )
+    add_ab_arguments(p)
     p.set_defaults(func=_cmd_ab)
 
 
 def _cmd_ab(args) -> int:
-    from .bench.ab import ABConfig, print_tables, run_ab, write_record
+    from .bench.ab import print_tables, run_ab, write_record
 
     try:
-        config = ABConfig(
-            model=args.model,
-            layers=args.layers,
-            max_seq_len=args.max_seq_len,
-            steps=args.steps,
-            warmup=args.warmup,
-            grad_accum=args.grad_accum,
-            lr=args.lr,
-            seed=args.seed,
-            num_rows=args.rows,
-            batching=args.batching,
-            dtype=args.dtype,
-            device=args.device,
-            arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
-            repeats=args.repeats,
-            threads=args.threads,
-        )
+        config = ab_config_from_args(args)
     except ValueError as error:
         print(f"slipstream ab: {error}", file=sys.stderr)
         return 2
