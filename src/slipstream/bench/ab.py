@@ -80,9 +80,6 @@ class ArmResult:
     attn_implementation: str
     policies: list[str] = field(default_factory=list)
 
-    def timed(self, warmup: int) -> tuple[list[float], list[int]]:
-        return self.step_s[warmup:], self.tokens[warmup:]
-
 
 def _resolve_device(name: str) -> str:
     import torch

@@ -19,6 +19,7 @@ fused kernels above implements them; it is still O(sum Li^2) and still mask-free
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -304,13 +305,10 @@ def packed_varlen_attention(
     return out_THD.unsqueeze(0), None
 
 
-_VARLEN_PARAMS: dict[int, frozenset[str]] = {}
-
-
+@functools.cache
 def _varlen_params(fn: Callable) -> frozenset[str]:
-    if id(fn) not in _VARLEN_PARAMS:
-        _VARLEN_PARAMS[id(fn)] = frozenset(inspect.signature(fn).parameters)
-    return _VARLEN_PARAMS[id(fn)]
+    """The keyword names this torch's varlen_attn takes (its signature changed across releases)."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def flex_block_mask(batch: PackedBatch, window: int | None):
