@@ -26,7 +26,9 @@ class OptimizeState:
 
     stock_attn_implementation: str | None
     stock_use_cache: bool | None
+    stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
+    moe_routing: str | None = None  # "sorted" when on, None when stock
     policies: list[str] = field(default_factory=list)
     hook: object | None = field(default=None, repr=False)
 
@@ -82,6 +84,8 @@ def optimize(
     model: torch.nn.Module,
     packed_attention: bool = True,
     attention_backend: str = "auto",
+    moe_routing: str | None = None,
+    moe_compute: str = "auto",
 ) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
@@ -90,6 +94,12 @@ def optimize(
         attention. ``False`` restores the model's stock attention.
     attention_backend: "auto" (varlen flash on CUDA when importable, per-document SDPA
         otherwise), or "sdpa", "varlen", "flex".
+    moe_routing: "sorted" groups each MoE layer's tokens by expert once (argsort + counts)
+        and runs every expert on its contiguous slice; "stock" leaves transformers' choice.
+        Default: "sorted" for an MoE model, "stock" otherwise.
+    moe_compute: for sorted routing, "auto" (grouped_mm where the platform runs it for the
+        dtype, else a loop over non-empty experts with one host sync per layer), or force
+        "grouped_mm" / "loop".
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.
@@ -101,6 +111,7 @@ def optimize(
         state = OptimizeState(
             stock_attn_implementation=base.config._attn_implementation,
             stock_use_cache=getattr(base.config, "use_cache", None),
+            stock_experts_implementation=getattr(base.config, "_experts_implementation", None),
         )
         setattr(base, _STATE_ATTR, state)
 
@@ -133,4 +144,53 @@ def optimize(
         state.packed_attention = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
+    _set_moe_routing(base, state, moe_routing, moe_compute)
     return model
+
+
+def _set_moe_routing(
+    base: torch.nn.Module, state: OptimizeState, moe_routing: str | None, compute: str
+) -> None:
+    from .moe.experts import (
+        COMPUTE_CHOICES,
+        EXPERTS_IMPLEMENTATION,
+        UnsupportedExperts,
+        check_experts_module,
+        experts_modules,
+        is_moe_model,
+        register_experts_implementation,
+    )
+
+    if moe_routing not in (None, "sorted", "stock"):
+        raise ValueError(f"moe_routing must be 'sorted' or 'stock', got {moe_routing!r}")
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"moe_compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
+    moe = is_moe_model(base)
+    if moe_routing is None:
+        moe_routing = "sorted" if moe else "stock"
+    modules = experts_modules(base)
+    if moe_routing == "sorted":
+        if not moe:
+            raise ValueError(f"moe_routing='sorted': {type(base).__name__} has no MoE layers")
+        if not modules:
+            raise UnsupportedExperts(
+                f"{type(base).__name__} is an MoE model but its experts do not use transformers' experts "
+                "interface (@use_experts_implementation); sorted routing cannot plug in. Use moe_routing='stock'."
+            )
+        for module in modules:
+            check_experts_module(module)
+            module.slipstream_moe_compute = compute
+        register_experts_implementation()
+        if state.moe_routing != "sorted":
+            base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+            state.moe_routing = "sorted"
+        policy = f"moe routing: sorted ({len(modules)} experts modules, compute {compute})"
+        state.policies.append(policy)
+        logger.info(policy)
+    elif state.moe_routing is not None:
+        if any(getattr(m, "slipstream_nf4", None) is not None for m in modules):
+            raise ValueError("4-bit experts run only with moe_routing='sorted'")
+        base.set_experts_implementation(state.stock_experts_implementation or "eager")
+        state.moe_routing = None
+        state.policies.append("moe routing: stock")
+        logger.info("moe routing: stock (%s)", state.stock_experts_implementation)

@@ -17,6 +17,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # ATen ops that read a device value back to the host (or need its value to size an output).
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"})
 
+# Counters active now (innermost last), told about deliberate host reads that ATen does not
+# show as an op (``Tensor.tolist`` of a CPU tensor reads memory directly).
+_ACTIVE: list[HostSyncCounter] = []
+
+
+def read_to_host(tensor: torch.Tensor) -> list:
+    """``tensor.tolist()``, counted as one host sync by every active HostSyncCounter.
+
+    slipstream routes its own deliberate reads through here so the counts stay honest on a
+    CPU, where ``tolist`` would not show up as an ATen op.
+    """
+    for counter in _ACTIVE:
+        counter.by_op["tolist"] += 1
+    return tensor.tolist()
+
 
 def _op_name(func) -> str:
     # "aten::nonzero" / overload packet name, without the overload suffix.
@@ -37,6 +52,14 @@ class HostSyncCounter(TorchDispatchMode):
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.remove(self)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _op_name(func)

@@ -1,0 +1,108 @@
+"""Sorted MoE routing, plugged into transformers' experts-implementation registry.
+
+``slipstream_sorted`` replaces the experts' forward for any experts class decorated with
+transformers' ``@use_experts_implementation`` (Qwen3-MoE, GPT-OSS, and the others that
+share the interface): group the (token, expert) pairs once (``routing.group_by_expert``),
+run each projection per expert on its contiguous slice (``grouped.GroupedLinear``), then
+weight, restore token order and sum over k. The router, its weights and the auxiliary
+load-balancing loss are the model's own and untouched.
+
+Per-family quirks stay in the experts class itself: layout (``is_transposed``), biases
+(``has_bias``) and the gate (``_apply_gate``: GPT-OSS's clamped SwiGLU with its interleaved
+gate/up columns, or the default ``act(gate) * up``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .grouped import GroupedLinear
+from .routing import combine_top_k, group_by_expert, tokens_in_expert_order
+
+EXPERTS_IMPLEMENTATION = "slipstream_sorted"
+COMPUTE_CHOICES = ("auto", "grouped_mm", "loop")
+
+
+class UnsupportedExperts(NotImplementedError):
+    """An experts module slipstream's sorted routing cannot run exactly."""
+
+
+def check_experts_module(module: torch.nn.Module) -> None:
+    """Raise UnsupportedExperts unless ``module`` has the interface sorted routing relies on."""
+    name = type(module).__name__
+    if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
+        raise UnsupportedExperts(
+            f"{name} does not use transformers' @use_experts_implementation interface; sorted routing "
+            "cannot plug into it. Use moe_routing='stock'."
+        )
+    if getattr(module, "has_post_expert_norm", False):
+        raise UnsupportedExperts(
+            f"{name} applies a post-expert norm, which sorted routing does not implement"
+        )
+    if getattr(module, "_is_expert_parallel", False):
+        raise UnsupportedExperts(f"{name} is expert-parallel; sorted routing runs all experts locally")
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    quantized = getattr(module, "slipstream_nf4", None) is not None
+    for weight in (first, "down_proj"):
+        if not quantized and not isinstance(getattr(module, weight, None), torch.Tensor):
+            raise UnsupportedExperts(f"{name} has no 3D weight {weight!r}")
+    if not hasattr(module, "num_experts"):
+        raise UnsupportedExperts(f"{name} does not say how many experts it has (num_experts)")
+
+
+def _weight(module, name: str):
+    """(dense weight or None, 4-bit store or None) of one projection."""
+    nf4 = getattr(module, "slipstream_nf4", None)
+    if nf4 is not None and name in nf4.stores:
+        return None, nf4.stores[name]
+    return getattr(module, name), None
+
+
+def _project(module, linear: GroupedLinear, x_S, name: str, groups) -> torch.Tensor:
+    weight, store = _weight(module, name)
+    bias = getattr(module, f"{name}_bias", None) if module.has_bias else None
+    out = linear(x_S, weight, bias, module.is_transposed, store=store, expert_ids_S=groups.expert_ids_S)
+    lora = getattr(module, "slipstream_lora", None)
+    if lora is not None and name in lora.adapters:
+        out = out + lora.adapters[name](linear, x_S, module.is_transposed, groups)
+    return out
+
+
+def sorted_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Experts forward with pairs grouped by expert once. hidden [T, H] -> [T, H]."""
+    groups = group_by_expert(top_k_index, self.num_experts)
+    x_SH = tokens_in_expert_order(hidden_states, groups)
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    first_weight, _ = _weight(self, first)
+    compute = getattr(self, "slipstream_moe_compute", "auto")
+    linear = GroupedLinear(x_SH, first_weight, groups.counts_E, groups.offsets_E, compute)
+    proj = _project(self, linear, x_SH, first, groups)
+    proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
+    out_SH = _project(self, linear, proj, "down_proj", groups)
+    return combine_top_k(out_SH, top_k_weights, groups).to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Register ``slipstream_sorted`` with transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, sorted_experts_forward)
+
+
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules transformers dispatches through its registry (decorated classes)."""
+    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
+
+
+MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe_model(model: torch.nn.Module) -> bool:
+    """Does the config describe routed experts?"""
+    config = model.config
+    return any((getattr(config, key, None) or 0) > 1 for key in MOE_CONFIG_KEYS)
