@@ -173,7 +173,7 @@ class GroupedLinear:
         return self._counts
 
     def __call__(self, x_S, weight, bias, transposed: bool, store=None, expert_ids_S=None) -> torch.Tensor:
-        if self.path == "grouped_mm" and store is None:
+        if self.path == "grouped_mm" and store is None and grouped_mm_supported(x_S, weight)[0]:
             out = grouped_mm_linear(x_S, weight, self.offsets_E, transposed)
             if bias is not None:
                 out = out + bias.index_select(0, expert_ids_S)

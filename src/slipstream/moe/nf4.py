@@ -1,0 +1,224 @@
+"""4-bit (NF4) experts for MoE QLoRA.
+
+bitsandbytes' 4-bit loading quantizes ``nn.Linear`` layers only, so an MoE model's 3D expert
+weights — nearly all of its parameters — stay in full precision. ``quantize_experts`` turns
+each expert's weight into NF4 with bitsandbytes' functional API (blockwise, optional double
+quantization of the block scales), one quantized block per expert, and drops the dense
+parameter. The sorted routing then dequantizes only the experts that received tokens, one at
+a time, inside its loop; the experts stay frozen (train them through expert LoRA).
+
+Everything lives in buffers of a small ``NF4Experts`` module, so ``state_dict`` /
+``load_state_dict`` round-trip; ``save_quantized`` / ``load_quantized`` do it for a whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .experts import experts_modules
+
+MANIFEST = "slipstream_quantization.json"
+
+
+@dataclass(frozen=True)
+class NF4Settings:
+    blocksize: int = 64
+    double_quant: bool = False
+    compute_dtype: str = "float32"  # the dtype dequantized weights take (the activations' dtype wins)
+
+
+def _bnb():
+    import bitsandbytes.functional as bnb_functional
+
+    return bnb_functional
+
+
+class NF4ExpertStore:
+    """One projection's experts in NF4; ``expert_weight(e)`` dequantizes expert e only."""
+
+    def __init__(self, holder: NF4Experts, name: str):
+        self.holder, self.name = holder, name
+        self.weight_shape = tuple(holder.shapes[name])  # (E, a, b), the dense layout
+
+    def _buffer(self, part: str) -> torch.Tensor:
+        return getattr(self.holder, f"{self.name}__{part}")
+
+    def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        bnb = _bnb()
+        settings = self.holder.settings
+        nested = None
+        offset = None
+        if settings.double_quant:
+            nested = bnb.QuantState(
+                absmax=self._buffer("nested_absmax")[expert],
+                code=self._buffer("nested_code"),
+                blocksize=256,
+                dtype=torch.float32,
+            )
+            offset = self._buffer("offset")[expert]
+        state = bnb.QuantState(
+            absmax=self._buffer("absmax")[expert],
+            shape=torch.Size(self.weight_shape[1:]),
+            code=self._buffer("code"),
+            blocksize=settings.blocksize,
+            quant_type="nf4",
+            dtype=getattr(torch, settings.compute_dtype),
+            offset=offset,
+            state2=nested,
+        )
+        dense = bnb.dequantize_4bit(self._buffer("packed")[expert].view(-1, 1), quant_state=state)
+        return dense.to(dtype)
+
+    def dense(self) -> torch.Tensor:
+        """All experts dequantized, ``[E, a, b]`` (for tests and for exporting)."""
+        return torch.stack([self.expert_weight(e, torch.float32) for e in range(self.weight_shape[0])])
+
+
+class NF4Experts(torch.nn.Module):
+    """Buffers holding an experts module's NF4 weights (a child of that module)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], settings: NF4Settings):
+        super().__init__()
+        self.shapes = {name: tuple(shape) for name, shape in shapes.items()}
+        self.settings = settings
+
+    @property
+    def stores(self) -> dict[str, NF4ExpertStore]:
+        return {name: NF4ExpertStore(self, name) for name in self.shapes}
+
+    def nbytes(self) -> int:
+        return sum(buf.numel() * buf.element_size() for buf in self.buffers())
+
+    def allocate(self, name: str, like: dict[str, torch.Tensor]) -> None:
+        for part, tensor in like.items():
+            self.register_buffer(f"{name}__{part}", tensor)
+
+
+def _quantize_projection(weight_E: torch.Tensor, settings: NF4Settings) -> dict[str, torch.Tensor]:
+    bnb = _bnb()
+    parts: dict[str, list[torch.Tensor]] = {"packed": [], "absmax": [], "nested_absmax": [], "offset": []}
+    code = nested_code = None
+    for expert_weight in weight_E.detach().float():
+        packed, state = bnb.quantize_4bit(
+            expert_weight.contiguous(),
+            blocksize=settings.blocksize,
+            quant_type="nf4",
+            compress_statistics=settings.double_quant,
+        )
+        parts["packed"].append(packed.view(-1))
+        parts["absmax"].append(state.absmax)
+        code = state.code
+        if settings.double_quant:
+            parts["nested_absmax"].append(state.state2.absmax)
+            parts["offset"].append(torch.as_tensor(state.offset, dtype=torch.float32).reshape(()))
+            nested_code = state.state2.code
+    out = {"packed": torch.stack(parts["packed"]), "absmax": torch.stack(parts["absmax"]), "code": code}
+    if settings.double_quant:
+        out.update(
+            nested_absmax=torch.stack(parts["nested_absmax"]),
+            offset=torch.stack(parts["offset"]),
+            nested_code=nested_code,
+        )
+    return out
+
+
+def _projection_names(module) -> tuple[str, str]:
+    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
+
+
+def quantize_experts(
+    model: torch.nn.Module, double_quant: bool = False, blocksize: int = 64, compute_dtype: str | None = None
+) -> torch.nn.Module:
+    """Quantize every expert weight of ``model`` to NF4, in place; returns the model.
+
+    The dense 3D parameters are removed (biases stay, in full precision). Needs sorted
+    routing (``slipstream.optimize`` turns it on for MoE models).
+    """
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no experts modules to quantize")
+    for module in modules:
+        if getattr(module, "slipstream_nf4", None) is not None:
+            continue
+        names = _projection_names(module)
+        dtype = compute_dtype or str(getattr(module, names[0]).dtype).removeprefix("torch.")
+        settings = NF4Settings(blocksize=blocksize, double_quant=double_quant, compute_dtype=dtype)
+        holder = NF4Experts({n: tuple(getattr(module, n).shape) for n in names}, settings)
+        for name in names:
+            holder.allocate(name, _quantize_projection(getattr(module, name), settings))
+            delattr(module, name)
+        module.slipstream_nf4 = holder
+    return model
+
+
+def dequantized_reference(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{module path.projection: dense [E, a, b]}`` of every 4-bit expert weight (for checks)."""
+    out = {}
+    for path, module in model.named_modules():
+        holder = getattr(module, "slipstream_nf4", None)
+        if holder is not None:
+            for name, store in holder.stores.items():
+                out[f"{path}.{name}"] = store.dense()
+    return out
+
+
+def _manifest(model) -> dict:
+    layers = {}
+    for path, module in model.named_modules():
+        holder = getattr(module, "slipstream_nf4", None)
+        if holder is not None:
+            layers[path] = {
+                "shapes": {k: list(v) for k, v in holder.shapes.items()},
+                "settings": asdict(holder.settings),
+            }
+    return {"format": "slipstream-nf4-experts", "version": 1, "layers": layers}
+
+
+def save_quantized(model: torch.nn.Module, directory: str | os.PathLike) -> Path:
+    """Config + full state dict (NF4 expert buffers included) + manifest, written atomically."""
+    from safetensors.torch import save_model
+
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=False)
+    model.config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+    (tmp / MANIFEST).write_text(json.dumps(_manifest(model), indent=1))
+    if directory.exists():
+        raise FileExistsError(f"{directory} exists; not overwriting it")
+    os.replace(tmp, directory)
+    return directory
+
+
+def load_quantized(directory: str | os.PathLike, **model_kwargs) -> torch.nn.Module:
+    """Rebuild a model saved by ``save_quantized``: structure from the manifest, then the weights."""
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{manifest_path}: not a slipstream 4-bit experts checkpoint")
+    manifest = json.loads(manifest_path.read_text())
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_config(config, **model_kwargs)
+    modules = dict(model.named_modules())
+    for path, spec in manifest["layers"].items():
+        if path not in modules:
+            raise KeyError(f"{manifest_path}: layer {path!r} is not in a {type(model).__name__}")
+        module = modules[path]
+        settings = NF4Settings(**spec["settings"])
+        holder = NF4Experts({k: tuple(v) for k, v in spec["shapes"].items()}, settings)
+        for name, shape in holder.shapes.items():
+            holder.allocate(
+                name, _quantize_projection(torch.zeros(shape), settings)
+            )  # right shapes, overwritten
+            delattr(module, name)
+        module.slipstream_nf4 = holder
+    load_model(model, str(directory / "model.safetensors"), strict=True)
+    return model

@@ -1,0 +1,149 @@
+"""4-bit experts and expert LoRA: memory, exactness against dense references, training, round trips."""
+
+import statistics
+
+import pytest
+import torch
+
+import slipstream
+from slipstream.models import build_model
+from slipstream.moe import experts_modules
+from slipstream.moe.lora import add_expert_lora, load_expert_lora, save_expert_lora
+from slipstream.moe.nf4 import (
+    NF4ExpertStore,
+    dequantized_reference,
+    load_quantized,
+    quantize_experts,
+    save_quantized,
+)
+from tests.conftest import random_docs
+
+FAMILIES = ["qwen3-moe", "gpt-oss"]
+
+
+def dense_copy_with(model, family, weights):
+    """A full-precision model with the given expert weights (e.g. the dequantized ones)."""
+    dense = build_model(family, attn_implementation="eager", experts_implementation="eager")
+    state = {k: v for k, v in model.state_dict().items() if "slipstream_" not in k}
+    dense.load_state_dict(state, strict=False)
+    with torch.no_grad():
+        for path, value in weights.items():
+            module, name = path.rsplit(".", 1)
+            getattr(dense.get_submodule(module), name).copy_(value)
+    slipstream.optimize(dense, moe_routing="stock")
+    return dense
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_4bit_experts_are_small_and_exact_against_their_dequantized_weights(family, double_quant):
+    model = slipstream.optimize(build_model(family, attn_implementation="eager"))
+    bf16_bytes = sum(
+        getattr(m, n).numel() * 2 for m in experts_modules(model) for n in ("gate_up_proj", "down_proj")
+    )
+    quantize_experts(model, double_quant=double_quant)
+    nf4_bytes = sum(m.slipstream_nf4.nbytes() for m in experts_modules(model))
+    assert nf4_bytes <= 0.3 * bf16_bytes
+    assert not any(hasattr(m, "gate_up_proj") for m in experts_modules(model))
+    reference = dense_copy_with(model, family, dequantized_reference(model))
+    batch = slipstream.collate_packed(random_docs([5, 17, 9, 30]))
+    with torch.no_grad():
+        diff = (model(**batch.model_inputs()).logits - reference(**batch.model_inputs()).logits).abs().max()
+    assert diff.item() <= 1e-5
+
+
+def test_only_experts_that_received_tokens_are_dequantized(monkeypatch):
+    model = slipstream.optimize(build_model("qwen3-moe"))
+    quantize_experts(model)
+    calls = []
+    real = NF4ExpertStore.expert_weight
+    monkeypatch.setattr(
+        NF4ExpertStore, "expert_weight", lambda self, e, dtype: calls.append(e) or real(self, e, dtype)
+    )
+    batch = slipstream.collate_packed(random_docs([2, 1]))  # 3 tokens x top-2: at most 6 of 8 experts
+    with torch.no_grad():
+        model(**batch.model_inputs())
+    layers, projections = model.config.num_hidden_layers, 2
+    assert 0 < len(calls) <= 6 * layers * projections
+
+
+def test_4bit_round_trip_and_stock_routing_refused(tmp_path):
+    model = slipstream.optimize(build_model("gpt-oss", attn_implementation="eager"))
+    quantize_experts(model, double_quant=True)
+    batch = slipstream.collate_packed(random_docs([7, 12]))
+    with torch.no_grad():
+        before = model(**batch.model_inputs()).logits
+    save_quantized(model, tmp_path / "q")
+    with pytest.raises(FileExistsError):
+        save_quantized(model, tmp_path / "q")
+    again = slipstream.optimize(load_quantized(tmp_path / "q", attn_implementation="eager"))
+    with torch.no_grad():
+        assert torch.equal(again(**batch.model_inputs()).logits, before)
+    with pytest.raises(ValueError, match="4-bit experts"):
+        slipstream.optimize(model, moe_routing="stock")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_lora_equals_the_merged_dense_weight(family):
+    model = slipstream.optimize(build_model(family, attn_implementation="eager"))
+    add_expert_lora(model, r=4, alpha=8)
+    with torch.no_grad():  # make B non-zero so the adapter matters
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_(0, 0.5)
+    merged = {}
+    for path, module in model.named_modules():
+        if getattr(module, "slipstream_lora", None) is None:
+            continue
+        for name, adapter in module.slipstream_lora.adapters.items():
+            A, B = adapter.lora_A.detach(), adapter.lora_B.detach()
+            delta = A @ B if module.is_transposed else B @ A
+            merged[f"{path}.{name}"] = getattr(module, name).detach() + adapter.scale * delta
+    reference = dense_copy_with(model, family, merged)
+    batch = slipstream.collate_packed(random_docs([5, 17, 9, 30]))
+    with torch.no_grad():
+        diff = (model(**batch.model_inputs()).logits - reference(**batch.model_inputs()).logits).abs().max()
+    assert diff.item() <= 1e-5
+
+
+@pytest.mark.parametrize("four_bit", [False, True])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_training_loss_falls_over_20_steps_on_the_built_in_data(family, four_bit, demo_bins):
+    from peft import LoraConfig, get_peft_model
+
+    bins, vocab_size = demo_bins
+    model = slipstream.optimize(build_model(family, vocab_size=vocab_size))
+    if four_bit:
+        quantize_experts(model)
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
+    expert_params = add_expert_lora(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    losses = []
+    for step in range(20):
+        batch = slipstream.collate_packed(bins[step])
+        loss = model(**batch.model_inputs()).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert statistics.mean(losses[-5:]) < statistics.mean(losses[:5]) - 0.05
+    assert any(p.abs().max() > 0 for p in expert_params if p.shape[-1] > 0)
+
+
+def test_expert_lora_saves_and_loads_back(tmp_path):
+    model = slipstream.optimize(build_model("qwen3-moe"))
+    add_expert_lora(model, r=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.normal_()
+    batch = slipstream.collate_packed(random_docs([9, 4]))
+    with torch.no_grad():
+        before = model(**batch.model_inputs()).logits
+    save_expert_lora(model, tmp_path / "adapter")
+    fresh = slipstream.optimize(build_model("qwen3-moe"))
+    load_expert_lora(fresh, tmp_path / "adapter")
+    with torch.no_grad():
+        assert torch.equal(fresh(**batch.model_inputs()).logits, before)
