@@ -187,10 +187,15 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     return dataclasses.asdict(result)
 
 
-def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: int) -> dict:
+def run_in_fresh_process(fn, *args):
+    """``fn(*args)`` in a new process (spawned: fresh allocator, no state shared between arms)."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(run_arm, dataclasses.asdict(config), arm, plan, vocab_size).result()
+        return pool.submit(fn, *args).result()
+
+
+def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: int) -> dict:
+    return run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size)
 
 
 def loss_parity(reference: list[float], other: list[float], dtype: str) -> tuple[str, float]:

@@ -162,6 +162,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=128,
         vocab_size=201088,
     ),
+    # The MoE benchmark's CPU-sized shapes: the real routing (128 experts top-8; 32 experts
+    # top-4) and expert width ratios at hidden 256.
+    "qwen3-moe-bench-cpu": dict(
+        family=Qwen3MoeConfig,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+    ),
+    "gpt-oss-bench-cpu": dict(
+        family=GptOssConfig,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_local_experts=32,
+        num_experts_per_tok=4,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+    ),
     # The packing benchmark's CPU-sized Qwen3: Qwen3-0.6B's proportions at a quarter of its
     # width (hidden 256, intermediate 3x hidden, 2:1 GQA, head_dim 128 as in every Qwen3).
     "qwen3-bench-cpu": dict(

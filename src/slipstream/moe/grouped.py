@@ -10,8 +10,9 @@ Weights are 3D, ``[E, out, in]`` (``transposed=False``, Qwen3-MoE) or ``[E, in, 
   the experts that received rows. It is one autograd Function, so backward does not
   materialise a full-size weight gradient per indexed expert (what autograd does for
   ``weight[e]`` inside a Python loop), and skips the weight gradient entirely when the
-  experts are frozen. A ``weight_store`` (e.g. 4-bit experts) hands out each expert's
-  weight on demand, so only experts with rows are ever dequantized.
+  experts are frozen.
+- 4-bit path (``store`` given): the experts that have rows are dequantized a chunk at a
+  time and each chunk runs as one grouped matmul; experts without rows are never touched.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from ..bench.counters import read_to_host
 
 
 class ExpertWeightStore(Protocol):
-    """Hands out one expert's dense weight (in the layer's layout) when asked."""
+    """Hands out dense weights of chosen experts (in the layer's layout) when asked."""
 
-    def expert_weight(self, expert: int, dtype: torch.dtype) -> torch.Tensor: ...
+    weight_shape: tuple[int, int, int]
+
+    def dequantize_many(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def _grouped_mm_fn():
@@ -78,29 +81,25 @@ def grouped_mm_linear(x_S: torch.Tensor, weight: torch.Tensor, offsets_E: torch.
     return _ContiguousGrad.apply(out)
 
 
-def _dense(weight, store, expert: int, dtype) -> torch.Tensor:
-    return weight[expert] if store is None else store.expert_weight(expert, dtype)
-
-
 class _LoopGroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_S, weight, bias, counts: Sequence[int], transposed: bool, store):
-        ctx.counts, ctx.transposed, ctx.store = counts, transposed, store
+    def forward(ctx, x_S, weight, bias, counts: Sequence[int], transposed: bool):
+        ctx.counts, ctx.transposed = counts, transposed
         ctx.save_for_backward(x_S, weight, bias)
         pieces = []
         for expert, x_e in _nonempty(counts, x_S):
-            w = _dense(weight, store, expert, x_S.dtype)
+            w = weight[expert]
             y = x_e @ w if transposed else x_e @ w.T
             if bias is not None:
                 y = y + bias[expert]
             pieces.append(y)
-        out_features = bias.shape[-1] if bias is not None else _out_features(weight, store, transposed)
+        out_features = weight.shape[-1] if transposed else weight.shape[-2]
         return torch.cat(pieces) if pieces else x_S.new_zeros(0, out_features)
 
     @staticmethod
     def backward(ctx, grad_S):
         x_S, weight, bias = ctx.saved_tensors
-        counts, transposed, store = ctx.counts, ctx.transposed, ctx.store
+        counts, transposed = ctx.counts, ctx.transposed
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_S = grad_S.contiguous()
         grad_x = torch.empty_like(x_S) if need_x else None
@@ -112,7 +111,7 @@ class _LoopGroupedLinear(torch.autograd.Function):
                 continue
             g = grad_S[start : start + count]
             if need_x:
-                w = _dense(weight, store, expert, g.dtype)
+                w = weight[expert]
                 grad_x[start : start + count] = g @ w.T if transposed else g @ w
             if need_w:
                 x_e = x_S[start : start + count]
@@ -122,7 +121,7 @@ class _LoopGroupedLinear(torch.autograd.Function):
             start += count
         if need_x and start < x_S.shape[0]:
             grad_x[start:] = 0
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _nonempty(counts: Sequence[int], x_S: torch.Tensor):
@@ -133,21 +132,79 @@ def _nonempty(counts: Sequence[int], x_S: torch.Tensor):
             start += count
 
 
-def _out_features(weight, store, transposed: bool) -> int:
-    shape = weight.shape if weight is not None else store.weight_shape
-    return shape[-1] if transposed else shape[-2]
-
-
 def loop_linear(
     x_S: torch.Tensor,
-    weight: torch.Tensor | None,
+    weight: torch.Tensor,
     bias: torch.Tensor | None,
     counts: Sequence[int],
     transposed: bool,
-    store: ExpertWeightStore | None = None,
 ) -> torch.Tensor:
     """Per-expert ``x_e @ W_e + b_e`` over host-side ``counts``; see the module docstring."""
-    return _LoopGroupedLinear.apply(x_S, weight, bias, counts, transposed, store)
+    return _LoopGroupedLinear.apply(x_S, weight, bias, counts, transposed)
+
+
+def _chunks(counts: Sequence[int], experts_per_chunk: int):
+    """(expert ids, first row, end row, their counts) of consecutive chunks of non-empty experts."""
+    hit = [(expert, count) for expert, count in enumerate(counts) if count]
+    row = 0
+    for i in range(0, len(hit), experts_per_chunk):
+        chunk = hit[i : i + experts_per_chunk]
+        rows = sum(count for _, count in chunk)
+        yield [e for e, _ in chunk], row, row + rows, [c for _, c in chunk]
+        row += rows
+
+
+def _chunk_matmul(x: torch.Tensor, weight_GIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows of ``len(counts)`` consecutive groups times their [in, out] weights."""
+    if grouped_mm_supported(x, weight_GIO)[0]:
+        offsets = (
+            torch.tensor(counts, dtype=torch.int32)
+            .cumsum(0, dtype=torch.int32)
+            .to(x.device, non_blocking=True)
+        )
+        return _grouped_mm_fn()(x, weight_GIO, offs=offsets)
+    return torch.cat([x_g @ weight_GIO[g] for g, x_g in enumerate(x.split(counts))])
+
+
+class _QuantizedGroupedLinear(torch.autograd.Function):
+    """Frozen 4-bit experts: dequantize the experts that have rows, a chunk at a time, and run
+    each chunk as one grouped matmul. Backward dequantizes again instead of keeping the dense
+    weights alive between forward and backward (the memory QLoRA is for)."""
+
+    @staticmethod
+    def forward(ctx, x_S, counts, transposed, store, experts_per_chunk):
+        ctx.counts, ctx.transposed, ctx.store, ctx.experts_per_chunk = (
+            counts,
+            transposed,
+            store,
+            experts_per_chunk,
+        )
+        shape = store.weight_shape
+        out = x_S.new_zeros(x_S.shape[0], shape[-1] if transposed else shape[-2])
+        for experts, start, end, chunk_counts in _chunks(counts, experts_per_chunk):
+            weight = store.dequantize_many(torch.tensor(experts, device=x_S.device), x_S.dtype)
+            weight_GIO = weight if transposed else weight.transpose(-2, -1)
+            out[start:end] = _chunk_matmul(x_S[start:end], weight_GIO, chunk_counts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_S):
+        store, transposed = ctx.store, ctx.transposed
+        grad_S = grad_S.contiguous()
+        shape = store.weight_shape
+        grad_x = grad_S.new_zeros(grad_S.shape[0], shape[-2] if transposed else shape[-1])
+        for experts, start, end, chunk_counts in _chunks(ctx.counts, ctx.experts_per_chunk):
+            weight = store.dequantize_many(torch.tensor(experts, device=grad_S.device), grad_S.dtype)
+            weight_GOI = weight.transpose(-2, -1) if transposed else weight
+            grad_x[start:end] = _chunk_matmul(grad_S[start:end], weight_GOI, chunk_counts)
+        return grad_x, None, None, None, None
+
+
+def quantized_linear(x_S, store, counts: Sequence[int], transposed: bool, chunk_bytes: int = 256 << 20):
+    """``x_e @ dequant(W_e)`` for every expert with rows; at most ``chunk_bytes`` of dense weights at once."""
+    _, a, b = store.weight_shape
+    experts_per_chunk = max(1, chunk_bytes // (a * b * x_S.element_size()))
+    return _QuantizedGroupedLinear.apply(x_S, counts, transposed, store, experts_per_chunk)
 
 
 class GroupedLinear:
@@ -173,9 +230,10 @@ class GroupedLinear:
         return self._counts
 
     def __call__(self, x_S, weight, bias, transposed: bool, store=None, expert_ids_S=None) -> torch.Tensor:
-        if self.path == "grouped_mm" and store is None and grouped_mm_supported(x_S, weight)[0]:
+        if store is not None:
+            out = quantized_linear(x_S, store, self.counts, transposed)
+        elif self.path == "grouped_mm" and grouped_mm_supported(x_S, weight)[0]:
             out = grouped_mm_linear(x_S, weight, self.offsets_E, transposed)
-            if bias is not None:
-                out = out + bias.index_select(0, expert_ids_S)
-            return out
-        return loop_linear(x_S, weight, bias, self.counts, transposed, store)
+        else:
+            return loop_linear(x_S, weight, bias, self.counts, transposed)
+        return out if bias is None else out + bias.index_select(0, expert_ids_S)
