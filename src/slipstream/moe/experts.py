@@ -14,10 +14,14 @@ gate/up columns, or the default ``act(gate) * up``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .grouped import GroupedLinear
 from .routing import combine_top_k, group_by_expert, tokens_in_expert_order
+
+logger = logging.getLogger("slipstream")
 
 EXPERTS_IMPLEMENTATION = "slipstream_sorted"
 COMPUTE_CHOICES = ("auto", "grouped_mm", "loop")
@@ -81,6 +85,9 @@ def sorted_experts_forward(
     first_weight, _ = _weight(self, first)
     compute = getattr(self, "slipstream_moe_compute", "auto")
     linear = GroupedLinear(x_SH, first_weight, groups.counts_E, groups.offsets_E, compute)
+    if getattr(self, "_slipstream_logged_path", None) != linear.path:  # each choice logged once per layer
+        self._slipstream_logged_path = linear.path
+        logger.info("moe compute for %s: %s (%s)", type(self).__name__, linear.path, linear.reason)
     proj = _project(self, linear, x_SH, first, groups)
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
     out_SH = _project(self, linear, proj, "down_proj", groups)

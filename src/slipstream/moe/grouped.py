@@ -212,7 +212,8 @@ class GroupedLinear:
 
     def __init__(self, x_S: torch.Tensor, weight: torch.Tensor | None, counts_E, offsets_E, compute: str):
         self.counts_E, self.offsets_E = counts_E, offsets_E
-        self.path, self.reason = "loop", compute
+        self.path = "loop"
+        self.reason = "requested" if compute == "loop" else "4-bit experts: chunked dequantization"
         if compute in ("auto", "grouped_mm") and weight is not None:
             ok, reason = grouped_mm_supported(x_S, weight)
             if ok:

@@ -62,11 +62,30 @@ class _GatherRows(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+class _GatherTokens(torch.autograd.Function):
+    """``hidden[token_S]``: each token once per expert it was routed to, in expert order.
+
+    Backward puts the rows back in (token, k) order with the inverse permutation and sums
+    over k: the gradient of every copy, added without a scatter-add.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_TH: torch.Tensor, token_S: torch.Tensor, inverse_S: torch.Tensor, top_k: int):
+        ctx.save_for_backward(inverse_S)
+        ctx.top_k = top_k
+        return hidden_TH.index_select(0, token_S)
+
+    @staticmethod
+    def backward(ctx, grad_SH: torch.Tensor):
+        (inverse_S,) = ctx.saved_tensors
+        pairs = grad_SH.index_select(0, inverse_S)
+        return pairs.view(-1, ctx.top_k, pairs.shape[-1]).sum(dim=1), None, None, None
+
+
 def tokens_in_expert_order(hidden_TH: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
     """``[S, H]``: each token's hidden state once per expert it was routed to, sorted by expert."""
-    T, H = hidden_TH.shape
-    pairs_SH = hidden_TH.unsqueeze(1).expand(T, groups.top_k, H).reshape(T * groups.top_k, H)
-    return _GatherRows.apply(pairs_SH, groups.order_S, groups.inverse_S)
+    token_S = torch.div(groups.order_S, groups.top_k, rounding_mode="floor")
+    return _GatherTokens.apply(hidden_TH, token_S, groups.inverse_S, groups.top_k)
 
 
 def combine_top_k(out_SH: torch.Tensor, weights_TK: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
