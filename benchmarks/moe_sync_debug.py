@@ -32,7 +32,9 @@ def main() -> None:
     import slipstream
     from slipstream.models import build_model
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", default="gpt-oss-20b,qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048)
@@ -46,7 +48,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for arm, experts in (("stock eager", "eager"), ("slipstream sorted", None)):
             overrides = {"experts_implementation": experts} if experts else {}
-            model = build_model(shape, vocab_size=2048, layers=args.layers, dtype=torch.bfloat16, **overrides).cuda()
+            model = build_model(
+                shape, vocab_size=2048, layers=args.layers, dtype=torch.bfloat16, **overrides
+            ).cuda()
             slipstream.optimize(model, moe_routing="sorted" if experts is None else "stock")
             batch = slipstream.collate_packed(docs, device="cuda")
             model(**batch.model_inputs()).loss.backward()  # warm-up

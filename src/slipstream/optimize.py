@@ -29,6 +29,8 @@ class OptimizeState:
     stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
     moe_routing: str | None = None  # "sorted" when on, None when stock
+    checkpointing: str | None = None  # the mode running, None when untouched
+    offload_manager: object | None = field(default=None, repr=False)
     policies: list[str] = field(default_factory=list)
     hook: object | None = field(default=None, repr=False)
 
@@ -86,6 +88,7 @@ def optimize(
     attention_backend: str = "auto",
     moe_routing: str | None = None,
     moe_compute: str = "auto",
+    checkpointing: str | None = None,
 ) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
@@ -100,6 +103,10 @@ def optimize(
     moe_compute: for sorted routing, "auto" (grouped_mm where the platform runs it for the
         dtype, else a loop over non-empty experts with one host sync per layer), or force
         "grouped_mm" / "loop".
+    checkpointing: "off", "recompute" (per-layer activation checkpointing), "offload" (layer
+        inputs to host memory, one reload buffer), "offload-double" (two reload buffers, the
+        next layer's input prefetched during the current layer's backward) or "auto" (the
+        best the device allows; each decision logged). ``None`` leaves it as it is.
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.
@@ -145,6 +152,13 @@ def optimize(
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)
+    if checkpointing is not None:
+        from .offload import enable_checkpointing
+
+        policy, state.offload_manager = enable_checkpointing(base, checkpointing)
+        state.checkpointing = policy.mode
+        state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
+        state.policies.append(f"checkpointing: {policy.mode}")
     return model
 
 

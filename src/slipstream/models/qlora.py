@@ -36,12 +36,18 @@ def load_for_qlora(
         bnb_4bit_compute_dtype=compute_dtype,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=quantization, local_files_only=True, trust_remote_code=trust_remote_code,
-        dtype=compute_dtype, **kwargs,
+        path,
+        quantization_config=quantization,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+        dtype=compute_dtype,
+        **kwargs,
     )
     if experts_modules(model):
         optimize(model, packed_attention=False, moe_routing="sorted")
-        quantize_experts(model, double_quant=double_quant, compute_dtype=str(compute_dtype).removeprefix("torch."))
+        quantize_experts(
+            model, double_quant=double_quant, compute_dtype=str(compute_dtype).removeprefix("torch.")
+        )
     for param in model.parameters():
         param.requires_grad_(False)
     return model

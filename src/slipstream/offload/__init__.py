@@ -1,0 +1,86 @@
+"""Activation checkpointing: off, recompute, offload (one reload buffer), offload-double (two, prefetched).
+
+``enable_checkpointing`` installs the chosen mode as the gradient-checkpointing function of
+every transformers ``GradientCheckpointingLayer`` of a model; ``choose_policy`` decides what
+"auto" (and what the device allows) means, with a reason for every decision.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from .accounting import device_activation_bytes
+from .checkpoint import OffloadManager
+from .engine import CudaEngine, RecordingEngine
+from .policy import MODES, CheckpointPolicy, DeviceDescription, choose_policy
+
+logger = logging.getLogger("slipstream")
+
+__all__ = [
+    "MODES",
+    "CheckpointPolicy",
+    "CudaEngine",
+    "DeviceDescription",
+    "OffloadManager",
+    "RecordingEngine",
+    "checkpointing_layers",
+    "choose_policy",
+    "device_activation_bytes",
+    "enable_checkpointing",
+]
+
+
+def checkpointing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers transformers lets us checkpoint, in forward order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_checkpointing(
+    model: torch.nn.Module,
+    mode: str = "auto",
+    device: DeviceDescription | None = None,
+    engine=None,
+    min_offload_bytes: int = 1 << 20,
+) -> tuple[CheckpointPolicy, OffloadManager | None]:
+    """Install checkpointing ``mode`` on every decoder layer; returns the policy and the offload manager.
+
+    ``device`` and ``engine`` are injectable (tests drive the offload schedule on a CPU with a
+    ``RecordingEngine``; passing an engine forces the offload modes to run on it).
+    """
+    layers = checkpointing_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no transformers GradientCheckpointingLayer to checkpoint"
+        )
+    parameter = next(model.parameters())
+    if device is None:
+        device = DeviceDescription.detect(parameter.device)
+        if engine is not None:  # an injected engine stands in for the streams
+            device = DeviceDescription(has_cuda=True, name="injected engine", free_bytes=1 << 62)
+    hidden = getattr(model.config, "hidden_size", 0)
+    buffer_bytes = hidden * 8192 * parameter.element_size()  # one reload buffer at 8k tokens
+    policy = choose_policy(mode, device, buffer_bytes)
+    manager = None
+    for layer in layers:
+        layer.gradient_checkpointing = policy.mode != "off"
+    if policy.mode == "recompute":
+        for layer in layers:
+            layer._gradient_checkpointing_func = functools.partial(
+                torch.utils.checkpoint.checkpoint, use_reentrant=False
+            )
+    elif policy.mode.startswith("offload"):
+        engine = engine or CudaEngine(parameter.device)
+        manager = OffloadManager(
+            len(layers), policy.mode == "offload-double", engine, policy.pinned, min_offload_bytes
+        )
+        for index, layer in enumerate(layers):
+            layer._gradient_checkpointing_func = manager.checkpoint_function(index)
+    for reason in policy.reasons:
+        logger.info("checkpointing: %s", reason)
+    logger.info("checkpointing: %s on %d layers", policy.mode, len(layers))
+    return policy, manager

@@ -1,0 +1,196 @@
+"""Offloaded activation checkpointing with double-buffered, prefetched reloads.
+
+Plugged in as the gradient-checkpointing function of transformers' decoder layers
+(``GradientCheckpointingLayer._gradient_checkpointing_func``): each layer runs forward
+without keeping its activations, and its input goes to host memory on a side stream (the
+last layer's input, and inputs under ``min_offload_bytes``, stay on the device). In
+backward the layers come back in reverse; each one's input is copied back into one of the
+device reload buffers, the layer is recomputed and back-propagated.
+
+- ``offload`` (one buffer): layer i's reload can only start once layer i+1 is done with the
+  buffer, so the copy is exposed.
+- ``offload-double`` (two buffers): as soon as layer i has its input, the reload of layer
+  i-1's input is issued into the other buffer, so it runs while layer i recomputes and
+  back-propagates. Events guard each buffer: a reload waits for the event recorded when the
+  buffer's last reader finished, and a layer waits for the event recorded when its reload
+  landed. Streams wait on events; the host never blocks.
+
+Host buffers are pooled per layer and grown when a longer batch comes, never reallocated
+per step. Dropout RNG state is saved in forward and restored for the recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("slipstream")
+
+
+@dataclass
+class _Saved:
+    """Where a layer's input lives between forward and backward."""
+
+    layer: int
+    shape: torch.Size
+    dtype: torch.dtype
+    device_tensor: torch.Tensor | None = None  # kept on the device (last layer, tiny inputs)
+    stored: bool = False  # copied to the host pool
+    offload_done: object = None  # event: the copy to host finished
+    slot: int | None = None  # reload buffer holding it in backward
+    reload_done: object = None  # event: the copy back finished
+
+
+class OffloadManager:
+    """The schedule of one model's offloaded checkpoints; see the module docstring."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        double_buffer: bool,
+        engine,
+        pinned: bool = True,
+        min_offload_bytes: int = 1 << 20,
+    ):
+        self.num_layers = num_layers
+        self.double_buffer = double_buffer
+        self.engine = engine
+        self.pinned = pinned
+        self.min_offload_bytes = min_offload_bytes
+        self.host_pool: dict[int, torch.Tensor] = {}  # layer -> flat host buffer (grown, reused)
+        self.slots: list[torch.Tensor | None] = [None, None] if double_buffer else [None]
+        self.slot_free: list[object | None] = [None] * len(self.slots)  # event: last reader done
+        self.saved: dict[int, _Saved] = {}
+
+    # ------------------------------------------------------------------ forward
+    def offload(self, layer: int, hidden: torch.Tensor) -> _Saved:
+        saved = _Saved(layer=layer, shape=hidden.shape, dtype=hidden.dtype)
+        nbytes = hidden.numel() * hidden.element_size()
+        if layer == self.num_layers - 1 or nbytes < self.min_offload_bytes:
+            saved.device_tensor = hidden
+        else:
+            host = self._host_buffer(layer, hidden.numel(), hidden.dtype)
+            ready = self.engine.new_event(f"input{layer}-ready")
+            self.engine.record(ready, self.engine.compute_stream())
+            self.engine.wait(self.engine.copy_stream, ready)
+            self.engine.copy(
+                host[: hidden.numel()], hidden.reshape(-1), self.engine.copy_stream, f"offload{layer}"
+            )
+            saved.offload_done = self.engine.new_event(f"offload{layer}-done")
+            self.engine.record(saved.offload_done, self.engine.copy_stream)
+            saved.stored = True
+        self.saved[layer] = saved
+        return saved
+
+    def _host_buffer(self, layer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.host_pool.get(layer)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            try:
+                buffer = self.engine.host_empty(numel, dtype, self.pinned)
+            except RuntimeError as error:  # pinned memory capped: fall back to pageable, once
+                if not self.pinned:
+                    raise
+                logger.info(
+                    "offload: pinned host allocation failed (%s): pageable buffers from now on", error
+                )
+                self.pinned = False
+                buffer = self.engine.host_empty(numel, dtype, False)
+            self.host_pool[layer] = buffer
+        return buffer
+
+    # ------------------------------------------------------------------ backward
+    def fetch(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s input on the device, ready for the compute stream; prefetch the next."""
+        saved = self.saved[layer]
+        if saved.device_tensor is not None:
+            hidden = saved.device_tensor
+        else:
+            if saved.reload_done is None:  # not prefetched (single buffer, or the first reload)
+                self._reload(saved)
+            self.engine.wait(self.engine.compute_stream(), saved.reload_done)
+            hidden = self.slots[saved.slot][: saved.shape.numel()].view(saved.shape)
+        if self.double_buffer and layer - 1 in self.saved and self.saved[layer - 1].stored:
+            self._reload(self.saved[layer - 1])  # overlaps this layer's recompute + backward
+        return hidden
+
+    def _reload(self, saved: _Saved) -> None:
+        slot = saved.layer % len(self.slots)
+        numel = saved.shape.numel()
+        if (
+            self.slots[slot] is None
+            or self.slots[slot].numel() < numel
+            or self.slots[slot].dtype != saved.dtype
+        ):
+            self.slots[slot] = self.engine.device_empty(numel, saved.dtype)
+        self.engine.wait(self.engine.copy_stream, saved.offload_done)
+        if self.slot_free[slot] is not None:  # never overwrite a buffer its last reader still uses
+            self.engine.wait(self.engine.copy_stream, self.slot_free[slot])
+        self.engine.copy(
+            self.slots[slot][:numel],
+            self.host_pool[saved.layer][:numel],
+            self.engine.copy_stream,
+            f"reload{saved.layer}->slot{slot}",
+        )
+        saved.slot = slot
+        saved.reload_done = self.engine.new_event(f"reload{saved.layer}-done")
+        self.engine.record(saved.reload_done, self.engine.copy_stream)
+
+    def release(self, layer: int) -> None:
+        """Layer ``layer``'s backward is done: its reload buffer may be overwritten after this point."""
+        saved = self.saved.pop(layer)
+        if saved.slot is not None:
+            event = self.engine.new_event(f"slot{saved.slot}-free")
+            self.engine.record(event, self.engine.compute_stream())
+            self.slot_free[saved.slot] = event
+
+    def device_buffer_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.slots if s is not None)
+
+    # ------------------------------------------------------------------ the checkpoint function
+    def checkpoint_function(self, layer: int):
+        """The ``_gradient_checkpointing_func`` for decoder layer ``layer``."""
+
+        def run(function, hidden_states, *args):
+            if args:
+                raise TypeError(
+                    "offloaded checkpointing expects the layer's hidden states as its only positional input"
+                )
+            return _OffloadedCheckpoint.apply(function, self, layer, _GRAD_ANCHOR, hidden_states)
+
+        return run
+
+
+# Makes autograd call our backward even when no input needs a gradient (frozen embeddings
+# under LoRA): the same reason transformers offers enable_input_require_grads.
+_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, function, manager: OffloadManager, layer: int, anchor, hidden_states):
+        ctx.function, ctx.manager, ctx.layer = function, manager, layer
+        ctx.cpu_rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
+        manager.engine.mark(f"forward{layer}")
+        with torch.no_grad():
+            output = function(hidden_states)
+        manager.offload(layer, hidden_states.detach())
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        manager, layer = ctx.manager, ctx.layer
+        hidden = manager.fetch(layer).detach().requires_grad_(True)
+        manager.engine.mark(f"backward{layer}-begin")
+        with torch.random.fork_rng(devices=[hidden.device] if hidden.is_cuda else [], enabled=True):
+            torch.set_rng_state(ctx.cpu_rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
+            with torch.enable_grad():
+                output = ctx.function(hidden)
+        torch.autograd.backward(output, grad_output)
+        manager.engine.mark(f"backward{layer}-end")
+        manager.release(layer)
+        return None, None, None, None, hidden.grad

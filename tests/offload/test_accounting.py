@@ -1,0 +1,29 @@
+"""Activation bytes kept on the device at the end of forward, per mode."""
+
+import slipstream
+from slipstream.models import build_model
+from slipstream.offload import RecordingEngine, device_activation_bytes, enable_checkpointing
+from tests.conftest import random_docs
+
+LAYERS = 8
+
+
+def measure(mode):
+    model = build_model("llama", layers=LAYERS, vocab_size=128).train()
+    slipstream.optimize(model)
+    engine = RecordingEngine() if mode.startswith("offload") else None
+    _, manager = enable_checkpointing(model, mode, engine=engine, min_offload_bytes=0)
+    batch = slipstream.collate_packed(random_docs([60, 100, 40], vocab_size=128))
+    return device_activation_bytes(model, batch.model_inputs(), manager), model
+
+
+def test_offload_keeps_at_most_one_layer_share_of_what_off_keeps():
+    off, model = measure("off")
+    recompute, _ = measure("recompute")
+    offload, _ = measure("offload")
+    double, _ = measure("offload-double")
+    layer_input = 200 * model.config.hidden_size * 4  # one [1, T, H] fp32 tensor
+    assert recompute < off
+    assert offload <= off / LAYERS + layer_input  # + the one reload buffer
+    assert double <= off / LAYERS + 2 * layer_input  # + the two reload buffers
+    assert double - offload == layer_input
