@@ -6,6 +6,7 @@ not depend on the hardware, so a CPU run tells what a GPU run would pay in stall
 reports the largest tensor allocated, to show the dense [T, T] mask of the stock path.
 
     python benchmarks/host_syncs.py [--tokens 2048]
+    python benchmarks/host_syncs.py --moe     # MoE layers: stock eager / grouped_mm vs sorted routing
 """
 
 from __future__ import annotations
@@ -30,12 +31,42 @@ def measure(model, inputs) -> tuple[int, dict, int]:
     return syncs.total, dict(syncs.by_op), watch.largest_numel
 
 
+def moe_table(tokens: int) -> None:
+    """Host syncs of one forward of the MoE benchmark shapes, per routing implementation."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [tokens * 3 // 10, tokens // 2]
+    lengths.append(tokens - sum(lengths))
+    docs = [{"input_ids": torch.randint(1, 2048, (n,), generator=generator).tolist()} for n in lengths]
+    print(f"T = {tokens} tokens, one forward, packed attention in every arm\n")
+    print("| shape | experts | host syncs per forward | per MoE layer |\n|---|---|---:|---:|")
+    arms = (
+        ("stock eager", "eager", "stock", "auto"),
+        ("stock grouped_mm", "grouped_mm", "stock", "auto"),
+        ("slipstream sorted (grouped_mm)", None, "sorted", "grouped_mm"),
+        ("slipstream sorted (loop)", None, "sorted", "loop"),
+    )
+    for shape in ("qwen3-moe-bench-cpu", "gpt-oss-bench-cpu"):
+        for arm, experts, routing, compute in arms:
+            overrides = {"experts_implementation": experts} if experts else {}
+            model = build_model(shape, vocab_size=2048, **overrides)
+            slipstream.optimize(model, moe_routing=routing, moe_compute=compute)
+            batch = slipstream.collate_packed(docs)
+            with torch.no_grad(), HostSyncCounter() as syncs:
+                model(**batch.model_inputs())
+            layers = model.config.num_hidden_layers
+            print(f"| {shape} | {arm} | {syncs.total} | {syncs.total / layers:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tokens", type=int, default=2048, help="tokens in the packed row")
+    parser.add_argument("--moe", action="store_true", help="count MoE routing syncs instead")
     args = parser.parse_args()
+    if args.moe:
+        moe_table(args.tokens)
+        return
     generator = torch.Generator().manual_seed(0)
     lengths = [args.tokens // 8] * 4 + [args.tokens // 4] * 2
     lengths[-1] += args.tokens - sum(lengths)

@@ -50,3 +50,38 @@ def test_offload_on_cpu_falls_back_to_recompute_and_says_why(caplog):
         slipstream.optimize(model, checkpointing="offload-double")
     assert model.slipstream_state.checkpointing == "recompute"
     assert "no CUDA device: recompute instead" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["recompute", "offload-double+engine"])
+def test_lora_over_4bit_moe_experts_trains_the_same_under_checkpointing(mode):
+    """Frozen (4-bit) base, LoRA adapters only: the embeddings need no gradient, so the
+    checkpoint must still run its backward for the adapters inside the layers."""
+    from peft import LoraConfig, get_peft_model
+
+    from slipstream.moe.lora import add_expert_lora
+    from slipstream.moe.nf4 import quantize_experts
+
+    def lora_grads(checkpointing):
+        model = build_model("qwen3-moe", layers=3, seed=0).train()
+        slipstream.optimize(model)
+        quantize_experts(model)
+        if checkpointing.endswith("+engine"):
+            enable_checkpointing(model, checkpointing.removesuffix("+engine"), engine=RecordingEngine(), min_offload_bytes=0)
+        else:
+            slipstream.optimize(model, checkpointing=checkpointing)
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+        add_expert_lora(model, r=4)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.1)
+        batch = slipstream.collate_packed(random_docs([7, 20, 13]))
+        model(**batch.model_inputs()).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    reference, other = lora_grads("off"), lora_grads(mode)
+    assert reference.keys() == other.keys() and len(reference) > 4
+    for name in reference:
+        assert reference[name] is not None and other[name] is not None, name
+        assert torch.equal(reference[name], other[name]), name
