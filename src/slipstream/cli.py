@@ -15,6 +15,7 @@ slipstream makes LoRA / QLoRA fine-tuning of Hugging Face causal LMs faster and 
 every gain with a same-configuration A/B benchmark.
 
 commands:
+  train  LoRA / QLoRA SFT from a YAML config (slipstream train examples/tiny.yaml)
   ab     train the same model on the same packed data under stock transformers and under
          slipstream; print step time, tokens/s, peak memory, host syncs and the per-step
          loss of each arm (with no arguments: the built-in demo, a few minutes on a CPU)
@@ -110,6 +111,43 @@ def _cmd_ab(args) -> int:
     return 0
 
 
+def _add_train(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="LoRA / QLoRA SFT from a YAML config",
+        description="Train from CONFIG.yaml; every speedup on by default, each switchable.",
+    )
+    p.add_argument("config", help="a YAML training config (see examples/)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set optimizer.lr=1e-4 (repeatable)",
+    )
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace a finished run in the output directory")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args) -> int:
+    from .data import DataError
+    from .train.config import ConfigError, load_config
+    from .train.loop import TrainError, train
+
+    try:
+        config = load_config(args.config, args.set)
+        _, summary = train(config, resume=args.resume, overwrite=args.overwrite)
+    except (ConfigError, DataError, TrainError) as error:
+        print(f"slipstream train: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"finished {summary['steps']} steps, final loss {summary['final_loss']:.4f}; "
+        f"adapter in {Path(config.output_dir) / 'adapter'}"
+    )
+    return 0
+
+
 def _add_pack(sub) -> None:
     p = sub.add_parser("pack", help="tokenize and bin-pack a dataset file; report skips and efficiency")
     p.add_argument("path", help="a .jsonl, .json or .parquet file, or a datasets save_to_disk directory")
@@ -166,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each policy decision")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(sub)
     _add_ab(sub)
     _add_pack(sub)
     return parser

@@ -66,7 +66,9 @@ def test_lora_over_4bit_moe_experts_trains_the_same_under_checkpointing(mode):
         slipstream.optimize(model)
         quantize_experts(model)
         if checkpointing.endswith("+engine"):
-            enable_checkpointing(model, checkpointing.removesuffix("+engine"), engine=RecordingEngine(), min_offload_bytes=0)
+            enable_checkpointing(
+                model, checkpointing.removesuffix("+engine"), engine=RecordingEngine(), min_offload_bytes=0
+            )
         else:
             slipstream.optimize(model, checkpointing=checkpointing)
         torch.manual_seed(1)

@@ -1,0 +1,178 @@
+"""`slipstream train`: it trains, saves a loadable adapter, resumes exactly, and refuses bad input clearly."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from slipstream.cli import main
+from slipstream.train.config import ConfigError, load_config
+from slipstream.train.loop import newest_checkpoint, train
+
+TINY = {
+    "model": {"preset": "qwen3"},
+    "data": {"demo_rows": 120, "max_seq_len": 256},
+    "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj"]},
+    "optimizer": {"lr": 1e-2, "schedule": "constant"},
+    "training": {"steps": 12, "checkpoint_every": 4},
+    "seed": 0,
+}
+
+
+def write_config(tmp_path: Path, data: dict, name="config.yaml") -> Path:
+    path = tmp_path / name
+    data = {**data, "output_dir": str(tmp_path / "out")} if "output_dir" not in data else data
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trains_and_the_adapter_reproduces_the_trained_logits(tmp_path):
+    from peft import PeftModel
+
+    from slipstream.data import demo_tokenizer
+    from slipstream.models import build_model
+
+    config = load_config(write_config(tmp_path, TINY))
+    model, summary = train(config, progress=False)
+    curve = losses(tmp_path / "out")
+    assert len(curve) == 12 and sum(curve[-4:]) < sum(curve[:4])
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    base = build_model("qwen3", vocab_size=len(demo_tokenizer()), seed=0)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5
+    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "finished"
+
+
+@pytest.mark.parametrize("four_bit", [False, True])
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_trains_a_saved_model_directory(tmp_path, family, four_bit):
+    from slipstream.data import demo_tokenizer
+    from slipstream.models import build_model
+
+    tokenizer = demo_tokenizer()
+    build_model(family, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    data = {
+        **TINY,
+        "model": {"path": str(tmp_path / "base")},
+        "quantization": {"four_bit": four_bit},
+        "lora": {**TINY["lora"], "target_modules": ["q_proj", "v_proj"], "experts": family == "qwen3-moe"},
+        "training": {"steps": 4},
+    }
+    model, summary = train(load_config(write_config(tmp_path, data)), progress=False)
+    assert summary["steps"] == 4 and all(map(lambda x: x == x, losses(tmp_path / "out")))  # finite
+    if family == "qwen3-moe":
+        assert (tmp_path / "out" / "adapter" / "experts" / "expert_lora.safetensors").exists()
+
+
+def run_cli(args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def test_killed_run_resumes_to_the_same_losses(tmp_path):
+    full = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "full")}, "full.yaml")
+    part = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "part")}, "part.yaml")
+    assert run_cli(["train", str(full)]).returncode == 0
+    killed = run_cli(["train", str(part)], env={"SLIPSTREAM_FAULT_KILL_AFTER_STEP": "6"})
+    assert killed.returncode == -9  # SIGKILL
+    assert newest_checkpoint(tmp_path / "part").name == "step-000004"
+    # a checkpoint caught mid-write is never picked up
+    (tmp_path / "part" / "checkpoints" / ".step-000008.tmp-123").mkdir()
+    (tmp_path / "part" / "checkpoints" / "step-000010").mkdir()  # no state.json: incomplete
+    assert newest_checkpoint(tmp_path / "part").name == "step-000004"
+    resumed = run_cli(["train", str(part), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    reference, again = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert len(again) == len(reference) == 12
+    for step in range(4, 12):
+        assert abs(again[step] - reference[step]) <= 1e-6, step
+
+
+def test_config_errors_name_the_key_and_the_closest_valid_one(tmp_path, capsys):
+    bad = write_config(tmp_path, {**TINY, "lora": {"rnak": 4}})
+    assert main(["train", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown key 'lora.rnak'" in err and "did you mean 'lora.rank'" in err
+    with pytest.raises(ConfigError, match="'optimizer.lr' must be float"):
+        load_config(write_config(tmp_path, {**TINY, "optimizer": {"lr": "fast"}}))
+    with pytest.raises(ConfigError, match="exactly one of 'training.steps'"):
+        load_config(write_config(tmp_path, {**TINY, "training": {"steps": 3, "epochs": 1}}))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model:\n  preset: qwen3\n data: [\n")
+    with pytest.raises(ConfigError, match=r"broken.yaml:\d+: invalid YAML"):
+        load_config(broken)
+    (tmp_path / "latin1.yaml").write_bytes("seed: 0 # caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "latin1.yaml")
+    assert load_config(write_config(tmp_path, TINY), ["optimizer.lr=0.5"]).optimizer.lr == 0.5
+
+
+def test_bad_data_and_bad_directories_fail_cleanly(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "fine row"}\n{"text": \n')
+    config = write_config(tmp_path, {**TINY, "data": {"path": str(rows), "max_seq_len": 64}})
+    assert main(["train", str(config)]) == 1
+    assert "rows.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "adapter").exists()
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    config = write_config(
+        tmp_path, {**TINY, "data": {"path": str(empty)}, "output_dir": str(tmp_path / "o2")}
+    )
+    assert main(["train", str(config)]) == 1
+    assert "empty.jsonl" in capsys.readouterr().err
+
+    from slipstream.models import build_model
+
+    build_model("llama").save_pretrained(tmp_path / "no_tokenizer")
+    config = write_config(
+        tmp_path,
+        {**TINY, "model": {"path": str(tmp_path / "no_tokenizer")}, "output_dir": str(tmp_path / "o3")},
+    )
+    assert main(["train", str(config)]) == 1
+    assert "no usable tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "split"])
+def test_long_samples_are_counted_under_each_policy(tmp_path, overflow):
+    rows = tmp_path / "long.jsonl"
+    rows.write_text("\n".join(json.dumps({"text": " ".join(["word"] * n)}) for n in (5, 300, 8, 12)) + "\n")
+    data = {
+        **TINY,
+        "data": {"path": str(rows), "max_seq_len": 64, "overflow": overflow},
+        "training": {"steps": 2},
+    }
+    _, summary = train(load_config(write_config(tmp_path, data)), progress=False)
+    assert ("1 truncated" if overflow == "truncate" else "1 split into") in summary["packing"]
+
+
+def test_a_finished_run_is_not_overwritten_without_asking(tmp_path, capsys):
+    config = write_config(tmp_path, {**TINY, "training": {"steps": 2}})
+    assert main(["train", str(config)]) == 0
+    before = (tmp_path / "out" / "run.json").read_text()
+    assert main(["train", str(config)]) == 1
+    assert "already holds a finished run" in capsys.readouterr().err
+    assert (tmp_path / "out" / "run.json").read_text() == before
+    assert main(["train", str(config), "--overwrite"]) == 0
