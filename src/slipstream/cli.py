@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -141,10 +142,11 @@ def _cmd_train(args) -> int:
     except (ConfigError, DataError, TrainError) as error:
         print(f"slipstream train: {error}", file=sys.stderr)
         return 1
-    print(
-        f"finished {summary['steps']} steps, final loss {summary['final_loss']:.4f}; "
-        f"adapter in {Path(config.output_dir) / 'adapter'}"
-    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 speaks
+        print(
+            f"finished {summary['steps']} steps, final loss {summary['final_loss']:.4f}; "
+            f"adapter in {Path(config.output_dir) / 'adapter'}"
+        )
     return 0
 
 

@@ -75,6 +75,7 @@ class TrainingConfig:
     checkpoint_every: int = 0  # steps; 0 = only the final adapter
     log_every: int = 1
     tensorboard: bool = False
+    distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp2" (fully_shard)
 
 
 @dataclass
@@ -125,6 +126,12 @@ class TrainConfig:
         for key, (value, allowed) in choices.items():
             if value not in allowed:
                 fail(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.training.distributed not in ("ddp", "fsdp2"):
+            fail(f"training.distributed must be 'ddp' or 'fsdp2', got {self.training.distributed!r}")
+        if self.training.distributed == "fsdp2" and (self.training.checkpoint_every or self.lora.experts):
+            fail(
+                "training.distributed 'fsdp2' does not support training.checkpoint_every or lora.experts yet"
+            )
         if self.speedups.moe_routing not in (None, "sorted", "stock"):
             fail(f"speedups.moe_routing must be 'sorted' or 'stock', got {self.speedups.moe_routing!r}")
         if self.quantization.four_bit and not self.lora.enabled:

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError, TrainConfig
+from .distributed import unwrap
 from .step import train_step
 
 logger = logging.getLogger("slipstream")
@@ -135,16 +136,21 @@ def _apply_lora(model, config: TrainConfig):
     return model
 
 
-def _step_plan(num_bins: int, config: TrainConfig) -> tuple[int, callable]:
-    """Total steps, and step -> bin indices: each epoch a seeded permutation of the bins."""
-    per_epoch = math.ceil(num_bins / config.training.grad_accum)
+def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, callable]:
+    """Total steps, and step -> the bin indices of the whole (all-rank) step.
+
+    Each epoch is a seeded permutation of the bins; a step takes ``grad_accum x world_size``
+    of them, so N ranks at grad_accum G see the batches one process sees at G x N.
+    """
+    per_step = config.training.grad_accum * world_size
+    per_epoch = math.ceil(num_bins / per_step)
     total = config.training.steps or per_epoch * config.training.epochs
     orders: dict[int, list[int]] = {}
 
     def bins_for(step: int) -> list[int]:
         out = []
-        for j in range(config.training.grad_accum):
-            flat = step * config.training.grad_accum + j
+        for j in range(per_step):
+            flat = step * per_step + j
             epoch, position = divmod(flat, num_bins)
             if epoch not in orders:
                 order = list(range(num_bins))
@@ -172,7 +178,14 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def _label_tokens(docs: list[dict]) -> int:
+    """The label tokens a packed bin contributes to the loss (each document's first label is masked)."""
+    from ..packing import IGNORE_INDEX
+
+    return sum(sum(1 for label in doc["labels"][1:] if label != IGNORE_INDEX) for doc in docs)
 
 
 def save_checkpoint(out: Path, step: int, model, optimizer, scheduler) -> Path:
@@ -208,7 +221,7 @@ def _load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
     from safetensors.torch import load_file
 
     weights = load_file(str(path / "trainable.safetensors"))
-    params = dict(model.named_parameters())
+    params = dict(unwrap(model).named_parameters())
     with torch.no_grad():
         for name, tensor in weights.items():
             if name not in params:
@@ -227,18 +240,17 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict) -> Path:
+def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict, state=None) -> Path:
+    """The adapter (or the fine-tuned model) in PEFT / transformers format, then run.json."""
     adapter = out / "adapter"
     tmp = out / f".adapter.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    if config.lora.enabled:
-        model.save_pretrained(tmp)
-        if config.lora.experts:
-            from ..moe.lora import save_expert_lora
+    model = unwrap(model)
+    model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
+    if config.lora.enabled and config.lora.experts:
+        from ..moe.lora import save_expert_lora
 
-            save_expert_lora(model, tmp / "experts")
-    else:
-        model.save_pretrained(tmp, safe_serialization=True)
+        save_expert_lora(model, tmp / "experts")
     tokenizer.save_pretrained(tmp)
     if adapter.exists():
         shutil.rmtree(adapter)
@@ -261,14 +273,21 @@ def _prepare_output(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, progress: bool = True):
-    """Run the training described by ``config``; returns ``(model, summary)``."""
+    """Run the training described by ``config``; returns ``(model, summary)``.
+
+    Under torchrun every rank runs this; each takes its share of every step and rank 0 writes.
+    """
     from tqdm import tqdm
 
     from .. import collate_packed, optimize
     from ..data import pack_samples
+    from .distributed import full_trainable_state, setup, shutdown, wrap
 
+    info = setup(config.training.distributed)
     out = Path(config.output_dir)
-    _prepare_output(out, resume, overwrite)
+    if info.is_main:
+        _prepare_output(out, resume, overwrite)
+    info.barrier()
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = _tokenizer(config)
@@ -280,7 +299,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         logger.info("%s", data_report.summary())
     logger.info("%s", packing.summary())
     model = _model(config, len(tokenizer))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = info.device()
     if not config.quantization.four_bit:
         model.to(device)
     optimize(
@@ -292,8 +311,14 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
     torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
     model = _apply_lora(model, config)
     model.train()
+    policies = list(
+        model.get_base_model().slipstream_state.policies
+        if hasattr(model, "get_base_model")
+        else model.slipstream_state.policies
+    )
+    model = wrap(model, info)
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = {"fused": True} if device in ("cuda", "cpu") else {}
+    fused = {"fused": True} if device.type in ("cuda", "cpu") and info.strategy != "fsdp2" else {}
     optimizer = torch.optim.AdamW(
         params,
         lr=config.optimizer.lr,
@@ -301,7 +326,7 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         weight_decay=config.optimizer.weight_decay,
         **fused,
     )
-    total, bins_for = _step_plan(len(bins), config)
+    total, bins_for = _step_plan(len(bins), config, info.world_size)
     from transformers import get_scheduler
 
     scheduler = get_scheduler(
@@ -314,67 +339,97 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
     metrics_path = out / "metrics.jsonl"
     if resume and (checkpoint := newest_checkpoint(out)) is not None:
         start = _load_checkpoint(checkpoint, model, optimizer, scheduler)
-        kept = (
-            [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
-            if metrics_path.exists()
-            else []
-        )
-        _write_atomically(metrics_path, "".join(line + "\n" for line in kept))
+        if info.is_main:
+            kept = (
+                [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
+                if metrics_path.exists()
+                else []
+            )
+            _write_atomically(metrics_path, "".join(line + "\n" for line in kept))
         logger.info("resumed from %s (step %d)", checkpoint, start)
-    elif metrics_path.exists():
+    elif metrics_path.exists() and info.is_main:
         metrics_path.unlink()
-    _write_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
+    if info.is_main:
+        _write_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
+    info.barrier()
     kill_after = int(
         os.environ.get("SLIPSTREAM_FAULT_KILL_AFTER_STEP", "0")
     )  # a fault-injection hook for tests
-    writer = _tensorboard(out) if config.training.tensorboard else None
+    writer = _tensorboard(out) if config.training.tensorboard and info.is_main else None
+    label_tokens = [_label_tokens(b) for b in bins]
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(
-        range(start, total), initial=start, total=total, desc="train", disable=not progress, unit="step"
+        range(start, total),
+        initial=start,
+        total=total,
+        desc="train",
+        disable=not (progress and info.is_main),
+        unit="step",
     )
-    with metrics_path.open("a") as metrics:
+    metrics = metrics_path.open("a") if info.is_main else None
+    try:
         for step in bar:
+            step_bins = bins_for(step)
             micro = []
-            for index in bins_for(step):
+            for index in step_bins[info.rank :: info.world_size]:
                 batch = collate_packed(bins[index], device=device)
                 micro.append((batch.model_inputs(), batch.num_label_tokens))
-                tokens_seen += batch.num_tokens
-            result = train_step(model, micro, optimizer, max_grad_norm=config.optimizer.max_grad_norm)
+            tokens_seen += sum(len(d["input_ids"]) for index in step_bins for d in bins[index])
+            result = train_step(
+                model,
+                micro,
+                optimizer,
+                max_grad_norm=config.optimizer.max_grad_norm,
+                global_tokens=sum(label_tokens[i] for i in step_bins),
+                loss_scale=info.world_size,
+            )
             scheduler.step()
+            loss = info.sum(result["loss"])
             elapsed = time.perf_counter() - begin
             record = {
                 "step": step + 1,
-                "loss": result["loss"],
+                "loss": loss,
                 "grad_norm": result["grad_norm"],
                 "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_seen / elapsed,
                 "elapsed_s": elapsed,
             }
-            losses.append(result["loss"])
-            if (step + 1) % config.training.log_every == 0 or step + 1 == total:
+            losses.append(loss)
+            if metrics is not None and ((step + 1) % config.training.log_every == 0 or step + 1 == total):
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
                 if writer is not None:
                     for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                         writer.add_scalar(f"train/{key}", record[key], step + 1)
-            bar.set_postfix(loss=f"{result['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
-                save_checkpoint(out, step + 1, model, optimizer, scheduler)
+                if info.is_main:
+                    save_checkpoint(out, step + 1, model, optimizer, scheduler)
+                info.barrier()
             if kill_after and step + 1 == kill_after:
-                metrics.flush()
+                if metrics is not None:
+                    metrics.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+    finally:
+        if metrics is not None:
+            metrics.close()
     if writer is not None:
         writer.close()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     summary = {
         "steps": total,
         "final_loss": losses[-1] if losses else None,
         "packing": packing.summary(),
-        "policies": list(base.slipstream_state.policies),
+        "policies": policies,
+        "world_size": info.world_size,
+        "distributed": info.strategy,
     }
-    _save_final(out, model, tokenizer, config, summary)
+    state = full_trainable_state(model, info) if info.strategy == "fsdp2" else None  # collective: every rank
+    if info.is_main:
+        _save_final(out, model, tokenizer, config, summary, state)
+    info.barrier()
+    shutdown(info)
     return model, summary
 
 

@@ -31,14 +31,20 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None = 1.0,
     model_context: Callable[[], AbstractContextManager] = nullcontext,
+    global_tokens: int | None = None,
+    loss_scale: float = 1.0,
 ) -> dict[str, float]:
     """Forward + backward every micro-batch, clip, step, zero. Returns loss and grad norm.
 
     The returned loss is the token-weighted mean over the whole step, the number a single
     batch holding all micro-batches would report. ``model_context`` wraps each forward +
     backward (and nothing else), e.g. a host-sync counter.
+
+    Data parallel: ``global_tokens`` is the label-token count of the step over all ranks
+    (this rank's loss is then its share of the global mean) and ``loss_scale`` the world
+    size, undoing the gradient averaging of DDP / FSDP2.
     """
-    total_tokens = sum(tokens for _, tokens in micro_batches)
+    total_tokens = global_tokens if global_tokens is not None else sum(tokens for _, tokens in micro_batches)
     if total_tokens == 0:
         raise ValueError("a training step with no label tokens")
     items = torch.tensor(total_tokens, dtype=torch.float32)
@@ -48,10 +54,12 @@ def train_step(
             inputs = {**inputs, "num_items_in_batch": items.to(inputs["input_ids"].device)}
         with model_context():
             loss = model(**inputs).loss
-            loss.backward()
+            (loss * loss_scale if loss_scale != 1.0 else loss).backward()
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(loss_sum), "grad_norm": float(grad_norm)}
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    return {"loss": float(loss_sum) if loss_sum is not None else 0.0, "grad_norm": float(grad_norm)}
