@@ -176,3 +176,30 @@ def test_a_finished_run_is_not_overwritten_without_asking(tmp_path, capsys):
     assert "already holds a finished run" in capsys.readouterr().err
     assert (tmp_path / "out" / "run.json").read_text() == before
     assert main(["train", str(config), "--overwrite"]) == 0
+
+
+def test_every_example_config_is_valid():
+    for path in sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
+        config = load_config(path)
+        assert config.output_dir, path
+
+
+def test_the_tiny_example_learns_and_its_adapter_loads_back(tmp_path):
+    from peft import PeftModel
+
+    from slipstream.data import demo_tokenizer
+    from slipstream.models import build_model
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
+    config = load_config(example, [f"output_dir={tmp_path / 'tiny'}"])
+    model, _ = train(config, progress=False)
+    curve = losses(tmp_path / "tiny")
+    assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 1.0  # clearly falls
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7, 250]])
+    model.eval()
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+    base = build_model(config.model.preset, vocab_size=len(demo_tokenizer()), seed=config.seed)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "tiny" / "adapter").eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5

@@ -49,6 +49,9 @@ class LoraConfig:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = False  # per-expert LoRA on MoE expert projections
+    modules_to_save: list[str] = field(
+        default_factory=list
+    )  # trained in full beside the adapter, e.g. lm_head
 
 
 @dataclass

@@ -127,6 +127,7 @@ def _apply_lora(model, config: TrainConfig):
         lora_dropout=config.lora.dropout,
         target_modules=config.lora.target_modules,
         task_type="CAUSAL_LM",
+        modules_to_save=config.lora.modules_to_save or None,
     )
     model = get_peft_model(model, lora)
     if config.lora.experts:
