@@ -21,11 +21,11 @@ demo: $(STAMP)
 	$(BIN)/slipstream ab
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks docs
+	$(BIN)/ruff check src tests benchmarks docs examples
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks docs
+	$(BIN)/ruff check src tests benchmarks docs examples
 	$(BIN)/ruff format --check src tests benchmarks
 
 bench-packing: $(STAMP)

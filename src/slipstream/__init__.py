@@ -11,12 +11,14 @@ The public API::
   max_seqlen) built once on the host; returns a ``PackedBatch``.
 - ``optimize``: each speedup a toggle whose other arm is the stock path.
 - ``PackedBatch``: the batch and its metadata; ``model_inputs()`` gives the model kwargs.
+- ``PackedCollator``: the same packing as a data collator for the HF Trainer and TRL's
+  SFTTrainer (the loss stays token-weighted under their gradient accumulation).
 - ``load_for_qlora``: a local model with NF4 linear layers and, for MoE models, NF4 experts.
 """
 
 from ._version import __version__
 from .models.qlora import load_for_qlora
 from .optimize import optimize
-from .packing import PackedBatch, collate_packed
+from .packing import PackedBatch, PackedCollator, collate_packed
 
-__all__ = ["PackedBatch", "__version__", "collate_packed", "load_for_qlora", "optimize"]
+__all__ = ["PackedBatch", "PackedCollator", "__version__", "collate_packed", "load_for_qlora", "optimize"]

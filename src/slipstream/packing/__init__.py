@@ -2,12 +2,15 @@
 
 from .attention import BACKENDS, UnsupportedAttentionFeature, register_attention_functions
 from .batch import IGNORE_INDEX, PACKED_BATCH_KWARG, PackedBatch, collate_packed, collate_padded
+from .collator import PackedCollator, PackedInputs
 
 __all__ = [
     "BACKENDS",
     "IGNORE_INDEX",
     "PACKED_BATCH_KWARG",
     "PackedBatch",
+    "PackedCollator",
+    "PackedInputs",
     "UnsupportedAttentionFeature",
     "collate_packed",
     "collate_padded",
