@@ -203,3 +203,17 @@ def test_the_tiny_example_learns_and_its_adapter_loads_back(tmp_path):
     loaded = PeftModel.from_pretrained(base, tmp_path / "tiny" / "adapter").eval()
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5
+
+
+def test_missing_and_non_utf8_data_files_name_the_file(tmp_path, capsys):
+    config = write_config(tmp_path, {**TINY, "data": {"path": str(tmp_path / "nowhere.jsonl")}})
+    assert main(["train", str(config)]) == 1
+    assert "nowhere.jsonl" in capsys.readouterr().err
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    config = write_config(
+        tmp_path, {**TINY, "data": {"path": str(latin)}, "output_dir": str(tmp_path / "o4")}
+    )
+    assert main(["train", str(config)]) == 1
+    assert "latin.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "o4" / "adapter").exists()
