@@ -26,7 +26,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARMS = ("stock-padded", "stock-packed", "slipstream")
+# Each arm: the batch layout and the toggles it runs with. Stock arms are the model as users
+# run it today (transformers' own attention and experts); "slipstream-no-*" are leave-one-out
+# ablations, so every optimization's own share shows.
+ARM_SPECS: dict[str, dict] = {
+    "stock-padded": {"layout": "padded", "packed_attention": False, "moe_routing": "stock", "stock": True},
+    "stock-packed": {"layout": "packed", "packed_attention": False, "moe_routing": "stock", "stock": True},
+    "slipstream": {"layout": "packed", "packed_attention": True, "moe_routing": None, "stock": False},
+    "slipstream-no-packed-attention": {
+        "layout": "packed",
+        "packed_attention": False,
+        "moe_routing": None,
+        "stock": False,
+    },
+    "slipstream-no-moe-routing": {
+        "layout": "packed",
+        "packed_attention": True,
+        "moe_routing": "stock",
+        "stock": False,
+    },
+    "slipstream-no-offload": {
+        "layout": "packed",
+        "packed_attention": True,
+        "moe_routing": None,
+        "stock": False,
+        "checkpointing": "recompute",
+    },
+}
+ARMS = tuple(ARM_SPECS)
+ARM_PRESETS = {
+    "default": ("stock-padded", "stock-packed", "slipstream"),
+    "ablation": ("stock-packed", "slipstream", "slipstream-no-packed-attention", "slipstream-no-moe-routing"),
+}
 
 
 @dataclass
@@ -49,7 +80,8 @@ class ABConfig:
     batching: str = "bfd"
     dtype: str = "float32"
     device: str = "auto"
-    arms: tuple[str, ...] = ARMS
+    arms: tuple[str, ...] = ARM_PRESETS["default"]
+    checkpointing: str = "off"  # for slipstream arms; stock arms use plain recompute when this is not "off"
     repeats: int = 1
     threads: int | None = None
     out_dir: str | None = None
@@ -62,6 +94,11 @@ class ABConfig:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         if self.batching not in ("bfd", "sequential"):
             raise ValueError(f"batching must be 'bfd' or 'sequential', got {self.batching!r}")
+        if self.checkpointing not in ("off", "recompute", "offload", "offload-double", "auto"):
+            raise ValueError(
+                f"checkpointing must be off, recompute, offload, offload-double or auto, "
+                f"got {self.checkpointing!r}"
+            )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 
@@ -79,6 +116,7 @@ class ArmResult:
     memory_kind: str
     attn_implementation: str
     policies: list[str] = field(default_factory=list)
+    activation_bytes: int = 0  # kept on the device at the end of forward (hardware-independent)
 
 
 def _resolve_device(name: str) -> str:
@@ -113,11 +151,12 @@ def _micro_batch_inputs(arm: str, docs: list[dict], device: str):
     from ..packing import collate_packed, collate_padded
     from ..train.step import count_label_tokens
 
-    if arm == "stock-padded":
+    spec = ARM_SPECS[arm]
+    if spec["layout"] == "padded":
         inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in collate_padded(docs).items()}
         return inputs, count_label_tokens(inputs["labels"])
     batch = collate_packed(docs, device=device)
-    inputs = batch.model_inputs() if arm == "slipstream" else batch.stock_inputs()
+    inputs = batch.model_inputs() if spec["packed_attention"] else batch.stock_inputs()
     return inputs, batch.num_label_tokens
 
 
@@ -139,9 +178,21 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype
     )
     model.to(device).train()
-    if arm == "slipstream":
-        optimize(model, packed_attention=True)
+    spec = ARM_SPECS[arm]
+    checkpointing = spec.get("checkpointing", config.checkpointing)
+    if spec["stock"] and checkpointing != "off":
+        checkpointing = "recompute"  # what stock transformers offers
+    optimize(
+        model,
+        packed_attention=spec["packed_attention"],
+        moe_routing=spec["moe_routing"],
+        checkpointing=checkpointing,
+    )
     state = getattr(model, "slipstream_state", None)
+    from ..offload import device_activation_bytes
+
+    first_inputs, _ = _micro_batch_inputs(arm, plan[0][0], device)
+    activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
 
     def sync():
@@ -162,6 +213,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
         attn_implementation=model.config._attn_implementation,
         policies=list(state.policies) if state else [],
+        activation_bytes=activation_bytes,
     )
     for step, micro_docs in enumerate(plan):
         micro = [_micro_batch_inputs(arm, docs, device) for docs in micro_docs]
@@ -198,42 +250,50 @@ def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: in
     return run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size)
 
 
-def loss_parity(reference: list[float], other: list[float], dtype: str) -> tuple[str, float]:
-    """("identical" | "within tolerance" | "diverged", max relative difference per step)."""
-    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, other, strict=True))
-    identical, tolerance = (1e-6, 1e-3) if dtype == "float32" else (1e-3, 3e-2)
-    if worst <= identical:
-        return "identical", worst
-    return ("within tolerance" if worst <= tolerance else "diverged"), worst
-
-
 def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
-    """Per-arm medians and throughput, speedups against each stock arm, loss parity."""
+    """Per-arm medians and throughput; speedups (with 95% intervals) against each stock arm; loss parity."""
+    from .stats import loss_parity, speedup
+
     summary: dict[str, Any] = {}
+    timed: dict[str, list[float]] = {}
     for arm, runs in arms.items():
         step_s = [s for run in runs for s in run["step_s"][config.warmup :]]
         tokens = [t for run in runs for t in run["tokens"][config.warmup :]]
+        timed[arm] = step_s
         first = runs[0]
         summary[arm] = {
             "median_step_s": statistics.median(step_s),
             "tokens_per_s": sum(tokens) / sum(step_s),
             "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
             "memory_kind": first["memory_kind"],
+            "activation_bytes": first.get("activation_bytes", 0),
             "host_syncs_per_step": first["host_syncs_per_step"],
             "attn_implementation": first["attn_implementation"],
             "final_loss": first["loss"][-1],
         }
     reference = next(iter(arms))
     for arm in arms:
-        verdict, worst = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
-        summary[arm]["loss_vs_" + reference] = verdict
-        summary[arm]["loss_max_rel_diff"] = worst
-    if "slipstream" in summary:
-        fast = summary["slipstream"]["tokens_per_s"]
-        for arm in arms:
-            if arm != "slipstream":
-                summary["slipstream"][f"speedup_vs_{arm}"] = fast / summary[arm]["tokens_per_s"]
+        parity = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
+        summary[arm]["loss_vs_" + reference] = parity.verdict
+        summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
+    stock_arms = [a for a in arms if ARM_SPECS[a]["stock"]]
+    for arm in arms:
+        if ARM_SPECS[arm]["stock"]:
+            continue
+        for base in stock_arms:
+            summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
+            interval = speedup(timed[base], timed[arm], seed=config.seed)
+            summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
     return summary
+
+
+def parity_failures(record: dict) -> list[str]:
+    """Arms whose loss curve diverged from the reference arm's."""
+    return [
+        arm
+        for arm, s in record["summary"].items()
+        if any(v == "diverged" for k, v in s.items() if k.startswith("loss_vs_"))
+    ]
 
 
 def run_ab(config: ABConfig, progress: bool = True) -> dict:
@@ -266,6 +326,24 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _speedup_cells(s: dict) -> list[str]:
+    """'1.44x [1.39, 1.50] faster vs stock-packed' for every stock arm an arm was compared with."""
+    cells = []
+    for key, value in s.items():
+        if key.startswith("speedup_vs_"):
+            base = key.removeprefix("speedup_vs_")
+            interval = s.get(f"interval_vs_{base}")
+            detail = (
+                f" [{interval['low']:.2f}, {interval['high']:.2f}] {interval['verdict']}" if interval else ""
+            )
+            cells.append(f"{value:.2f}x{detail} vs {base}")
+    return cells
+
+
+def _parity(s: dict) -> str:
+    return s[next(k for k in s if k.startswith("loss_vs_"))]
+
+
 def markdown_report(record: dict) -> str:
     from .fingerprint import describe
 
@@ -276,27 +354,22 @@ def markdown_report(record: dict) -> str:
         f"Machine: {describe(record['fingerprint'])}",
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
-        f"packing efficiency "
-        f"{record['packing']['efficiency']:.1%}",
+        f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}",
         "",
-        "| arm | attention | median step (s) | tokens/s | peak memory (MB) | host syncs/step | loss parity |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| arm | attention | median step (s) | tokens/s | peak memory (MB) | activation bytes | host syncs/step "
+        "| speedup (tokens/s, 95% interval) | loss parity |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for arm, s in summary.items():
         lines.append(
             f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | {s['tokens_per_s']:.0f} | "
-            f"{s['peak_memory_mb']:.0f} | {s['host_syncs_per_step']} | "
-            f"{s[next(k for k in s if k.startswith('loss_vs_'))]} ({s['loss_max_rel_diff']:.1e}) |"
+            f"{s['peak_memory_mb']:.0f} | {s.get('activation_bytes', 0):,} | {s['host_syncs_per_step']} | "
+            f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
-    if "slipstream" in summary:
-        lines += ["", "Speedup of slipstream (tokens/s ratio):"]
-        lines += [
-            f"- vs {k.removeprefix('speedup_vs_')}: {v:.2f}x"
-            for k, v in summary["slipstream"].items()
-            if k.startswith("speedup_vs_")
-        ]
     arms = list(record["runs"])
     lines += [
+        "",
+        "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)",
         "",
         "Per-step loss (first repeat):",
         "",
@@ -311,9 +384,13 @@ def markdown_report(record: dict) -> str:
 
 
 def write_record(record: dict, out_dir: Path) -> tuple[Path, Path]:
+    """ab.json, ab.md and the PNG plots, each written atomically."""
+    from .plots import ab_plots
+
     json_path, md_path = out_dir / "ab.json", out_dir / "ab.md"
     write_atomically(json_path, json.dumps(record, indent=1))
     write_atomically(md_path, markdown_report(record))
+    ab_plots(record, out_dir)
     return json_path, md_path
 
 
@@ -323,7 +400,7 @@ def print_tables(record: dict) -> None:
 
     from .fingerprint import describe
 
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 140))
     config, summary = record["config"], record["summary"]
     table = Table(
         title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
@@ -335,25 +412,19 @@ def print_tables(record: dict) -> None:
         "tokens/s",
         "peak mem (MB)",
         "host syncs/step",
-        "speedup",
+        "speedup [95%]",
         "loss",
     ):
-        table.add_column(column, justify="left" if column in ("arm", "loss") else "right")
+        table.add_column(column, justify="left" if column in ("arm", "loss", "speedup [95%]") else "right")
     for arm, s in summary.items():
-        speedups = [
-            f"{v:.2f}x vs {k.removeprefix('speedup_vs_')}"
-            for k, v in s.items()
-            if k.startswith("speedup_vs_")
-        ]
-        verdict = s[next(k for k in s if k.startswith("loss_vs_"))]
         table.add_row(
             arm,
             f"{s['median_step_s']:.4f}",
             f"{s['tokens_per_s']:.0f}",
             f"{s['peak_memory_mb']:.0f}",
             str(s["host_syncs_per_step"]),
-            "\n".join(speedups) or "-",
-            verdict,
+            "\n".join(_speedup_cells(s)) or "-",
+            _parity(s),
         )
     console.print(table)
     arms = list(record["runs"])
