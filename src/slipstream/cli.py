@@ -20,6 +20,7 @@ commands:
   ab     train the same model on the same packed data under stock transformers and under
          slipstream; print step time, tokens/s, peak memory, host syncs and the per-step
          loss of each arm (with no arguments: the built-in demo, a few minutes on a CPU)
+  report merge A/B records from many machines and runs into one hardware x workload table
   pack   read a dataset file (JSONL, JSON, Parquet, datasets-on-disk), tokenize and
          bin-pack it, and report skipped rows and packing efficiency
 """
@@ -60,12 +61,28 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
     )
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads per arm")
     p.add_argument("--out", default=defaults.out_dir, help="output directory (default: runs/ab-<time>)")
+    p.add_argument(
+        "--preset",
+        choices=("default", "ablation"),
+        default=None,
+        help="arms preset: default (stock-padded, stock-packed, slipstream) or ablation (leave-one-out)",
+    )
+    p.add_argument(
+        "--checkpointing",
+        default=defaults.checkpointing,
+        help="off, recompute, offload, offload-double or auto (slipstream arms; stock arms recompute)",
+    )
 
 
 def ab_config_from_args(args: argparse.Namespace):
     """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
-    from .bench.ab import ABConfig
+    from .bench.ab import ARM_PRESETS, ABConfig
 
+    arms = (
+        ARM_PRESETS[args.preset]
+        if args.preset
+        else tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    )
     return ABConfig(
         model=args.model,
         layers=args.layers,
@@ -79,7 +96,8 @@ def ab_config_from_args(args: argparse.Namespace):
         batching=args.batching,
         dtype=args.dtype,
         device=args.device,
-        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        arms=arms,
+        checkpointing=args.checkpointing,
         repeats=args.repeats,
         threads=args.threads,
         out_dir=args.out,
@@ -93,22 +111,104 @@ def _add_ab(sub) -> None:
         description="Run each arm in its own process on the same model, data, batch and seed.",
     )
     add_ab_arguments(p)
+    p.add_argument("--require-parity", action="store_true", help="exit 3 if any arm's loss curve diverged")
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="run the grid over ab options, e.g. --sweep max_seq_len=1024,2048 (repeatable; "
+        "batch_tokens is an alias of max_seq_len)",
+    )
     p.set_defaults(func=_cmd_ab)
 
 
+SWEEP_ALIASES = {"batch_tokens": "max_seq_len", "tokens": "max_seq_len"}
+
+
+def _sweep_grid(sweeps: list[str]) -> list[dict]:
+    """[{field: value, ...}, ...] for every combination of the --sweep options."""
+    import dataclasses
+    import itertools
+
+    from .bench.ab import ABConfig
+
+    fields = {f.name: f for f in dataclasses.fields(ABConfig)}
+    axes = []
+    for sweep in sweeps:
+        key, _, values = sweep.partition("=")
+        key = SWEEP_ALIASES.get(key.strip(), key.strip())
+        if key not in fields or not values:
+            raise ValueError(f"--sweep {sweep!r}: expected KEY=V1,V2 with KEY one of {', '.join(fields)}")
+        kind = type(getattr(ABConfig(), key))
+        cast = int if kind is int or key in ("layers", "threads") else float if kind is float else str
+        axes.append([(key, cast(v.strip())) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
+
+
 def _cmd_ab(args) -> int:
-    from .bench.ab import print_tables, run_ab, write_record
+    import dataclasses
+
+    from .bench.ab import parity_failures, print_tables, run_ab, write_record
 
     try:
-        config = ab_config_from_args(args)
+        base = ab_config_from_args(args)
+        grid = [dataclasses.replace(base, **point) for point in _sweep_grid(args.sweep)]
     except ValueError as error:
         print(f"slipstream ab: {error}", file=sys.stderr)
         return 2
-    out_dir = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
-    record = run_ab(config)
-    print_tables(record)
-    json_path, md_path = write_record(record, out_dir)
-    print(f"wrote {json_path} and {md_path}")
+    out_root = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
+    diverged = []
+    for point, config in zip(_sweep_grid(args.sweep), grid, strict=True):
+        out_dir = out_root / "-".join(f"{k}={v}" for k, v in point.items()) if point else out_root
+        record = run_ab(config)
+        print_tables(record)
+        json_path, md_path = write_record(record, out_dir)
+        print(f"wrote {json_path}, {md_path} and the plots in {out_dir}")
+        diverged += [f"{out_dir}: {arm}" for arm in parity_failures(record)]
+    if len(grid) > 1:
+        print(f"sweep of {len(grid)} workloads done; merge them with: slipstream report {out_root}")
+    if diverged:
+        print("loss curves diverged: " + "; ".join(diverged), file=sys.stderr)
+        if args.require_parity:
+            return 3
+    return 0
+
+
+def _add_report(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="merge A/B records from many machines into one hardware x workload table",
+        description="Read every ab.json under the given paths; a row per workload, a column per "
+        "machine. Different workloads are never compared.",
+    )
+    p.add_argument("paths", nargs="+", help="ab.json files or directories holding them")
+    p.add_argument("--out", default=None, help="write report.md and report.png here")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args) -> int:
+    from .bench.ab import write_atomically
+    from .bench.plots import report_plot
+    from .bench.report import ReportError, cross_table, load_records, report_rows
+
+    try:
+        records = load_records(args.paths)
+        rows = report_rows(records)
+    except ReportError as error:
+        print(f"slipstream report: {error}", file=sys.stderr)
+        return 1
+    table = cross_table(rows)
+    print(f"{len(records)} records\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomically(
+            out / "report.md",
+            f"# slipstream report\n\n{len(records)} records.\n\n{table}\n![speedups](report.png)\n",
+        )
+        report_plot(rows, out / "report.png")
+        print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
     return 0
 
 
@@ -208,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_ab(sub)
+    _add_report(sub)
     _add_pack(sub)
     return parser
 

@@ -1,0 +1,134 @@
+"""``slipstream report``: many A/B records (machines, runs) -> one hardware x workload table.
+
+A workload is everything that decides what a step computes: model shape, layers, sequence
+length, micro-batches per step, batching, dtype, checkpointing and the attention backends the
+arms ran. Records are only ever combined with records of the same workload on the same
+hardware (their timed steps pooled into one interval); different workloads stay on
+different rows and are never compared.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .ab import ARM_SPECS
+from .stats import speedup
+
+WORKLOAD_KEYS = (
+    "model",
+    "layers",
+    "max_seq_len",
+    "grad_accum",
+    "batching",
+    "dtype",
+    "checkpointing",
+    "num_rows",
+)
+
+
+class ReportError(ValueError):
+    """Unreadable records, or a request to compare what must not be compared."""
+
+
+def workload(record: dict) -> str:
+    config = record["config"]
+    shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
+    backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    return (
+        f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
+        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends}"
+    )
+
+
+def hardware(record: dict) -> str:
+    info = record["fingerprint"]
+    return (
+        info["device"] if info["device"] != "cpu" else f"cpu {info['cpu']} ({info['torch_threads']} threads)"
+    )
+
+
+def _key(record: dict) -> tuple:
+    config = record["config"]
+    backends = tuple(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    return (*(config.get(k) for k in WORKLOAD_KEYS), backends)
+
+
+def pair_records(a: dict, b: dict) -> None:
+    """Raise unless ``a`` and ``b`` ran the same workload (so their steps may be pooled)."""
+    if _key(a) != _key(b):
+        diffs = [k for k in WORKLOAD_KEYS if a["config"].get(k) != b["config"].get(k)]
+        raise ReportError(
+            f"refusing to compare different workloads ({', '.join(diffs) or 'attention backend'} differ): "
+            f"{workload(a)} vs {workload(b)}"
+        )
+
+
+def load_records(paths: list[str | Path]) -> list[tuple[Path, dict]]:
+    """Every ab.json under the given files or directories."""
+    found = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise ReportError(f"{path}: no such file or directory")
+        files = [path] if path.is_file() else sorted(path.rglob("ab.json"))
+        for file in files:
+            try:
+                record = json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise ReportError(f"{file}: not a JSON A/B record ({error})") from None
+            if record.get("kind") != "slipstream-ab":
+                raise ReportError(f"{file}: not a slipstream A/B record (kind {record.get('kind')!r})")
+            found.append((file, record))
+    if not found:
+        raise ReportError(f"no ab.json records under {', '.join(map(str, paths))}")
+    return found
+
+
+def _timed(record: dict, arm: str) -> list[float]:
+    warmup = record["config"]["warmup"]
+    return [s for run in record["runs"][arm] for s in run["step_s"][warmup:]]
+
+
+def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
+    """One row per (workload, hardware, arm vs stock arm), repeated runs pooled."""
+    groups: dict[tuple, list[dict]] = {}
+    for _, record in records:
+        groups.setdefault((_key(record), hardware(record)), []).append(record)
+    rows = []
+    for (_, machine), group in groups.items():
+        for other in group[1:]:
+            pair_records(group[0], other)
+        arms = [a for a in group[0]["runs"] if all(a in r["runs"] for r in group)]
+        for arm in (a for a in arms if not ARM_SPECS[a]["stock"]):
+            for base in (a for a in arms if ARM_SPECS[a]["stock"]):
+                base_s = [s for r in group for s in _timed(r, base)]
+                arm_s = [s for r in group for s in _timed(r, arm)]
+                interval = speedup(base_s, arm_s)
+                rows.append(
+                    {
+                        "workload": workload(group[0]),
+                        "hardware": machine,
+                        "arm": f"{arm} vs {base}",
+                        "ratio": interval.ratio,
+                        "low": interval.low,
+                        "high": interval.high,
+                        "verdict": interval.verdict,
+                        "records": len(group),
+                    }
+                )
+    return sorted(rows, key=lambda r: (r["workload"], r["arm"], r["hardware"]))
+
+
+def cross_table(rows: list[dict]) -> str:
+    """Markdown: a row per workload and comparison, a column per hardware."""
+    machines = sorted({r["hardware"] for r in rows})
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = (
+            f"{r['ratio']:.2f}x [{r['low']:.2f}, {r['high']:.2f}] {r['verdict']}"
+            + (f" ({r['records']} runs)" if r["records"] > 1 else "")
+        )
+    lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
+    for (load, arm), by_machine in cells.items():
+        lines.append(f"| {load} | {arm} | " + " | ".join(by_machine.get(m, "—") for m in machines) + " |")
+    return "\n".join(lines) + "\n"

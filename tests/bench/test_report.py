@@ -1,0 +1,116 @@
+"""`slipstream report` and the ab command's sweep / parity exit codes, on synthetic records."""
+
+import json
+import random
+
+import pytest
+
+from slipstream.bench.report import ReportError, cross_table, load_records, pair_records, report_rows
+from slipstream.cli import _sweep_grid, main
+
+
+def record(hardware: str, max_seq_len: int, gain: float, seed: int, diverge: bool = False) -> dict:
+    rng = random.Random(seed)
+    base = [0.5 * (1 + rng.uniform(-0.02, 0.02)) for _ in range(12)]
+    fast = [t / gain * (1 + rng.uniform(-0.02, 0.02)) for t in base]
+    loss = [7.0 - 0.1 * i for i in range(12)]
+    summary = {
+        "stock-packed": {"attn_implementation": "sdpa"},
+        "slipstream": {"attn_implementation": "slipstream_docwise"},
+    }
+    return {
+        "kind": "slipstream-ab",
+        "config": {
+            "model": "qwen3-8b",
+            "layers": 4,
+            "max_seq_len": max_seq_len,
+            "grad_accum": 1,
+            "batching": "bfd",
+            "dtype": "bfloat16",
+            "checkpointing": "off",
+            "num_rows": 1500,
+            "warmup": 2,
+        },
+        "fingerprint": {"device": hardware, "cpu": "x", "torch_threads": 2},
+        "summary": summary,
+        "runs": {
+            "stock-packed": [{"step_s": base, "loss": loss}],
+            "slipstream": [{"step_s": fast, "loss": [x + (0.5 if diverge else 0) for x in loss]}],
+        },
+    }
+
+
+def write(tmp_path, name, data):
+    path = tmp_path / name / "ab.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cross_table_of_two_machines_and_two_batch_sizes(tmp_path, capsys):
+    write(tmp_path, "h100-2k", record("NVIDIA H100", 2048, 1.20, 1))
+    write(tmp_path, "h100-4k", record("NVIDIA H100", 4096, 1.30, 2))
+    write(tmp_path, "4090-2k", record("NVIDIA GeForce RTX 4090", 2048, 1.10, 3))
+    write(tmp_path, "4090-4k", record("NVIDIA GeForce RTX 4090", 4096, 1.15, 4))
+    rows = report_rows(load_records([tmp_path]))
+    assert len(rows) == 4
+    table = cross_table(rows)
+    lines = [line for line in table.splitlines() if line.startswith("| qwen3-8b")]
+    assert len(lines) == 2  # one row per workload (sequence length), one column per machine
+    assert "seq 2048" in lines[0] and "seq 4096" in lines[1]
+    assert "NVIDIA H100" in table.splitlines()[0] and "RTX 4090" in table.splitlines()[0]
+    by = {(r["hardware"], r["workload"].split(" · ")[1]): r for r in rows}
+    assert by[("NVIDIA H100", "seq 4096")]["low"] <= 1.30 <= by[("NVIDIA H100", "seq 4096")]["high"]
+    assert all(r["verdict"] == "faster" for r in rows)
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "report.png").exists()
+    assert "4 records" in capsys.readouterr().out
+
+
+def test_mismatched_workloads_are_never_paired(tmp_path):
+    a, b = record("NVIDIA H100", 2048, 1.2, 1), record("NVIDIA H100", 4096, 1.2, 2)
+    with pytest.raises(ReportError, match="max_seq_len"):
+        pair_records(a, b)
+    write(tmp_path, "a", a)
+    write(tmp_path, "b", b)
+    rows = report_rows(load_records([tmp_path]))
+    assert len({r["workload"] for r in rows}) == 2 and all(r["records"] == 1 for r in rows)
+    # two runs of the same workload on the same machine are pooled into one interval
+    write(tmp_path, "a2", record("NVIDIA H100", 2048, 1.2, 5))
+    pooled = [r for r in report_rows(load_records([tmp_path])) if "seq 2048" in r["workload"]]
+    assert len(pooled) == 1 and pooled[0]["records"] == 2
+
+
+def test_report_errors_name_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad" / "ab.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    assert main(["report", str(tmp_path)]) == 1
+    assert "bad/ab.json" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "nowhere")]) == 1
+
+
+def test_sweep_grid_and_bad_sweeps():
+    grid = _sweep_grid(["batch_tokens=1024,2048", "grad_accum=1,2"])
+    assert grid == [
+        {"max_seq_len": 1024, "grad_accum": 1},
+        {"max_seq_len": 1024, "grad_accum": 2},
+        {"max_seq_len": 2048, "grad_accum": 1},
+        {"max_seq_len": 2048, "grad_accum": 2},
+    ]
+    with pytest.raises(ValueError, match="--sweep"):
+        _sweep_grid(["speed=fast"])
+    assert main(["ab", "--sweep", "speed=fast"]) == 2
+
+
+def test_require_parity_exits_non_zero_on_a_diverged_curve(monkeypatch, tmp_path):
+    import slipstream.bench.ab as ab
+
+    diverged = record("cpu", 256, 1.0, 1, diverge=True)
+    diverged["summary"]["slipstream"]["loss_vs_stock-packed"] = "diverged"
+    diverged["summary"]["stock-packed"]["loss_vs_stock-packed"] = "identical"
+    monkeypatch.setattr(ab, "run_ab", lambda config: diverged)
+    monkeypatch.setattr(ab, "print_tables", lambda record: None)
+    monkeypatch.setattr(ab, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
+    assert main(["ab", "--out", str(tmp_path / "x")]) == 0  # reported, not fatal
+    assert main(["ab", "--out", str(tmp_path / "y"), "--require-parity"]) == 3
