@@ -46,5 +46,56 @@ def packed_attention() -> None:
     fig.savefig(HERE / "packed-attention.png", dpi=80)
 
 
+def moe_routing() -> None:
+    """Eager: a where() + host sync per expert; sorted: one argsort, contiguous slices."""
+    rng = np.random.default_rng(0)
+    experts = rng.integers(0, 8, size=24)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    axes[0].scatter(range(len(experts)), experts, c=experts, cmap="tab10", vmin=0, vmax=9, s=60)
+    for e in range(8):
+        axes[0].axhline(e, color="lightgrey", lw=0.5, zorder=0)
+    axes[0].set(title="stock eager: one where() per expert over all tokens\n(a host sync each, ~2 per expert per layer)",
+                xlabel="token x top-k pair (in token order)", ylabel="expert", yticks=range(8))
+    order = np.argsort(experts, kind="stable")
+    axes[1].bar(range(len(experts)), np.ones(len(experts)), color=plt.cm.tab10(experts[order] / 9), width=1.0)
+    counts = np.bincount(experts, minlength=8)
+    for boundary in np.cumsum(counts)[:-1]:
+        axes[1].axvline(boundary - 0.5, color="black", lw=1)
+    axes[1].set(title="slipstream sorted: one stable argsort + counts\n(each expert a contiguous slice, one grouped matmul)",
+                xlabel="pairs sorted by expert", yticks=[])
+    fig.tight_layout()
+    fig.savefig(HERE / "moe-routing.png", dpi=80)
+
+
+def offload_timeline() -> None:
+    """Backward with one reload buffer vs two: the copy hides behind the previous layer's compute."""
+    fig, axes = plt.subplots(2, 1, figsize=(11, 3.6), sharex=True)
+    compute, copy, layers = 3.0, 1.6, 4
+    for ax, double in ((axes[0], False), (axes[1], True)):
+        t = 0.0
+        for i, layer in enumerate(range(layers - 1, -1, -1)):
+            if double:  # the last layer's input never left the device
+                ax.broken_barh([(t, compute)], (1, 0.8), color="tab:blue")
+                if layer > 0:
+                    ax.broken_barh([(t, copy)], (0, 0.8), color="tab:orange")
+                ax.text(t + compute / 2, 1.4, f"layer {layer}", ha="center", va="center", color="white")
+                t += compute
+            else:
+                if i > 0:  # the last layer's input never left the device
+                    ax.broken_barh([(t, copy)], (0, 0.8), color="tab:orange")
+                    t += copy
+                ax.broken_barh([(t, compute)], (1, 0.8), color="tab:blue")
+                ax.text(t + compute / 2, 1.4, f"layer {layer}", ha="center", va="center", color="white")
+                t += compute
+        ax.set_yticks([0.4, 1.4], ["copy stream\n(reload)", "compute\n(recompute+bwd)"])
+        ax.set_title("offload-double: reload of layer i-1 overlaps layer i" if double
+                     else "offload (one buffer): every reload waits, then compute waits for it", fontsize=10)
+    axes[1].set_xlabel("time in backward")
+    fig.tight_layout()
+    fig.savefig(HERE / "offload-double.png", dpi=80)
+
+
 if __name__ == "__main__":
     packed_attention()
+    moe_routing()
+    offload_timeline()
