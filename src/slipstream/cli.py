@@ -62,6 +62,12 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
     p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads per arm")
     p.add_argument("--out", default=defaults.out_dir, help="output directory (default: runs/ab-<time>)")
     p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=defaults.lora_rank,
+        help="train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)",
+    )
+    p.add_argument(
         "--preset",
         choices=("default", "ablation"),
         default=None,
@@ -98,6 +104,7 @@ def ab_config_from_args(args: argparse.Namespace):
         device=args.device,
         arms=arms,
         checkpointing=args.checkpointing,
+        lora_rank=args.lora_rank,
         repeats=args.repeats,
         threads=args.threads,
         out_dir=args.out,

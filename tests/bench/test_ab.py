@@ -55,7 +55,7 @@ def test_a_short_real_run_of_every_arm(tmp_path):
     assert summary["slipstream"]["attn_implementation"] == "slipstream_docwise"
     json_path, md_path = write_record(record, tmp_path)
     assert json.loads(json_path.read_text())["config"]["model"] == "qwen3"
-    assert md_path.read_text() == markdown_report(record)
+    assert md_path.read_text() == markdown_report(json.loads(json_path.read_text()))  # the record read back
     assert "Per-step loss" in md_path.read_text()
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
     from PIL import Image

@@ -82,6 +82,7 @@ class ABConfig:
     device: str = "auto"
     arms: tuple[str, ...] = ARM_PRESETS["default"]
     checkpointing: str = "off"  # for slipstream arms; stock arms use plain recompute when this is not "off"
+    lora_rank: int = 0  # > 0: every arm trains a PEFT LoRA on q/k/v/o (the base frozen), as users fine-tune
     repeats: int = 1
     threads: int | None = None
     out_dir: str | None = None
@@ -189,11 +190,25 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         checkpointing=checkpointing,
     )
     state = getattr(model, "slipstream_state", None)
+    if config.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(config.seed)  # the same adapter initialisation in every arm
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=2 * config.lora_rank,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            ),
+        )
     from ..offload import device_activation_bytes
 
     first_inputs, _ = _micro_batch_inputs(arm, plan[0][0], device)
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+    )
 
     def sync():
         if device == "cuda":
@@ -211,7 +226,9 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         host_syncs_by_op={},
         peak_memory_mb=0.0,
         memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-        attn_implementation=model.config._attn_implementation,
+        attn_implementation=(
+            model.get_base_model() if config.lora_rank else model
+        ).config._attn_implementation,
         policies=list(state.policies) if state else [],
         activation_bytes=activation_bytes,
     )
