@@ -108,6 +108,8 @@ class ABConfig:
 class ArmResult:
     arm: str
     step_s: list[float]
+    forward_s: list[float]
+    backward_s: list[float]
     tokens: list[int]
     loss: list[float]
     grad_norm: list[float]
@@ -219,6 +221,8 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     result = ArmResult(
         arm=arm,
         step_s=[],
+        forward_s=[],
+        backward_s=[],
         tokens=[],
         loss=[],
         grad_norm=[],
@@ -246,6 +250,8 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
             metrics = train_step(model, micro, optimizer)
         sync()
         result.step_s.append(time.perf_counter() - start)
+        result.forward_s.append(metrics["forward_s"])
+        result.backward_s.append(metrics["backward_s"])
         result.tokens.append(tokens)
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
@@ -267,6 +273,11 @@ def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: in
     return run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size)
 
 
+def _median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
 def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
     """Per-arm medians and throughput; speedups (with 95% intervals) against each stock arm; loss parity."""
     from .stats import loss_parity, speedup
@@ -280,6 +291,10 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
         first = runs[0]
         summary[arm] = {
             "median_step_s": statistics.median(step_s),
+            "median_forward_s": _median(f for run in runs for f in run.get("forward_s", [])[config.warmup :]),
+            "median_backward_s": _median(
+                b for run in runs for b in run.get("backward_s", [])[config.warmup :]
+            ),
             "tokens_per_s": sum(tokens) / sum(step_s),
             "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
             "memory_kind": first["memory_kind"],
@@ -373,13 +388,14 @@ def markdown_report(record: dict) -> str:
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
         f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}",
         "",
-        "| arm | attention | median step (s) | tokens/s | peak memory (MB) | activation bytes | host syncs/step "
-        "| speedup (tokens/s, 95% interval) | loss parity |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "| arm | attention | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) | activation bytes "
+        "| host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for arm, s in summary.items():
         lines.append(
-            f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | {s['tokens_per_s']:.0f} | "
+            f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | "
+            f"{s.get('median_forward_s', 0):.4f} / {s.get('median_backward_s', 0):.4f} | {s['tokens_per_s']:.0f} | "
             f"{s['peak_memory_mb']:.0f} | {s.get('activation_bytes', 0):,} | {s['host_syncs_per_step']} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )

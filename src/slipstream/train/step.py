@@ -7,6 +7,7 @@ of the whole step (``num_items_in_batch``), which is the loss of one big batch.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -49,12 +50,16 @@ def train_step(
         raise ValueError("a training step with no label tokens")
     items = torch.tensor(total_tokens, dtype=torch.float32)
     loss_sum: torch.Tensor | None = None  # stays on the device: one read per step, at the end
+    clock = _PhaseClock()
     for inputs, _ in micro_batches:
         if "num_items_in_batch" not in inputs:
             inputs = {**inputs, "num_items_in_batch": items.to(inputs["input_ids"].device)}
         with model_context():
+            clock.mark(inputs["input_ids"].device)
             loss = model(**inputs).loss
+            clock.mark(inputs["input_ids"].device)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+            clock.mark(inputs["input_ids"].device)
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
@@ -62,4 +67,39 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
-    return {"loss": float(loss_sum) if loss_sum is not None else 0.0, "grad_norm": float(grad_norm)}
+    forward_s, backward_s = clock.phases()
+    return {
+        "loss": float(loss_sum) if loss_sum is not None else 0.0,
+        "grad_norm": float(grad_norm),
+        "forward_s": forward_s,
+        "backward_s": backward_s,
+    }
+
+
+class _PhaseClock:
+    """Forward and backward time of a step: CUDA events on a GPU (read once, after the step's
+    own sync point), the host clock elsewhere. Marks come in triples: start, forward done,
+    backward done."""
+
+    def __init__(self):
+        self.marks: list = []
+
+    def mark(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def phases(self) -> tuple[float, float]:
+        forward = backward = 0.0
+        for start, middle, end in zip(self.marks[0::3], self.marks[1::3], self.marks[2::3], strict=True):
+            if isinstance(start, float):
+                forward += middle - start
+                backward += end - middle
+            else:
+                end.synchronize()
+                forward += start.elapsed_time(middle) / 1000
+                backward += middle.elapsed_time(end) / 1000
+        return forward, backward
