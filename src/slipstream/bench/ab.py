@@ -18,13 +18,14 @@ import concurrent.futures
 import dataclasses
 import json
 import multiprocessing
-import os
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..atomic import write_text_atomically
 
 # Each arm: the batch layout and the toggles it runs with. Stock arms are the model as users
 # run it today (transformers' own attention and experts); "slipstream-no-*" are leave-one-out
@@ -352,10 +353,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
 
 def write_atomically(path: Path, text: str) -> None:
     """Write to a temporary name beside ``path``, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomically(path, text)
 
 
 def _speedup_cells(s: dict) -> list[str]:

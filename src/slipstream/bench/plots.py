@@ -7,12 +7,14 @@ from pathlib import Path
 
 import matplotlib
 
+from ..atomic import temporary_path
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    tmp = temporary_path(path)
     fig.savefig(tmp, dpi=90, bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import temporary_path
 from .experts import experts_modules
 
 CONFIG_FILE = "expert_lora_config.json"
@@ -137,7 +138,7 @@ def save_expert_lora(model: torch.nn.Module, directory: str | os.PathLike) -> Pa
         (WEIGHTS_FILE, lambda p: save_file(expert_lora_state_dict(model), str(p))),
         (CONFIG_FILE, lambda p: p.write_text(json.dumps(asdict(configs.pop()), indent=1))),
     ):
-        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        tmp = temporary_path(directory / name)
         write(tmp)
         os.replace(tmp, directory / name)
     return directory

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import temporary_path
 from .experts import experts_modules
 
 MANIFEST = "slipstream_quantization.json"
@@ -190,7 +191,7 @@ def save_quantized(model: torch.nn.Module, directory: str | os.PathLike) -> Path
     from safetensors.torch import save_model
 
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(directory)
     tmp.mkdir(parents=True, exist_ok=False)
     model.config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import write_text_atomically
 from .config import ConfigError, TrainConfig
 from .distributed import unwrap
 from .step import train_step
@@ -235,12 +236,6 @@ def _load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
     return json.loads((path / "state.json").read_text())["step"]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict, state=None) -> Path:
     """The adapter (or the fine-tuned model) in PEFT / transformers format, then run.json."""
     adapter = out / "adapter"
@@ -256,7 +251,7 @@ def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict,
     if adapter.exists():
         shutil.rmtree(adapter)
     os.replace(tmp, adapter)
-    _write_atomically(out / FINISHED, json.dumps({"status": "finished", **summary}, indent=1))
+    write_text_atomically(out / FINISHED, json.dumps({"status": "finished", **summary}, indent=1))
     return adapter
 
 
@@ -346,12 +341,12 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
                 if metrics_path.exists()
                 else []
             )
-            _write_atomically(metrics_path, "".join(line + "\n" for line in kept))
+            write_text_atomically(metrics_path, "".join(line + "\n" for line in kept))
         logger.info("resumed from %s (step %d)", checkpoint, start)
     elif metrics_path.exists() and info.is_main:
         metrics_path.unlink()
     if info.is_main:
-        _write_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
+        write_text_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
     info.barrier()
     kill_after = int(
         os.environ.get("SLIPSTREAM_FAULT_KILL_AFTER_STEP", "0")
