@@ -55,3 +55,21 @@ def test_public_api_is_documented():
     for name in ("collate_packed", "optimize", "PackedBatch"):
         assert getattr(slipstream, name).__doc__
     assert "collate_packed" in slipstream.__doc__
+
+
+def test_unknown_preset_missing_tokenizer_and_absent_cuda_fail_cleanly(tmp_path, capsys):
+    import torch
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"preset": "qwen9"}, "training": {"steps": 1},
+                                      "output_dir": str(tmp_path / "out")}))
+    assert main(["train", str(config)]) == 1
+    assert "model.preset: unknown model shape 'qwen9'" in capsys.readouterr().err
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "hello"}\n')
+    assert main(["pack", str(rows), "--tokenizer", str(tmp_path / "no-tokenizer")]) == 1
+    assert "no usable tokenizer" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["ab", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err

@@ -284,7 +284,11 @@ def _cmd_pack(args) -> int:
     if args.tokenizer:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        except (OSError, ValueError) as error:
+            print(f"slipstream pack: {args.tokenizer}: no usable tokenizer ({error})", file=sys.stderr)
+            return 1
     else:
         tokenizer = demo_tokenizer()
     try:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..atomic import write_text_atomically
 
 # Each arm: the batch layout and the toggles it runs with. Stock arms are the model as users
@@ -101,6 +103,8 @@ class ABConfig:
                 f"checkpointing must be off, recompute, offload, offload-double or auto, "
                 f"got {self.checkpointing!r}"
             )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
 

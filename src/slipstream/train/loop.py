@@ -88,13 +88,16 @@ def _model(config: TrainConfig, vocab_size: int):
             )
         from ..models import build_model
 
-        return build_model(
-            config.model.preset,
-            vocab_size=vocab_size,
-            layers=config.model.layers,
-            seed=config.seed,
-            dtype=dtype,
-        )
+        try:
+            return build_model(
+                config.model.preset,
+                vocab_size=vocab_size,
+                layers=config.model.layers,
+                seed=config.seed,
+                dtype=dtype,
+            )
+        except KeyError as error:
+            raise ConfigError(f"model.preset: {error.args[0]}") from None
     path = Path(config.model.path)
     if not (path / "config.json").exists():
         raise TrainError(f"{path}: not a model directory (no config.json)")
