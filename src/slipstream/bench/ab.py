@@ -274,10 +274,6 @@ def run_in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
-def _run_in_fresh_process(config: ABConfig, arm: str, plan: list, vocab_size: int) -> dict:
-    return run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size)
-
-
 def _median(values) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
@@ -343,7 +339,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
     jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
     for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
-        runs[arm].append(_run_in_fresh_process(config, arm, plan, vocab_size))
+        runs[arm].append(run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size))
     return {
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),
@@ -355,9 +351,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     }
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary name beside ``path``, then rename: never a half-written file."""
-    write_text_atomically(path, text)
+write_atomically = write_text_atomically  # the name the benchmark scripts import
 
 
 def _speedup_cells(s: dict) -> list[str]:

@@ -16,9 +16,8 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from ..packing.batch import IGNORE_INDEX  # the label cross-entropy ignores
 from .errors import DataError
-
-IGNORE_INDEX = -100  # the label cross-entropy ignores (the same value as slipstream.packing.IGNORE_INDEX)
 
 
 def has_chat_template(tokenizer: Any) -> bool:

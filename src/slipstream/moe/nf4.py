@@ -54,6 +54,14 @@ class NF4ExpertStore:
         experts = torch.tensor([expert], device=self._buffer("packed").device)
         return self.dequantize_many(experts, dtype)[0]
 
+    def _byte_table(self) -> torch.Tensor:
+        """[256, 2]: the NF4 values of a byte's high and low nibble, built once per store."""
+        code = self._buffer("code")
+        if getattr(self, "_table", None) is None or self._table.device != code.device:
+            code = code.to(torch.float32)
+            self._table = torch.stack((code.repeat_interleave(16), code.repeat(16)), dim=-1)
+        return self._table
+
     def dequantize_many(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Experts ``experts`` (int64 ids) dequantized in one vectorised pass: ``[g, a, b]``.
 
@@ -65,9 +73,7 @@ class NF4ExpertStore:
         settings = self.holder.settings
         packed = self._buffer("packed").index_select(0, experts)  # [g, n/2], two codes a byte, high first
         # One lookup per byte in a 256 x 2 table (both nibbles' values) instead of one per code.
-        code = self._buffer("code").to(torch.float32)
-        byte_table = torch.stack((code.repeat_interleave(16), code.repeat(16)), dim=-1)
-        values = byte_table.index_select(0, packed.view(-1).int()).view(packed.shape[0], -1)  # [g, n]
+        values = self._byte_table().index_select(0, packed.view(-1).int()).view(packed.shape[0], -1)  # [g, n]
         absmax = self._buffer("absmax").index_select(0, experts)
         if settings.double_quant:
             nested = self._buffer("nested_absmax").index_select(0, experts)
@@ -96,7 +102,10 @@ class NF4Experts(torch.nn.Module):
 
     @property
     def stores(self) -> dict[str, NF4ExpertStore]:
-        return {name: NF4ExpertStore(self, name) for name in self.shapes}
+        """One store per projection, made once (each keeps its small lookup table)."""
+        if getattr(self, "_stores", None) is None:
+            self._stores = {name: NF4ExpertStore(self, name) for name in self.shapes}
+        return self._stores
 
     def nbytes(self) -> int:
         return sum(buf.numel() * buf.element_size() for buf in self.buffers())

@@ -48,12 +48,13 @@ def train_step(
     total_tokens = global_tokens if global_tokens is not None else sum(tokens for _, tokens in micro_batches)
     if total_tokens == 0:
         raise ValueError("a training step with no label tokens")
-    items = torch.tensor(total_tokens, dtype=torch.float32)
+    device = micro_batches[0][0]["input_ids"].device if micro_batches else torch.device("cpu")
+    items = torch.tensor(total_tokens, dtype=torch.float32).to(device)  # moved once per step
     loss_sum: torch.Tensor | None = None  # stays on the device: one read per step, at the end
     clock = _PhaseClock()
     for inputs, _ in micro_batches:
         if "num_items_in_batch" not in inputs:
-            inputs = {**inputs, "num_items_in_batch": items.to(inputs["input_ids"].device)}
+            inputs = {**inputs, "num_items_in_batch": items}
         with model_context():
             clock.mark(inputs["input_ids"].device)
             loss = model(**inputs).loss
