@@ -31,6 +31,7 @@ class OptimizeState:
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)
+    chunked_loss: object | None = field(default=None, repr=False)  # a loss.ChunkedLoss when on
     policies: list[str] = field(default_factory=list)
     hook: object | None = field(default=None, repr=False)
 
@@ -89,6 +90,8 @@ def optimize(
     moe_routing: str | None = None,
     moe_compute: str = "auto",
     checkpointing: str | None = None,
+    chunked_loss: bool | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
@@ -107,6 +110,15 @@ def optimize(
         inputs to host memory, one reload buffer), "offload-double" (two reload buffers, the
         next layer's input prefetched during the current layer's backward) or "auto" (the
         best the device allows; each decision logged). ``None`` leaves it as it is.
+    chunked_loss: compute the LM head and the cross-entropy a chunk of labelled tokens at a
+        time, so the [tokens, vocab] logits never exist and unlabelled positions (prompts)
+        cost no head FLOPs. It applies to training forwards (training mode, autograd on,
+        ``labels`` given), which then return ``loss`` and ``logits=None``; evaluation,
+        ``no_grad`` forwards and generation keep the stock path and their logits. ``None``
+        (default): on where the model supports it (else logged and off); ``True``: on or
+        an error saying why not; ``False``: the stock loss.
+    loss_chunk_tokens: tokens per chunk; default from a memory budget (a share of free
+        memory on CUDA, a fixed budget on CPU), decided on the first training forward.
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.
@@ -152,6 +164,7 @@ def optimize(
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)
+    _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
     if checkpointing is not None:
         from .offload import enable_checkpointing
 
@@ -160,6 +173,36 @@ def optimize(
         state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
         state.policies.append(f"checkpointing: {policy.mode}")
     return model
+
+
+def _set_chunked_loss(
+    base: torch.nn.Module, state: OptimizeState, wanted: bool | None, chunk_tokens: int | None
+) -> None:
+    from .loss import ChunkedLoss, UnsupportedLoss
+
+    current = state.chunked_loss
+    if wanted is False:
+        if current is not None:
+            current.remove()
+            state.chunked_loss = None
+            state.policies.append("chunked loss: off (stock loss)")
+            logger.info("chunked loss: off (stock loss)")
+        return
+    if current is not None:
+        if current.requested_chunk_tokens != chunk_tokens:
+            current.requested_chunk_tokens, current.chunk_tokens = chunk_tokens, None
+        return
+    try:
+        state.chunked_loss = ChunkedLoss.install(base, chunk_tokens=chunk_tokens)
+    except UnsupportedLoss as error:
+        if wanted:
+            raise
+        policy = f"chunked loss: off ({error})"
+    else:
+        state.chunked_loss.policies = state.policies  # its first-call decisions join the model's log
+        policy = "chunked loss: on (LM head + cross-entropy over labelled tokens, a chunk at a time)"
+    state.policies.append(policy)
+    logger.info(policy)
 
 
 def _set_moe_routing(

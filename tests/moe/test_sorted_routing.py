@@ -18,12 +18,14 @@ def relative_error(actual, expected):
 
 
 def pair(family, compute, **overrides):
-    """(stock eager experts, sorted experts): same weights, both on slipstream's packed attention."""
+    """(stock eager experts, sorted experts): same weights, both on slipstream's packed attention.
+
+    Both keep the stock loss, so a training forward returns logits to compare."""
     stock = build_model(family, attn_implementation="eager", experts_implementation="eager", **overrides)
-    slipstream.optimize(stock, moe_routing="stock")
+    slipstream.optimize(stock, moe_routing="stock", chunked_loss=False)
     fast = build_model(family, attn_implementation="eager", **overrides)
     fast.load_state_dict(stock.state_dict())
-    slipstream.optimize(fast, moe_routing="sorted", moe_compute=compute)
+    slipstream.optimize(fast, moe_routing="sorted", moe_compute=compute, chunked_loss=False)
     return stock, fast
 
 

@@ -25,9 +25,12 @@ PACKED_BATCH_KWARG = "slipstream_packed_batch"
 class PackedBatch:
     """Documents concatenated into one row of T tokens, plus host-built metadata.
 
-    Tensors are ``[1, T]`` (``input_ids``, ``labels``, ``position_ids``) and ``[N+1]``
-    (``cu_seqlens``, int32). ``seq_lens``, ``max_seqlen`` and ``num_label_tokens`` are plain
-    Python values, so reading them never touches the device.
+    Tensors are ``[1, T]`` (``input_ids``, ``labels``, ``position_ids``), ``[N+1]``
+    (``cu_seqlens``, int32) and ``[num_label_tokens]`` (``loss_positions``: the positions t
+    whose next-token label ``labels[t + 1]`` counts, which the chunked loss projects through
+    the LM head; nothing else is). ``seq_lens``, ``max_seqlen`` and ``num_label_tokens`` are
+    plain Python values, so reading them never touches the device. The metadata describes
+    the labels as collated: change labels after collating and collate again.
     """
 
     input_ids: torch.Tensor
@@ -37,6 +40,7 @@ class PackedBatch:
     seq_lens: tuple[int, ...]
     max_seqlen: int
     num_label_tokens: int
+    loss_positions: torch.Tensor | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -92,6 +96,7 @@ class PackedBatch:
             seq_lens=self.seq_lens,
             max_seqlen=self.max_seqlen,
             num_label_tokens=self.num_label_tokens,
+            loss_positions=None if self.loss_positions is None else move(self.loss_positions),
         )
 
     def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:
@@ -185,6 +190,9 @@ def collate_packed(
     cu_seqlens = [0]
     for length in seq_lens:
         cu_seqlens.append(cu_seqlens[-1] + length)
+    # Position t predicts labels[t + 1]; the first label of every document is -100, so these
+    # are exactly the num_label_tokens positions the loss counts.
+    loss_positions = [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE_INDEX]
     batch = PackedBatch(
         input_ids=torch.tensor([input_ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
@@ -192,7 +200,8 @@ def collate_packed(
         cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
         seq_lens=tuple(seq_lens),
         max_seqlen=max(seq_lens),
-        num_label_tokens=sum(1 for label in labels if label != IGNORE_INDEX),
+        num_label_tokens=len(loss_positions),
+        loss_positions=torch.tensor(loss_positions, dtype=torch.long),
     )
     return batch.to(device) if device is not None else batch
 

@@ -53,6 +53,7 @@ class PackedInputs(dict):
             labels=batch.labels.pin_memory(),
             position_ids=batch.position_ids.pin_memory(),
             cu_seqlens=batch.cu_seqlens.pin_memory(),
+            loss_positions=None if batch.loss_positions is None else batch.loss_positions.pin_memory(),
             _memo={},
         )
         return self._rebuilt(pinned, None)

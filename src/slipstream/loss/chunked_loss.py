@@ -1,0 +1,329 @@
+"""The chunked loss inside a transformers causal LM, through its public hooks: no forked forward.
+
+A transformers ``*ForCausalLM.forward`` runs the decoder, calls its output-embeddings module
+(the LM head) on the hidden states, may transform the logits (scale, soft-cap), then calls
+``self.loss_function(logits=..., labels=..., **kwargs)``. ``ChunkedLoss`` plugs into the
+three seams, only for a training forward (model in training mode, autograd on, ``labels``
+given, no ``logits_to_keep``):
+
+1. a forward pre-hook on the head keeps the hidden states and hands the head an empty slice
+   of them, so the head computes no logits (and every transform runs on an empty tensor);
+2. ``model.loss_function`` is replaced by this object, which computes the loss from the kept
+   hidden states a chunk at a time (:mod:`.linear_ce`), over the labelled positions only;
+3. a forward hook on the model clears the state and sets ``logits`` to ``None``: a training
+   forward returns ``loss`` only. Evaluation, ``no_grad`` forwards and generation take the
+   stock path and get their logits.
+
+What the model does between its head and its loss is not read from its source: on the
+first training forward, the head's output is replaced by a probe row of known logits
+(-64 ... 64), the model transforms it as it always does, and the result is matched against
+the transforms its config names (scale, soft-cap). If none matches, the model is refused
+with an error naming it - never a silently different loss. The probe costs one host read,
+once per model.
+
+Which positions are labelled is known on the host from a :class:`PackedBatch`
+(``loss_positions``, built by the collator), so selecting them adds no host sync on CUDA.
+Without a PackedBatch the positions are found with ``nonzero`` on a CPU and not selected
+on CUDA (all positions are projected; the ignored ones weigh zero), so no sync either.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..packing.batch import IGNORE_INDEX, PACKED_BATCH_KWARG
+from .linear_ce import LogitTransform, choose_chunk_tokens, linear_cross_entropy
+
+logger = logging.getLogger("slipstream")
+
+# Config attributes that name a logit transform, and how each reads as LogitTransform fields.
+_SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_SCALE_KEYS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
+_PROBE_RANGE = 64.0
+
+
+class UnsupportedLoss(NotImplementedError):
+    """The chunked loss cannot compute this model's loss exactly; the message says why and what to do."""
+
+
+@dataclass
+class _Call:
+    """One training forward in flight: where it stands and what the hooks handed over."""
+
+    labels: torch.Tensor
+    packed_batch: Any
+    phase: str = "armed"  # -> "head-skipped" (hidden kept) -> "done" (loss computed)
+    hidden: torch.Tensor | None = None
+    probe: torch.Tensor | None = None
+
+
+@dataclass
+class ChunkedLoss:
+    """The chunked LM-head loss installed on one model; ``remove()`` restores the stock loss."""
+
+    model: torch.nn.Module
+    requested_chunk_tokens: int | None = None  # None: from the memory budget
+    chunk_tokens: int | None = None  # decided (and logged) on the first training forward
+    policies: list[str] = field(default_factory=list)
+    transform: LogitTransform | None = None  # None until the probe has matched one
+    _call: _Call | None = None
+    _handles: list = field(default_factory=list)
+    _head: torch.nn.Module | None = None
+    _head_handles: list = field(default_factory=list)
+    _stock_loss: Any = None
+    _had_loss_function: bool = False
+    _previous_loss_function: Any = None
+
+    # ------------------------------------------------------------------ install / remove
+    @classmethod
+    def install(cls, model: torch.nn.Module, chunk_tokens: int | None = None) -> ChunkedLoss:
+        """Put the chunked loss on ``model`` (a transformers causal LM), or raise UnsupportedLoss."""
+        check_supported(model)
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be at least 1, got {chunk_tokens}")
+        self = cls(model=model, requested_chunk_tokens=chunk_tokens)
+        self._had_loss_function = "_loss_function" in vars(model)
+        self._previous_loss_function = vars(model).get("_loss_function")
+        self._stock_loss = model.loss_function
+        model.loss_function = self
+        self._handles = [
+            model.register_forward_pre_hook(self._arm, with_kwargs=True),
+            model.register_forward_hook(self._finish, with_kwargs=True),
+        ]
+        return self
+
+    def remove(self) -> None:
+        for handle in self._handles + self._head_handles:
+            handle.remove()
+        self._handles, self._head_handles, self._head = [], [], None
+        if self._had_loss_function:
+            self.model.loss_function = self._previous_loss_function
+        else:
+            vars(self.model).pop("_loss_function", None)
+
+    def _hook_head(self) -> None:
+        """Hook the current output-embeddings module (PEFT and FSDP may have replaced it since)."""
+        head = self.model.get_output_embeddings()
+        if head is self._head:
+            return
+        for handle in self._head_handles:
+            handle.remove()
+        self._head = head
+        self._head_handles = [
+            head.register_forward_pre_hook(self._skip_head),
+            head.register_forward_hook(self._head_output),
+        ]
+
+    # ------------------------------------------------------------------ the three seams
+    def _arm(self, module, args, kwargs):
+        self._call = None
+        labels = kwargs.get("labels")
+        keep = kwargs.get("logits_to_keep")
+        if (
+            labels is None
+            or not module.training
+            or not torch.is_grad_enabled()
+            or not (keep is None or (isinstance(keep, int) and keep == 0))
+        ):
+            return None
+        self._hook_head()
+        self._call = _Call(labels=labels, packed_batch=kwargs.get(PACKED_BATCH_KWARG))
+        return None
+
+    def _skip_head(self, module, args):
+        call = self._call
+        if call is None or call.phase != "armed" or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return None
+        call.hidden = args[0]
+        call.phase = "head-skipped"
+        return (args[0][..., :0, :],)
+
+    def _head_output(self, module, args, output):
+        call = self._call
+        if call is None or call.phase != "head-skipped" or self.transform is not None:
+            return None
+        # First training forward: let the model transform a probe row of known logits.
+        vocab = output.shape[-1]
+        call.probe = torch.linspace(
+            -_PROBE_RANGE, _PROBE_RANGE, vocab, device=output.device, dtype=output.dtype
+        ).view(1, 1, vocab)
+        return call.probe
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """The model's ``loss_function``: chunked for a training forward, stock otherwise."""
+        call = self._call
+        if call is None or call.phase != "head-skipped":
+            return self._stock_loss(
+                logits,
+                labels,
+                vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
+        if self.transform is None:
+            self.transform = self._match_transform(call.probe, logits)
+        loss = self._loss(call, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+        call.phase = "done"
+        call.hidden = None
+        return loss
+
+    def _finish(self, module, args, kwargs, output):
+        call, self._call = self._call, None
+        if call is None or call.phase == "armed":
+            return None  # not a training forward, or the model never called its head module
+        if call.phase != "done":
+            raise UnsupportedLoss(
+                f"{type(module).__name__} called its LM head but computed its loss without "
+                "model.loss_function, so slipstream's chunked loss cannot stand in for it. "
+                "Use slipstream.optimize(model, chunked_loss=False)."
+            )
+        if hasattr(output, "logits"):
+            output.logits = None
+        return output
+
+    # ------------------------------------------------------------------ the loss itself
+    def _loss(
+        self, call: _Call, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels
+    ) -> torch.Tensor:
+        hidden = call.hidden
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        targets = shift_labels.reshape(-1).to(hidden.device)
+        if targets.shape[0] != hidden_NH.shape[0]:
+            raise UnsupportedLoss(
+                f"{type(self.model).__name__}: {targets.shape[0]} label positions for {hidden_NH.shape[0]} "
+                "hidden states reaching the LM head; use slipstream.optimize(model, chunked_loss=False)"
+            )
+        positions = self._labelled_positions(call, labels, shift_labels, targets, ignore_index)
+        if positions is not None:
+            hidden_NH = hidden_NH.index_select(0, positions)
+            targets = targets.index_select(0, positions)
+        if self.chunk_tokens is None:
+            self.chunk_tokens, reason = choose_chunk_tokens(
+                vocab_size, hidden.dtype, hidden.device, override=self.requested_chunk_tokens
+            )
+            self._log(f"chunked loss: {reason}")
+        head = self._head
+        params = [p for p in head.parameters() if p.requires_grad]
+        if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = float(num_items_in_batch)
+        return linear_cross_entropy(
+            hidden_NH,
+            targets,
+            head,
+            params,
+            divisor=num_items_in_batch,
+            transform=self.transform,
+            chunk_tokens=self.chunk_tokens,
+            ignore_index=ignore_index,
+        )
+
+    @staticmethod
+    def _labelled_positions(call: _Call, labels, shift_labels, targets, ignore_index):
+        """Flat positions whose target counts: from the PackedBatch (host-built), else found here."""
+        batch = call.packed_batch
+        if (
+            batch is not None
+            and labels is batch.labels
+            and shift_labels.shape == labels.shape
+            and ignore_index == IGNORE_INDEX
+            and batch.loss_positions is not None
+        ):
+            return batch.loss_positions.to(targets.device)
+        if targets.device.type == "cpu":
+            return torch.nonzero(targets != ignore_index).squeeze(1)
+        return None  # CUDA without host-known positions: project every row rather than sync
+
+    # ------------------------------------------------------------------ the logit transform
+    def _match_transform(self, probe: torch.Tensor, transformed: torch.Tensor) -> LogitTransform:
+        """The transform that maps the probe to what the model made of it, or UnsupportedLoss."""
+        name = type(self.model).__name__
+        if probe is None or transformed.shape[-1] != probe.shape[-1] or transformed.numel() == 0:
+            raise UnsupportedLoss(
+                f"{name} changes the shape of its LM head's output before the loss (e.g. slices the "
+                "vocabulary); slipstream's chunked loss cannot follow. Use chunked_loss=False."
+            )
+        expected = transformed.reshape(-1, probe.shape[-1])[0].double().cpu()  # one host read, once
+        candidates = transform_candidates(self.model)
+        tolerance = 1e-5 if probe.dtype in (torch.float32, torch.float64) else 2e-2
+        for candidate in candidates:
+            ours = candidate(probe.reshape(-1)).double().cpu()
+            if torch.allclose(ours, expected, rtol=tolerance, atol=tolerance * _PROBE_RANGE):
+                self._log(f"chunked loss: logit transform {candidate.describe()} (verified on a probe row)")
+                return candidate
+        raise UnsupportedLoss(
+            f"{name} transforms its logits before the loss in a way slipstream's chunked loss does not "
+            f"know (tried: {', '.join(c.describe() for c in candidates)}); the loss would differ, so it is "
+            "refused. Use slipstream.optimize(model, chunked_loss=False)."
+        )
+
+    def _log(self, policy: str) -> None:
+        self.policies.append(policy)
+        logger.info(policy)
+
+
+def transform_candidates(model: torch.nn.Module) -> list[LogitTransform]:
+    """Transforms the model's config (or the model) names; the most specific first, none last."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    holders = [config, model, getattr(model, "model", None)]
+
+    def found(key: str) -> list[float]:
+        values = []
+        for holder in holders:
+            value = getattr(holder, key, None) if holder is not None else None
+            if isinstance(value, int | float) and not isinstance(value, bool) and value not in values:
+                values.append(float(value))
+        return values
+
+    caps = [c for key in _SOFTCAP_KEYS for c in found(key) if c > 0]
+    scales = [s for key in _SCALE_KEYS for s in found(key)]
+    # Granite and MiniCPM divide by logits_scaling; HyperCLOVA X multiplies by it.
+    scales += [v for s in found("logits_scaling") if s != 0 for v in (1.0 / s, s)]
+    out = [LogitTransform(scale=s, softcap=c) for s in scales for c in caps]
+    out += [LogitTransform(softcap=c) for c in caps] + [LogitTransform(scale=s) for s in scales]
+    return [*out, LogitTransform()]
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    """Refuse, before training, a model the chunked loss cannot stand in for."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    name = type(model).__name__
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Module):
+        raise UnsupportedLoss(f"{name} has no output-embeddings (LM head) module; use chunked_loss=False")
+    stock = model.loss_function
+    if isinstance(stock, ChunkedLoss):
+        raise UnsupportedLoss(f"{name} already runs slipstream's chunked loss")
+    if stock is not ForCausalLMLoss:
+        raise UnsupportedLoss(
+            f"{name} uses its own loss ({getattr(stock, '__name__', stock)!r}, not transformers' "
+            "ForCausalLMLoss); the chunked loss only stands in for the causal-LM cross-entropy. "
+            "Use chunked_loss=False."
+        )
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    if "loss_function" not in source:
+        raise UnsupportedLoss(
+            f"{name}.forward does not call model.loss_function (or its source cannot be read), so the "
+            "chunked loss cannot stand in for its loss. Use chunked_loss=False."
+        )

@@ -1,0 +1,208 @@
+"""LM head + cross-entropy a chunk of tokens at a time: the [tokens, vocab] logits never exist.
+
+With a real vocabulary (128k-201k tokens) the logits of a long packed row, their fp32 copy,
+their log-softmax and their gradient are most of a training step's activation memory. Here
+the head runs on ``chunk_tokens`` rows at a time and each chunk's gradient is computed in
+the same pass as its loss, while its logits are alive:
+
+    z = transform(head(x_c))                      [c, V]  (the model's dtype)
+    lse = log sum_v exp(z_v)                      fp32, per row
+    loss_c = sum_rows (lse - z[target])           fp32
+    dL/dz = (softmax(z) - onehot(target)) / N     fp32, written over z in place, then cast
+
+and autograd of the head alone (``torch.autograd.grad(z, [x_c, *head_params], dL/dz)``)
+turns dL/dz into the gradients of the chunk's hidden rows and of the head's trainable
+parameters, which are kept (hidden rows: [N, H]; parameters: their own size) and handed to
+autograd in backward, scaled by the incoming gradient. Why the same pass rather than
+recomputing each chunk in backward: it costs exactly the FLOPs of the stock loss (one head
+forward, one head backward), where recomputation pays a second head forward - a third more
+time on a head that dominates the step. Why autograd of the head module rather than a
+hand-written matmul: the head may be a PEFT LoRA layer (with dropout), a ``modules_to_save``
+copy, a 4-bit layer or tied to the embeddings, and each then trains exactly as it would
+under the stock loss.
+
+Only the rows that carry a label are given to this function (the caller selects them), so
+masked prompt tokens cost no head FLOPs at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Memory one chunk may use on a CPU, where free memory is not a meaningful budget.
+CPU_CHUNK_BUDGET_BYTES = 256 << 20
+# On CUDA: this share of the memory free when the loss first runs, within these bounds.
+CUDA_FREE_SHARE = 0.25
+MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 64, 16384
+CHUNK_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to the head's output before its loss: ``softcap(logits * scale)``.
+
+    Covers the families that scale (Granite, Cohere, Falcon-H1, HyperCLOVA X) or soft-cap
+    (Gemma 2/3, RecurrentGemma, xLSTM) their logits; the ops are the ones transformers runs,
+    in the same dtype, so the chunked loss sees the logits the stock loss would.
+    """
+
+    scale: float | None = None
+    softcap: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    def describe(self) -> str:
+        parts = [f"scale {self.scale:g}"] if self.scale is not None else []
+        parts += [f"softcap {self.softcap:g}"] if self.softcap is not None else []
+        return ", ".join(parts) or "none"
+
+
+def bytes_per_chunk_row(vocab_size: int, dtype: torch.dtype) -> int:
+    """Bytes one row of a chunk holds at once: its logits, their fp32 working copy, their gradient."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    fp32_copy = 0 if dtype == torch.float32 else 4
+    grad_cast = 0 if dtype == torch.float32 else itemsize
+    return vocab_size * (itemsize + fp32_copy + grad_cast)
+
+
+def choose_chunk_tokens(
+    vocab_size: int, dtype: torch.dtype, device: torch.device, override: int | None = None
+) -> tuple[int, str]:
+    """Rows per chunk and the reason: a memory budget over what one row costs."""
+    row = bytes_per_chunk_row(vocab_size, dtype)
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"loss_chunk_tokens must be at least 1, got {override}")
+        return override, f"{override} tokens per chunk (set), {override * row / 2**20:.0f} MiB"
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        budget, source = int(free * CUDA_FREE_SHARE), f"{CUDA_FREE_SHARE:.0%} of {free / 2**30:.1f} GiB free"
+    else:
+        budget, source = CPU_CHUNK_BUDGET_BYTES, "the CPU budget"
+    tokens = max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, budget // row))
+    tokens = max(CHUNK_MULTIPLE, tokens // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
+    return tokens, (
+        f"{tokens} tokens per chunk ({tokens * row / 2**20:.0f} MiB of {source}; vocab {vocab_size}, "
+        f"{str(dtype).removeprefix('torch.')})"
+    )
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Loss of ``head`` over ``hidden_NH`` rows, with the gradients computed chunk by chunk in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index, *params):
+        need_hidden = ctx.needs_input_grad[0]
+        need_params = [ctx.needs_input_grad[7 + i] for i in range(len(params))]
+        want_grads = need_hidden or any(need_params)
+        trainable = [p for p, need in zip(params, need_params, strict=True) if need]
+        # Gradients accumulate over chunks in fp32 where the parameter is low precision.
+        param_grads = [
+            torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in trainable
+        ]
+        hidden_grad = torch.empty_like(hidden_NH) if need_hidden else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
+        num_rows = hidden_NH.shape[0]
+        for start in range(0, num_rows, chunk_tokens):
+            end = min(start + chunk_tokens, num_rows)
+            targets = targets_N[start:end]
+            with torch.enable_grad():
+                rows = hidden_NH[start:end].detach().requires_grad_(need_hidden)
+                logits = transform(head(rows))
+            z = logits.detach().float()  # the chunk's fp32 working copy (the logits themselves in fp32)
+            valid = targets != ignore_index
+            safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+            target_logit = z.gather(1, safe_targets).squeeze(1)
+            # log-sum-exp in place: z becomes exp(z - max), so nothing of size [c, V] is allocated.
+            row_max = z.amax(dim=1, keepdim=True)
+            z.sub_(row_max).exp_()
+            row_sum = z.sum(dim=1, keepdim=True)
+            lse = (row_max + row_sum.log()).squeeze(1)
+            loss_sum += torch.where(valid, lse - target_logit, 0.0).sum()
+            if not want_grads:
+                continue
+            # dL/dz = (softmax - onehot) * valid / divisor, over z in place.
+            weight = valid.to(torch.float32) / divisor
+            z.mul_((weight / row_sum.squeeze(1)).unsqueeze(1))
+            z.scatter_add_(1, safe_targets, -weight.unsqueeze(1))
+            inputs = ([rows] if need_hidden else []) + trainable
+            grads = torch.autograd.grad(logits, inputs, grad_outputs=z.to(logits.dtype))
+            if need_hidden:
+                hidden_grad[start:end] = grads[0]
+                grads = grads[1:]
+            for accumulator, grad in zip(param_grads, grads, strict=True):
+                accumulator += grad
+        ctx.need_params = need_params
+        ctx.save_for_backward(*([hidden_grad] if need_hidden else []), *param_grads)
+        ctx.param_dtypes = [p.dtype for p in trainable]
+        return loss_sum / divisor
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        saved = list(ctx.saved_tensors)
+        hidden_grad = None
+        if ctx.needs_input_grad[0]:
+            hidden_grad = saved.pop(0)
+            hidden_grad = hidden_grad * grad_loss.to(hidden_grad.dtype)
+        param_grads = iter(
+            (grad * grad_loss).to(dtype) for grad, dtype in zip(saved, ctx.param_dtypes, strict=True)
+        )
+        return (
+            hidden_grad,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            *(next(param_grads) if need else None for need in ctx.need_params),
+        )
+
+
+def linear_cross_entropy(
+    hidden_NH: torch.Tensor,
+    targets_N: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    head_params: Sequence[torch.Tensor],
+    divisor: torch.Tensor | float | None = None,
+    transform: LogitTransform | None = None,
+    chunk_tokens: int = 1024,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``sum_i CE(transform(head(hidden_i)), target_i) / divisor`` without the full logits.
+
+    ``head_params``: the tensors ``head`` reads that may need gradients (its trainable
+    parameters); they must be the ones ``head`` uses, since their gradients are returned
+    to autograd as gradients of these very tensors. ``divisor`` defaults to the number of
+    non-ignored targets (at least 1, so an all-masked batch gives a zero loss, not NaN).
+    The loss is fp32, like transformers' (which upcasts the logits).
+    """
+    if hidden_NH.dim() != 2:
+        raise ValueError(f"hidden rows must be [N, H], got {tuple(hidden_NH.shape)}")
+    if divisor is None:
+        divisor = (targets_N != ignore_index).sum().clamp_min(1)
+    if not isinstance(divisor, torch.Tensor):
+        if not math.isfinite(divisor) or divisor <= 0:
+            raise ValueError(f"the loss divisor must be positive, got {divisor}")
+        divisor = torch.tensor(float(divisor))
+    divisor = divisor.to(device=hidden_NH.device, dtype=torch.float32)
+    return _LinearCrossEntropy.apply(
+        hidden_NH,
+        targets_N,
+        divisor,
+        head,
+        transform or LogitTransform(),
+        chunk_tokens,
+        ignore_index,
+        *head_params,
+    )
