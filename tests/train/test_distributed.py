@@ -15,7 +15,7 @@ pytestmark = [
 ]
 
 CONFIG = {
-    "model": {"preset": "qwen3"},
+    "model": {"preset": "qwen3", "dtype": "float32"},
     "data": {"demo_rows": 120, "max_seq_len": 256},
     "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     "optimizer": {"lr": 1e-2, "schedule": "constant"},

@@ -15,7 +15,7 @@ from slipstream.train.config import ConfigError, load_config
 from slipstream.train.loop import newest_checkpoint, train
 
 TINY = {
-    "model": {"preset": "qwen3"},
+    "model": {"preset": "qwen3", "dtype": "float32"},
     "data": {"demo_rows": 120, "max_seq_len": 256},
     "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "gate_proj"]},
     "optimizer": {"lr": 1e-2, "schedule": "constant"},
@@ -191,7 +191,7 @@ def test_the_tiny_example_learns_and_its_adapter_loads_back(tmp_path):
     from slipstream.models import build_model
 
     example = Path(__file__).resolve().parents[2] / "examples" / "tiny.yaml"
-    config = load_config(example, [f"output_dir={tmp_path / 'tiny'}"])
+    config = load_config(example, [f"output_dir={tmp_path / 'tiny'}", "model.dtype=float32"])
     model, _ = train(config, progress=False)
     curve = losses(tmp_path / "tiny")
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - 1.0  # clearly falls

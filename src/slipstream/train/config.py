@@ -27,7 +27,9 @@ class ModelConfig:
     path: str | None = None  # a local directory saved with save_pretrained (with its tokenizer)
     preset: str | None = None  # or a built-in shape (random init), e.g. "demo", "qwen3-moe"
     layers: int | None = None  # shorten a preset
-    dtype: str = "float32"
+    dtype: str = (
+        "auto"  # bfloat16 where the device runs it fast (CUDA sm80+, AMX / AVX512-BF16 CPUs), else float32
+    )
     trust_remote_code: bool = False
 
 
@@ -86,6 +88,8 @@ class SpeedupsConfig:
     packed_attention: bool = True
     moe_routing: str | None = None  # None = "sorted" for MoE models
     checkpointing: str = "off"
+    chunked_loss: bool | None = None  # None = on where the model supports it (logged); false = stock loss
+    loss_chunk_tokens: int | None = None  # None = from a memory budget
 
 
 @dataclass
@@ -114,13 +118,14 @@ class TrainConfig:
             ("training.grad_accum", self.training.grad_accum),
             ("data.max_seq_len", self.data.max_seq_len),
             ("lora.rank", self.lora.rank),
+            ("speedups.loss_chunk_tokens", self.speedups.loss_chunk_tokens),
         ):
             if value is not None and value < 1:
                 fail(f"{key} must be at least 1, got {value}")
         choices = {
             "data.overflow": (self.data.overflow, ("truncate", "split")),
             "optimizer.schedule": (self.optimizer.schedule, ("cosine", "linear", "constant")),
-            "model.dtype": (self.model.dtype, ("float32", "bfloat16", "float16")),
+            "model.dtype": (self.model.dtype, ("auto", "float32", "bfloat16", "float16")),
             "speedups.checkpointing": (
                 self.speedups.checkpointing,
                 ("off", "recompute", "offload", "offload-double", "auto"),

@@ -27,6 +27,7 @@ import torch
 from ..atomic import write_text_atomically
 from .config import ConfigError, TrainConfig
 from .distributed import unwrap
+from .precision import resolve_dtype
 from .step import train_step
 
 logger = logging.getLogger("slipstream")
@@ -79,8 +80,7 @@ def _samples(config: TrainConfig, tokenizer):
     return samples, report
 
 
-def _model(config: TrainConfig, vocab_size: int):
-    dtype = getattr(torch, config.model.dtype)
+def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
     if config.model.preset is not None:
         if config.quantization.four_bit:
             raise ConfigError(
@@ -297,8 +297,11 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
     if data_report is not None:
         logger.info("%s", data_report.summary())
     logger.info("%s", packing.summary())
-    model = _model(config, len(tokenizer))
     device = info.device()
+    dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
+    if info.is_main:
+        tqdm.write(f"slipstream train: {dtype_policy}")
+    model = _model(config, len(tokenizer), dtype)
     if not config.quantization.four_bit:
         model.to(device)
     optimize(
@@ -306,15 +309,19 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         packed_attention=config.speedups.packed_attention,
         moe_routing=config.speedups.moe_routing,
         checkpointing=config.speedups.checkpointing,
+        chunked_loss=config.speedups.chunked_loss,
+        loss_chunk_tokens=config.speedups.loss_chunk_tokens,
     )
     torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
     model = _apply_lora(model, config)
     model.train()
-    policies = list(
+    # The model's own list: decisions made on the first step (loss chunk size) join it there.
+    policies = (
         model.get_base_model().slipstream_state.policies
         if hasattr(model, "get_base_model")
         else model.slipstream_state.policies
     )
+    policies.insert(0, dtype_policy)
     model = wrap(model, info)
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if device.type in ("cuda", "cpu") and info.strategy != "fsdp2" else {}
@@ -420,7 +427,8 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         "steps": total,
         "final_loss": losses[-1] if losses else None,
         "packing": packing.summary(),
-        "policies": policies,
+        "policies": list(policies),
+        "dtype": str(dtype).removeprefix("torch."),
         "world_size": info.world_size,
         "distributed": info.strategy,
     }
