@@ -69,9 +69,17 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
     )
     p.add_argument(
         "--preset",
-        choices=("default", "ablation"),
+        choices=("default", "ablation", "ceiling"),
         default=None,
-        help="arms preset: default (stock-padded, stock-packed, slipstream) or ablation (leave-one-out)",
+        help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out) or "
+        "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload)",
+    )
+    p.add_argument(
+        "--max-tokens-within",
+        default=defaults.max_tokens_within,
+        metavar="SIZE",
+        help="also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
+        "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
     )
     p.add_argument(
         "--checkpointing",
@@ -108,6 +116,7 @@ def ab_config_from_args(args: argparse.Namespace):
         repeats=args.repeats,
         threads=args.threads,
         out_dir=args.out,
+        max_tokens_within=args.max_tokens_within,
     )
 
 
@@ -197,7 +206,7 @@ def _add_report(sub) -> None:
 def _cmd_report(args) -> int:
     from .bench.ab import write_atomically
     from .bench.plots import report_plot
-    from .bench.report import ReportError, cross_table, load_records, report_rows
+    from .bench.report import ReportError, ceiling_table, cross_table, load_records, report_rows
 
     try:
         records = load_records(args.paths)
@@ -206,6 +215,9 @@ def _cmd_report(args) -> int:
         print(f"slipstream report: {error}", file=sys.stderr)
         return 1
     table = cross_table(rows)
+    ceilings = ceiling_table(records)
+    if ceilings:
+        table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
     print(f"{len(records)} records\n\n{table}")
     if args.out:
         out = Path(args.out)

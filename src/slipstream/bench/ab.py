@@ -29,37 +29,59 @@ import torch
 
 from ..atomic import write_text_atomically
 
-# Each arm: the batch layout and the toggles it runs with. Stock arms are the model as users
-# run it today (transformers' own attention and experts); "slipstream-no-*" are leave-one-out
-# ablations, so every optimization's own share shows.
+# Each arm: the batch layout, the toggles it runs with and its loss ("stock": transformers'
+# full logits; "chunked": slipstream's chunked LM head + loss; "trl-fused": TRL 1.16's fused LM
+# head, as its SFTTrainer computes the loss). Stock arms are the model as users run it today
+# (transformers' own attention and experts); "trl-fused-head" is the peer users would pick for
+# memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
+_SLIPSTREAM = {
+    "layout": "packed",
+    "packed_attention": True,
+    "moe_routing": None,
+    "stock": False,
+    "loss": "chunked",
+}
 ARM_SPECS: dict[str, dict] = {
-    "stock-padded": {"layout": "padded", "packed_attention": False, "moe_routing": "stock", "stock": True},
-    "stock-packed": {"layout": "packed", "packed_attention": False, "moe_routing": "stock", "stock": True},
-    "slipstream": {"layout": "packed", "packed_attention": True, "moe_routing": None, "stock": False},
-    "slipstream-no-packed-attention": {
+    "stock-padded": {
+        "layout": "padded",
+        "packed_attention": False,
+        "moe_routing": "stock",
+        "stock": True,
+        "loss": "stock",
+    },
+    "stock-packed": {
         "layout": "packed",
         "packed_attention": False,
-        "moe_routing": None,
-        "stock": False,
-    },
-    "slipstream-no-moe-routing": {
-        "layout": "packed",
-        "packed_attention": True,
         "moe_routing": "stock",
-        "stock": False,
+        "stock": True,
+        "loss": "stock",
     },
-    "slipstream-no-offload": {
+    "trl-fused-head": {
         "layout": "packed",
-        "packed_attention": True,
-        "moe_routing": None,
-        "stock": False,
-        "checkpointing": "recompute",
+        "packed_attention": False,
+        "moe_routing": "stock",
+        "stock": True,
+        "loss": "trl-fused",
     },
+    "slipstream": _SLIPSTREAM,
+    "slipstream-offload": {**_SLIPSTREAM, "checkpointing": "auto"},
+    "slipstream-no-packed-attention": {**_SLIPSTREAM, "packed_attention": False},
+    "slipstream-no-moe-routing": {**_SLIPSTREAM, "moe_routing": "stock"},
+    "slipstream-no-offload": {**_SLIPSTREAM, "checkpointing": "recompute"},
+    "slipstream-no-chunked-loss": {**_SLIPSTREAM, "loss": "stock"},
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
     "default": ("stock-padded", "stock-packed", "slipstream"),
-    "ablation": ("stock-packed", "slipstream", "slipstream-no-packed-attention", "slipstream-no-moe-routing"),
+    "ablation": (
+        "stock-packed",
+        "slipstream",
+        "slipstream-no-packed-attention",
+        "slipstream-no-moe-routing",
+        "slipstream-no-chunked-loss",
+    ),
+    # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
+    "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
 }
 
 
@@ -89,6 +111,9 @@ class ABConfig:
     repeats: int = 1
     threads: int | None = None
     out_dir: str | None = None
+    # The memory ceiling: for each arm, the most packed tokens one step trains within this
+    # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.
+    max_tokens_within: str | None = None
 
     def __post_init__(self):
         unknown = [arm for arm in self.arms if arm not in ARMS]
@@ -107,6 +132,10 @@ class ABConfig:
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.max_tokens_within is not None:
+            from .ceiling import parse_bytes
+
+            parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
 
 
 @dataclass
@@ -135,6 +164,13 @@ def _resolve_device(name: str) -> str:
     return name
 
 
+def model_vocab_size(config: ABConfig, tokenizer) -> int:
+    """A preset's real vocabulary (the demo tokenizer's ids are valid ids of it); tiny models take the tokenizer's."""
+    from ..models import preset_vocab_size
+
+    return preset_vocab_size(config.model) or len(tokenizer)
+
+
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
     from ..data import demo_samples, demo_tokenizer, pack_samples
@@ -152,7 +188,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
-    return slim, len(tokenizer), dataclasses.asdict(report)
+    return slim, model_vocab_size(config, tokenizer), dataclasses.asdict(report)
 
 
 def _micro_batch_inputs(arm: str, docs: list[dict], device: str):
@@ -165,22 +201,24 @@ def _micro_batch_inputs(arm: str, docs: list[dict], device: str):
         return inputs, count_label_tokens(inputs["labels"])
     batch = collate_packed(docs, device=device)
     inputs = batch.model_inputs() if spec["packed_attention"] else batch.stock_inputs()
+    if spec["loss"] == "trl-fused":
+        inputs["fused_lm_head"] = True  # TRL's fused LM head computes the loss (see build_arm_model)
     return inputs, batch.num_label_tokens
 
 
-def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
-    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict."""
+def build_arm_model(config: ABConfig, arm: str, vocab_size: int, device: str):
+    """The model an arm trains, set up as the arm says; returns ``(model, slipstream state)``.
+
+    Every arm starts from the same weights (``config.seed``) and, with ``lora_rank``, the same
+    adapter initialisation.
+    """
     import torch
 
     from .. import optimize
     from ..models import build_model
-    from ..train.step import train_step
-    from .counters import HostSyncCounter
 
-    config = ABConfig(**{**config_dict, "arms": tuple(config_dict["arms"])})
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = _resolve_device(config.device)
     dtype = getattr(torch, config.dtype)
     model = build_model(
         config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype
@@ -195,8 +233,14 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         packed_attention=spec["packed_attention"],
         moe_routing=spec["moe_routing"],
         checkpointing=checkpointing,
+        chunked_loss=None if spec["loss"] == "chunked" else False,
     )
     state = getattr(model, "slipstream_state", None)
+    if spec["loss"] == "trl-fused":
+        from trl.trainer.utils import add_fused_lm_head  # what SFTTrainer 1.16 installs (before PEFT)
+
+        add_fused_lm_head(model)
+        state.policies.append("loss: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)")
     if config.lora_rank:
         from peft import LoraConfig, get_peft_model
 
@@ -209,7 +253,20 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             ),
         )
+    return model, state
+
+
+def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
+    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict."""
+    import torch
+
     from ..offload import device_activation_bytes
+    from ..train.step import train_step
+    from .counters import HostSyncCounter
+
+    config = ABConfig(**{**config_dict, "arms": tuple(config_dict["arms"])})
+    device = _resolve_device(config.device)
+    model, state = build_arm_model(config, arm, vocab_size, device)
 
     first_inputs, _ = _micro_batch_inputs(arm, plan[0][0], device)
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
@@ -238,7 +295,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         attn_implementation=(
             model.get_base_model() if config.lora_rank else model
         ).config._attn_implementation,
-        policies=list(state.policies) if state else [],
+        policies=state.policies if state else [],  # the model's own list: first-step decisions join it
         activation_bytes=activation_bytes,
     )
     for step, micro_docs in enumerate(plan):
@@ -340,15 +397,23 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
     for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
         runs[arm].append(run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size))
-    return {
+    record = {
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),
+        "vocab_size": vocab_size,
         "fingerprint": fingerprint(),
         "packing": packing,
         "summary": summarize(config, runs),
         "runs": runs,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if config.max_tokens_within:
+        from .ceiling import search_all
+
+        record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process)
+        for arm, found in record["ceiling"].items():
+            record["summary"][arm]["max_tokens_within"] = found["max_tokens"]
+    return record
 
 
 write_atomically = write_text_atomically  # the name the benchmark scripts import
@@ -382,7 +447,8 @@ def markdown_report(record: dict) -> str:
         f"Machine: {describe(record['fingerprint'])}",
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
-        f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}",
+        f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
+        f"vocabulary {record.get('vocab_size', '?')}; LoRA rank {config.get('lora_rank', 0) or '- (full fine-tune)'}",
         "",
         "| arm | attention | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) | activation bytes "
         "| host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
@@ -395,6 +461,7 @@ def markdown_report(record: dict) -> str:
             f"{s['peak_memory_mb']:.0f} | {s.get('activation_bytes', 0):,} | {s['host_syncs_per_step']} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
+    lines += ceiling_lines(record)
     arms = list(record["runs"])
     lines += [
         "",
@@ -410,6 +477,39 @@ def markdown_report(record: dict) -> str:
             f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def ceiling_lines(record: dict) -> list[str]:
+    """The memory-ceiling table of a record (none when it was not searched)."""
+    ceiling = record.get("ceiling")
+    if not ceiling:
+        return []
+    budget = next(iter(ceiling.values()))["budget_bytes"]
+    lines = [
+        "",
+        f"Memory ceiling: the most packed tokens one optimizer step trains within {budget / 1e9:.1f} GB "
+        f"({record['summary'][next(iter(ceiling))]['memory_kind']}; doubling then bisection, each probe a fresh process):",
+        "",
+        "| arm | max tokens per step | vs "
+        + " | vs ".join(a for a in ceiling if ARM_SPECS[a]["stock"])
+        + " | probes (tokens: peak GB) |",
+        "|---|---:|" + "---:|" * sum(1 for a in ceiling if ARM_SPECS[a]["stock"]) + "---|",
+    ]
+    for arm, found in ceiling.items():
+        ratios = [
+            f"{found['max_tokens'] / ceiling[base]['max_tokens']:.1f}x"
+            if ceiling[base]["max_tokens"]
+            else "-"
+            for base in ceiling
+            if ARM_SPECS[base]["stock"]
+        ]
+        probes = ", ".join(
+            f"{p['tokens']}: {p['peak_bytes'] / 1e9:.2f}" if p["peak_bytes"] else f"{p['tokens']}: over"
+            for p in found["probes"]
+        )
+        most = f"{'>= ' if found['capped'] else ''}{found['max_tokens']:,}"
+        lines.append(f"| {arm} | {most} | " + " | ".join(ratios) + f" | {probes} |")
+    return lines
 
 
 def write_record(record: dict, out_dir: Path) -> tuple[Path, Path]:

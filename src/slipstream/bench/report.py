@@ -36,7 +36,8 @@ def workload(record: dict) -> str:
     shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
     backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
     return (
-        f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
+        f"{shape} · vocab {record.get('vocab_size', '?')} · seq {config['max_seq_len']} · "
+        f"accum {config['grad_accum']} · {config['batching']} · "
         f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends}"
     )
 
@@ -51,13 +52,14 @@ def hardware(record: dict) -> str:
 def _key(record: dict) -> tuple:
     config = record["config"]
     backends = tuple(sorted({s["attn_implementation"] for s in record["summary"].values()}))
-    return (*(config.get(k) for k in WORKLOAD_KEYS), backends)
+    return (*(config.get(k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
 
 
 def pair_records(a: dict, b: dict) -> None:
     """Raise unless ``a`` and ``b`` ran the same workload (so their steps may be pooled)."""
     if _key(a) != _key(b):
         diffs = [k for k in WORKLOAD_KEYS if a["config"].get(k) != b["config"].get(k)]
+        diffs += ["vocab_size"] if a.get("vocab_size") != b.get("vocab_size") else []
         raise ReportError(
             f"refusing to compare different workloads ({', '.join(diffs) or 'attention backend'} differ): "
             f"{workload(a)} vs {workload(b)}"
@@ -131,4 +133,38 @@ def cross_table(rows: list[dict]) -> str:
     lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
     for (load, arm), by_machine in cells.items():
         lines.append(f"| {load} | {arm} | " + " | ".join(by_machine.get(m, "—") for m in machines) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ceiling_table(records: list[tuple[Path, dict]]) -> str:
+    """Markdown: the memory ceilings found (``ab --max-tokens-within``), a row per workload, budget and arm."""
+    cells: dict[tuple[str, str, str], dict[str, str]] = {}
+    machines: set[str] = set()
+    for _, record in records:
+        ceiling = record.get("ceiling")
+        if not ceiling:
+            continue
+        machine = hardware(record)
+        machines.add(machine)
+        stock = [a for a in ceiling if ARM_SPECS[a]["stock"] and ceiling[a]["max_tokens"]]
+        for arm, found in ceiling.items():
+            budget = f"{found['budget_bytes'] / 1e9:.1f} GB"
+            ratios = [f"{found['max_tokens'] / ceiling[b]['max_tokens']:.1f}x {b}" for b in stock if b != arm]
+            cells.setdefault((workload(record), budget, arm), {})[machine] = (
+                f"{'>= ' if found['capped'] else ''}{found['max_tokens']:,}"
+                + (f" ({', '.join(ratios)})" if ratios else "")
+            )
+    if not cells:
+        return ""
+    machines_sorted = sorted(machines)
+    lines = [
+        "| workload | budget | arm | " + " | ".join(machines_sorted) + " |",
+        "|---|---|---|" + "---|" * len(machines_sorted),
+    ]
+    for (load, budget, arm), by_machine in cells.items():
+        lines.append(
+            f"| {load} | {budget} | {arm} | "
+            + " | ".join(by_machine.get(m, "—") for m in machines_sorted)
+            + " |"
+        )
     return "\n".join(lines) + "\n"

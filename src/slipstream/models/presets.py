@@ -176,6 +176,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_experts=128,
         num_experts_per_tok=8,
         norm_topk_prob=True,
+        vocab_size=151936,
     ),
     "gpt-oss-bench-cpu": dict(
         family=GptOssConfig,
@@ -190,9 +191,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        vocab_size=201088,
     ),
     # The packing benchmark's CPU-sized Qwen3: Qwen3-0.6B's proportions at a quarter of its
-    # width (hidden 256, intermediate 3x hidden, 2:1 GQA, head_dim 128 as in every Qwen3).
+    # width (hidden 256, intermediate 3x hidden, 2:1 GQA, head_dim 128 as in every Qwen3) and
+    # Qwen3's real vocabulary.
     "qwen3-bench-cpu": dict(
         family=Qwen3Config,
         hidden_size=256,
@@ -201,8 +204,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=128,
+        vocab_size=151936,
     ),
 }
+
+
+def preset_vocab_size(name: str) -> int | None:
+    """The real vocabulary of a real-model preset; None for the tiny shapes (they take the tokenizer's)."""
+    return PRESETS.get(name, {}).get("vocab_size")
 
 
 def model_names() -> list[str]:
@@ -214,7 +223,8 @@ def build_config(
 ) -> PreTrainedConfig:
     """A config with the shape called ``name`` (see ``model_names()``).
 
-    ``vocab_size`` overrides the preset's (tiny models take the tokenizer's); ``layers``
+    ``vocab_size`` overrides the preset's (tiny models take the tokenizer's; benchmarks never
+    shrink a preset's, see ``preset_vocab_size``); ``layers``
     shortens the stack (``layer_types`` is cut to match).
     """
     table = TINY if name in TINY else PRESETS if name in PRESETS else None

@@ -1,0 +1,168 @@
+"""The memory ceiling: the most packed tokens one training step fits within a memory budget.
+
+For long-context fine-tuning this is the figure that matters: not how fast a step is, but how
+long a step can be at all. For each arm, ``max_tokens_within`` doubles the tokens of one
+packed micro-batch until a step no longer fits, then bisects. Each probe runs one optimizer
+step in a fresh process (a fresh allocator: nothing of a bigger probe lingers):
+
+- CUDA: the process may use only the budget (``set_per_process_memory_fraction``); an
+  out-of-memory error means "does not fit"; the figure is ``max_memory_allocated``.
+- CPU: the figure is the process's peak RSS during the step (VmHWM, reset before it). A
+  watchdog thread ends the probe as soon as RSS passes the budget, so an arm that needs
+  far more than the machine has is stopped early instead of taking the machine down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import threading
+import time
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_OVER_BUDGET_EXIT = 86  # the watchdog's exit status
+_MIN_TOKENS = 128
+
+
+def parse_bytes(text: str) -> int:
+    """'8GB' -> 8e9, '8GiB' -> 8 * 2**30, '512MB', '1.5GB'; ValueError naming the text otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*", text.upper())
+    if not match:
+        raise ValueError(f"max_tokens_within: {text!r} is not a memory size (e.g. 8GB, 512MiB)")
+    value = float(match.group(1)) * _UNITS[match.group(2) or ""]
+    if value <= 0:
+        raise ValueError(f"max_tokens_within: {text!r} must be positive")
+    return int(value)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1))
+
+
+def _watch_rss(budget: int, stop: threading.Event) -> None:
+    while not stop.wait(0.005):
+        if _status_kib("VmRSS") * 1024 > budget:
+            os._exit(_OVER_BUDGET_EXIT)
+
+
+def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, budget: int) -> dict:
+    """One optimizer step of ``arm`` on ``docs`` packed into one row; its peak memory and whether it fit."""
+    import torch
+
+    from ..train.step import train_step
+    from .ab import ABConfig, _micro_batch_inputs, _resolve_device, build_arm_model
+
+    config = ABConfig(**{**config_dict, "arms": tuple(config_dict["arms"])})
+    device = _resolve_device(config.device)
+    model, _ = build_arm_model(config, arm, vocab_size, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
+    micro = [_micro_batch_inputs(arm, docs, device)]
+    start = time.perf_counter()
+    if device == "cuda":
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.mem_get_info()[1]))
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            train_step(model, micro, optimizer)
+            torch.cuda.synchronize()
+        except torch.OutOfMemoryError:
+            return {"fits": False, "peak_bytes": None, "seconds": time.perf_counter() - start}
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # reset VmHWM: the peak below is the step's
+        stop = threading.Event()
+        watchdog = threading.Thread(target=_watch_rss, args=(budget, stop), daemon=True)
+        watchdog.start()
+        train_step(model, micro, optimizer)
+        stop.set()
+        peak = _status_kib("VmHWM") * 1024
+    return {"fits": peak <= budget, "peak_bytes": peak, "seconds": time.perf_counter() - start}
+
+
+def ceiling_docs(tokens: int, seed: int) -> list[dict]:
+    """Built-in demo documents (every token labelled) filling exactly ``tokens`` tokens."""
+    from ..data import demo_samples, demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    docs, total, rows = [], 0, 0
+    while total < tokens:
+        for sample in demo_samples(tokenizer, num_rows=512, seed=seed + rows):
+            take = min(len(sample["input_ids"]), tokens - total)
+            docs.append({"input_ids": sample["input_ids"][:take], "labels": sample["input_ids"][:take]})
+            total += take
+            if total == tokens:
+                break
+        rows += 512
+    return docs
+
+
+def max_tokens_within(config, arm: str, vocab_size: int, run_probe) -> dict:
+    """Search the largest tokens-per-step of ``arm`` within ``config.max_tokens_within``.
+
+    ``run_probe(tokens) -> probe result`` runs one probe (in a fresh process). Doubling from
+    ``config.max_seq_len`` up to 64x that, then bisection to 1/16 of the bracket.
+    """
+    budget = parse_bytes(config.max_tokens_within)
+    probes: list[dict] = []
+
+    def fits(tokens: int) -> bool:
+        result = run_probe(tokens)
+        probes.append({"tokens": tokens, **result})
+        return result["fits"]
+
+    cap = 64 * config.max_seq_len
+    low, high, tokens = None, None, config.max_seq_len
+    while high is None and tokens <= cap:
+        if fits(tokens):
+            low, tokens = tokens, tokens * 2
+        else:
+            high = tokens
+    while low is None and high > _MIN_TOKENS:  # even the first probe did not fit: halve
+        if fits(high // 2):
+            low = high // 2
+        else:
+            high //= 2
+    if low is not None and high is not None:
+        resolution = max(_MIN_TOKENS, (high - low) // 16)
+        while high - low > resolution:
+            middle = (low + high) // 2 // 64 * 64 or (low + high) // 2
+            if fits(middle):
+                low = middle
+            else:
+                high = middle
+    return {
+        "arm": arm,
+        "budget_bytes": budget,
+        "max_tokens": low or 0,
+        "capped": high is None,  # never failed up to the cap: the ceiling is higher still
+        "vocab_size": vocab_size,
+        "probes": probes,
+    }
+
+
+def fresh_probe(run_in_fresh_process, config_dict: dict, arm: str, tokens: int, vocab_size: int) -> dict:
+    """``probe_step`` in a fresh process; a process that ended (the watchdog, the OS) did not fit."""
+    from concurrent.futures.process import BrokenProcessPool
+
+    budget = parse_bytes(config_dict["max_tokens_within"])
+    docs = ceiling_docs(tokens, config_dict["seed"])
+    try:
+        return run_in_fresh_process(probe_step, config_dict, arm, docs, vocab_size, budget)
+    except BrokenProcessPool:
+        return {"fits": False, "peak_bytes": None, "seconds": 0.0, "ended": "over budget (process ended)"}
+
+
+def search_all(config, vocab_size: int, run_in_fresh_process) -> dict[str, dict]:
+    """The ceiling of every arm of ``config``, each probe in a fresh process."""
+    config_dict = dataclasses.asdict(config)
+    return {
+        arm: max_tokens_within(
+            config,
+            arm,
+            vocab_size,
+            lambda tokens, arm=arm: fresh_probe(run_in_fresh_process, config_dict, arm, tokens, vocab_size),
+        )
+        for arm in config.arms
+    }
