@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.loss import LogitTransform, choose_chunk_tokens, linear_cross_entropy
+from slipstream.loss import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 N, H, V = 45, 16, 70
 
@@ -22,11 +22,17 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
+def as_given(head, path):
+    """The head as the module (autograd path) or as its tensors (the plain-linear fast path)."""
+    return head if path == "module" else LinearHead(head.weight, head.bias)
+
+
+@pytest.mark.parametrize("path", ["module", "linear"])
 @pytest.mark.parametrize("chunk", [1, 8, 45, 1000])
 @pytest.mark.parametrize(
     "transform", [LogitTransform(), LogitTransform(scale=0.25), LogitTransform(scale=2.0, softcap=5.0)]
 )
-def test_loss_and_gradients_match_the_full_logits(chunk, transform):
+def test_loss_and_gradients_match_the_full_logits(chunk, transform, path):
     torch.manual_seed(0)
     x = torch.randn(N, H, requires_grad=True)
     head = torch.nn.Linear(H, V, bias=True)
@@ -35,7 +41,8 @@ def test_loss_and_gradients_match_the_full_logits(chunk, transform):
     params = [x, head.weight, head.bias]
     expected = reference(x, targets, head, transform, 30.0)
     expected_grads = grads(expected, params)
-    loss = linear_cross_entropy(x, targets, head, [head.weight, head.bias], 30.0, transform, chunk)
+    given = as_given(head, path)
+    loss = linear_cross_entropy(x, targets, given, [head.weight, head.bias], 30.0, transform, chunk)
     assert rel(loss, expected) <= 1e-6
     for got, want in zip(grads(loss, params), expected_grads, strict=True):
         assert rel(got, want) <= 1e-5
@@ -68,25 +75,27 @@ def test_default_divisor_is_the_label_count_and_all_masked_gives_zero():
     assert head.weight.grad.abs().max().item() == 0.0
 
 
-def test_frozen_head_and_no_grad_forward():
+@pytest.mark.parametrize("path", ["module", "linear"])
+def test_frozen_head_and_no_grad_forward(path):
     torch.manual_seed(3)
     x = torch.randn(N, H, requires_grad=True)
     head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
     targets = torch.randint(0, V, (N,))
-    loss = linear_cross_entropy(x, targets, head, [], chunk_tokens=10)
+    loss = linear_cross_entropy(x, targets, as_given(head, path), [], chunk_tokens=10)
     (gx,) = grads(loss, [x])
     assert rel(gx, grads(reference(x, targets, head, LogitTransform(), N), [x])[0]) <= 1e-5
     with torch.no_grad():
-        value = linear_cross_entropy(x, targets, head, [], chunk_tokens=10)
+        value = linear_cross_entropy(x, targets, as_given(head, path), [], chunk_tokens=10)
     assert rel(value, loss.detach()) <= 1e-7
 
 
-def test_bfloat16_stays_close_to_the_fp32_upcast_loss():
+@pytest.mark.parametrize("path", ["module", "linear"])
+def test_bfloat16_stays_close_to_the_fp32_upcast_loss(path):
     torch.manual_seed(4)
     x = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
     head = torch.nn.Linear(H, V, bias=False, dtype=torch.bfloat16)
     targets = torch.randint(0, V, (N,))
-    loss = linear_cross_entropy(x, targets, head, [head.weight], chunk_tokens=8)
+    loss = linear_cross_entropy(x, targets, as_given(head, path), [head.weight], chunk_tokens=8)
     expected = reference(x, targets, head, LogitTransform(), N)  # transformers: bf16 logits, fp32 loss
     assert loss.dtype == torch.float32
     assert rel(loss, expected) <= 1e-6  # the same bf16 logits, the same fp32 reduction

@@ -5,10 +5,11 @@ does this by default); ``linear_cross_entropy`` is the computation itself, usabl
 """
 
 from .chunked_loss import ChunkedLoss, UnsupportedLoss, check_supported, transform_candidates
-from .linear_ce import LogitTransform, choose_chunk_tokens, linear_cross_entropy
+from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 __all__ = [
     "ChunkedLoss",
+    "LinearHead",
     "LogitTransform",
     "UnsupportedLoss",
     "check_supported",

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..packing.batch import IGNORE_INDEX, PACKED_BATCH_KWARG
-from .linear_ce import LogitTransform, choose_chunk_tokens, linear_cross_entropy
+from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 logger = logging.getLogger("slipstream")
 
@@ -222,6 +222,8 @@ class ChunkedLoss:
             self._log(f"chunked loss: {reason}")
         head = self._head
         params = [p for p in head.parameters() if p.requires_grad]
+        if self._is_plain_linear(head):
+            head = LinearHead(head.weight, head.bias)
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = float(num_items_in_batch)
         return linear_cross_entropy(
@@ -234,6 +236,19 @@ class ChunkedLoss:
             chunk_tokens=self.chunk_tokens,
             ignore_index=ignore_index,
         )
+
+    def _is_plain_linear(self, head: torch.nn.Module) -> bool:
+        """An exact nn.Linear with no hooks but ours: its tensors can be used directly (the fast path)."""
+        from torch.nn.modules import module as torch_module
+
+        ours = {handle.id for handle in self._head_handles}
+        foreign = (set(head._forward_hooks) | set(head._forward_pre_hooks)) - ours
+        global_hooks = (
+            torch_module._global_forward_hooks
+            or torch_module._global_forward_pre_hooks
+            or torch_module._global_backward_hooks
+        )
+        return type(head) is torch.nn.Linear and not foreign and not head._backward_hooks and not global_hooks
 
     @staticmethod
     def _labelled_positions(call: _Call, labels, shift_labels, targets, ignore_index):

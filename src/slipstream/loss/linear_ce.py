@@ -97,6 +97,58 @@ def choose_chunk_tokens(
     )
 
 
+@dataclass(frozen=True)
+class LinearHead:
+    """A plain linear head given as its tensors: the fast path (matmuls into reused buffers).
+
+    Only for an exact ``torch.nn.Linear`` without hooks of its own: anything else (a PEFT
+    layer, a 4-bit layer, a subclass) goes through its module, under autograd.
+    """
+
+    weight: torch.Tensor  # [V, H]
+    bias: torch.Tensor | None = None
+
+
+class _Buffers:
+    """[c, V] working tensors allocated once per call and reused by every chunk: on a CPU a fresh
+    tensor this large bypasses malloc's free lists, and its page faults cost as much as a pass."""
+
+    def __init__(self, chunk_rows: int):
+        self.chunk_rows, self.made = chunk_rows, {}
+
+    def rows(
+        self, name: str, like: torch.Tensor, rows: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The first ``rows`` rows of a [chunk_rows, like.shape[1]] buffer."""
+        if name not in self.made:
+            shape = (self.chunk_rows, like.shape[1])
+            self.made[name] = torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+        return self.made[name][:rows]
+
+    def like(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name not in self.made:
+            self.made[name] = torch.empty_like(tensor)
+        return self.made[name]
+
+
+def _loss_and_grad_in_place(z, targets, ignore_index, divisor, want_grad):
+    """Summed CE of fp32 logits ``z`` [c, V]; with ``want_grad`` z becomes dL/dz (divided by ``divisor``)."""
+    valid = targets != ignore_index
+    safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
+    target_logit = z.gather(1, safe_targets).squeeze(1)
+    # log-sum-exp in place: z becomes exp(z - max), so nothing of size [c, V] is allocated.
+    row_max = z.amax(dim=1, keepdim=True)
+    z.sub_(row_max).exp_()
+    row_sum = z.sum(dim=1, keepdim=True)
+    loss = torch.where(valid, (row_max + row_sum.log()).squeeze(1) - target_logit, 0.0).sum()
+    if want_grad:
+        # (softmax - onehot) * valid / divisor = (exp - sum * onehot) * valid / (divisor * sum):
+        # the target's subtraction in fp32 (it cancels), then one scaling pass.
+        z.scatter_add_(1, safe_targets, -row_sum)
+        z.mul_((valid.to(torch.float32) / divisor).unsqueeze(1) / row_sum)
+    return loss
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss of ``head`` over ``hidden_NH`` rows, with the gradients computed chunk by chunk in forward."""
 
@@ -104,8 +156,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index, *params):
         need_hidden = ctx.needs_input_grad[0]
         need_params = [ctx.needs_input_grad[7 + i] for i in range(len(params))]
-        want_grads = need_hidden or any(need_params)
         trainable = [p for p, need in zip(params, need_params, strict=True) if need]
+        want_grads = need_hidden or bool(trainable)
         # Gradients accumulate over chunks in fp32 where the parameter is low precision.
         param_grads = [
             torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in trainable
@@ -113,35 +165,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_grad = torch.empty_like(hidden_NH) if need_hidden else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         num_rows = hidden_NH.shape[0]
+        buffers = _Buffers(chunk_tokens)
+        step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
         for start in range(0, num_rows, chunk_tokens):
             end = min(start + chunk_tokens, num_rows)
-            targets = targets_N[start:end]
-            with torch.enable_grad():
-                rows = hidden_NH[start:end].detach().requires_grad_(need_hidden)
-                logits = transform(head(rows))
-            z = logits.detach().float()  # the chunk's fp32 working copy (the logits themselves in fp32)
-            valid = targets != ignore_index
-            safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
-            target_logit = z.gather(1, safe_targets).squeeze(1)
-            # log-sum-exp in place: z becomes exp(z - max), so nothing of size [c, V] is allocated.
-            row_max = z.amax(dim=1, keepdim=True)
-            z.sub_(row_max).exp_()
-            row_sum = z.sum(dim=1, keepdim=True)
-            lse = (row_max + row_sum.log()).squeeze(1)
-            loss_sum += torch.where(valid, lse - target_logit, 0.0).sum()
-            if not want_grads:
-                continue
-            # dL/dz = (softmax - onehot) * valid / divisor, over z in place.
-            weight = valid.to(torch.float32) / divisor
-            z.mul_((weight / row_sum.squeeze(1)).unsqueeze(1))
-            z.scatter_add_(1, safe_targets, -weight.unsqueeze(1))
-            inputs = ([rows] if need_hidden else []) + trainable
-            grads = torch.autograd.grad(logits, inputs, grad_outputs=z.to(logits.dtype))
-            if need_hidden:
-                hidden_grad[start:end] = grads[0]
-                grads = grads[1:]
-            for accumulator, grad in zip(param_grads, grads, strict=True):
-                accumulator += grad
+            rows, targets = hidden_NH[start:end], targets_N[start:end]
+            loss_sum += step(
+                head,
+                transform,
+                rows,
+                targets,
+                ignore_index,
+                divisor,
+                buffers,
+                hidden_grad[start:end] if need_hidden else None,
+                trainable,
+                param_grads,
+                want_grads,
+            )
         ctx.need_params = need_params
         ctx.save_for_backward(*([hidden_grad] if need_hidden else []), *param_grads)
         ctx.param_dtypes = [p.dtype for p in trainable]
@@ -169,10 +210,73 @@ class _LinearCrossEntropy(torch.autograd.Function):
         )
 
 
+def _module_chunk(
+    head, transform, rows, targets, ignore_index, divisor, buffers, hidden_grad, trainable, param_grads, want
+):
+    """One chunk through the head module under autograd: any head trains as it would in stock."""
+    with torch.enable_grad():
+        rows = rows.detach().requires_grad_(hidden_grad is not None)
+        logits = transform(head(rows))
+    n = logits.shape[0]
+    if logits.dtype == torch.float32:
+        z = logits.detach()  # worked on in place: nothing in the head's backward reads its output
+    else:
+        z = buffers.rows("fp32", logits, n, torch.float32).copy_(logits.detach())
+    loss = _loss_and_grad_in_place(z, targets, ignore_index, divisor, want)
+    if want:
+        grad_logits = z if logits.dtype == torch.float32 else buffers.rows("grad", logits, n).copy_(z)
+        inputs = ([rows] if hidden_grad is not None else []) + trainable
+        grads = torch.autograd.grad(logits, inputs, grad_outputs=grad_logits)
+        if hidden_grad is not None:
+            hidden_grad.copy_(grads[0])
+            grads = grads[1:]
+        for accumulator, grad in zip(param_grads, grads, strict=True):
+            accumulator += grad
+    return loss
+
+
+def _linear_chunk(
+    head, transform, rows, targets, ignore_index, divisor, buffers, hidden_grad, trainable, param_grads, want
+):
+    """One chunk of a plain linear head: matmuls into reused buffers, the transform's chain rule by hand."""
+    weight, bias = head.weight, head.bias
+    n = rows.shape[0]
+    logits = torch.mm(rows, weight.t(), out=buffers.rows("logits", weight.t(), n, weight.dtype))
+    if bias is not None:
+        logits.add_(bias)
+    # The transform in place, with the ops (and in the dtype) transformers runs them.
+    if transform.scale is not None:
+        logits.mul_(transform.scale)
+    if transform.softcap is not None:
+        logits.div_(transform.softcap).tanh_().mul_(transform.softcap)
+    in_place = logits.dtype == torch.float32 and transform.softcap is None
+    z = logits if in_place else buffers.rows("fp32", logits, n, torch.float32).copy_(logits)
+    loss = _loss_and_grad_in_place(z, targets, ignore_index, divisor, want)
+    if not want:
+        return loss
+    if transform.softcap is not None:  # d(cap * tanh(u / cap))/du = 1 - (y / cap)^2, y the capped logits
+        factor = buffers.rows("factor", logits, n, torch.float32).copy_(logits)
+        z.mul_(factor.div_(transform.softcap).square_().neg_().add_(1))
+    if transform.scale is not None:
+        z.mul_(transform.scale)
+    grad_logits = z if z.dtype == weight.dtype else buffers.rows("grad", logits, n).copy_(z)
+    if hidden_grad is not None:
+        torch.mm(grad_logits, weight, out=hidden_grad)
+    for param, accumulator in zip(trainable, param_grads, strict=True):
+        if param is weight:
+            if accumulator.dtype == weight.dtype:
+                accumulator.addmm_(grad_logits.t(), rows)
+            else:
+                accumulator += torch.mm(grad_logits.t(), rows, out=buffers.like("weight_grad", weight))
+        elif param is bias:
+            accumulator += z.sum(dim=0)
+    return loss
+
+
 def linear_cross_entropy(
     hidden_NH: torch.Tensor,
     targets_N: torch.Tensor,
-    head: Callable[[torch.Tensor], torch.Tensor],
+    head: Callable[[torch.Tensor], torch.Tensor] | LinearHead,
     head_params: Sequence[torch.Tensor],
     divisor: torch.Tensor | float | None = None,
     transform: LogitTransform | None = None,
@@ -181,9 +285,10 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """``sum_i CE(transform(head(hidden_i)), target_i) / divisor`` without the full logits.
 
-    ``head_params``: the tensors ``head`` reads that may need gradients (its trainable
-    parameters); they must be the ones ``head`` uses, since their gradients are returned
-    to autograd as gradients of these very tensors. ``divisor`` defaults to the number of
+    ``head``: a module (run under autograd, whatever it is) or a :class:`LinearHead` (the
+    fast path). ``head_params``: the tensors ``head`` reads that may need gradients (its
+    trainable parameters); they must be the ones ``head`` uses, since their gradients are
+    returned to autograd as gradients of these very tensors. ``divisor`` defaults to the number of
     non-ignored targets (at least 1, so an all-masked batch gives a zero loss, not NaN).
     The loss is fp32, like transformers' (which upcasts the logits).
     """
