@@ -17,7 +17,7 @@ import torch
 
 import slipstream
 from slipstream.bench.counters import HostSyncCounter, LargeTensorWatch
-from slipstream.models import build_model
+from slipstream.models import build_model, preset_vocab_size
 from slipstream.packing import collate_padded
 
 FAMILIES = ("llama", "qwen3", "qwen3-moe", "gpt-oss")
@@ -48,7 +48,7 @@ def moe_table(tokens: int) -> None:
     for shape in ("qwen3-moe-bench-cpu", "gpt-oss-bench-cpu"):
         for arm, experts, routing, compute in arms:
             overrides = {"experts_implementation": experts} if experts else {}
-            model = build_model(shape, vocab_size=2048, **overrides)
+            model = build_model(shape, vocab_size=preset_vocab_size(shape) or 2048, **overrides)
             slipstream.optimize(model, moe_routing=routing, moe_compute=compute)
             batch = slipstream.collate_packed(docs)
             with torch.no_grad(), HostSyncCounter() as syncs:

@@ -169,6 +169,7 @@ def main() -> int:
     from slipstream.bench.ab import run_in_fresh_process, write_atomically
     from slipstream.bench.fingerprint import describe, fingerprint
     from slipstream.data import demo_samples, demo_tokenizer, pack_samples
+    from slipstream.models import preset_vocab_size
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,7 +200,7 @@ def main() -> int:
                         regime,
                         arm,
                         bins,
-                        len(tokenizer),
+                        preset_vocab_size(shape) or len(tokenizer),  # real vocabularies, never shrunk
                         args.steps,
                         args.warmup,
                         args.device,

@@ -30,7 +30,7 @@ def count_sync_warnings(model, batch) -> int:
 
 def main() -> None:
     import slipstream
-    from slipstream.models import build_model
+    from slipstream.models import build_model, preset_vocab_size
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,7 +49,11 @@ def main() -> None:
         for arm, experts in (("stock eager", "eager"), ("slipstream sorted", None)):
             overrides = {"experts_implementation": experts} if experts else {}
             model = build_model(
-                shape, vocab_size=2048, layers=args.layers, dtype=torch.bfloat16, **overrides
+                shape,
+                vocab_size=preset_vocab_size(shape) or 2048,
+                layers=args.layers,
+                dtype=torch.bfloat16,
+                **overrides,
             ).cuda()
             slipstream.optimize(model, moe_routing="sorted" if experts is None else "stock")
             batch = slipstream.collate_packed(docs, device="cuda")

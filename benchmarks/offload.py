@@ -29,7 +29,7 @@ MODES = ("off", "recompute", "offload", "offload-double")
 
 def accounting() -> str:
     import slipstream
-    from slipstream.models import build_model
+    from slipstream.models import build_model, preset_vocab_size
     from slipstream.offload import RecordingEngine, device_activation_bytes, enable_checkpointing
 
     generator = torch.Generator().manual_seed(0)
@@ -38,7 +38,7 @@ def accounting() -> str:
         docs = [{"input_ids": torch.randint(1, 500, (n,), generator=generator).tolist()} for n in lengths]
         figures = {}
         for mode in MODES:
-            model = build_model(shape, layers=layers, vocab_size=512).train()
+            model = build_model(shape, layers=layers, vocab_size=preset_vocab_size(shape) or 512).train()
             slipstream.optimize(model)
             engine = RecordingEngine() if mode.startswith("offload") else None
             _, manager = enable_checkpointing(model, mode, engine=engine, min_offload_bytes=0)
@@ -111,13 +111,21 @@ def main() -> int:
     from slipstream.bench.ab import run_in_fresh_process, write_atomically
     from slipstream.bench.fingerprint import describe, fingerprint
     from slipstream.data import demo_samples, demo_tokenizer, pack_samples
+    from slipstream.models import preset_vocab_size
 
     tokenizer = demo_tokenizer()
     bins, _ = pack_samples(demo_samples(tokenizer, num_rows=3000, seed=0), args.tokens, seed=0)
     bins = [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in b] for b in bins[: args.steps]]
     results = {
         m: run_in_fresh_process(
-            run_mode, m, args.shape, args.layers, bins, len(tokenizer), args.steps, args.warmup
+            run_mode,
+            m,
+            args.shape,
+            args.layers,
+            bins,
+            preset_vocab_size(args.shape) or len(tokenizer),
+            args.steps,
+            args.warmup,
         )
         for m in MODES
     }

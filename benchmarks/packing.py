@@ -1,9 +1,10 @@
 """Packed-attention benchmark: tokens/s of full training steps, slipstream vs the two stock layouts.
 
-Qwen3-shaped model (hidden 256, 4 layers, 4 query / 2 KV heads, head_dim 64, the demo
-tokenizer's vocabulary), the built-in long-tailed SFT lengths packed into 2048-token bins,
+Qwen3-shaped model (``qwen3-bench-cpu``: hidden 256, 4 layers, 4 query / 2 KV heads, head_dim
+128, Qwen3's real vocabulary of 151,936), the built-in long-tailed SFT lengths packed into 2048-token bins,
 forward + backward + AdamW. Arms: stock transformers padded, stock transformers packed
-(sdpa with the mask it builds from position_ids), slipstream packed. Each arm in its own
+(sdpa with the mask it builds from position_ids), slipstream packed (with its chunked loss;
+``--arms ...,slipstream-no-chunked-loss`` isolates the attention's share). Each arm in its own
 process, interleaved over repeats, same weights and data; loss curves must agree.
 
     python benchmarks/packing.py [--batching sequential|bfd] [any `slipstream ab` option]

@@ -9,9 +9,9 @@ Arms (one process, one after the other, the same torch threads):
 - slipstream: ``slipstream.optimize`` (packed attention) + ``train_step`` (token-weighted)
   over ``pack_samples``' best-fit-decreasing bins, the same LoRA config.
 
-Both: ``qwen3-bench-cpu`` (hidden 256, 4 layers, GQA 4/2, head_dim 128) with the demo
-tokenizer's vocabulary, the built-in demo chats (full-sequence labels), bins of
-``--max-seq-len`` tokens, one bin per optimizer step, AdamW at a constant LR, no weight decay,
+Both: ``qwen3-bench-cpu`` (hidden 256, 4 layers, GQA 4/2, head_dim 128, Qwen3's real
+vocabulary of 151,936; the demo tokenizer's ids are valid ids of it), the built-in demo chats
+(full-sequence labels), bins of ``--max-seq-len`` tokens, one bin per optimizer step, AdamW at a constant LR, no weight decay,
 grad clipping 1.0, fp32, no activation checkpointing (TRL's default turns it on: off here so
 both arms do the same work). Tokens/s counts real tokens only, over the timed steps after the
 warm-up, from the end of one optimizer step to the end of the last (data, forward, backward,
@@ -38,6 +38,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from slipstream.models import preset_vocab_size
 
 TARGET = 1.5
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -105,7 +107,9 @@ def run_trl(args, tokenizer, samples) -> tuple[ArmResult, list[dict]]:
             if logs and "loss" in logs:
                 result.losses.append(float(logs["loss"]))
 
-    model = lora_model(args.model, len(tokenizer), args.seed, packed_attention=False)
+    model = lora_model(
+        args.model, preset_vocab_size(args.model) or len(tokenizer), args.seed, packed_attention=False
+    )
     config = SFTConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-vs-slipstream-"),
         max_steps=args.warmup + args.steps,
@@ -152,7 +156,9 @@ def run_slipstream(args, tokenizer, micro_batches: list[list[dict]], name: str) 
     from slipstream.train.step import train_step
 
     result = ArmResult(name)
-    model = lora_model(args.model, len(tokenizer), args.seed, packed_attention=True).train()
+    model = lora_model(
+        args.model, preset_vocab_size(args.model) or len(tokenizer), args.seed, packed_attention=True
+    ).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     collate = PackedCollator()
