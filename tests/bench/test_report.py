@@ -5,7 +5,14 @@ import random
 
 import pytest
 
-from slipstream.bench.report import ReportError, cross_table, load_records, pair_records, report_rows
+from slipstream.bench.report import (
+    ReportError,
+    ceiling_table,
+    cross_table,
+    load_records,
+    pair_records,
+    report_rows,
+)
 from slipstream.cli import _sweep_grid, main
 
 
@@ -114,3 +121,29 @@ def test_require_parity_exits_non_zero_on_a_diverged_curve(monkeypatch, tmp_path
     monkeypatch.setattr(ab, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
     assert main(["ab", "--out", str(tmp_path / "x")]) == 0  # reported, not fatal
     assert main(["ab", "--out", str(tmp_path / "y"), "--require-parity"]) == 3
+
+
+def test_different_vocabularies_are_different_workloads(tmp_path):
+    small, real = record("NVIDIA H100", 2048, 1.2, 1), record("NVIDIA H100", 2048, 1.2, 2)
+    small["vocab_size"], real["vocab_size"] = 2048, 151936
+    with pytest.raises(ReportError, match="vocab_size"):
+        pair_records(small, real)
+    write(tmp_path, "small", small)
+    write(tmp_path, "real", real)
+    workloads = {r["workload"] for r in report_rows(load_records([tmp_path]))}
+    assert len(workloads) == 2 and any("vocab 151936" in w for w in workloads)
+
+
+def test_memory_ceilings_appear_in_the_report(tmp_path, capsys):
+    data = record("cpu", 4096, 1.2, 1)
+    data["vocab_size"] = 151936
+    data["ceiling"] = {
+        arm: {"arm": arm, "budget_bytes": 8 * 10**9, "max_tokens": tokens, "capped": False, "probes": []}
+        for arm, tokens in (("stock-packed", 3072), ("slipstream", 30720))
+    }
+    write(tmp_path, "ceiling", data)
+    table = ceiling_table(load_records([tmp_path]))
+    row = next(line for line in table.splitlines() if "| slipstream |" in line)
+    assert "30,720 (10.0x stock-packed)" in row and "8.0 GB" in row
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Memory ceiling" in capsys.readouterr().out

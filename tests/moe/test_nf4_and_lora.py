@@ -196,3 +196,23 @@ def test_load_for_qlora_quantizes_linears_and_experts(tmp_path, demo_bins):
     loss.backward()
     optimizer.step()
     assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("four_bit", [False, True])
+def test_bf16_expert_lora_of_small_rank_trains(four_bit):
+    """A rank-4 bf16 LoRA factor has 8-byte rows: grouped_mm must not take it (its backward fails)."""
+    from slipstream.moe.grouped import grouped_mm_supported
+
+    x = torch.randn(10, 64, dtype=torch.bfloat16)
+    factor = torch.randn(8, 4, 64, dtype=torch.bfloat16)
+    ok, reason = grouped_mm_supported(x, factor.transpose(-2, -1))
+    assert not ok and "16 bytes" in reason
+    model = build_model("qwen3-moe", dtype=torch.bfloat16).train()
+    slipstream.optimize(model, moe_routing="sorted")
+    if four_bit:
+        quantize_experts(model, compute_dtype="bfloat16")
+    params = add_expert_lora(model, r=4, alpha=8)
+    assert all(p.dtype == torch.bfloat16 for p in params)  # the compute dtype, not the 4-bit statistics'
+    batch = slipstream.collate_packed(random_docs([9, 14, 6]))
+    model(**batch.model_inputs()).loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in params)

@@ -36,9 +36,9 @@ def workload(record: dict) -> str:
     shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
     backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
     return (
-        f"{shape} · vocab {record.get('vocab_size', '?')} · seq {config['max_seq_len']} · "
-        f"accum {config['grad_accum']} · {config['batching']} · "
-        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends}"
+        f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
+        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends} · "
+        f"vocab {record.get('vocab_size', '?')}"
     )
 
 

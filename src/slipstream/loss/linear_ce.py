@@ -165,7 +165,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden_grad = torch.empty_like(hidden_NH) if need_hidden else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
         num_rows = hidden_NH.shape[0]
-        buffers = _Buffers(chunk_tokens)
+        buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
         step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
         for start in range(0, num_rows, chunk_tokens):
             end = min(start + chunk_tokens, num_rows)

@@ -58,6 +58,13 @@ def grouped_mm_supported(x: torch.Tensor, weight_EIO: torch.Tensor) -> tuple[boo
         return False, f"no grouped_mm on {x.device.type}"
     if not (_aligned(x) and _aligned(weight_EIO)):
         return False, "operands break the 16-byte stride/alignment rule"
+    # The output and, in backward, its gradient have rows of the weight's other dimension: both
+    # matrix dimensions must be whole 16-byte multiples (a rank-4 bf16 LoRA factor is not).
+    if any(dim * weight_EIO.element_size() % 16 for dim in weight_EIO.shape[-2:]):
+        return (
+            False,
+            "a weight dimension is not a multiple of 16 bytes (its output rows would break the rule)",
+        )
     return True, "grouped_mm"
 
 

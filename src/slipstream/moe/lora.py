@@ -79,6 +79,12 @@ def _shape(module, name: str) -> tuple[int, int, int]:
 
 
 def _dtype_device(module):
+    """The dtype the experts compute in: a 4-bit store's compute dtype (its float buffers are
+    quantization statistics), else the first floating parameter's."""
+    holder = getattr(module, "slipstream_nf4", None)
+    if holder is not None:
+        device = next((t.device for t in holder.buffers()), torch.device("cpu"))
+        return getattr(torch, holder.settings.compute_dtype), device
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.is_floating_point():
             return tensor.dtype, tensor.device
