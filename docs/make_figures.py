@@ -95,7 +95,32 @@ def offload_timeline() -> None:
     fig.savefig(HERE / "offload-double.png", dpi=80)
 
 
+def chunked_loss() -> None:
+    """Stock: every position's [T, V] logits at once (four copies); chunked: labelled rows, one chunk alive."""
+    rng = np.random.default_rng(1)
+    lengths = [9, 6, 11, 8]
+    labelled = np.concatenate([np.arange(n) >= n // 2 for n in lengths])  # response-only: prompts masked
+    labelled[np.cumsum(lengths) - 1] = False  # each document's last position has no next label
+    T, V = len(labelled), 48
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    axes[0].imshow(np.full((T, V), 0.55) + 0.1 * rng.random((T, V)), cmap="Greys", vmin=0, vmax=1, aspect="auto")
+    axes[0].set(title="stock: [T, V] logits of every position, alive at once\n"
+                "(logits, fp32 copy, log-softmax, gradient: ~4 x T x V)", xlabel="vocabulary", ylabel="position")
+    grid = np.full((T, V), np.nan)
+    rows = np.flatnonzero(labelled)
+    chunk = 5
+    for i, start in enumerate(range(0, len(rows), chunk)):
+        value = 3.0 if i == 1 else 1.0  # the chunk being computed now; the others come and go
+        grid[rows[start : start + chunk]] = value
+    axes[1].imshow(grid, cmap="Blues", vmin=0, vmax=3.5, aspect="auto")
+    axes[1].set(title="slipstream: labelled rows only, a chunk at a time\n"
+                "(its loss and gradient while alive; white = prompt rows, no FLOPs)", xlabel="vocabulary")
+    fig.tight_layout()
+    fig.savefig(HERE / "chunked-loss.png", dpi=80)
+
+
 if __name__ == "__main__":
     packed_attention()
     moe_routing()
     offload_timeline()
+    chunked_loss()

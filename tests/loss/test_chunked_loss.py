@@ -300,3 +300,23 @@ def test_a_model_with_its_own_loss_type_keeps_the_stock_loss_or_refuses():
     assert any("chunked loss: off" in p and "its own loss" in p for p in model.slipstream_state.policies)
     with pytest.raises(UnsupportedLoss, match="its own loss"):
         slipstream.optimize(model, chunked_loss=True)
+
+
+def test_label_positions_come_from_the_host_or_are_not_selected_on_a_device():
+    from slipstream.loss.chunked_loss import ChunkedLoss, _Call
+
+    batch = slipstream.collate_packed(prompt_masked_docs())
+    shifted = torch.nn.functional.pad(batch.labels, (0, 1), value=-100)[..., 1:]
+    targets = shifted.reshape(-1)
+    packed = _Call(labels=batch.labels, packed_batch=batch)
+    positions = ChunkedLoss._labelled_positions(packed, batch.labels, shifted, targets, -100)
+    assert positions is batch.loss_positions  # built by the collator from Python ints
+    assert torch.equal(positions, torch.nonzero(targets != -100).squeeze(1))
+    # Not the batch's labels (changed after collating): found again, never trusted stale.
+    other = batch.labels.clone()
+    again = ChunkedLoss._labelled_positions(_Call(labels=other, packed_batch=batch), other, shifted, targets, -100)
+    assert again is not batch.loss_positions
+    # Off the CPU without a PackedBatch, nothing is selected (a nonzero would read the device).
+    on_device = targets.to("meta")
+    unpacked = _Call(labels=batch.labels, packed_batch=None)
+    assert ChunkedLoss._labelled_positions(unpacked, batch.labels, shifted, on_device, -100) is None
