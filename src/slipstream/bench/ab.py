@@ -410,7 +410,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     if config.max_tokens_within:
         from .ceiling import search_all
 
-        record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process)
+        record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process, progress)
         for arm, found in record["ceiling"].items():
             record["summary"][arm]["max_tokens_within"] = found["max_tokens"]
     return record
@@ -564,4 +564,6 @@ def print_tables(record: dict) -> None:
     for step in range(config["steps"]):
         losses.add_row(str(step), *(f"{record['runs'][arm][0]['loss'][step]:.5f}" for arm in arms))
     console.print(losses)
+    if record.get("ceiling"):
+        console.print("\n".join(ceiling_lines(record)))
     console.print(f"measured on {describe(record['fingerprint'])}")

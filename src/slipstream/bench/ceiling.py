@@ -154,15 +154,22 @@ def fresh_probe(run_in_fresh_process, config_dict: dict, arm: str, tokens: int, 
         return {"fits": False, "peak_bytes": None, "seconds": 0.0, "ended": "over budget (process ended)"}
 
 
-def search_all(config, vocab_size: int, run_in_fresh_process) -> dict[str, dict]:
-    """The ceiling of every arm of ``config``, each probe in a fresh process."""
+def search_all(config, vocab_size: int, run_in_fresh_process, progress: bool = True) -> dict[str, dict]:
+    """The ceiling of every arm of ``config``, each probe in a fresh process (one line per probe)."""
+    from tqdm import tqdm
+
     config_dict = dataclasses.asdict(config)
+
+    def probe(arm: str, tokens: int) -> dict:
+        result = fresh_probe(run_in_fresh_process, config_dict, arm, tokens, vocab_size)
+        peak = f"{result['peak_bytes'] / 1e9:.2f} GB" if result["peak_bytes"] else "over budget"
+        if progress:
+            tqdm.write(
+                f"ceiling {arm}: {tokens:,} tokens -> {peak} ({'fits' if result['fits'] else 'does not fit'})"
+            )
+        return result
+
     return {
-        arm: max_tokens_within(
-            config,
-            arm,
-            vocab_size,
-            lambda tokens, arm=arm: fresh_probe(run_in_fresh_process, config_dict, arm, tokens, vocab_size),
-        )
+        arm: max_tokens_within(config, arm, vocab_size, lambda tokens, arm=arm: probe(arm, tokens))
         for arm in config.arms
     }
