@@ -401,7 +401,8 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),
         "vocab_size": vocab_size,
-        "fingerprint": fingerprint(),
+        # The arms' own thread count (--threads), not this parent process's.
+        "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},
         "packing": packing,
         "summary": summarize(config, runs),
         "runs": runs,
