@@ -10,16 +10,16 @@ the same pass as its loss, while its logits are alive:
     loss_c = sum_rows (lse - z[target])           fp32
     dL/dz = (softmax(z) - onehot(target)) / N     fp32, written over z in place, then cast
 
-and autograd of the head alone (``torch.autograd.grad(z, [x_c, *head_params], dL/dz)``)
-turns dL/dz into the gradients of the chunk's hidden rows and of the head's trainable
-parameters, which are kept (hidden rows: [N, H]; parameters: their own size) and handed to
-autograd in backward, scaled by the incoming gradient. Why the same pass rather than
-recomputing each chunk in backward: it costs exactly the FLOPs of the stock loss (one head
+and the head's backward turns dL/dz into the gradients of the chunk's hidden rows and of the
+head's trainable parameters, which are kept (hidden rows: [N, H]; parameters: their own size)
+and handed to autograd in backward, scaled by the incoming gradient. Why the same pass rather
+than recomputing each chunk in backward: it costs exactly the FLOPs of the stock loss (one head
 forward, one head backward), where recomputation pays a second head forward - a third more
-time on a head that dominates the step. Why autograd of the head module rather than a
-hand-written matmul: the head may be a PEFT LoRA layer (with dropout), a ``modules_to_save``
-copy, a 4-bit layer or tied to the embeddings, and each then trains exactly as it would
-under the stock loss.
+time on a head that dominates the step. A plain ``nn.Linear`` head (frozen under LoRA, trained
+in a full fine-tune, tied or not) takes a fast path: its matmuls write into buffers reused by
+every chunk, and the transform's chain rule is written out. Any other head - a PEFT LoRA layer
+(with dropout), a ``modules_to_save`` wrapper, a 4-bit layer - runs as a module under
+``torch.autograd.grad``, so it trains exactly as it would under the stock loss.
 
 Only the rows that carry a label are given to this function (the caller selects them), so
 masked prompt tokens cost no head FLOPs at all.
