@@ -4,7 +4,9 @@ The demo chats are tokenized (response-only labels) and bin-packed best-fit-decr
 ``slipstream.data.pack_samples``; each dataset row is one bin (a list of documents), so with
 ``per_device_train_batch_size=1`` every micro-batch is one full packed row. The Trainer
 counts the label tokens of each step across gradient accumulation, so the loss stays
-token-weighted. CPU, a few seconds, no downloads:
+token-weighted; the loss itself is slipstream's chunked LM head + cross-entropy (on by default
+in ``slipstream.optimize``: no [tokens, vocab] logits in training). CPU, a few seconds, no
+downloads:
 
     python examples/hf_trainer.py [--steps 30] [--output-dir runs/hf-trainer]
 """

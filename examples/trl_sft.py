@@ -2,8 +2,10 @@
 
 TRL does what it always does (tokenizes the chat rows with the tokenizer's chat template,
 truncates to ``max_length``, applies the LoRA config, runs the loop); slipstream packs each
-batch of documents into one row and attends within each document. CPU, a few seconds, no
-downloads:
+batch of documents into one row and attends within each document. The loss is TRL's own fused
+LM head (SFTTrainer 1.16 always installs it, and it reads ``lm_head.weight`` directly, so LoRA on
+the head would not train here); slipstream's chunked loss applies under the HF Trainer
+(examples/hf_trainer.py) and ``slipstream train``. CPU, a few seconds, no downloads:
 
     python examples/trl_sft.py [--steps 30] [--output-dir runs/trl-sft]
 """
