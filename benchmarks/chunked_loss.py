@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -35,11 +34,6 @@ from pathlib import Path
 
 ARMS = ("stock", "trl", "chunked")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1))
 
 
 def documents(tokens: int, labelled: float, seed: int) -> list[dict]:
@@ -59,6 +53,7 @@ def run_arm(arm: str, args_dict: dict, docs: list[dict], dtype_name: str) -> dic
     from peft import LoraConfig, get_peft_model
 
     import slipstream
+    from slipstream.bench.ceiling import proc_status_kib
     from slipstream.models import build_model, preset_vocab_size
 
     args = argparse.Namespace(**args_dict)
@@ -89,7 +84,7 @@ def run_arm(arm: str, args_dict: dict, docs: list[dict], dtype_name: str) -> dic
         else:
             with open("/proc/self/clear_refs", "w") as refs:
                 refs.write("5")  # VmHWM := VmRSS, so the peak below is this step's
-            before = _kib("VmRSS") * 1024
+            before = proc_status_kib("VmRSS") * 1024
         start = time.perf_counter()
         loss = model(**inputs).loss
         loss.backward()
@@ -97,7 +92,7 @@ def run_arm(arm: str, args_dict: dict, docs: list[dict], dtype_name: str) -> dic
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()
         else:
-            peak = _kib("VmHWM") * 1024
+            peak = proc_status_kib("VmHWM") * 1024
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             extra.append(peak - before)

@@ -36,14 +36,15 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _status_kib(field: str) -> int:
+def proc_status_kib(field: str) -> int:
+    """A /proc/self/status figure in KiB: VmRSS (now), VmHWM (peak since the last reset)."""
     with open("/proc/self/status") as status:
         return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1))
 
 
 def _watch_rss(budget: int, stop: threading.Event) -> None:
     while not stop.wait(0.005):
-        if _status_kib("VmRSS") * 1024 > budget:
+        if proc_status_kib("VmRSS") * 1024 > budget:
             os._exit(_OVER_BUDGET_EXIT)
 
 
@@ -77,7 +78,7 @@ def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, b
         watchdog.start()
         train_step(model, micro, optimizer)
         stop.set()
-        peak = _status_kib("VmHWM") * 1024
+        peak = proc_status_kib("VmHWM") * 1024
     return {"fits": peak <= budget, "peak_bytes": peak, "seconds": time.perf_counter() - start}
 
 
