@@ -78,6 +78,7 @@ class TrainingConfig:
     epochs: int | None = None
     grad_accum: int = 1  # packed micro-batches per optimizer step
     checkpoint_every: int = 0  # steps; 0 = only the final adapter
+    keep_checkpoints: int = 3  # complete checkpoints kept (older ones pruned; the newest is never removed)
     log_every: int = 1
     tensorboard: bool = False
     distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp2" (fully_shard)
