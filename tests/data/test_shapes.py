@@ -126,13 +126,34 @@ def test_zero_length_result_is_a_bad_row(plain_tokenizer):
         tokenize_row({"messages": [user("hi")]}, plain_tokenizer, location="x:1")
 
 
-def test_template_that_breaks_the_prefix_property_is_named(plain_tokenizer):
+def test_a_template_that_reorders_turns_is_still_labelled_exactly(plain_tokenizer):
+    """Spans come from one rendering of the whole chat, not from prefixes of it."""
     plain_tokenizer.chat_template = CHAT_TEMPLATE.replace("in messages", "in messages | reverse")
-    chat = [user("hi"), {"role": "assistant", "content": "yo"}]
+    sample = tokenize_row({"messages": CHAT}, plain_tokenizer, response_only=True, location="x:2")
+    assert [plain_tokenizer.decode(run) for run in labelled_runs(sample)] == [
+        "stone river apple<|im_end|>",
+        "19; 78<|im_end|>",
+    ]
+
+
+@pytest.mark.parametrize(
+    "template_change, content, reason",
+    [
+        (("m['content'] }}", "m['content'] | replace('a', 'aa') }}"), "apple", "changes its length"),
+        ((), "...", r"messages\[1\]: an assistant turn without a letter or digit"),
+        (("<|im_start|>assistant\n{% endif %}", "<|im_start|>bot\n{% endif %}"), "yo", "generation prompt"),
+    ],
+    ids=["rewrites-content", "nothing-to-locate", "turn-not-opened-by-the-generation-prompt"],
+)
+def test_what_cannot_be_labelled_exactly_is_refused_with_the_row(
+    plain_tokenizer, template_change, content, reason
+):
+    plain_tokenizer.chat_template = (
+        CHAT_TEMPLATE.replace(*template_change) if template_change else CHAT_TEMPLATE
+    )
+    chat = [user("hi"), {"role": "assistant", "content": content}]
     tokenize_row({"messages": chat}, plain_tokenizer)  # fine without response_only
-    with pytest.raises(
-        DataError, match=r"^x:2: the chat template breaks the prefix property at messages\[1\]"
-    ):
+    with pytest.raises(DataError, match=rf"^x:2: .*{reason}"):
         tokenize_row({"messages": chat}, plain_tokenizer, response_only=True, location="x:2")
 
 

@@ -1,7 +1,10 @@
 """The three row shapes, detected per row, turned into ``input_ids`` and ``labels``.
 
-- chat: ``{"messages": [{"role": "user", "content": "..."}, ...]}``, rendered with the
-  tokenizer's chat template;
+- chat: ``{"messages": [{"role": "user", "content": "..."}, ...], "tools": [...] (optional)}``,
+  rendered with the tokenizer's chat template. Besides ``role`` and ``content``, a message's
+  ``reasoning_content`` / ``thinking`` (the fields Qwen3 / GPT-OSS templates read),
+  ``tool_calls``, ``name`` and ``tool_call_id`` pass through to the template, as do ``tool``
+  messages and the row's ``tools``;
 - Alpaca: ``{"instruction": ..., "input": ... (optional), "output": ...}``, made a two-turn
   chat when the tokenizer has a template, else plain ``instruction\\n\\ninput\\n\\noutput``;
 - plain ``{"text": ...}``: its tokens and EOS, all trained on (there is no prompt to leave out).
@@ -17,7 +20,15 @@ from typing import Any
 from .chat import IGNORE_INDEX, has_chat_template, tokenize_chat
 from .errors import DataError, json_type
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Message fields handed to the template besides role and content, with the JSON type each must have.
+PASSED_FIELDS = {
+    "reasoning_content": str,
+    "thinking": str,
+    "name": str,
+    "tool_call_id": str,
+    "tool_calls": list,
+}
 SHAPE_FIELDS = ("messages", "instruction", "text")  # the field that tells a row's shape
 
 
@@ -30,8 +41,11 @@ def tokenize_row(
         messages = _chat_messages(record["messages"], location)
         if response_only and not any(message["role"] == "assistant" for message in messages):
             raise DataError(location, "response_only needs an assistant message; this chat has none")
+        tools = record.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise DataError(location, f"'tools' must be a list of tool schemas, got {json_type(tools)}")
         _require_chat_template(tokenizer)
-        sample = tokenize_chat(messages, tokenizer, response_only, location)
+        sample = tokenize_chat(messages, tokenizer, response_only, location, tools=tools or None)
     elif shape == "instruction":
         prompt, response = _alpaca_prompt_and_response(record, location)
         if has_chat_template(tokenizer):
@@ -63,7 +77,7 @@ def _shape_of(record: dict[str, Any], location: str) -> str:
     )
 
 
-def _chat_messages(messages: Any, location: str) -> list[dict[str, str]]:
+def _chat_messages(messages: Any, location: str) -> list[dict[str, Any]]:
     if not isinstance(messages, list):
         raise DataError(
             location, f"'messages' must be a list of {{role, content}} objects, got {json_type(messages)}"
@@ -80,8 +94,30 @@ def _chat_messages(messages: Any, location: str) -> list[dict[str, str]]:
             raise DataError(location, f"{where}: missing field 'role'")
         if role not in ROLES:
             raise DataError(location, f"{where}: unknown role {role!r} (expected {', '.join(ROLES)})")
-        content = _nonempty_string(message, "content", location, where=f"{where}: ")
-        checked.append({"role": role, "content": content})
+        kept = {"role": role}
+        for name, kind in PASSED_FIELDS.items():
+            value = message.get(name)
+            if value is None:
+                continue
+            if not isinstance(value, kind):
+                raise DataError(
+                    location,
+                    f"{where}: {name!r} must be {'a string' if kind is str else 'a list'}, got {json_type(value)}",
+                )
+            kept[name] = value
+        if (
+            role in ("assistant", "tool")
+            and ("tool_calls" in kept or role == "tool")
+            and not message.get("content")
+        ):
+            # a turn that only calls tools (or a tool result without text) may have no content
+            content = message.get("content") or ""
+            if not isinstance(content, str):
+                raise DataError(location, f"{where}: 'content' must be a string, got {json_type(content)}")
+        else:
+            content = _nonempty_string(message, "content", location, where=f"{where}: ")
+        kept["content"] = content
+        checked.append(kept)
     return checked
 
 
