@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 from jinja2 import TemplateError
 
 from ..packing.batch import IGNORE_INDEX  # the label cross-entropy ignores
@@ -113,17 +114,12 @@ def labels_from_spans(
     input_ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
 ) -> list[int]:
     """Each token's label: itself where it starts inside a span, else ignored."""
-    labels = [IGNORE_INDEX] * len(input_ids)
-    span_iter = iter(sorted(spans))
-    span = next(span_iter, None)
-    for index, (token_start, _) in enumerate(offsets):
-        while span is not None and token_start >= span[1]:
-            span = next(span_iter, None)
-        if span is None:
-            break
-        if token_start >= span[0]:
-            labels[index] = input_ids[index]
-    return labels
+    ids = np.asarray(input_ids, dtype=np.int64)
+    starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+    inside = np.zeros(len(ids), dtype=bool)
+    for span_start, span_end in spans:
+        inside |= (starts >= span_start) & (starts < span_end)
+    return np.where(inside, ids, IGNORE_INDEX).tolist()
 
 
 def generation_marked_labels(tokenizer: Any, messages, location: str, tools=None) -> dict[str, list[int]]:
@@ -201,23 +197,32 @@ def _rotate_value(value: Any, shift: int, key: str | None) -> Any:
 
 
 def _rotate_text(text: str, shift: int) -> str:
-    pieces, position = [], 0
-    for tag in _TAG.finditer(text):
-        pieces.append("".join(_rotate_char(c, shift) for c in text[position : tag.start()]))
-        pieces.append(tag.group())
-        position = tag.end()
-    pieces.append("".join(_rotate_char(c, shift) for c in text[position:]))
+    pieces = _TAG_SPLIT.split(text)  # text, tag, text, tag, ..., text
+    for index in range(0, len(pieces), 2):
+        piece = pieces[index].translate(_ascii_rotation(shift))
+        if not piece.isascii():
+            piece = _NON_ASCII_ALNUM.sub(lambda m: "".join(_rotate_char(c, shift) for c in m.group()), piece)
+        pieces[index] = piece
     return "".join(pieces)
 
 
+_TAG_SPLIT = re.compile(f"({_TAG.pattern})")
+_NON_ASCII_ALNUM = re.compile(r"[^\x00-\x7f]+")
+
+
+@lru_cache(maxsize=_MAX_SHIFT + 1)
+def _ascii_rotation(shift: int) -> dict[int, int]:
+    """``str.translate`` table shifting ASCII letters and digits by ``shift`` within their class."""
+    table = {}
+    for first, size in ((97, 26), (65, 26), (48, 10)):
+        for offset in range(size):
+            table[first + offset] = first + (offset + shift) % size
+    return table
+
+
 def _rotate_char(c: str, shift: int) -> str:
-    if "a" <= c <= "z":
-        return chr((ord(c) - 97 + shift) % 26 + 97)
-    if "A" <= c <= "Z":
-        return chr((ord(c) - 65 + shift) % 26 + 65)
-    if "0" <= c <= "9":
-        return chr((ord(c) - 48 + shift) % 10 + 48)
-    if ord(c) > 127 and c.isalnum():  # CJK, accented letters...: same escape width, still a letter
+    """A non-ASCII letter or digit (CJK, accented...) shifted within its plane; anything else kept."""
+    if c.isalnum():
         code = ord(c) + shift
         same_plane = (code > 0xFFFF) == (ord(c) > 0xFFFF) and not 0xD800 <= code <= 0xDFFF
         if same_plane and chr(code).isalnum():
@@ -225,55 +230,59 @@ def _rotate_char(c: str, shift: int) -> str:
     return c
 
 
-def _shift_of(real: str, rotated: str) -> tuple[int, int]:
-    """(residue, modulus) of the shift that turned ``real`` into ``rotated``."""
-    if real.isascii() and real.isalpha():
-        return (ord(rotated) - ord(real)) % 26, 26
-    if "0" <= real <= "9":
-        return (ord(rotated) - ord(real)) % 10, 10
-    return ord(rotated) - ord(real), 0  # exact
-
-
 def _written_by_turn(text: str, rotated: str, count: int) -> list[tuple[int | None, int | None]]:
     """(first, last) character each assistant turn wrote, from where the two renderings differ.
 
-    The shift identifies the turn (exactly for letters among up to 25 turns; a digit's or a
-    26th turn's shift is shared, and then the turn being read, or the next one, is taken).
+    The shift tells the turn: a letter's shift (mod 26), a digit's (mod 10) or another
+    character's code-point difference. Up to 9 turns every shift is unambiguous and this is
+    all numpy; beyond, a digit's or a 26th turn's shift is shared, and the turn being read
+    (or the next one that matches) is taken.
     """
-    written: list[list[int | None]] = [[None, None] for _ in range(count)]
-    current = 0
-    for position, (a, b) in enumerate(zip(text, rotated, strict=True)):
-        if a == b:
-            continue
-        residue, modulus = _shift_of(a, b)
-        matching = [
-            n for n in range(count) if (_shift(n) % modulus == residue if modulus else _shift(n) == residue)
-        ]
+    real = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    other = np.frombuffer(rotated.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+    positions = np.flatnonzero(real != other)
+    a, b = real[positions], other[positions]
+    letter = ((a >= 97) & (a <= 122)) | ((a >= 65) & (a <= 90))
+    digit = (a >= 48) & (a <= 57)
+    residue = np.where(letter, (b - a) % 26, np.where(digit, (b - a) % 10, b - a))
+    modulus = np.where(letter, 26, np.where(digit, 10, 0))
+    if count <= 9:
+        number = np.where(digit & (residue == 0), -1, residue - 1)  # shift(n) = n + 1 for n < 9
+        valid = (number >= 0) & (number < count)
+        return _first_last(positions[valid], number[valid], count)
+    numbers, current = [], 0
+    shifts = [_shift(n) for n in range(count)]
+    for r, m in zip(residue.tolist(), modulus.tolist(), strict=True):
+        matching = [n for n in range(count) if (shifts[n] % m == r if m else shifts[n] == r)]
         if not matching:
-            continue  # not a character our rotation produced
-        number = current if current in matching else next((n for n in matching if n > current), matching[0])
-        current = number
-        if written[number][0] is None:
-            written[number][0] = position
-        written[number][1] = position
-    return [(first, last) for first, last in written]
+            numbers.append(-1)
+            continue
+        current = current if current in matching else next((n for n in matching if n > current), matching[0])
+        numbers.append(current)
+    number = np.asarray(numbers, dtype=np.int64)
+    valid = number >= 0
+    return _first_last(positions[valid], number[valid], count)
 
 
-def tokenize_chat(
+def _first_last(positions: np.ndarray, number: np.ndarray, count: int) -> list[tuple[int | None, int | None]]:
+    out: list[tuple[int | None, int | None]] = []
+    for n in range(count):
+        mine = positions[number == n]
+        out.append((int(mine[0]), int(mine[-1])) if mine.size else (None, None))
+    return out
+
+
+def plan_chat(
     messages: list[dict[str, Any]],
     tokenizer: Any,
     response_only: bool,
     location: str,
     tools: list | None = None,
-) -> dict[str, list[int]]:
-    """``input_ids`` of the rendered chat; ``labels`` all of them, or only the assistant turns."""
+) -> tuple[str, list[tuple[int, int]] | None] | dict[str, list[int]]:
+    """The rendered chat and its assistant character spans (``None``: label everything), to be
+    tokenized (in batches) by the caller; or, for a template with ``{% generation %}`` markers,
+    the finished sample."""
     if response_only and has_generation_markers(tokenizer):
         return generation_marked_labels(tokenizer, messages, location, tools)
     text = render_chat(tokenizer, messages, location, tools=tools)
-    if not response_only:
-        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return {"input_ids": input_ids, "labels": list(input_ids)}
-    spans = chat_char_spans(tokenizer, messages, text, location, tools)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = encoded["input_ids"]
-    return {"input_ids": input_ids, "labels": labels_from_spans(input_ids, encoded["offset_mapping"], spans)}
+    return text, (chat_char_spans(tokenizer, messages, text, location, tools) if response_only else None)

@@ -7,6 +7,7 @@ message starts with a location a text editor or ``ds[i]`` can go to:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,6 +46,7 @@ class DataReport:
     rows_read: int = 0
     rows_used: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
+    cached: str | None = None  # the tokenized-cache entry the samples came from, if any
 
     def skip(self, location: str, reason: str) -> None:
         self.skipped.append((location, reason))
@@ -52,7 +54,31 @@ class DataReport:
     def summary(self, max_listed: int = 5) -> str:
         """One line of counts, then the first ``max_listed`` skipped rows."""
         lines = [f"rows: {self.rows_read} read, {self.rows_used} used, {len(self.skipped)} skipped"]
+        if self.cached:
+            lines[0] += " (tokenized samples read from the cache)"
         lines += [f"  skipped {location}: {reason}" for location, reason in self.skipped[:max_listed]]
         if len(self.skipped) > max_listed:
             lines.append(f"  ... and {len(self.skipped) - max_listed} more")
         return "\n".join(lines)
+
+    def reasons(self) -> dict[str, int]:
+        """How many rows were skipped for each reason (a row's own index left out)."""
+        counts: dict[str, int] = {}
+        for _, reason in self.skipped:
+            key = _MESSAGE_INDEX.sub("messages[i]", reason)
+            counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+    def to_dict(self, max_listed: int = 20) -> dict[str, Any]:
+        """For run.json: the counts, the reasons, and the first skipped rows."""
+        return {
+            "rows_read": self.rows_read,
+            "rows_used": self.rows_used,
+            "rows_skipped": len(self.skipped),
+            "skip_reasons": self.reasons(),
+            "skipped_first": [f"{location}: {reason}" for location, reason in self.skipped[:max_listed]],
+            "from_cache": self.cached is not None,
+        }
+
+
+_MESSAGE_INDEX = re.compile(r"messages\[\d+\]")

@@ -1,34 +1,166 @@
-"""A dataset file to training samples in one call, with a report of what was left out."""
+"""A dataset file to training samples in one call, with a report of what was left out.
+
+Rows are checked and rendered one by one (a bad row names its location), then tokenized in
+batches, the fast tokenizer's batch encoding running on every core. The result is cached
+under ``$SLIPSTREAM_CACHE/tokenized/`` (default ``~/.cache/slipstream``), keyed by the data
+file's bytes, the tokenizer (vocabulary, special tokens, chat template), the options and the
+version of this code, so a second run with the same inputs reads it back in a fraction of
+the time; any change to one of them builds a new entry.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy
 from .readers import read_rows
-from .shapes import tokenize_row
+from .shapes import RowPlan, plan_row, tokenize_planned
+
+BATCH_ROWS = 512
+# Bump when the rows -> samples logic changes in a way the key cannot see.
+TOKENIZATION_VERSION = 2
 
 
 def load_samples(
-    path: str | Path, tokenizer: Any, response_only: bool = False, on_bad_row: BadRowPolicy = "error"
+    path: str | Path,
+    tokenizer: Any,
+    response_only: bool = False,
+    on_bad_row: BadRowPolicy = "error",
+    cache: bool | str | Path = False,
 ) -> tuple[list[dict[str, list[int]]], DataReport]:
     """Read and tokenize every row of ``path``: ``([{"input_ids", "labels"}, ...], report)``.
 
     With ``on_bad_row="skip"`` a row that cannot be read or tokenized is recorded in the
     report instead of stopping the load; a file with no usable row still raises.
+    ``cache``: ``True`` for the default cache folder, or a folder; ``False`` to always tokenize.
     """
     check_bad_row_policy(on_bad_row)
+    entry = _cache_entry(path, tokenizer, response_only, on_bad_row, cache) if cache else None
+    if entry is not None and (entry / "samples.parquet").exists():
+        return _read_cache(entry)
     report = DataReport()
-    samples = []
+    samples: list[dict[str, list[int]]] = []
+    plans: list[RowPlan] = []
+
+    def flush() -> None:
+        for result in tokenize_planned(plans, tokenizer):
+            if isinstance(result, DataError):
+                if on_bad_row == "error":
+                    raise result
+                report.skip(result.location, result.reason)
+            else:
+                samples.append(result)
+        plans.clear()
+
     for record, location in read_rows(path, on_bad_row, report):
         try:
-            samples.append(tokenize_row(record, tokenizer, response_only, location))
+            plans.append(plan_row(record, tokenizer, response_only, location))
         except DataError as error:
             if on_bad_row == "error":
                 raise
             report.skip(error.location, error.reason)
+        if len(plans) >= BATCH_ROWS:
+            flush()
+    flush()
     report.rows_used = len(samples)
     if not samples:
         raise DataError(str(path), f"no usable rows ({report.rows_read} read, {len(report.skipped)} skipped)")
+    if entry is not None:
+        _write_cache(entry, samples, report)
+    return samples, report
+
+
+# ---- the tokenized cache ----
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of everything about a tokenizer that decides its ids: vocabulary and merges, special
+    tokens, chat template, class."""
+    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:
+        digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    digest.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
+    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
+    return digest.hexdigest()[:16]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """A hash of a data file's bytes (of every file, for a datasets-on-disk folder)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()[:16]
+
+
+def _cache_root(cache: bool | str | Path) -> Path:
+    if cache is not True:
+        return Path(cache)
+    return Path(os.environ.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream") / "tokenized"
+
+
+def _cache_entry(path, tokenizer, response_only, on_bad_row, cache) -> Path | None:
+    if not Path(path).exists():
+        return None  # read_rows names the missing file
+    key = {
+        "data": file_fingerprint(path),
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "response_only": response_only,
+        "on_bad_row": on_bad_row,
+        "version": TOKENIZATION_VERSION,
+    }
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return _cache_root(cache) / name
+
+
+def _write_cache(entry: Path, samples: list[dict[str, list[int]]], report: DataReport) -> None:
+    """Written beside its final name and renamed, so a reader never sees half an entry."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    table = pa.table(
+        {
+            "input_ids": pa.array([s["input_ids"] for s in samples], type=pa.list_(pa.int32())),
+            "labels": pa.array([s["labels"] for s in samples], type=pa.list_(pa.int32())),
+        }
+    )
+    pq.write_table(table, tmp / "samples.parquet")
+    (tmp / "report.json").write_text(
+        json.dumps({"rows_read": report.rows_read, "rows_used": report.rows_used, "skipped": report.skipped})
+    )
+    try:
+        os.replace(tmp, entry)
+    except OSError:  # another process wrote the same entry first: theirs is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_cache(entry: Path) -> tuple[list[dict[str, list[int]]], DataReport]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(entry / "samples.parquet")
+    columns = {name: table.column(name).to_pylist() for name in ("input_ids", "labels")}
+    samples = [
+        {"input_ids": ids, "labels": labels}
+        for ids, labels in zip(columns["input_ids"], columns["labels"], strict=True)
+    ]
+    stored = json.loads((entry / "report.json").read_text())
+    report = DataReport(rows_read=stored["rows_read"], rows_used=stored["rows_used"])
+    report.skipped = [tuple(item) for item in stored["skipped"]]
+    report.cached = str(entry)
     return samples, report

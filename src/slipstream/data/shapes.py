@@ -15,9 +15,11 @@ Columnar files give ``None`` for a field a row lacks, so ``None`` counts as miss
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .chat import IGNORE_INDEX, has_chat_template, tokenize_chat
+from .chat import IGNORE_INDEX, has_chat_template, plan_chat
 from .errors import DataError, json_type
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -32,10 +34,28 @@ PASSED_FIELDS = {
 SHAPE_FIELDS = ("messages", "instruction", "text")  # the field that tells a row's shape
 
 
-def tokenize_row(
+@dataclass
+class RowPlan:
+    """A row rendered to text, waiting to be tokenized (rows are tokenized in batches).
+
+    ``spans``: the characters to label (``None``: every token); ``special``: let the tokenizer
+    add its special tokens (plain text); ``eos``: make sure the ids end with EOS. A row that
+    was tokenized on its own already (a template with generation markers, a plain
+    prompt/response pair) carries its ``sample`` instead.
+    """
+
+    location: str
+    text: str = ""
+    spans: list[tuple[int, int]] | None = None
+    special: bool = False
+    eos: bool = False
+    sample: dict[str, list[int]] | None = None
+
+
+def plan_row(
     record: dict[str, Any], tokenizer: Any, response_only: bool = False, location: str = "?"
-) -> dict[str, list[int]]:
-    """``{"input_ids", "labels"}`` of one row; with ``response_only`` only the answer is labelled."""
+) -> RowPlan:
+    """Check and render one row (everything but tokenizing); ``DataError`` naming ``location`` if it is bad."""
     shape = _shape_of(record, location)
     if shape == "messages":
         messages = _chat_messages(record["messages"], location)
@@ -45,16 +65,95 @@ def tokenize_row(
         if tools is not None and not isinstance(tools, list):
             raise DataError(location, f"'tools' must be a list of tool schemas, got {json_type(tools)}")
         _require_chat_template(tokenizer)
-        sample = tokenize_chat(messages, tokenizer, response_only, location, tools=tools or None)
-    elif shape == "instruction":
+        return _chat_plan(
+            plan_chat(messages, tokenizer, response_only, location, tools=tools or None), location
+        )
+    if shape == "instruction":
         prompt, response = _alpaca_prompt_and_response(record, location)
         if has_chat_template(tokenizer):
             messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            sample = tokenize_chat(messages, tokenizer, response_only, location)
-        else:
-            sample = _tokenize_plain_prompt(prompt + "\n\n", response, tokenizer, response_only)
-    else:
-        sample = _tokenize_text(_nonempty_string(record, "text", location), tokenizer)
+            return _chat_plan(plan_chat(messages, tokenizer, response_only, location), location)
+        sample = _tokenize_plain_prompt(prompt + "\n\n", response, tokenizer, response_only)
+        return RowPlan(location, sample=_checked(sample, location))
+    return RowPlan(location, text=_nonempty_string(record, "text", location), special=True, eos=True)
+
+
+def _chat_plan(planned, location: str) -> RowPlan:
+    if isinstance(planned, dict):
+        return RowPlan(location, sample=_checked(planned, location))
+    text, spans = planned
+    return RowPlan(location, text=text, spans=spans)
+
+
+def tokenize_planned(plans: Sequence[RowPlan], tokenizer: Any) -> list[dict[str, list[int]] | DataError]:
+    """Tokenize every plan, one batch call per kind (a fast tokenizer's batch encoding runs on
+    every core); each result a sample, or the ``DataError`` of a row that turned out empty."""
+    results: list[dict[str, list[int]] | DataError | None] = [plan.sample for plan in plans]
+    for special in (False, True):
+        todo = [i for i, plan in enumerate(plans) if plan.sample is None and plan.special == special]
+        if not todo:
+            continue
+        encodings = _encode_batch(tokenizer, [plans[i].text for i in todo], special)
+        for i, encoding in zip(todo, encodings, strict=True):
+            plan = plans[i]
+            ids = list(encoding.ids) if hasattr(encoding, "ids") else encoding
+            if plan.eos:
+                ids = _with_eos(ids, tokenizer)
+            labels = list(ids) if plan.spans is None else _span_labels(ids, encoding, plan.spans)
+            try:
+                results[i] = _checked({"input_ids": ids, "labels": labels}, plan.location)
+            except DataError as error:
+                results[i] = error
+    return results
+
+
+def _encode_batch(tokenizer: Any, texts: list[str], special: bool) -> list:
+    """``tokenizers.Encoding`` objects from the fast tokenizer's Rust backend (ids and character
+    positions without building Python offset lists), else plain id lists."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None:
+        return backend.encode_batch(texts, add_special_tokens=special)
+    return tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+
+def _span_labels(ids: list[int], encoding: Any, spans: list[tuple[int, int]]) -> list[int]:
+    """Label the tokens that start inside a span (the characters a turn writes) with themselves."""
+    if not hasattr(encoding, "char_to_token"):  # a setup problem: never skipped
+        raise ValueError(
+            "response-only chat labels need a fast tokenizer (one that reports character offsets)"
+        )
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans:
+        first = _token_at(encoding, start, end, step=1)
+        last = _token_at(encoding, end - 1, start - 1, step=-1)
+        if first is None or last is None:
+            continue
+        if encoding.token_to_chars(first)[0] < start:  # straddles the span's start: the prompt's
+            first += 1
+        labels[first : last + 1] = ids[first : last + 1]
+    return labels
+
+
+def _token_at(encoding: Any, position: int, stop: int, step: int) -> int | None:
+    """The token covering ``position``, or the nearest one towards ``stop``."""
+    for char in range(position, stop, step):
+        token = encoding.char_to_token(char)
+        if token is not None:
+            return token
+    return None
+
+
+def tokenize_row(
+    record: dict[str, Any], tokenizer: Any, response_only: bool = False, location: str = "?"
+) -> dict[str, list[int]]:
+    """``{"input_ids", "labels"}`` of one row; with ``response_only`` only the answer is labelled."""
+    (result,) = tokenize_planned([plan_row(record, tokenizer, response_only, location)], tokenizer)
+    if isinstance(result, DataError):
+        raise result
+    return result
+
+
+def _checked(sample: dict[str, list[int]], location: str) -> dict[str, list[int]]:
     if not sample["input_ids"]:
         raise DataError(location, "the row tokenized to zero tokens")
     if all(label == IGNORE_INDEX for label in sample["labels"]):
@@ -145,11 +244,6 @@ def _nonempty_string(record: dict[str, Any], name: str, location: str, where: st
 def _require_chat_template(tokenizer: Any) -> None:
     if not has_chat_template(tokenizer):  # a setup problem, not a row problem: never skipped
         raise ValueError("chat rows need a tokenizer with a chat template; this tokenizer has none")
-
-
-def _tokenize_text(text: str, tokenizer: Any) -> dict[str, list[int]]:
-    input_ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer)
-    return {"input_ids": input_ids, "labels": list(input_ids)}
 
 
 def _tokenize_plain_prompt(
