@@ -112,7 +112,7 @@ def test_config_errors_name_the_key_and_the_closest_valid_one(tmp_path, capsys):
     assert main(["train", str(bad)]) == 1
     err = capsys.readouterr().err
     assert "unknown key 'lora.rnak'" in err and "did you mean 'lora.rank'" in err
-    with pytest.raises(ConfigError, match="'optimizer.lr' must be float"):
+    with pytest.raises(ConfigError, match=r"config.yaml:\d+: 'optimizer.lr' must be a number, got 'fast'"):
         load_config(write_config(tmp_path, {**TINY, "optimizer": {"lr": "fast"}}))
     with pytest.raises(ConfigError, match="exactly one of 'training.steps'"):
         load_config(write_config(tmp_path, {**TINY, "training": {"steps": 3, "epochs": 1}}))

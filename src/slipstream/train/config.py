@@ -1,19 +1,24 @@
 """The training config: YAML validated into small dataclasses, with errors that name the key.
 
-An unknown or misspelled key is an error naming it and the closest valid key; a value of
-the wrong type names its key and the type expected. ``--set section.key=value`` overrides
-are parsed as YAML scalars and validated the same way.
+Every rule a value must follow is declared on its field, and checked in one place
+(``_coerce``): the type, the choices (``Literal``) and the range (``Annotated[..., Range]``).
+An unknown or misspelled key is an error naming it and the closest valid key. Every error is
+one line naming the file and, where the YAML has it, the line: ``config.yaml:7: 'optimizer.lr'
+must be > 0, got -0.1``. ``--set section.key=value`` overrides are parsed as YAML scalars and
+validated the same way; a number written ``1e-4`` (a string to YAML 1.1) is read as a number.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
 
@@ -22,13 +27,47 @@ class ConfigError(ValueError):
     """A config problem; the message names the file and the key."""
 
 
+@dataclass(frozen=True)
+class Range:
+    """Bounds a number (or every number of a list) must lie within."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def violation(self, value: float) -> str | None:
+        for bound, holds, symbol in (
+            (self.ge, lambda b: value >= b, ">="),
+            (self.gt, lambda b: value > b, ">"),
+            (self.le, lambda b: value <= b, "<="),
+            (self.lt, lambda b: value < b, "<"),
+        ):
+            if bound is not None and not holds(bound):
+                return f"must be {symbol} {bound:g}"
+        return None
+
+
+@dataclass(frozen=True)
+class Length:
+    """How many items a list must hold."""
+
+    exactly: int
+
+
+Positive = Annotated[int, Range(ge=1)]
+NonNegative = Annotated[int, Range(ge=0)]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Checkpointing = Literal["off", "recompute", "offload", "offload-double", "auto"]
+
+
 @dataclass
 class ModelConfig:
     path: str | None = None  # a local directory saved with save_pretrained (with its tokenizer)
     preset: str | None = None  # or a built-in shape (random init), e.g. "demo", "qwen3-moe"
-    layers: int | None = None  # shorten a preset
-    dtype: str = (
-        "auto"  # bfloat16 where the device runs it fast (CUDA sm80+, AMX / AVX512-BF16 CPUs), else float32
+    layers: Positive | None = None  # shorten a preset
+    dtype: Dtype = (
+        "auto"  # bfloat16 where the device runs it fast (CUDA sm80+, AMX / AVX512-BF16), else float32
     )
     trust_remote_code: bool = False
 
@@ -36,19 +75,20 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     path: str | None = None  # JSONL / JSON / Parquet / datasets-on-disk; None = the built-in demo data
-    demo_rows: int = 2000
+    demo_rows: Positive = 2000
     response_only: bool = False
-    skip_bad_rows: bool = False
-    max_seq_len: int = 1024
-    overflow: str = "truncate"  # or "split"
+    skip_bad_rows: bool = False  # skip (and report) bad rows and samples left without labels, or stop
+    max_seq_len: Annotated[int, Range(ge=2)] = 1024
+    overflow: Literal["truncate", "split"] = "truncate"
+    cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
 
 
 @dataclass
 class LoraConfig:
     enabled: bool = True
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: Positive = 8
+    alpha: Annotated[float, Range(gt=0)] = 16.0
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = False  # per-expert LoRA on MoE expert projections
     modules_to_save: list[str] = field(
@@ -64,33 +104,35 @@ class QuantizationConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    schedule: str = "cosine"  # or "linear", "constant"
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    lr: Annotated[float, Range(gt=0)] = 2e-4
+    weight_decay: Annotated[float, Range(ge=0)] = 0.0
+    betas: Annotated[list[float], Range(ge=0, lt=1), Length(2)] = field(default_factory=lambda: [0.9, 0.999])
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: NonNegative = 0
+    max_grad_norm: Annotated[float, Range(ge=0)] = 1.0  # 0 = no clipping
 
 
 @dataclass
 class TrainingConfig:
-    steps: int | None = None  # optimizer steps; or
-    epochs: int | None = None
-    grad_accum: int = 1  # packed micro-batches per optimizer step
-    checkpoint_every: int = 0  # steps; 0 = only the final adapter
-    keep_checkpoints: int = 3  # complete checkpoints kept (older ones pruned; the newest is never removed)
-    log_every: int = 1
+    steps: Positive | None = None  # optimizer steps; or
+    epochs: Positive | None = None
+    grad_accum: Positive = 1  # packed micro-batches per optimizer step
+    checkpoint_every: NonNegative = 0  # steps; 0 = only the final adapter
+    keep_checkpoints: NonNegative = (
+        3  # complete checkpoints kept (older ones pruned; the newest is never removed)
+    )
+    log_every: Positive = 1
     tensorboard: bool = False
-    distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp2" (fully_shard)
+    distributed: Literal["ddp", "fsdp2"] = "ddp"  # under torchrun: DDP or FSDP2 (fully_shard)
 
 
 @dataclass
 class SpeedupsConfig:
     packed_attention: bool = True
-    moe_routing: str | None = None  # None = "sorted" for MoE models
-    checkpointing: str = "off"
+    moe_routing: Literal["sorted", "stock"] | None = None  # None = "sorted" for MoE models
+    checkpointing: Checkpointing = "off"
     chunked_loss: bool | None = None  # None = on where the model supports it (logged); false = stock loss
-    loss_chunk_tokens: int | None = None  # None = from a memory budget
+    loss_chunk_tokens: Positive | None = None  # None = from a memory budget
 
 
 @dataclass
@@ -103,61 +145,61 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     speedups: SpeedupsConfig = field(default_factory=SpeedupsConfig)
     output_dir: str = "runs/train"
-    seed: int = 0
+    seed: NonNegative = 0
 
-    def validate(self, source: str) -> TrainConfig:
-        def fail(message):
-            raise ConfigError(f"{source}: {message}")
+    def validate(self, source: str, lines: dict[str, int] | None = None) -> TrainConfig:
+        """The rules that tie fields together (each field's own were checked as it was read)."""
+
+        def fail(key: str, message: str):
+            raise ConfigError(f"{_where(source, lines, key)}: {message}")
 
         if (self.model.path is None) == (self.model.preset is None):
-            fail("model: give exactly one of 'model.path' (a local directory) or 'model.preset'")
+            fail("model", "give exactly one of 'model.path' (a local directory) or 'model.preset'")
         if (self.training.steps is None) == (self.training.epochs is None):
-            fail("training: give exactly one of 'training.steps' or 'training.epochs'")
-        for key, value in (
-            ("training.steps", self.training.steps),
-            ("training.epochs", self.training.epochs),
-            ("training.grad_accum", self.training.grad_accum),
-            ("data.max_seq_len", self.data.max_seq_len),
-            ("lora.rank", self.lora.rank),
-            ("speedups.loss_chunk_tokens", self.speedups.loss_chunk_tokens),
-        ):
-            if value is not None and value < 1:
-                fail(f"{key} must be at least 1, got {value}")
-        choices = {
-            "data.overflow": (self.data.overflow, ("truncate", "split")),
-            "optimizer.schedule": (self.optimizer.schedule, ("cosine", "linear", "constant")),
-            "model.dtype": (self.model.dtype, ("auto", "float32", "bfloat16", "float16")),
-            "speedups.checkpointing": (
-                self.speedups.checkpointing,
-                ("off", "recompute", "offload", "offload-double", "auto"),
-            ),
-        }
-        for key, (value, allowed) in choices.items():
-            if value not in allowed:
-                fail(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-        if self.training.distributed not in ("ddp", "fsdp2"):
-            fail(f"training.distributed must be 'ddp' or 'fsdp2', got {self.training.distributed!r}")
+            fail("training", "give exactly one of 'training.steps' or 'training.epochs'")
         if self.training.distributed == "fsdp2" and (self.training.checkpoint_every or self.lora.experts):
             fail(
-                "training.distributed 'fsdp2' does not support training.checkpoint_every or lora.experts yet"
+                "training.distributed",
+                "training.distributed 'fsdp2' does not support training.checkpoint_every or lora.experts yet",
             )
-        if self.speedups.moe_routing not in (None, "sorted", "stock"):
-            fail(f"speedups.moe_routing must be 'sorted' or 'stock', got {self.speedups.moe_routing!r}")
         if self.quantization.four_bit and not self.lora.enabled:
-            fail("quantization.four_bit trains adapters only: set lora.enabled true")
+            fail("quantization.four_bit", "quantization.four_bit trains adapters only: set lora.enabled true")
+        if self.lora.enabled and not self.lora.target_modules:
+            fail("lora.target_modules", "'lora.target_modules' is empty: name the modules the adapter wraps")
+        if not self.output_dir.strip():
+            fail("output_dir", "'output_dir' is empty")
         return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
+# ---------------------------------------------------------------------- reading values
+
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
+
+
 def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def _coerce(value: Any, expected: Any, key: str, source: str) -> Any:
+def _coerce(value: Any, expected: Any, key: str, where: str) -> Any:
+    """``value`` read as ``expected`` (a type, Literal, Optional or Annotated with rules)."""
     origin = typing.get_origin(expected)
+    if origin is Annotated:
+        inner, *rules = typing.get_args(expected)
+        value = _coerce(value, inner, key, where)
+        for rule in rules:
+            if isinstance(rule, Length) and len(value) != rule.exactly:
+                raise ConfigError(f"{where}: '{key}' must hold {rule.exactly} numbers, got {len(value)}")
+            if isinstance(rule, Range):
+                for number in value if isinstance(value, list) else [value]:
+                    problem = rule.violation(number)
+                    if problem:
+                        raise ConfigError(f"{where}: '{key}' {problem}, got {number!r}")
+        return value
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(expected)
         if value is None and type(None) in options:
@@ -167,28 +209,52 @@ def _coerce(value: Any, expected: Any, key: str, source: str) -> Any:
             if option is type(None):
                 continue
             try:
-                return _coerce(value, option, key, source)
+                return _coerce(value, option, key, where)
             except ConfigError as error:
                 errors.append(error)
         raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(expected)
+        if value not in choices:
+            raise ConfigError(
+                f"{where}: '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}"
+            )
+        return value
     if origin is list:
         (item,) = typing.get_args(expected)
         if not isinstance(value, list):
-            raise ConfigError(f"{source}: '{key}' must be a list, got {type(value).__name__}")
-        return [_coerce(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+            raise ConfigError(f"{where}: '{key}' must be a list, got {type(value).__name__}")
+        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if expected is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected is bool and not isinstance(value, bool):
-        raise ConfigError(f"{source}: '{key}' must be true or false, got {value!r}")
+        raise ConfigError(f"{where}: '{key}' must be true or false, got {value!r}")
     if expected in (int, float, str) and (not isinstance(value, expected) or isinstance(value, bool)):
-        raise ConfigError(f"{source}: '{key}' must be {expected.__name__}, got {value!r}")
+        kind = {int: "an integer", float: "a number", str: "a string"}[expected]
+        raise ConfigError(f"{where}: '{key}' must be {kind}, got {value!r}")
     return value
 
 
-def _build(cls, data: Any, prefix: str, source: str):
+def _where(source: str, lines: dict[str, int] | None, key: str) -> str:
+    """``file:line`` of a key where the YAML gave it (or its section's), else ``file``."""
+    if not lines:
+        return source
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        line = lines.get(".".join(parts[:depth]))
+        if line is not None:
+            return f"{source}:{line}" if line > 0 else source
+    return source
+
+
+def _build(cls, data: Any, prefix: str, source: str, lines: dict[str, int]):
     if not isinstance(data, dict):
-        where = f"'{prefix}'" if prefix else "the top level"
-        raise ConfigError(f"{source}: {where} must be a mapping, got {type(data).__name__}")
+        where = f"'{prefix.rstrip('.')}'" if prefix else "the top level"
+        raise ConfigError(
+            f"{_where(source, lines, prefix.rstrip('.'))}: {where} must be a mapping, got {type(data).__name__}"
+        )
     types_ = _field_types(cls)
     kwargs = {}
     for key, value in data.items():
@@ -197,36 +263,56 @@ def _build(cls, data: Any, prefix: str, source: str):
             valid = [f"{prefix}{name}" for name in types_]
             close = difflib.get_close_matches(full, valid, n=1, cutoff=0.5)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (valid: {', '.join(valid)})"
-            raise ConfigError(f"{source}: unknown key '{full}'{hint}")
+            raise ConfigError(f"{_where(source, lines, full)}: unknown key '{full}'{hint}")
         expected = types_[key]
         if dataclasses.is_dataclass(expected):
-            kwargs[key] = _build(expected, value if value is not None else {}, f"{full}.", source)
+            kwargs[key] = _build(expected, value if value is not None else {}, f"{full}.", source, lines)
         else:
-            kwargs[key] = _coerce(value, expected, full, source)
+            kwargs[key] = _coerce(value, expected, full, _where(source, lines, full))
     return cls(**kwargs)
 
 
-def _apply_override(data: dict, override: str, source: str) -> None:
+def _key_lines(text: str) -> dict[str, int]:
+    """``{"optimizer.lr": 7, ...}``: the line of every key of a YAML mapping, nested keys dotted."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    dotted = f"{prefix}{key_node.value}"
+                    lines[dotted] = key_node.start_mark.line + 1
+                    walk(value_node, f"{dotted}.")
+
+    with contextlib.suppress(yaml.YAMLError):  # safe_load reports it
+        walk(yaml.compose(text), "")
+    return lines
+
+
+def _apply_override(data: dict, override: str, source: str, lines: dict[str, int]) -> None:
     if "=" not in override:
         raise ConfigError(f"{source}: --set {override!r} must look like section.key=value")
     dotted, raw = override.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as error:
-        raise ConfigError(f"{source}: --set {dotted}: not a YAML value ({error})") from None
+        raise ConfigError(f"--set {dotted}: not a YAML value ({error})") from None
     node = data
     parts = dotted.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{source}: --set {dotted}: '{part}' is not a section")
+            raise ConfigError(f"--set {dotted}: '{part}' is not a section")
     node[parts[-1]] = value
+    lines[dotted] = 0  # errors about it name the file, not a line the --set did not come from
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read, override and validate a training config; every error names the file and key."""
+    """Read, override and validate a training config; every error names the file, line and key."""
     path = Path(path)
     source = str(path)
+    if path.is_dir():
+        raise ConfigError(f"{source}: is a directory, not a YAML config file")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -242,9 +328,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    lines = _key_lines(text)
     for override in overrides:
-        _apply_override(data, override, source)
-    config = _build(TrainConfig, data, "", source)
+        _apply_override(data, override, source, lines)
+    config = _build(TrainConfig, data, "", source, lines)
     base = path.parent
     for section, key in (("model", "path"), ("data", "path")):
         value = getattr(getattr(config, section), key)
@@ -254,4 +341,4 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                 key,
                 str((base / value).resolve()) if (base / value).exists() else value,
             )
-    return config.validate(source)
+    return config.validate(source, lines)
