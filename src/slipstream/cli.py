@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each policy decision")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the Python traceback of an unexpected error"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
     _add_ab(sub)
@@ -345,7 +348,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"slipstream {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # anything a command did not turn into its own message: one line
+        if args.debug:
+            raise
+        text = " ".join(str(error).split()) or "no message"
+        print(
+            f"slipstream {args.command}: {type(error).__name__}: {text} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -115,3 +115,13 @@ def test_sequential_strategy_fills_bins_in_shuffled_order():
     assert again == bins
     with pytest.raises(ValueError, match="strategy"):
         pack_samples(samples, max_seq_len=10, strategy="random")
+
+
+def test_pieces_left_with_no_label_are_left_out_and_counted():
+    prompt, answer = list(range(1, 9)), [50, 51]
+    sample = {"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}
+    bins, report = pack_samples([sample], max_seq_len=6, overflow="truncate")
+    assert bins == [] and report.no_labels == 1 and "1 left out with no label" in report.summary()
+    bins, report = pack_samples([sample], max_seq_len=6, overflow="split")
+    assert report.no_labels == 1  # the first chunk (all prompt); the second keeps the answer
+    assert [piece["labels"] for b in bins for piece in b] == [[-100, -100, 50, 51]]

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..packing.batch import IGNORE_INDEX
+
 Overflow = Literal["truncate", "split"]
 OVERFLOW_POLICIES: tuple[str, ...] = ("truncate", "split")
 STRATEGIES: tuple[str, ...] = ("bfd", "sequential")
@@ -41,6 +43,7 @@ class PackingReport:
     tokens_truncated: int = 0  # tokens those cuts removed
     split: int = 0  # samples cut into chunks
     chunks_from_splits: int = 0  # chunks those samples became
+    no_labels: int = 0  # pieces left out: after the cut, no label is left to train on
 
     def summary(self) -> str:
         line = (
@@ -51,6 +54,8 @@ class PackingReport:
             line += f"; {self.truncated} truncated ({self.tokens_truncated} tokens dropped)"
         if self.split:
             line += f"; {self.split} split into {self.chunks_from_splits} chunks"
+        if self.no_labels:
+            line += f"; {self.no_labels} left out with no label to train on (all prompt after the cut)"
         return line
 
 
@@ -120,7 +125,12 @@ def _best_fit_decreasing(pieces: list[Sample], max_seq_len: int) -> list[list[Sa
 def _fit_to_length(
     samples: Sequence[Sample], max_seq_len: int, overflow: str, report: PackingReport
 ) -> list[Sample]:
-    """Samples no longer than ``max_seq_len``: longer ones truncated or split, and counted."""
+    """Samples no longer than ``max_seq_len``: longer ones truncated or split, and counted.
+
+    A piece with no label left after its first token (which the collator masks: no document
+    learns its first token from the previous one) would add nothing but a zero to the loss,
+    and a step of only such pieces none at all: it is left out and counted.
+    """
     pieces = []
     for index, sample in enumerate(samples):
         input_ids, labels = sample["input_ids"], sample["labels"]
@@ -141,4 +151,6 @@ def _fit_to_length(
             ]
             report.split += 1
             report.chunks_from_splits += len(starts)
-    return pieces
+    trainable = [piece for piece in pieces if any(label != IGNORE_INDEX for label in piece["labels"][1:])]
+    report.no_labels = len(pieces) - len(trainable)
+    return trainable
