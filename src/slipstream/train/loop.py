@@ -3,11 +3,14 @@
 rows -> tokens -> best-fit-decreasing bins (seeded) -> packed micro-batches -> optimized
 model -> token-weighted step -> metrics JSONL, checkpoints, the final PEFT adapter.
 
-Checkpoints (every ``training.checkpoint_every`` steps) hold the trainable weights, the
-optimizer and scheduler, every RNG state and the step (which fixes the data position: the
-order of micro-batches is a pure function of the seed). Each is written under a temporary
-name and renamed when complete, so an interrupted write is never picked up; ``--resume``
-continues from the newest complete one and reproduces the uninterrupted run.
+Checkpoints (every ``training.checkpoint_every`` steps, and when Ctrl-C stops the run) hold
+the trainable weights, the optimizer and scheduler, every RNG state, the step (which fixes the
+data position: the order of micro-batches is a pure function of the seed) and a fingerprint of
+the config, data and tokenizer. Each is written under a temporary name and renamed when
+complete, so an interrupted write is never picked up; ``--resume`` continues from the newest
+usable one, refuses if what it was computed from changed, and reproduces the uninterrupted
+run. See ``checkpoints.py``, ``fingerprint.py``, ``interrupt.py`` and, for what a run may do
+to its output directory, ``output_dir.py``.
 """
 
 from __future__ import annotations
@@ -25,19 +28,36 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_text_atomically
+from .checkpoints import (
+    DamagedCheckpoint,
+    ResumePoint,
+    apply_checkpoint,
+    find_resume_point,
+    newest_checkpoint,
+    prune_checkpoints,
+    read_checkpoint,
+    save_checkpoint,
+)
 from .config import ConfigError, TrainConfig
 from .distributed import unwrap
+from .errors import TrainError, TrainInterrupted
+from .fingerprint import fingerprint as run_fingerprint
+from .interrupt import GracefulStop, fault_interrupt_step, send_interrupt
+from .output_dir import CHECKPOINTS, FINISHED, METRICS, prepare_output
 from .precision import resolve_dtype
 from .step import train_step
 
 logger = logging.getLogger("slipstream")
 
-FINISHED = "run.json"
-CHECKPOINTS = "checkpoints"
-
-
-class TrainError(RuntimeError):
-    """A problem with the run itself (not the config): the message says what and where."""
+__all__ = [
+    "CHECKPOINTS",
+    "FINISHED",
+    "TrainError",
+    "TrainInterrupted",
+    "newest_checkpoint",
+    "save_checkpoint",
+    "train",
+]
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -167,76 +187,12 @@ def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple
     return total, bins_for
 
 
-# ----------------------------------------------------------------------------- checkpoints
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _trainable(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
-
-
+# ----------------------------------------------------------------------------- loss weights, outputs
 def _label_tokens(docs: list[dict]) -> int:
     """The label tokens a packed bin contributes to the loss (each document's first label is masked)."""
     from ..packing import IGNORE_INDEX
 
     return sum(sum(1 for label in doc["labels"][1:] if label != IGNORE_INDEX) for doc in docs)
-
-
-def save_checkpoint(out: Path, step: int, model, optimizer, scheduler) -> Path:
-    """``checkpoints/step-NNNNNN``, written under a temporary name and renamed when complete."""
-    from safetensors.torch import save_file
-
-    final = out / CHECKPOINTS / f"step-{step:06d}"
-    tmp = out / CHECKPOINTS / f".step-{step:06d}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(_trainable(model), str(tmp / "trainable.safetensors"))
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state()},
-        tmp / "trainer_state.pt",
-    )
-    (tmp / "state.json").write_text(json.dumps({"step": step}))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    return final
-
-
-def newest_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint (temporary, half-written ones are ignored)."""
-    root = out / CHECKPOINTS
-    if not root.is_dir():
-        return None
-    complete = [p for p in root.iterdir() if p.name.startswith("step-") and (p / "state.json").exists()]
-    return max(complete, key=lambda p: int(p.name.removeprefix("step-")), default=None)
-
-
-def _load_checkpoint(path: Path, model, optimizer, scheduler) -> int:
-    from safetensors.torch import load_file
-
-    weights = load_file(str(path / "trainable.safetensors"))
-    params = dict(unwrap(model).named_parameters())
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            if name not in params:
-                raise TrainError(f"{path}: checkpoint has {name!r}, which this model does not")
-            params[name].copy_(tensor)
-    state = torch.load(path / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    return json.loads((path / "state.json").read_text())["step"]
 
 
 def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict, state=None) -> Path:
@@ -259,22 +215,21 @@ def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict,
 
 
 # ----------------------------------------------------------------------------- the loop
-def _prepare_output(out: Path, resume: bool, overwrite: bool) -> None:
-    if (out / FINISHED).exists() and not overwrite:
-        raise TrainError(f"{out} already holds a finished run ({FINISHED}); pass --overwrite to replace it")
-    if out.exists() and overwrite and not resume:
-        shutil.rmtree(out)
-    if out.exists() and not resume and any(out.iterdir()):
-        raise TrainError(
-            f"{out} is not empty: pass --resume to continue its run or --overwrite to start over"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, progress: bool = True):
+def train(
+    config: TrainConfig,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    force: bool = False,
+):
     """Run the training described by ``config``; returns ``(model, summary)``.
 
-    Under torchrun every rank runs this; each takes its share of every step and rank 0 writes.
+    ``resume`` continues from the newest usable checkpoint in ``config.output_dir`` after
+    checking it was computed from the same config, data and tokenizer; ``force`` accepts a
+    change that leaves the checkpoint loadable (the data, say). ``overwrite`` starts over in
+    a directory slipstream marked as its own. Ctrl-C saves a checkpoint of the last completed
+    step and raises ``TrainInterrupted``. Under torchrun every rank runs this; each takes its
+    share of every step and rank 0 writes.
     """
     from tqdm import tqdm
 
@@ -284,8 +239,9 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
 
     info = setup(config.training.distributed)
     out = Path(config.output_dir)
+    resumable = False
     if info.is_main:
-        _prepare_output(out, resume, overwrite)
+        resumable = prepare_output(out, resume=resume, overwrite=overwrite)
     info.barrier()
     random.seed(config.seed)
     torch.manual_seed(config.seed)
@@ -299,6 +255,10 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
     logger.info("%s", packing.summary())
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
+    fingerprint = (
+        run_fingerprint(config, tokenizer, world_size=info.world_size, dtype=dtype) if info.is_main else None
+    )
+    point, checkpoint = _resume_point(out, fingerprint, resume and resumable, force, info)
     if info.is_main:
         tqdm.write(f"slipstream train: {dtype_policy}")
     model = _model(config, len(tokenizer), dtype)
@@ -342,9 +302,14 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         num_training_steps=total,
     )
     start = 0
-    metrics_path = out / "metrics.jsonl"
-    if resume and (checkpoint := newest_checkpoint(out)) is not None:
-        start = _load_checkpoint(checkpoint, model, optimizer, scheduler)
+    metrics_path = out / METRICS
+    if checkpoint is not None:
+        start = apply_checkpoint(checkpoint, model, optimizer, scheduler)
+        checkpoint = None  # its tensors are in the model now
+        if start > total:
+            raise TrainError(
+                f"{point.path}: the checkpoint is at step {start}, past this run's {total} steps"
+            )
         if info.is_main:
             kept = (
                 [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
@@ -352,15 +317,21 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
                 else []
             )
             write_text_atomically(metrics_path, "".join(line + "\n" for line in kept))
-        logger.info("resumed from %s (step %d)", checkpoint, start)
-    elif metrics_path.exists() and info.is_main:
-        metrics_path.unlink()
+            if point.loss is None and kept:  # a checkpoint from before state.json held the loss
+                point.loss = json.loads(kept[-1])["loss"]
+        logger.info("resumed from %s (step %d)", point.path, start)
+    else:
+        if resume and info.is_main:
+            logger.warning("%s: no checkpoint to resume from: starting at step 0", out)
+        if metrics_path.exists() and info.is_main:
+            metrics_path.unlink()
     if info.is_main:
         write_text_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
     info.barrier()
     kill_after = int(
         os.environ.get("SLIPSTREAM_FAULT_KILL_AFTER_STEP", "0")
     )  # a fault-injection hook for tests
+    interrupt_after = fault_interrupt_step(info.rank)  # another one: Ctrl-C after that step
     writer = _tensorboard(out) if config.training.tensorboard and info.is_main else None
     label_tokens = [_label_tokens(b) for b in bins]
     losses: list[float] = []
@@ -375,7 +346,9 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
         unit="step",
     )
     metrics = metrics_path.open("a") if info.is_main else None
+    step, stop = start, GracefulStop()
     try:
+        stop.install()
         for step in bar:
             step_bins = bins_for(step)
             micro = []
@@ -410,34 +383,109 @@ def train(config: TrainConfig, resume: bool = False, overwrite: bool = False, pr
                     for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                         writer.add_scalar(f"train/{key}", record[key], step + 1)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            saved = False
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
                 if info.is_main:
-                    save_checkpoint(out, step + 1, model, optimizer, scheduler)
+                    _checkpoint(out, step + 1, model, optimizer, scheduler, loss, fingerprint, config)
+                saved = True
                 info.barrier()
             if kill_after and step + 1 == kill_after:
                 if metrics is not None:
                     metrics.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if interrupt_after and step + 1 == interrupt_after:
+                send_interrupt()
+            if _stop_agreed(stop.requested, info):
+                if info.strategy == "fsdp2":
+                    where = "no checkpoint (training.distributed fsdp2 cannot write checkpoints yet)"
+                    how = "run it again to start over"
+                else:
+                    if info.is_main and not saved:
+                        _checkpoint(out, step + 1, model, optimizer, scheduler, loss, fingerprint, config)
+                    info.barrier()
+                    where = f"checkpoint {out / CHECKPOINTS / f'step-{step + 1:06d}'}"
+                    how = "run the same command with --resume to continue"
+                raise TrainInterrupted(
+                    f"{stop.requested or 'a stop request on another rank'}: stopped after step "
+                    f"{step + 1} of {total}; {where}: {how}"
+                )
+    except KeyboardInterrupt as error:
+        if isinstance(error, TrainInterrupted):
+            raise
+        newest = newest_checkpoint(out)
+        raise TrainInterrupted(
+            f"stopped at once during step {step + 1} of {total} (a second Ctrl-C), nothing saved for it: "
+            + (
+                f"--resume continues from {newest}"
+                if newest is not None
+                else "no checkpoint to resume from (--resume starts over)"
+            )
+        ) from None
     finally:
+        stop.restore()
         if metrics is not None:
             metrics.close()
-    if writer is not None:
-        writer.close()
+        if writer is not None:
+            writer.close()
     summary = {
         "steps": total,
-        "final_loss": losses[-1] if losses else None,
+        "final_loss": losses[-1] if losses else point.loss,
         "packing": packing.summary(),
         "policies": list(policies),
         "dtype": str(dtype).removeprefix("torch."),
         "world_size": info.world_size,
         "distributed": info.strategy,
     }
+    if point.path is not None:
+        summary["resumed"] = {
+            "from": str(point.path),
+            "step": point.step,
+            "skipped_damaged": point.skipped,
+            "forced": point.forced,
+        }
     state = full_trainable_state(model, info) if info.strategy == "fsdp2" else None  # collective: every rank
     if info.is_main:
         _save_final(out, model, tokenizer, config, summary, state)
     info.barrier()
     shutdown(info)
     return model, summary
+
+
+def _checkpoint(out, step, model, optimizer, scheduler, loss, fingerprint, config: TrainConfig) -> Path:
+    path = save_checkpoint(out, step, model, optimizer, scheduler, loss=loss, fingerprint=fingerprint)
+    prune_checkpoints(out, config.training.keep_checkpoints, step)
+    return path
+
+
+def _stop_agreed(requested: str | None, info) -> bool:
+    """Whether any rank was asked to stop (every rank calls this after every step)."""
+    if not info.enabled:
+        return requested is not None
+    return info.sum(1.0 if requested is not None else 0.0) > 0
+
+
+def _resume_point(out: Path, fingerprint, resumable: bool, force: bool, info):
+    """Rank 0 picks and checks the checkpoint; every rank gets its verdict and reads it."""
+    point, checkpoint, error = ResumePoint(), None, None
+    if info.is_main and resumable:
+        try:
+            point, checkpoint = find_resume_point(out, fingerprint, force=force)
+        except TrainError as caught:
+            error = str(caught)
+    if info.enabled:
+        import torch.distributed as dist
+
+        box = [(point, error)]
+        dist.broadcast_object_list(box, src=0)
+        point, error = box[0]
+    if error is not None:
+        raise TrainError(error)
+    if point.path is not None and checkpoint is None:
+        try:
+            checkpoint = read_checkpoint(point.path)
+        except DamagedCheckpoint as damaged:
+            raise TrainError(f"{point.path}: {damaged}") from None
+    return point, checkpoint
 
 
 def _tensorboard(out: Path):

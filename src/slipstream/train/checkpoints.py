@@ -1,0 +1,303 @@
+"""Checkpoints: written whole or not at all, checked before use, pruned, and skipped when damaged.
+
+``checkpoints/step-NNNNNN/`` holds ``trainable.safetensors`` (the trainable weights),
+``trainer_state.pt`` (optimizer, scheduler, every RNG state) and ``state.json`` (the step,
+its loss and the run's fingerprint, see ``fingerprint.py``). A checkpoint is written under a
+temporary name (``.step-NNNNNN.tmp-PID``) and renamed when complete; one it replaces or
+prunes is first renamed aside (``.step-NNNNNN.old-PID``) and then deleted, so a reader never
+sees half of one. ``--resume`` reads the newest checkpoint whole before touching the model;
+if it is damaged (a file missing or unreadable) it warns and falls back to the previous one.
+
+``training.keep_checkpoints: N`` keeps the newest N complete checkpoints after each save
+(0 keeps all); the one just written is always kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .distributed import unwrap
+from .errors import TrainError
+from .fingerprint import compare
+from .output_dir import CHECKPOINTS
+
+logger = logging.getLogger("slipstream")
+
+CHECKPOINT_FORMAT = 1
+WEIGHTS, TRAINER_STATE, STATE = "trainable.safetensors", "trainer_state.pt", "state.json"
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint that cannot be used; the message says which file and why."""
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]  # state.json
+    weights: dict[str, torch.Tensor]
+    trainer: dict[str, Any]  # optimizer, scheduler, rng
+
+    @property
+    def loss(self) -> float | None:
+        return self.state.get("loss")
+
+
+@dataclass
+class ResumePoint:
+    """Where ``--resume`` continues from, and what it had to accept or skip on the way."""
+
+    path: Path | None = None  # None: no checkpoint, start at step 0
+    step: int = 0
+    loss: float | None = None
+    skipped: list[str] = field(default_factory=list)  # damaged checkpoints passed over
+    forced: list[str] = field(default_factory=list)  # changes accepted with --force
+
+
+# ----------------------------------------------------------------------------- writing
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
+
+
+def _set_aside(path: Path) -> None:
+    """Rename ``path`` to a leftover name, then delete it: it vanishes at once, whatever happens next."""
+    aside = path.with_name(f".{path.name}.old-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def save_checkpoint(
+    out: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    loss: float | None = None,
+    fingerprint: dict | None = None,
+) -> Path:
+    """``checkpoints/step-NNNNNN``, written under a temporary name and renamed when complete."""
+    from safetensors.torch import save_file
+
+    final = Path(out) / CHECKPOINTS / f"step-{step:06d}"
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "loss": loss, "fingerprint": fingerprint}
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(_trainable(model), str(tmp / WEIGHTS))
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+            tmp / TRAINER_STATE,
+        )
+        (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
+        if final.exists():
+            _set_aside(final)
+        os.replace(tmp, final)
+    except OSError as error:  # a full disk, say: no half checkpoint stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TrainError(f"{final}: cannot write the checkpoint ({error.strerror or error})") from None
+    return final
+
+
+def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
+    """Keep the newest ``keep`` complete checkpoints up to ``newest_step`` (0: keep all); delete older ones.
+
+    Checkpoints past ``newest_step`` (left by a run that fell back from a damaged one) are
+    not touched: the run overwrites them when it gets there.
+    """
+    if keep < 0:
+        raise ValueError(f"keep must be at least 0, got {keep}")
+    steps = [(step, path) for step, path in _step_dirs(out) if step <= newest_step]
+    complete = [step for step, path in steps if (path / STATE).is_file()]
+    if keep == 0 or len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    removed = []
+    for step, path in steps:
+        if step < oldest_kept:  # older than every kept one, complete or not
+            _set_aside(path)
+            removed.append(path)
+    if removed:
+        logger.info("pruned %d old checkpoint(s): %s", len(removed), ", ".join(p.name for p in removed))
+    return removed
+
+
+# ----------------------------------------------------------------------------- reading
+def _step_dirs(out: Path) -> list[tuple[int, Path]]:
+    """Every ``step-N`` folder, newest first (complete or not)."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found, reverse=True)
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint folder (temporary, half-written ones are ignored); not read."""
+    return next((path for _, path in _step_dirs(out) if (path / STATE).is_file()), None)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint whole; ``DamagedCheckpoint`` says which file is missing or unreadable."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    match = _NAME.match(path.name)
+    if match is None:
+        raise DamagedCheckpoint(f"{path.name} is not a checkpoint name (step-NNNNNN)")
+
+    def need(name: str) -> Path:
+        if not (path / name).is_file():
+            raise DamagedCheckpoint(f"{name} is missing")
+        if (path / name).stat().st_size == 0:
+            raise DamagedCheckpoint(f"{name} is empty")
+        return path / name
+
+    try:
+        state = json.loads(need(STATE).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DamagedCheckpoint(f"{STATE} is unreadable ({error})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DamagedCheckpoint(f"{STATE} has no step")
+    if state["step"] != int(match.group(1)):
+        raise DamagedCheckpoint(f"{STATE} says step {state['step']}")
+    try:
+        weights = load_file(str(need(WEIGHTS)))
+    except DamagedCheckpoint:
+        raise
+    except Exception as error:  # safetensors raises its own SafetensorError, or OSError
+        raise DamagedCheckpoint(f"{WEIGHTS} is unreadable ({_short(error)})") from None
+    try:
+        trainer = torch.load(need(TRAINER_STATE), weights_only=True)
+    except DamagedCheckpoint:
+        raise
+    except Exception as error:  # a truncated or garbled pickle: any of a dozen exception types
+        raise DamagedCheckpoint(f"{TRAINER_STATE} is unreadable ({_short(error)})") from None
+    if not isinstance(trainer, dict) or not {"optimizer", "scheduler", "rng"} <= trainer.keys():
+        raise DamagedCheckpoint(f"{TRAINER_STATE} lacks the optimizer, scheduler or RNG state")
+    return Checkpoint(path=path, step=state["step"], state=state, weights=weights, trainer=trainer)
+
+
+def _short(error: Exception) -> str:
+    """The gist of a loader's error: its type and first sentence (not torch's advice to unpickle unsafely)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0].split(". ")[0].rstrip(".") if lines else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def find_resume_point(
+    out: Path, fingerprint: dict, *, force: bool = False
+) -> tuple[ResumePoint, Checkpoint | None]:
+    """The newest usable checkpoint, checked against this run's ``fingerprint``.
+
+    Damaged checkpoints are skipped with a warning; a fingerprint mismatch raises
+    ``TrainError`` saying what changed (``force`` accepts the changes that leave the
+    checkpoint loadable, with a warning); so does having checkpoints none of which is usable.
+    """
+    point = ResumePoint()
+    candidates = _step_dirs(out)
+    chosen = None
+    for _, path in candidates:
+        try:
+            chosen = read_checkpoint(path)
+            break
+        except DamagedCheckpoint as error:
+            point.skipped.append(f"{path.name}: {error}")
+            logger.warning("%s is damaged: %s; falling back to an older checkpoint", path, error)
+    if chosen is None:
+        if candidates:
+            raise TrainError(
+                f"{Path(out) / CHECKPOINTS}: no usable checkpoint to resume from "
+                f"({'; '.join(point.skipped)}): pass --overwrite to start over"
+            )
+        return point, None
+    saved = chosen.state.get("fingerprint")
+    if saved is None:
+        if not force:
+            raise TrainError(
+                f"{chosen.path}: cannot check what this checkpoint was computed from (no fingerprint: "
+                "an older slipstream wrote it): pass --force to resume it unchecked"
+            )
+        point.forced.append("no fingerprint (an older slipstream wrote the checkpoint)")
+    else:
+        changes = compare(saved, fingerprint)
+        structural = [change.what for change in changes if change.structural]
+        if structural:
+            raise TrainError(
+                f"cannot resume from {chosen.path}: {'; '.join(c.what for c in changes)} "
+                "(the checkpoint's adapter does not fit this model, not even with --force): "
+                "start over with --overwrite or use another output_dir"
+            )
+        if changes and not force:
+            raise TrainError(
+                f"cannot resume from {chosen.path}: {'; '.join(c.what for c in changes)}: "
+                "pass --force to resume anyway"
+            )
+        point.forced.extend(change.what for change in changes)
+    for what in point.forced:
+        logger.warning("%s: resuming anyway (--force): %s", chosen.path, what)
+    point.path, point.step, point.loss = chosen.path, chosen.step, chosen.loss
+    return point, chosen
+
+
+def apply_checkpoint(checkpoint: Checkpoint, model, optimizer, scheduler) -> int:
+    """Load a checkpoint read by ``read_checkpoint`` into the model, optimizer, scheduler and RNGs."""
+    params = {n: p for n, p in unwrap(model).named_parameters() if p.requires_grad}
+    where = checkpoint.path
+    extra = sorted(checkpoint.weights.keys() - params.keys())
+    if extra:
+        raise TrainError(f"{where}: the checkpoint has {extra[0]!r}, which this model does not train")
+    missing = sorted(params.keys() - checkpoint.weights.keys())
+    if missing:
+        raise TrainError(f"{where}: the checkpoint lacks {missing[0]!r}, which this model trains")
+    for name, tensor in checkpoint.weights.items():
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise TrainError(
+                f"{where}: {name!r} has shape {tuple(tensor.shape)} in the checkpoint "
+                f"but {tuple(params[name].shape)} in this model"
+            )
+    with torch.no_grad():
+        for name, tensor in checkpoint.weights.items():
+            params[name].copy_(tensor)
+    try:
+        optimizer.load_state_dict(checkpoint.trainer["optimizer"])
+        scheduler.load_state_dict(checkpoint.trainer["scheduler"])
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise TrainError(f"{where}: the optimizer state does not fit this run ({_short(error)})") from None
+    set_rng_state(checkpoint.trainer["rng"])
+    return checkpoint.step

@@ -1,0 +1,79 @@
+"""Ctrl-C while training: finish the step, save a checkpoint of it, stop with a one-line message.
+
+Inside ``GracefulStop`` the first SIGINT (Ctrl-C) or SIGTERM (what torchrun forwards to its
+workers, and what schedulers send before a preemption) only records the request; the loop
+sees it after the step that is running completes, saves a checkpoint of that step and raises
+``TrainInterrupted``. The state saved is therefore always a whole step's: a signal never lands
+halfway through an optimizer update. A second signal does what it would have done without
+us (Ctrl-C raises ``KeyboardInterrupt`` at once; SIGTERM ends the process).
+
+Under torchrun every rank records its own signal; the ranks agree (an all-reduce per step)
+to stop after the same step, and only rank 0 writes.
+
+For tests, ``SLIPSTREAM_FAULT_INTERRUPT_AFTER_STEP=N`` sends this process a SIGINT once step
+N has completed (``N@R``: only on rank R).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+
+logger = logging.getLogger("slipstream")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+FAULT_ENV = "SLIPSTREAM_FAULT_INTERRUPT_AFTER_STEP"
+
+
+class GracefulStop:
+    """A context manager: ``requested`` names the first signal received inside it, else None."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GracefulStop:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def install(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            for sig in SIGNALS:
+                with contextlib.suppress(ValueError, OSError):  # an embedding may not allow it
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = signal.Signals(signum).name
+        self.restore()  # a second signal acts at once
+        logger.warning(
+            "%s received: stopping after this step to save a checkpoint (press Ctrl-C again to stop "
+            "at once, without one)",
+            self.requested,
+        )
+
+
+def fault_interrupt_step(rank: int) -> int:
+    """The step after which the test hook interrupts this rank (0: never)."""
+    value = os.environ.get(FAULT_ENV, "").strip()
+    if not value:
+        return 0
+    step, _, only_rank = value.partition("@")
+    if only_rank and int(only_rank) != rank:
+        return 0
+    return int(step)
+
+
+def send_interrupt() -> None:
+    """What Ctrl-C does: a SIGINT to this process (handled before the next line runs)."""
+    signal.raise_signal(signal.SIGINT)
