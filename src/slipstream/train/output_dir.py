@@ -142,7 +142,7 @@ def prepare_output(out: Path, *, resume: bool, overwrite: bool) -> bool:
             remove_leftovers(out)
             write_marker(out)
             return True
-        if older_run or (out / FINISHED).exists():
+        if older_run:
             why = f"holds a run from an older slipstream, which did not mark its runs (no {MARKER})"
         else:
             why = f"is not empty and slipstream did not mark it as its own run (no {MARKER})"
