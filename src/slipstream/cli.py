@@ -245,8 +245,22 @@ def _add_train(sub) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set optimizer.lr=1e-4 (repeatable)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="replace a finished run in the output directory")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest usable checkpoint (checked against it)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: continue even though the data, tokenizer or training config changed since the "
+        "checkpoint (never a different adapter shape)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over in a directory slipstream marked as its run (deletes only what slipstream wrote there)",
+    )
     p.set_defaults(func=_cmd_train)
 
 
@@ -257,7 +271,7 @@ def _cmd_train(args) -> int:
 
     try:
         config = load_config(args.config, args.set)
-        _, summary = train(config, resume=args.resume, overwrite=args.overwrite)
+        _, summary = train(config, resume=args.resume, overwrite=args.overwrite, force=args.force)
     except (ConfigError, DataError, TrainError) as error:
         print(f"slipstream train: {error}", file=sys.stderr)
         return 1

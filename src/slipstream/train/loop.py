@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_text_atomically
+from ..data import DataError
 from .checkpoints import (
     DamagedCheckpoint,
     ResumePoint,
@@ -45,6 +46,7 @@ from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, fault_interrupt_step, send_interrupt
 from .output_dir import CHECKPOINTS, FINISHED, METRICS, prepare_output
 from .precision import resolve_dtype
+from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
 from .step import train_step
 
 logger = logging.getLogger("slipstream")
@@ -68,6 +70,9 @@ def _tokenizer(config: TrainConfig):
         return demo_tokenizer()
     from transformers import AutoTokenizer
 
+    check_model_dir(
+        config.model.path
+    )  # before anything reads it: a missing directory is not a network problem
     try:
         return AutoTokenizer.from_pretrained(
             config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code
@@ -89,12 +94,19 @@ def _samples(config: TrainConfig, tokenizer):
             response_only=config.data.response_only,
         )
         return samples, None
-    samples, report = load_samples(
-        config.data.path,
-        tokenizer,
-        response_only=config.data.response_only,
-        on_bad_row="skip" if config.data.skip_bad_rows else "error",
-    )
+    try:
+        samples, report = load_samples(
+            config.data.path,
+            tokenizer,
+            response_only=config.data.response_only,
+            on_bad_row="skip" if config.data.skip_bad_rows else "error",
+            cache=config.data.cache,
+        )
+    except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
+        if isinstance(error, DataError):
+            raise
+        where = config.model.path or f"model.preset {config.model.preset}"
+        raise TrainError(f"{config.data.path}: {error} (the tokenizer of {where})") from None
     if not samples:
         raise TrainError(f"{config.data.path}: no usable rows ({report.summary()})")
     return samples, report
@@ -118,9 +130,7 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
             )
         except KeyError as error:
             raise ConfigError(f"model.preset: {error.args[0]}") from None
-    path = Path(config.model.path)
-    if not (path / "config.json").exists():
-        raise TrainError(f"{path}: not a model directory (no config.json)")
+    path = check_model_dir(config.model.path)
     if config.quantization.four_bit:
         from ..models.qlora import load_for_qlora
 
@@ -132,9 +142,12 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
         )
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
-    )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
+        )
+    except (OSError, ValueError, RuntimeError) as error:  # safetensors' own errors are one of these
+        raise weights_error(path, error) from None
 
 
 def _apply_lora(model, config: TrainConfig):
@@ -250,8 +263,15 @@ def train(
     bins, packing = pack_samples(
         samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
     )
-    if data_report is not None:
-        logger.info("%s", data_report.summary())
+    check_labels_left(packing.no_labels, config)
+    if not bins:
+        raise TrainError(
+            f"{config.data.path or 'the demo data'}: no sample left to train on ({packing.summary()})"
+        )
+    if info.is_main and data_report is not None and (data_report.skipped or data_report.cached):
+        tqdm.write(f"slipstream train: {data_report.summary()}")  # skipped rows are always said
+    if info.is_main and (packing.no_labels or packing.truncated):
+        tqdm.write(f"slipstream train: {packing.summary()}")
     logger.info("%s", packing.summary())
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
@@ -262,6 +282,8 @@ def train(
     if info.is_main:
         tqdm.write(f"slipstream train: {dtype_policy}")
     model = _model(config, len(tokenizer), dtype)
+    check_lora_targets(model, config)
+    check_token_ids(samples, model, config.data.path or "the demo data")
     if not config.quantization.four_bit:
         model.to(device)
     optimize(
@@ -430,6 +452,7 @@ def train(
     summary = {
         "steps": total,
         "final_loss": losses[-1] if losses else point.loss,
+        "data": data_report.to_dict() if data_report is not None else {"source": "built-in demo data"},
         "packing": packing.summary(),
         "policies": list(policies),
         "dtype": str(dtype).removeprefix("torch."),
