@@ -146,7 +146,7 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
         return AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
         )
-    except (OSError, ValueError, RuntimeError) as error:  # safetensors' own errors are one of these
+    except Exception as error:  # safetensors, torch and transformers each raise their own kinds
         raise weights_error(path, error) from None
 
 
