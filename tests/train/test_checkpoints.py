@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from slipstream.cli import main
 from slipstream.data import demo_tokenizer
+from slipstream.data.samples import tokenizer_parts
 from slipstream.train.checkpoints import (
     STATE,
     TRAINER_STATE,
@@ -32,7 +33,7 @@ from slipstream.train.checkpoints import (
 )
 from slipstream.train.config import load_config
 from slipstream.train.errors import TrainError, TrainInterrupted
-from slipstream.train.fingerprint import compare, tokenizer_fingerprint
+from slipstream.train.fingerprint import compare
 from slipstream.train.interrupt import FAULT_ENV
 from slipstream.train.loop import train
 
@@ -253,9 +254,9 @@ def test_a_changed_data_file_is_refused_unless_forced_and_a_moved_one_resumes(tm
 
 def test_a_changed_tokenizer_is_named(tmp_path):
     tokenizer = demo_tokenizer()
-    before = {"config": {}, "data": {"sha256": "x"}, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    before = {"config": {}, "data": {"sha256": "x"}, "tokenizer": tokenizer_parts(tokenizer)}
     tokenizer.chat_template = "{{ messages }}"
-    after = {"config": {}, "data": {"sha256": "x"}, "tokenizer": tokenizer_fingerprint(tokenizer)}
+    after = {"config": {}, "data": {"sha256": "x"}, "tokenizer": tokenizer_parts(tokenizer)}
     (change,) = compare(before, after)
     assert change.what == "tokenizer changed since the checkpoint (chat template)" and not change.structural
     assert compare(before, before) == []

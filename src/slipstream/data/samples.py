@@ -10,6 +10,8 @@ the time; any change to one of them builds a new entry.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -23,7 +25,7 @@ from .shapes import RowPlan, plan_row, tokenize_planned
 
 BATCH_ROWS = 512
 # Bump when the rows -> samples logic changes in a way the key cannot see.
-TOKENIZATION_VERSION = 2
+TOKENIZATION_VERSION = 3
 
 
 def load_samples(
@@ -40,6 +42,24 @@ def load_samples(
     ``cache``: ``True`` for the default cache folder, or a folder; ``False`` to always tokenize.
     """
     check_bad_row_policy(on_bad_row)
+    with _collector_paused():
+        return _load(path, tokenizer, response_only, on_bad_row, cache)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Millions of new int lists make Python's cycle collector rescan everything again and again
+    (a load of 100k rows took twice as long); they hold no cycles, so it waits until the end."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _load(path, tokenizer, response_only, on_bad_row, cache):
     entry = _cache_entry(path, tokenizer, response_only, on_bad_row, cache) if cache else None
     if entry is not None and (entry / "samples.parquet").exists():
         return _read_cache(entry)
@@ -78,31 +98,35 @@ def load_samples(
 # ---- the tokenized cache ----
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of everything about a tokenizer that decides its ids: vocabulary and merges, special
-    tokens, chat template, class."""
-    digest = hashlib.sha256(type(tokenizer).__name__.encode())
+def tokenizer_parts(tokenizer: Any) -> dict[str, Any]:
+    """Hashes of what decides a tokenizer's ids, part by part (so a change can be named): its
+    vocabulary and merges, its chat template, its special tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
-        digest.update(backend.to_str().encode())
+        vocabulary = backend.to_str()
     else:
-        digest.update(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
-    digest.update(json.dumps(sorted(map(str, tokenizer.all_special_tokens))).encode())
-    digest.update(str(getattr(tokenizer, "chat_template", None)).encode())
-    return digest.hexdigest()[:16]
+        vocabulary = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
+    template = getattr(tokenizer, "chat_template", None)
+    return {
+        "vocabulary": hashlib.sha256(vocabulary.encode()).hexdigest(),
+        "chat template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
+        "special tokens": sorted(map(str, getattr(tokenizer, "all_special_tokens", []))),
+    }
 
 
-def file_fingerprint(path: str | Path) -> str:
-    """A hash of a data file's bytes (of every file, for a datasets-on-disk folder)."""
+def hash_path(path: str | Path) -> tuple[str, int]:
+    """SHA-256 and size of a file's bytes, or of a directory's files (with their relative paths)."""
+    digest, size = hashlib.sha256(), 0
     path = Path(path)
-    digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        with open(file, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
+        if path.is_dir():
+            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as stream:
+            while block := stream.read(1 << 20):
                 digest.update(block)
-    return digest.hexdigest()[:16]
+                size += len(block)
+    return digest.hexdigest(), size
 
 
 def _cache_root(cache: bool | str | Path) -> Path:
@@ -115,8 +139,8 @@ def _cache_entry(path, tokenizer, response_only, on_bad_row, cache) -> Path | No
     if not Path(path).exists():
         return None  # read_rows names the missing file
     key = {
-        "data": file_fingerprint(path),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "data": hash_path(path)[0],
+        "tokenizer": tokenizer_parts(tokenizer),
         "response_only": response_only,
         "on_bad_row": on_bad_row,
         "version": TOKENIZATION_VERSION,

@@ -156,7 +156,7 @@ def tokenize_row(
 def _checked(sample: dict[str, list[int]], location: str) -> dict[str, list[int]]:
     if not sample["input_ids"]:
         raise DataError(location, "the row tokenized to zero tokens")
-    if all(label == IGNORE_INDEX for label in sample["labels"]):
+    if sample["labels"].count(IGNORE_INDEX) == len(sample["labels"]):
         raise DataError(location, "the row has no response tokens to train on")
     return sample
 

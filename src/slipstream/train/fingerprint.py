@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..data.samples import hash_path, tokenizer_parts
 from .errors import TrainError
 
 FINGERPRINT_FORMAT = 1
@@ -92,21 +93,6 @@ def config_fingerprint(config, *, world_size: int, dtype: torch.dtype) -> dict[s
     return json.loads(json.dumps(kept))  # as it reads back from state.json (tuples -> lists)
 
 
-def hash_path(path: Path) -> tuple[str, int]:
-    """SHA-256 and size of a file's bytes, or of a directory's files (with their relative paths)."""
-    digest, size = hashlib.sha256(), 0
-    path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        if path.is_dir():
-            digest.update(file.relative_to(path).as_posix().encode() + b"\0")
-        with open(file, "rb") as stream:
-            while block := stream.read(1 << 20):
-                digest.update(block)
-                size += len(block)
-    return digest.hexdigest(), size
-
-
 def data_fingerprint(config) -> dict[str, Any]:
     if config.data.path is None:
         from ..data import demo_rows
@@ -135,27 +121,13 @@ def _describe(data: dict[str, Any]) -> str:
     )
 
 
-def tokenizer_fingerprint(tokenizer) -> dict[str, Any]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        vocabulary = backend.to_str()
-    else:
-        vocabulary = json.dumps(sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]))
-    template = getattr(tokenizer, "chat_template", None)
-    return {
-        "vocabulary": hashlib.sha256(vocabulary.encode()).hexdigest(),
-        "chat template": hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest(),
-        "special tokens": sorted(map(str, getattr(tokenizer, "all_special_tokens", []))),
-    }
-
-
 def fingerprint(config, tokenizer, *, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """The fingerprint a checkpoint of this run stores (JSON-ready)."""
     return {
         "format": FINGERPRINT_FORMAT,
         "config": config_fingerprint(config, world_size=world_size, dtype=dtype),
         "data": data_fingerprint(config),
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_parts(tokenizer),
     }
 
 
