@@ -210,3 +210,28 @@ def test_passed_fields_are_type_checked(qwen3_tokenizer):
         tokenize_row(
             {"tools": "x", "messages": [user("hi"), assistant("yo")]}, qwen3_tokenizer, location="r:2"
         )
+
+
+def test_a_file_of_multi_turn_chats_with_qwen3_trains_every_row(tmp_path, qwen3_tokenizer):
+    import json
+
+    from slipstream.data import demo_rows, load_samples
+
+    pool = demo_rows(60, seed=3)
+    rows = []
+    for i in range(20):
+        messages = []
+        for j in range(1 + i % 3):
+            question, answer = pool[(3 * i + j) % len(pool)]["messages"][:2]
+            messages += [question, {**answer, "reasoning_content": "Think first."} if j % 2 else answer]
+        rows.append({"messages": messages})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    samples, report = load_samples(path, qwen3_tokenizer, response_only=True)
+    assert report.rows_used == len(rows) and not report.skipped
+    for row, sample in zip(rows, samples, strict=True):
+        runs = labelled_runs(sample, qwen3_tokenizer)
+        answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+        assert len(runs) == len(answers)
+        for run, answer in zip(runs, answers, strict=True):
+            assert run.endswith(answer + "<|im_end|>")  # each answer labelled, the prompt never
