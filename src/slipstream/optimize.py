@@ -14,6 +14,7 @@ import torch
 
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
+from .packing.guards import enter_forward, leave_forward
 
 logger = logging.getLogger("slipstream")
 
@@ -34,6 +35,7 @@ class OptimizeState:
     chunked_loss: object | None = field(default=None, repr=False)  # a loss.ChunkedLoss when on
     policies: list[str] = field(default_factory=list)
     hook: object | None = field(default=None, repr=False)
+    guard_hooks: list = field(default_factory=list, repr=False)
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -149,6 +151,10 @@ def optimize(
             base.config.use_cache = False
             if state.hook is None:
                 state.hook = base.register_forward_pre_hook(_padding_guard, with_kwargs=True)
+                state.guard_hooks = [  # the running forward's batch, for the attention guards
+                    base.register_forward_pre_hook(enter_forward, with_kwargs=True),
+                    base.register_forward_hook(leave_forward, with_kwargs=True, always_call=True),
+                ]
             state.packed_attention = name
             policy = f"packed attention: {name} ({reason}); use_cache off"
             state.policies.append(policy)
@@ -160,6 +166,9 @@ def optimize(
         if state.hook is not None:
             state.hook.remove()
             state.hook = None
+            for handle in state.guard_hooks:
+                handle.remove()
+            state.guard_hooks = []
         state.packed_attention = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)

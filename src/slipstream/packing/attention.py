@@ -23,13 +23,16 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .batch import PACKED_BATCH_KWARG, PackedBatch
+from .batch import PackedBatch
+from .guards import check_attention_call
 
 BACKENDS = ("sdpa", "varlen", "flex")
+_NOT_GIVEN: Any = object()  # an attention call that did not pass sliding_window at all (None: no window)
 
 
 class UnsupportedAttentionFeature(NotImplementedError):
@@ -138,9 +141,15 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     return torch.cat(outputs, dim=2)
 
 
-def _unpack_args(module, query, kwargs, scaling, dropout, sliding_window):
+def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window):
     _check_supported(module, kwargs)
-    batch = kwargs.get(PACKED_BATCH_KWARG)
+    batch = check_attention_call(module, query, key, attention_mask, kwargs)
+    if sliding_window is _NOT_GIVEN:
+        # A window kept on the module and applied by its mask function (not passed to the
+        # attention call): the packed backends have no mask function, so they apply it here.
+        sliding_window = getattr(module, "sliding_window", None)
+        if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window <= 0:
+            sliding_window = None
     if batch is not None and query.shape[0] != 1:
         raise ValueError(
             f"a PackedBatch is one row of documents, but attention got batch size {query.shape[0]}; "
@@ -187,12 +196,12 @@ def packed_sdpa_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: int | None = _NOT_GIVEN,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Per-document SDPA. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     batch, scaling, dropout, window, sinks = _unpack_args(
-        module, query, kwargs, scaling, dropout, sliding_window
+        module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None:
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
@@ -241,12 +250,12 @@ def packed_varlen_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: int | None = _NOT_GIVEN,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """One varlen flash-attention call over the whole packed row, reading the batch's cu_seqlens."""
     batch, scaling, dropout, window, sinks = _unpack_args(
-        module, query, kwargs, scaling, dropout, sliding_window
+        module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None or sinks is not None or query.device.type != "cuda":
         return packed_sdpa_attention(
@@ -343,12 +352,12 @@ def packed_flex_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
+    sliding_window: int | None = _NOT_GIVEN,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """flex_attention with a BlockMask memoised on the batch (built once, used by every layer)."""
     batch, scaling, dropout, window, sinks = _unpack_args(
-        module, query, kwargs, scaling, dropout, sliding_window
+        module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None or sinks is not None:
         return packed_sdpa_attention(
