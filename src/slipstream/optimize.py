@@ -14,7 +14,8 @@ import torch
 
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
-from .packing.guards import enter_forward, leave_forward
+from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
+from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
 
 logger = logging.getLogger("slipstream")
 
@@ -36,6 +37,7 @@ class OptimizeState:
     policies: list[str] = field(default_factory=list)
     hook: object | None = field(default=None, repr=False)
     guard_hooks: list = field(default_factory=list, repr=False)
+    undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -46,24 +48,6 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def _has_attention_sinks(model: torch.nn.Module) -> bool:
     return any(hasattr(module, "sinks") for module in model.modules())
-
-
-def _refuse_unsupported(model: torch.nn.Module) -> None:
-    config = model.config
-    name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):
-        raise NotImplementedError(
-            f"{name} does not route attention through transformers' AttentionInterface, "
-            "so slipstream cannot plug packed attention into it. Use packed_attention=False."
-        )
-    if not getattr(config, "is_causal", True) or getattr(config, "is_encoder_decoder", False):
-        raise NotImplementedError(f"{name}: packed attention is for causal decoder-only models")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        raise NotImplementedError(
-            f"{name} uses attention logit softcapping (attn_logit_softcapping={softcap}); slipstream's packed "
-            "attention does not implement it and will not compute something else. Use packed_attention=False."
-        )
 
 
 def _padding_guard(module, args, kwargs):
@@ -137,16 +121,21 @@ def optimize(
         setattr(base, _STATE_ATTR, state)
 
     if packed_attention:
-        _refuse_unsupported(base)
+        verdict = architecture_verdict(base)  # refuses what packed training cannot do exactly
         register_attention_functions()
         device = next(base.parameters()).device
         backend, reason = choose_backend(attention_backend, device, _has_attention_sinks(base))
         name = BACKEND_NAMES[backend]
         if state.packed_attention != name:
-            base.set_attn_implementation(name)
+            try:
+                base.set_attn_implementation(name)
+            except (ValueError, TypeError, NotImplementedError) as error:
+                raise UnsupportedArchitecture(
+                    f"transformers refused slipstream's attention for {type(base).__name__} ({error}). {TRAIN_UNPACKED}"
+                ) from error
             if base.config._attn_implementation != name:
-                raise RuntimeError(
-                    f"transformers refused attention implementation {name!r} for {type(base).__name__}"
+                raise UnsupportedArchitecture(
+                    f"transformers refused attention implementation {name!r} for {type(base).__name__}. {TRAIN_UNPACKED}"
                 )
             base.config.use_cache = False
             if state.hook is None:
@@ -159,6 +148,11 @@ def optimize(
             policy = f"packed attention: {name} ({reason}); use_cache off"
             state.policies.append(policy)
             logger.info(policy)
+            if state.undo_adaptations is None:
+                state.undo_adaptations = apply_adaptations(base, verdict)
+                for note in verdict.adaptations():
+                    state.policies.append(f"packed attention: {note}")
+                    logger.info("packed attention: %s", note)
     elif state.packed_attention is not None:
         base.set_attn_implementation(state.stock_attn_implementation)
         if state.stock_use_cache is not None:
@@ -169,6 +163,9 @@ def optimize(
             for handle in state.guard_hooks:
                 handle.remove()
             state.guard_hooks = []
+        if state.undo_adaptations is not None:
+            state.undo_adaptations()
+            state.undo_adaptations = None
         state.packed_attention = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
@@ -214,6 +211,22 @@ def _set_chunked_loss(
     logger.info(policy)
 
 
+def _check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
+    """Raise UnsupportedExperts unless sorted routing can run every experts module of ``base``."""
+    from .moe.experts import UnsupportedExperts, check_experts_module, is_moe_model
+
+    if not is_moe_model(base):
+        raise ValueError(f"moe_routing='sorted': {type(base).__name__} has no MoE layers")
+    if not modules:
+        raise UnsupportedExperts(
+            f"{type(base).__name__} is an MoE model but its experts do not use transformers' experts "
+            "interface (@use_experts_implementation); sorted routing cannot plug in. "
+            "Use slipstream.optimize(model, moe_routing='stock')."
+        )
+    for module in modules:
+        check_experts_module(module)
+
+
 def _set_moe_routing(
     base: torch.nn.Module, state: OptimizeState, moe_routing: str | None, compute: str
 ) -> None:
@@ -221,7 +234,6 @@ def _set_moe_routing(
         COMPUTE_CHOICES,
         EXPERTS_IMPLEMENTATION,
         UnsupportedExperts,
-        check_experts_module,
         experts_modules,
         is_moe_model,
         register_experts_implementation,
@@ -232,19 +244,20 @@ def _set_moe_routing(
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"moe_compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
     moe = is_moe_model(base)
-    if moe_routing is None:
-        moe_routing = "sorted" if moe else "stock"
     modules = experts_modules(base)
+    if moe_routing is None:  # the default: sorted where it plugs in exactly, else stock (logged)
+        moe_routing = "stock"
+        if moe:
+            try:
+                _check_sorted_routing(base, modules)
+                moe_routing = "sorted"
+            except UnsupportedExperts as error:
+                policy = f"moe routing: stock ({error})"
+                state.policies.append(policy)
+                logger.info(policy)
     if moe_routing == "sorted":
-        if not moe:
-            raise ValueError(f"moe_routing='sorted': {type(base).__name__} has no MoE layers")
-        if not modules:
-            raise UnsupportedExperts(
-                f"{type(base).__name__} is an MoE model but its experts do not use transformers' experts "
-                "interface (@use_experts_implementation); sorted routing cannot plug in. Use moe_routing='stock'."
-            )
+        _check_sorted_routing(base, modules)
         for module in modules:
-            check_experts_module(module)
             module.slipstream_moe_compute = compute
         register_experts_implementation()
         if state.moe_routing != "sorted":

@@ -118,5 +118,21 @@ def test_moe_default_and_refusals():
         slipstream.optimize(build_model("qwen3-moe"), moe_routing="fast")
     model = build_model("qwen3-moe")
     experts_modules(model)[0].has_post_expert_norm = True
-    with pytest.raises(UnsupportedExperts, match="post-expert norm"):
-        slipstream.optimize(model)
+    with pytest.raises(UnsupportedExperts, match="post-expert norm.*moe_routing='stock'"):
+        slipstream.optimize(model, moe_routing="sorted")
+    # The default takes sorted routing only where it is exact: here it stays stock, and says why.
+    slipstream.optimize(model)
+    assert model.config._experts_implementation != "slipstream_sorted"
+    assert any("moe routing: stock" in p and "post-expert norm" in p for p in model.slipstream_state.policies)
+
+
+def test_experts_declared_in_a_nested_config_count_as_moe():
+    """DBRX declares its experts in config.ffn_config.moe_num_experts."""
+    from types import SimpleNamespace
+
+    from slipstream.moe.experts import is_moe_model
+
+    nested = SimpleNamespace(config=SimpleNamespace(ffn_config=SimpleNamespace(moe_num_experts=16)))
+    assert is_moe_model(nested)
+    dense = SimpleNamespace(config=SimpleNamespace(ffn_config=SimpleNamespace(moe_num_experts=1)))
+    assert not is_moe_model(dense)

@@ -273,7 +273,7 @@ class ChunkedLoss:
         if probe is None or transformed.shape[-1] != probe.shape[-1] or transformed.numel() == 0:
             raise UnsupportedLoss(
                 f"{name} changes the shape of its LM head's output before the loss (e.g. slices the "
-                "vocabulary); slipstream's chunked loss cannot follow. Use chunked_loss=False."
+                "vocabulary); slipstream's chunked loss cannot follow. Use slipstream.optimize(model, chunked_loss=False)."
             )
         expected = transformed.reshape(-1, probe.shape[-1])[0].double().cpu()  # one host read, once
         candidates = transform_candidates(self.model)
@@ -323,7 +323,9 @@ def check_supported(model: torch.nn.Module) -> None:
     name = type(model).__name__
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
-        raise UnsupportedLoss(f"{name} has no output-embeddings (LM head) module; use chunked_loss=False")
+        raise UnsupportedLoss(
+            f"{name} has no output-embeddings (LM head) module; use slipstream.optimize(model, chunked_loss=False)"
+        )
     stock = model.loss_function
     if isinstance(stock, ChunkedLoss):
         raise UnsupportedLoss(f"{name} already runs slipstream's chunked loss")
@@ -331,7 +333,7 @@ def check_supported(model: torch.nn.Module) -> None:
         raise UnsupportedLoss(
             f"{name} uses its own loss ({getattr(stock, '__name__', stock)!r}, not transformers' "
             "ForCausalLMLoss); the chunked loss only stands in for the causal-LM cross-entropy. "
-            "Use chunked_loss=False."
+            "Use slipstream.optimize(model, chunked_loss=False)."
         )
     try:
         source = inspect.getsource(type(model).forward)
@@ -340,5 +342,5 @@ def check_supported(model: torch.nn.Module) -> None:
     if "loss_function" not in source:
         raise UnsupportedLoss(
             f"{name}.forward does not call model.loss_function (or its source cannot be read), so the "
-            "chunked loss cannot stand in for its loss. Use chunked_loss=False."
+            "chunked loss cannot stand in for its loss. Use slipstream.optimize(model, chunked_loss=False)."
         )

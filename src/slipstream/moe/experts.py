@@ -37,21 +37,30 @@ def check_experts_module(module: torch.nn.Module) -> None:
     if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
         raise UnsupportedExperts(
             f"{name} does not use transformers' @use_experts_implementation interface; sorted routing "
-            "cannot plug into it. Use moe_routing='stock'."
+            "cannot plug into it. Use slipstream.optimize(model, moe_routing='stock')."
         )
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExperts(
-            f"{name} applies a post-expert norm, which sorted routing does not implement"
+            f"{name} applies a post-expert norm, which sorted routing does not implement. "
+            "Use slipstream.optimize(model, moe_routing='stock')."
         )
     if getattr(module, "_is_expert_parallel", False):
-        raise UnsupportedExperts(f"{name} is expert-parallel; sorted routing runs all experts locally")
+        raise UnsupportedExperts(
+            f"{name} is expert-parallel; sorted routing runs all experts locally. "
+            "Use slipstream.optimize(model, moe_routing='stock')."
+        )
     first = "gate_up_proj" if module.has_gate else "up_proj"
     quantized = getattr(module, "slipstream_nf4", None) is not None
     for weight in (first, "down_proj"):
         if not quantized and not isinstance(getattr(module, weight, None), torch.Tensor):
-            raise UnsupportedExperts(f"{name} has no 3D weight {weight!r}")
+            raise UnsupportedExperts(
+                f"{name} has no 3D weight {weight!r}. Use slipstream.optimize(model, moe_routing='stock')."
+            )
     if not hasattr(module, "num_experts"):
-        raise UnsupportedExperts(f"{name} does not say how many experts it has (num_experts)")
+        raise UnsupportedExperts(
+            f"{name} does not say how many experts it has (num_experts). "
+            "Use slipstream.optimize(model, moe_routing='stock')."
+        )
 
 
 def _weight(module, name: str):
@@ -109,7 +118,16 @@ def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
+# Sub-configs some families declare their experts in (DBRX: ``config.ffn_config.moe_num_experts``).
+MOE_SUB_CONFIGS = ("ffn_config", "moe_config", "text_config")
+
+
 def is_moe_model(model: torch.nn.Module) -> bool:
-    """Does the config describe routed experts?"""
-    config = model.config
-    return any((getattr(config, key, None) or 0) > 1 for key in MOE_CONFIG_KEYS)
+    """Does the config (or an ffn / moe / text sub-config) describe routed experts?"""
+    configs = [model.config] + [getattr(model.config, key, None) for key in MOE_SUB_CONFIGS]
+    return any(
+        isinstance(getattr(config, key, None), int) and getattr(config, key) > 1
+        for config in configs
+        if config is not None
+        for key in MOE_CONFIG_KEYS
+    )

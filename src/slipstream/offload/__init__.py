@@ -7,13 +7,13 @@ every transformers ``GradientCheckpointingLayer`` of a model; ``choose_policy`` 
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
+from ..packing.guards import bind_running
 from .accounting import device_activation_bytes
-from .checkpoint import OffloadManager
+from .checkpoint import OffloadManager, UnsupportedCheckpointing
 from .engine import CudaEngine, RecordingEngine
 from .policy import MODES, CheckpointPolicy, DeviceDescription, choose_policy
 
@@ -26,11 +26,17 @@ __all__ = [
     "DeviceDescription",
     "OffloadManager",
     "RecordingEngine",
+    "UnsupportedCheckpointing",
     "checkpointing_layers",
     "choose_policy",
     "device_activation_bytes",
     "enable_checkpointing",
 ]
+
+
+def _recompute(function, *args, **kwargs):
+    """Per-layer activation checkpointing whose recompute sees the same packed batch as its forward."""
+    return torch.utils.checkpoint.checkpoint(bind_running(function), *args, use_reentrant=False, **kwargs)
 
 
 def checkpointing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -70,9 +76,7 @@ def enable_checkpointing(
         layer.gradient_checkpointing = policy.mode != "off"
     if policy.mode == "recompute":
         for layer in layers:
-            layer._gradient_checkpointing_func = functools.partial(
-                torch.utils.checkpoint.checkpoint, use_reentrant=False
-            )
+            layer._gradient_checkpointing_func = _recompute
     elif policy.mode.startswith("offload"):
         engine = engine or CudaEngine(parameter.device)
         manager = OffloadManager(

@@ -21,12 +21,19 @@ per step. Dropout RNG state is saved in forward and restored for the recompute.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
 import torch
 
+from ..packing.guards import bind_running
+
 logger = logging.getLogger("slipstream")
+
+
+class UnsupportedCheckpointing(NotImplementedError):
+    """A model whose layers the offloaded checkpointing cannot run exactly; the message says what to use."""
 
 
 @dataclass
@@ -41,6 +48,7 @@ class _Saved:
     offload_done: object = None  # event: the copy to host finished
     slot: int | None = None  # reload buffer holding it in backward
     reload_done: object = None  # event: the copy back finished
+    ticket: int = 0  # which forward call saved it (a layer run twice per forward is refused)
 
 
 class OffloadManager:
@@ -63,6 +71,7 @@ class OffloadManager:
         self.slots: list[torch.Tensor | None] = [None, None] if double_buffer else [None]
         self.slot_free: list[object | None] = [None] * len(self.slots)  # event: last reader done
         self.saved: dict[int, _Saved] = {}
+        self.tickets = itertools.count(1)
 
     # ------------------------------------------------------------------ forward
     def offload(self, layer: int, hidden: torch.Tensor) -> _Saved:
@@ -81,6 +90,7 @@ class OffloadManager:
             saved.offload_done = self.engine.new_event(f"offload{layer}-done")
             self.engine.record(saved.offload_done, self.engine.copy_stream)
             saved.stored = True
+        saved.ticket = next(self.tickets)
         self.saved[layer] = saved
         return saved
 
@@ -153,11 +163,13 @@ class OffloadManager:
         """The ``_gradient_checkpointing_func`` for decoder layer ``layer``."""
 
         def run(function, hidden_states, *args):
-            if args:
-                raise TypeError(
-                    "offloaded checkpointing expects the layer's hidden states as its only positional input"
-                )
-            return _OffloadedCheckpoint.apply(function, self, layer, _GRAD_ANCHOR, hidden_states)
+            # Only the hidden states are offloaded; any other positional input (a mask, a
+            # layer's extra stream such as the original embeddings) stays where it is and is
+            # handed to the recompute as it was.
+            if not torch.is_grad_enabled():  # nothing to save for a backward that will not come
+                return function(hidden_states, *args)
+            function = bind_running(function)  # the recompute sees the packed batch of this forward
+            return _OffloadedCheckpoint.apply(function, self, layer, args, _GRAD_ANCHOR, hidden_states)
 
         return run
 
@@ -168,20 +180,33 @@ _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
+    """A layer run without its activations; its input offloaded; recomputed in backward.
+
+    A layer that returns a tuple (hidden states plus attention weights, router logits, ...)
+    is handled too: every tensor output gets its gradient from the recompute.
+    """
+
     @staticmethod
-    def forward(ctx, function, manager: OffloadManager, layer: int, anchor, hidden_states):
-        ctx.function, ctx.manager, ctx.layer = function, manager, layer
+    def forward(ctx, function, manager: OffloadManager, layer: int, args: tuple, anchor, hidden_states):
+        ctx.function, ctx.manager, ctx.layer, ctx.args = function, manager, layer, args
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
         manager.engine.mark(f"forward{layer}")
         with torch.no_grad():
-            output = function(hidden_states)
-        manager.offload(layer, hidden_states.detach())
+            output = function(hidden_states, *args)
+        ctx.ticket = manager.offload(layer, hidden_states.detach()).ticket
+        ctx.tuple_output = isinstance(output, tuple)
         return output
 
     @staticmethod
-    def backward(ctx, grad_output):
+    def backward(ctx, *grad_outputs):
         manager, layer = ctx.manager, ctx.layer
+        saved = manager.saved.get(layer)
+        if saved is None or saved.ticket != ctx.ticket:
+            raise UnsupportedCheckpointing(
+                f"decoder layer {layer} ran more than once in one forward (a looped or shared layer); offloaded "
+                "checkpointing keeps one saved input per layer. Use slipstream.optimize(model, checkpointing='recompute')"
+            )
         hidden = manager.fetch(layer).detach().requires_grad_(True)
         manager.engine.mark(f"backward{layer}-begin")
         with torch.random.fork_rng(devices=[hidden.device] if hidden.is_cuda else [], enabled=True):
@@ -189,8 +214,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, hidden.device)
             with torch.enable_grad():
-                output = ctx.function(hidden)
-        torch.autograd.backward(output, grad_output)
+                output = ctx.function(hidden, *ctx.args)
+        outputs = output if ctx.tuple_output else (output,)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs, strict=False)
+            if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         manager.engine.mark(f"backward{layer}-end")
         manager.release(layer)
-        return None, None, None, None, hidden.grad
+        return None, None, None, None, None, hidden.grad

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PackedBatch
-from .guards import check_attention_call
+from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 
 BACKENDS = ("sdpa", "varlen", "flex")
 _NOT_GIVEN: Any = object()  # an attention call that did not pass sliding_window at all (None: no window)
@@ -70,7 +70,7 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     if softcap is not None:
         raise UnsupportedAttentionFeature(
             f"{type(module).__name__} uses attention logit softcapping (softcap={softcap}); "
-            "slipstream's packed attention does not implement it. Use optimize(model, packed_attention=False)."
+            "slipstream's packed attention does not implement it. Use slipstream.optimize(model, packed_attention=False)."
         )
 
 
@@ -141,6 +141,19 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     return torch.cat(outputs, dim=2)
 
 
+def _refuse_config_window(module) -> None:
+    """A window only the config names (and the model's own mask builder applies) is ambiguous:
+    the call does not say whether this layer uses it, so refuse rather than guess."""
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if isinstance(window, int) and window > 0 and getattr(config, "use_sliding_window", True) is not False:
+        raise UnsupportedArchitecture(
+            f"{layer_name(module)}: the config has sliding_window={window}, which the model applies through its "
+            "own mask builder and does not pass to the attention call, so slipstream cannot tell whether this "
+            "layer uses it. Use slipstream.optimize(model, packed_attention=False)"
+        )
+
+
 def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window):
     _check_supported(module, kwargs)
     batch = check_attention_call(module, query, key, attention_mask, kwargs)
@@ -150,6 +163,8 @@ def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, s
         sliding_window = getattr(module, "sliding_window", None)
         if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window <= 0:
             sliding_window = None
+        if sliding_window is None and batch is not None:
+            _refuse_config_window(module)
     if batch is not None and query.shape[0] != 1:
         raise ValueError(
             f"a PackedBatch is one row of documents, but attention got batch size {query.shape[0]}; "

@@ -78,6 +78,21 @@ def leave_forward(module: torch.nn.Module, args, kwargs, output):
     return None
 
 
+def bind_running(function):
+    """``function`` to be called later (a checkpointed layer's recompute in backward) with the
+    forwards that are running now still active, so guards and adaptations see the same batch."""
+    running = _RUNNING.get()
+
+    def run(*args, **kwargs):
+        token = _RUNNING.set(running)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _RUNNING.reset(token)
+
+    return run
+
+
 def _is_input(value) -> bool:
     """A value an attention would compute with (tensors, numbers), not a flag (bools, names, None)."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
@@ -121,7 +136,10 @@ def check_attention_call(
             f"{layer_name(module)} passes attention inputs slipstream's packed attention does not implement "
             f"({', '.join(unknown)}). Use slipstream.optimize(model, packed_attention=False)"
         )
-    if kwargs.get("is_causal") is False:
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:  # transformers' own rule: the call's flag, else the module's
+        is_causal = getattr(module, "is_causal", True)
+    if is_causal is False:
         raise UnsupportedArchitecture(
             f"{layer_name(module)} asks for non-causal attention; packed training is causal only. "
             "Use slipstream.optimize(model, packed_attention=False)"
