@@ -83,12 +83,15 @@ def optimize(
 
     packed_attention: attend within each document of a :class:`PackedBatch`, reading the
         metadata the collator built on the host: no host syncs, no [T, T] mask, O(sum Li^2)
-        attention. ``False`` restores the model's stock attention.
+        attention. The model is inspected first (:mod:`slipstream.packing.verdict`): refused
+        with an error naming the feature, or adapted (token mixers per document, position
+        offsets), each adaptation logged. ``False`` restores the model's stock attention.
     attention_backend: "auto" (varlen flash on CUDA when importable, per-document SDPA
         otherwise), or "sdpa", "varlen", "flex".
     moe_routing: "sorted" groups each MoE layer's tokens by expert once (argsort + counts)
         and runs every expert on its contiguous slice; "stock" leaves transformers' choice.
-        Default: "sorted" for an MoE model, "stock" otherwise.
+        Default: "sorted" for an MoE model whose experts it runs exactly (transformers'
+        experts interface, no post-expert norm), else "stock" with the reason logged.
     moe_compute: for sorted routing, "auto" (grouped_mm where the platform runs it for the
         dtype, else a loop over non-empty experts with one host sync per layer), or force
         "grouped_mm" / "loop".

@@ -76,3 +76,30 @@ def test_a_sliding_window_kept_on_the_module_is_applied():
         Attention(), q, k, v, None, sliding_window=None, **{PACKED_BATCH_KWARG: batch}
     )
     assert torch.equal(got, want) and not torch.allclose(got, full)
+
+
+def test_an_attention_module_marked_non_causal_is_refused():
+    """BERT-style layers built with is_decoder=False say so on the module, not in the call."""
+    batch, q, k, v = attention_inputs()
+    bidirectional = Attention()
+    bidirectional.is_causal = False
+    with pytest.raises(UnsupportedArchitecture, match=r"Attention \(layer 3\) asks for non-causal"):
+        packed_sdpa_attention(bidirectional, q, k, v, None, **{PACKED_BATCH_KWARG: batch})
+    # the call's own flag wins, as in transformers
+    packed_sdpa_attention(bidirectional, q, k, v, None, is_causal=True, **{PACKED_BATCH_KWARG: batch})
+
+
+def test_a_sliding_window_only_the_config_names_is_refused():
+    """PhiMoE applies config.sliding_window through its mask builder and passes nothing to the call."""
+    from types import SimpleNamespace
+
+    batch, q, k, v = attention_inputs()
+    module = Attention()
+    module.config = SimpleNamespace(sliding_window=4)
+    with pytest.raises(UnsupportedArchitecture, match="sliding_window=4.*own mask builder"):
+        packed_sdpa_attention(module, q, k, v, None, **{PACKED_BATCH_KWARG: batch})
+    module.config = SimpleNamespace(sliding_window=4, use_sliding_window=False)  # switched off: fine
+    packed_sdpa_attention(module, q, k, v, None, **{PACKED_BATCH_KWARG: batch})
+    # passed explicitly by the call (Mistral, Qwen3): no ambiguity
+    module.config = SimpleNamespace(sliding_window=4)
+    packed_sdpa_attention(module, q, k, v, None, sliding_window=None, **{PACKED_BATCH_KWARG: batch})

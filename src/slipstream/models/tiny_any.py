@@ -844,6 +844,10 @@ def tiny_config(model_type: str, layers: int = 2):
 
     default = _default_config(model_type)
     kwargs = _tiny_level(default, [model_type], layers)
+    if "is_decoder" in default.to_dict() and not default.is_decoder:
+        # An encoder family's *ForCausalLM is a causal LM only as a decoder (transformers warns
+        # otherwise and attends both ways): build it the way it is trained.
+        kwargs["is_decoder"] = True
     for key in _sub_config_keys(default):
         sub = getattr(default, key)
         names = [getattr(sub, "model_type", None) or "", f"{model_type}.{key}"]

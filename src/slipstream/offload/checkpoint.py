@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import MutableMapping, MutableSequence
 from dataclasses import dataclass
 
 import torch
@@ -168,10 +169,58 @@ class OffloadManager:
             # handed to the recompute as it was.
             if not torch.is_grad_enabled():  # nothing to save for a backward that will not come
                 return function(hidden_states, *args)
+            problem = _side_input_problem(function, args)
+            if problem:
+                raise UnsupportedCheckpointing(
+                    f"decoder layer {layer} {problem}; the offloaded layer runs without autograd in forward, so "
+                    "that gradient would be lost. Use slipstream.optimize(model, checkpointing='recompute')"
+                )
+            keywords = getattr(function, "keywords", None) or {}
             function = bind_running(function)  # the recompute sees the packed batch of this forward
-            return _OffloadedCheckpoint.apply(function, self, layer, args, _GRAD_ANCHOR, hidden_states)
+            return _OffloadedCheckpoint.apply(
+                function, self, layer, args, keywords, _GRAD_ANCHOR, hidden_states
+            )
 
         return run
+
+
+def _needs_grad(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, tuple | list):
+        return any(_needs_grad(v) for v in value)
+    if isinstance(value, dict):
+        return any(_needs_grad(v) for v in value.values())
+    return False
+
+
+def _side_input_problem(function, args: tuple) -> str | None:
+    """Why a layer's inputs other than its hidden states make offloading it inexact, if they do.
+
+    transformers hands the layer's keyword arguments in ``functools.partial(layer.__call__, **kw)``.
+    An input that needs a gradient (a shared block's original embeddings) would get none from a
+    forward run without autograd. (A layer that writes into a dict or list argument, a channel
+    for KV shared across layers, is caught after its forward: see ``_containers``.)
+    """
+    keywords = getattr(function, "keywords", None) or {}
+    for index, value in enumerate(args):
+        if _needs_grad(value):
+            return f"takes positional input {index + 1} that needs a gradient"
+    for name, value in keywords.items():
+        if _needs_grad(value):
+            return f"takes {name!r}, an input that needs a gradient"
+    return None
+
+
+def _containers(keywords: dict) -> dict[str, tuple]:
+    """A fingerprint of the mutable containers among a layer's keyword arguments."""
+    prints = {}
+    for name, value in keywords.items():
+        if isinstance(value, MutableMapping):
+            prints[name] = tuple((k, id(v)) for k, v in value.items())
+        elif isinstance(value, MutableSequence):
+            prints[name] = tuple(id(v) for v in value)
+    return prints
 
 
 # Makes autograd call our backward even when no input needs a gradient (frozen embeddings
@@ -187,13 +236,23 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, function, manager: OffloadManager, layer: int, args: tuple, anchor, hidden_states):
+    def forward(
+        ctx, function, manager: OffloadManager, layer: int, args: tuple, keywords: dict, anchor, hidden_states
+    ):
         ctx.function, ctx.manager, ctx.layer, ctx.args = function, manager, layer, args
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(hidden_states.device) if hidden_states.is_cuda else None
         manager.engine.mark(f"forward{layer}")
+        before = _containers(keywords)
         with torch.no_grad():
             output = function(hidden_states, *args)
+        changed = [name for name, print_ in _containers(keywords).items() if before.get(name) != print_]
+        if changed:
+            raise UnsupportedCheckpointing(
+                f"decoder layer {layer} wrote into {', '.join(map(repr, changed))}, state a later layer reads (shared "
+                "KV); computed without autograd under offload, its gradient would be lost. "
+                "Use slipstream.optimize(model, checkpointing='recompute')"
+            )
         ctx.ticket = manager.offload(layer, hidden_states.detach()).ticket
         ctx.tuple_output = isinstance(output, tuple)
         return output
@@ -225,4 +284,4 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         manager.engine.mark(f"backward{layer}-end")
         manager.release(layer)
-        return None, None, None, None, None, hidden.grad
+        return None, None, None, None, None, None, hidden.grad

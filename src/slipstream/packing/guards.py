@@ -19,6 +19,7 @@ is read, so a packed step still has no host sync.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -76,6 +77,17 @@ def leave_forward(module: torch.nn.Module, args, kwargs, output):
     """Forward hook (registered with ``always_call``): this forward's batch is no longer active."""
     _RUNNING.set(_RUNNING.get()[:-1])
     return None
+
+
+@contextmanager
+def running_unpacked():
+    """Inside, the running forward has no packed batch: a module run on one document alone
+    (the per-document adaptation) attends causally over just that document."""
+    token = _RUNNING.set((*_RUNNING.get(), None))
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
 
 
 def bind_running(function):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import PACKED_BATCH_KWARG, PackedBatch
-from .guards import UnsupportedArchitecture, active_batch
+from .guards import UnsupportedArchitecture, active_batch, running_unpacked
 
 TRAIN_UNPACKED = "Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
 
@@ -91,11 +91,15 @@ def find_token_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     found: list[tuple[str, torch.nn.Module]] = []
     for layer in layers:
         for child in layer.children():
-            if child is None or _is_attention(child):
+            if child is None:
                 continue
             cls = type(child).__name__
+            # A convolution over the tokens mixes them whatever the module is called (an
+            # attention whose q/k go through a causal conv, as in Zaya's CCA, included).
             has_conv = any(isinstance(m, torch.nn.Conv1d) for m in child.modules())
-            if has_conv or (_MIXER_NAME.search(cls) and not _NOT_A_MIXER.search(cls)):
+            if has_conv or (
+                not _is_attention(child) and _MIXER_NAME.search(cls) and not _NOT_A_MIXER.search(cls)
+            ):
                 found.append((names.get(id(child), cls), child))
     return found
 
@@ -134,6 +138,14 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
                 f"{name} uses attention logit softcapping ({key}={softcap}); slipstream's packed attention does "
                 f"not implement it and will not compute something else. {TRAIN_UNPACKED}"
             )
+    chunk = getattr(config, "attention_chunk_size", None) or getattr(
+        config.get_text_config(), "attention_chunk_size", None
+    )
+    if chunk:
+        raise UnsupportedArchitecture(
+            f"{name} uses chunked attention (attention_chunk_size={chunk}), applied by its own mask builder; "
+            f"slipstream's packed attention does not implement it. {TRAIN_UNPACKED}"
+        )
     indexers = _sparse_indexers(model)
     if indexers:
         raise UnsupportedArchitecture(
@@ -182,7 +194,8 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             doc_kwargs = {
                 k: _slice_tokens(v, start, end, length) for k, v in kwargs.items() if k != PACKED_BATCH_KWARG
             }
-            pieces.append(forward(*doc_args, **doc_kwargs))
+            with running_unpacked():  # an attention inside sees one document, causally
+                pieces.append(forward(*doc_args, **doc_kwargs))
         first = pieces[0]
         if isinstance(first, torch.Tensor):
             return torch.cat(pieces, dim=1)
