@@ -62,8 +62,11 @@ def test_unknown_preset_missing_tokenizer_and_absent_cuda_fail_cleanly(tmp_path,
     import yaml
 
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"model": {"preset": "qwen9"}, "training": {"steps": 1},
-                                      "output_dir": str(tmp_path / "out")}))
+    config.write_text(
+        yaml.safe_dump(
+            {"model": {"preset": "qwen9"}, "training": {"steps": 1}, "output_dir": str(tmp_path / "out")}
+        )
+    )
     assert main(["train", str(config)]) == 1
     assert "model.preset: unknown model shape 'qwen9'" in capsys.readouterr().err
     rows = tmp_path / "rows.jsonl"

@@ -314,7 +314,9 @@ def test_label_positions_come_from_the_host_or_are_not_selected_on_a_device():
     assert torch.equal(positions, torch.nonzero(targets != -100).squeeze(1))
     # Not the batch's labels (changed after collating): found again, never trusted stale.
     other = batch.labels.clone()
-    again = ChunkedLoss._labelled_positions(_Call(labels=other, packed_batch=batch), other, shifted, targets, -100)
+    again = ChunkedLoss._labelled_positions(
+        _Call(labels=other, packed_batch=batch), other, shifted, targets, -100
+    )
     assert again is not batch.loss_positions
     # Off the CPU without a PackedBatch, nothing is selected (a nonzero would read the device).
     on_device = targets.to("meta")
