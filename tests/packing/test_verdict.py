@@ -108,3 +108,63 @@ def test_a_layer_run_twice_per_forward_refuses_offload():
     out = model(**collate_packed([{"input_ids": d} for d in docs]).model_inputs())
     with pytest.raises(UnsupportedCheckpointing, match="ran more than once.*checkpointing='recompute'"):
         out.loss.backward()
+
+
+def test_chunked_attention_is_attended_per_document_chunk(monkeypatch):
+    """Llama 4's chunked layers: pieces of attention_chunk_size counted from each document's start."""
+    stock = tiny_model("llama4_text")
+    chunk = stock.config.attention_chunk_size
+    docs = documents(stock)
+    assert "chunked_attention" in stock.config.layer_types and max(map(len, docs)) > chunk
+    ref = reference(stock, docs)
+    adapted = run_arm(stock, docs, ref, {})
+    assert adapted.status == "pass", adapted.detail
+    assert any("chunked-attention layers" in p for p in adapted.policies)
+    monkeypatch.setattr("slipstream.packing.attention.chunked_attention_size", lambda module: None)
+    assert run_arm(stock, docs, ref, {}).status == "WRONG"  # whole documents: wrong for chunked layers
+
+
+def test_split_every_cuts_each_document_from_its_start():
+    batch = collate_packed([{"input_ids": list(range(3, 3 + n))} for n in (5, 8, 3)])
+    split = batch.split_every(4)
+    assert split.seq_lens == (4, 1, 4, 4, 3)
+    assert split.cu_seqlens.tolist() == [0, 4, 5, 9, 13, 16] and split.max_seqlen == 4
+    assert batch.split_every(4) is split  # built once per batch
+
+
+def test_attention_computed_outside_the_interface_is_caught_on_the_first_packed_forward():
+    """A hybrid transformers does not vouch for (``_supports_attention_backend`` False) trains
+    packed only while every attention module that runs is seen calling slipstream's attention."""
+    model = tiny_model("qwen3_next")
+    assert not model._supports_attention_backend
+    slipstream.optimize(model)
+    assert any("first packed forward checks" in p for p in model.slipstream_state.policies)
+    attention = next(m for _, m in model.named_modules() if type(m).__name__ == "Qwen3NextAttention")
+
+    def inline_attention(hidden_states, *args, **kwargs):
+        return hidden_states.clone(), None  # computed without the AttentionInterface
+
+    attention.forward = inline_attention
+    batch = collate_packed([{"input_ids": d} for d in documents(model)])
+    with pytest.raises(UnsupportedArchitecture, match="Qwen3NextAttention computed attention without"):
+        model(**batch.model_inputs())
+    with pytest.raises(UnsupportedArchitecture, match="computed attention without"):
+        model(**batch.model_inputs())  # and the next step too: refused is refused
+    del attention.forward
+    model(**batch.model_inputs())  # all routed: verified, and the check removes itself
+    assert not slipstream.packing.guards.ATTENTION_CALL_LISTENERS
+
+
+def test_a_model_transformers_does_not_vouch_for_without_token_mixers_stays_refused():
+    model = tiny_model("llama")
+    model._supports_attention_backend = False
+    with pytest.raises(UnsupportedArchitecture, match="does not route attention through"):
+        slipstream.optimize(model)
+
+
+def test_hybrids_transformers_does_not_vouch_for_train_packed_when_their_attention_is_routed():
+    stock = tiny_model("qwen3_next")  # Gated DeltaNet + gated attention, _supports_attention_backend False
+    assert not stock._supports_attention_backend
+    docs = documents(stock)
+    result = run_arm(stock, docs, reference(stock, docs), {})
+    assert result.status == "pass", result.detail

@@ -141,6 +141,17 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     return torch.cat(outputs, dim=2)
 
 
+def chunked_attention_size(module) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4: ``layer_types[i] == "chunked_attention"``)."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if not chunk or not layer_types or not isinstance(index, int) or index >= len(layer_types):
+        return None
+    return int(chunk) if layer_types[index] == "chunked_attention" else None
+
+
 def _refuse_config_window(module) -> None:
     """A window only the config names (and the model's own mask builder applies) is ambiguous:
     the call does not say whether this layer uses it, so refuse rather than guess."""
@@ -165,6 +176,10 @@ def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, s
             sliding_window = None
         if sliding_window is None and batch is not None:
             _refuse_config_window(module)
+    if batch is not None:
+        chunk = chunked_attention_size(module)
+        if chunk:
+            batch = batch.split_every(chunk)
     if batch is not None and query.shape[0] != 1:
         raise ValueError(
             f"a PackedBatch is one row of documents, but attention got batch size {query.shape[0]}; "

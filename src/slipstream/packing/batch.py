@@ -10,7 +10,7 @@ object itself: when the batch goes away so does the memo, and nothing can go sta
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,31 @@ class PackedBatch:
             return bounds
 
         return self.memo("doc_bounds", build)
+
+    def split_every(self, chunk: int) -> PackedBatch:
+        """The same row with every document cut into pieces of ``chunk`` tokens from its start.
+
+        Chunked attention (Llama 4: a token attends only within its ``attention_chunk_size``
+        block) is causal attention within each piece, so the packed backends run it as if each
+        piece were a document. Built once per batch and chunk size, from the host lengths.
+        """
+
+        def build() -> PackedBatch:
+            lengths: list[int] = []
+            for length in self.seq_lens:
+                lengths += [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+            cu = [0]
+            for length in lengths:
+                cu.append(cu[-1] + length)
+            cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+            if self.cu_seqlens.device.type != "cpu":
+                pinned = cu_seqlens.pin_memory() if torch.cuda.is_available() else cu_seqlens
+                cu_seqlens = pinned.to(self.cu_seqlens.device, non_blocking=True)
+            return replace(
+                self, cu_seqlens=cu_seqlens, seq_lens=tuple(lengths), max_seqlen=max(lengths), _memo={}
+            )
+
+        return self.memo(("split_every", chunk), build)
 
     def memo(self, key: Any, build: Callable[[], Any]) -> Any:
         """Return ``build()``, computed once per batch and kept on this object."""

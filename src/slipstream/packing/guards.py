@@ -61,6 +61,11 @@ KNOWN_ATTENTION_KWARGS = frozenset(
 )
 
 
+# Called with the module of every packed-attention call while a model's first packed forward is
+# being verified (see verdict.AttentionRouteCheck); empty otherwise.
+ATTENTION_CALL_LISTENERS: list = []
+
+
 def active_batch() -> PackedBatch | None:
     """The PackedBatch the running forward was given, if any."""
     running = _RUNNING.get()
@@ -128,6 +133,8 @@ def check_attention_call(
 ) -> PackedBatch | None:
     """The batch this attention call must use; raise if the call would mix documents silently."""
     batch = kwargs.get(PACKED_BATCH_KWARG)
+    for listener in ATTENTION_CALL_LISTENERS:
+        listener(module)
     active = active_batch()
     if batch is None:
         if active is not None:

@@ -4,9 +4,13 @@
 packed attention. The verdict reads the model's structure and config only (no forward):
 
 * **refused** (:class:`UnsupportedArchitecture`, naming the feature and the way out) when
-  the attention does not go through transformers' ``AttentionInterface``, the model is an
-  encoder-decoder, uses attention-logit soft-capping, or selects keys with a sparse-attention
-  indexer that reads the model's own mask;
+  the attention does not go through transformers' ``AttentionInterface`` (a hybrid whose
+  ``_supports_attention_backend`` is False because of its Mamba / linear-attention layers is
+  accepted, and its packed forwards check that every attention module that runs calls
+  slipstream's attention: :class:`AttentionRouteCheck`), its forward takes no
+  ``position_ids`` (positions could not restart per document), the model is an
+  encoder-decoder, uses attention-logit soft-capping, selects keys with a sparse-attention
+  indexer that reads the model's own mask, or chunks attention without saying which layers;
 * **adapted**, each adaptation logged, where an exact one is simple:
 
   - *token mixers other than attention* (causal convolutions, Mamba / SSM scans, linear or
@@ -14,6 +18,9 @@ packed attention. The verdict reads the model's structure and config only (no fo
     Each such mixer runs once per document instead (its inputs sliced at the document
     bounds, which the batch holds as Python ints: no host sync), so its taps and state start
     from zero at every document start, exactly as when the document runs alone;
+  - *chunked attention* (Llama 4): the layers ``layer_types`` names ``chunked_attention`` see
+    each document as pieces of ``attention_chunk_size`` tokens counted from its start, as the
+    document alone would, by attending each piece as a document;
   - *RoBERTa-style learned positions* start at ``padding_idx + 1``: the packed position ids
     (0 at every document start) are shifted by that offset before the embeddings read them;
 
@@ -34,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .batch import PACKED_BATCH_KWARG, PackedBatch
-from .guards import UnsupportedArchitecture, active_batch, running_unpacked
+from .guards import ATTENTION_CALL_LISTENERS, UnsupportedArchitecture, active_batch, running_unpacked
 
 TRAIN_UNPACKED = "Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
 
@@ -45,6 +52,8 @@ _MIXER_NAME = re.compile(
     r"retention|hyena|lstm|gla(?![a-z])|timemix|tokenshift",
     re.IGNORECASE,
 )
+# A bias over token pairs the model computes for the whole row (relative positions).
+_POSITION_BIAS = re.compile(r"relativeposition|positionbias", re.IGNORECASE)
 _NOT_A_MIXER = re.compile(r"norm|mlp|moe|expert|embedding|rotary|router|gate$", re.IGNORECASE)
 
 
@@ -55,6 +64,10 @@ class ArchitectureVerdict:
     model_name: str
     mixers: list[tuple[str, torch.nn.Module]] = field(default_factory=list)  # (qualified name, module)
     position_offset: int = 0  # added to packed position ids (RoBERTa-style embeddings)
+    attention_chunk: int | None = None  # chunked-attention layers attend within pieces of this size
+    attention_to_verify: list[torch.nn.Module] = field(
+        default_factory=list
+    )  # checked on the first packed forward
 
     def adaptations(self) -> list[str]:
         notes = []
@@ -63,6 +76,16 @@ class ArchitectureVerdict:
             notes.append(
                 f"adapted: {len(self.mixers)} token mixer(s) ({', '.join(kinds)}) run once per document, "
                 "so their conv taps / recurrent state restart at every document start"
+            )
+        if self.attention_to_verify:
+            notes.append(
+                f"adapted: transformers does not say this model's attention uses its AttentionInterface; "
+                f"the first packed forward checks that all {len(self.attention_to_verify)} attention modules do"
+            )
+        if self.attention_chunk:
+            notes.append(
+                f"adapted: chunked-attention layers attend within pieces of {self.attention_chunk} tokens counted "
+                "from each document's start (each piece attended as a document)"
             )
         if self.position_offset:
             notes.append(
@@ -104,6 +127,84 @@ def find_token_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return found
 
 
+def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers' attention modules (not the token mixers named like attention)."""
+    mixers = {id(m) for _, m in find_token_mixers(model)}
+    return [
+        child
+        for layer in _decoder_layers(model)
+        for child in layer.children()
+        if child is not None and _is_attention(child) and id(child) not in mixers
+    ]
+
+
+class AttentionRouteCheck:
+    """On the first packed forward, every attention module that runs must call slipstream's
+    attention; one that computes attention itself would attend across documents unseen.
+
+    Hooks on the attention modules note which ran (with a packed batch active); a listener in
+    the guards notes which called the packed attention; a hook on the model compares the two
+    when its forward ends: it raises naming the modules that did not (and stays armed, so
+    every later packed forward raises too); it removes itself once every attention module has
+    been seen routed (a layer that skips the first forward is checked when it first runs).
+    """
+
+    def __init__(self, model: torch.nn.Module, modules: list[torch.nn.Module]):
+        self.expected = {id(m) for m in modules}
+        self.verified: set[int] = set()
+        self.ran: dict[int, torch.nn.Module] = {}
+        self.called: set[int] = set()
+        self.handles = [m.register_forward_pre_hook(self._ran) for m in modules]
+        self.handles.append(model.register_forward_hook(self._check))
+        ATTENTION_CALL_LISTENERS.append(self._called)
+
+    def _ran(self, module, args) -> None:
+        if active_batch() is not None:
+            self.ran[id(module)] = module
+
+    def _called(self, module) -> None:
+        self.called.add(id(module))
+
+    def _check(self, model, args, output) -> None:
+        if not self.ran:
+            return  # not a packed forward: check the next one
+        # A module counts as routed when it, or a module inside it, called the packed attention.
+        silent = sorted(
+            {
+                type(module).__name__
+                for module in self.ran.values()
+                if not any(id(inner) in self.called for inner in module.modules())
+            }
+        )
+        if silent:  # stays armed: every packed forward of this model raises until it is fixed
+            self.ran, self.called = {}, set()
+            raise UnsupportedArchitecture(
+                f"{type(model).__name__}: {', '.join(silent)} computed attention without transformers' "
+                f"AttentionInterface, so it would attend across the packed documents. {TRAIN_UNPACKED}"
+            )
+        self.verified |= set(self.ran)
+        self.ran, self.called = {}, set()
+        if self.verified >= self.expected:
+            self.remove()  # every attention module seen routed: the steps that follow pay nothing
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if self._called in ATTENTION_CALL_LISTENERS:
+            ATTENTION_CALL_LISTENERS.remove(self._called)
+
+
+def _takes_position_ids(model: torch.nn.Module) -> bool:
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True  # cannot tell: the run-time guards still apply
+    return "position_ids" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def _sparse_indexers(model: torch.nn.Module) -> list[str]:
     return sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Indexer")})
 
@@ -122,10 +223,24 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
     """Refuse (raise) or describe the adaptations packed training of ``model`` needs."""
     config = model.config
     name = type(model).__name__
+    attention_modules: list[torch.nn.Module] = []
     if not getattr(model, "_supports_attention_backend", False):
+        # transformers does not promise that this model's attention goes through its
+        # AttentionInterface. Hybrids say so because of their Mamba / linear-attention layers,
+        # which the per-document adaptation handles: accept a hybrid that has attention
+        # modules, and check on its packed forwards that every one of them calls slipstream's
+        # attention (AttentionRouteCheck). Anything else stays refused.
+        attention_modules = _attention_modules(model)
+        position_bias = any(_POSITION_BIAS.search(type(m).__name__) for m in model.modules())
+        if not attention_modules or not find_token_mixers(model) or position_bias:
+            raise UnsupportedArchitecture(
+                f"{name} does not route attention through transformers' AttentionInterface, so slipstream "
+                f"cannot plug packed attention into it. {TRAIN_UNPACKED}"
+            )
+    if not _takes_position_ids(model):
         raise UnsupportedArchitecture(
-            f"{name} does not route attention through transformers' AttentionInterface, so slipstream "
-            f"cannot plug packed attention into it. {TRAIN_UNPACKED}"
+            f"{name}.forward does not take position_ids, so positions cannot restart at each packed document. "
+            + TRAIN_UNPACKED
         )
     if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
         raise UnsupportedArchitecture(
@@ -138,13 +253,12 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
                 f"{name} uses attention logit softcapping ({key}={softcap}); slipstream's packed attention does "
                 f"not implement it and will not compute something else. {TRAIN_UNPACKED}"
             )
-    chunk = getattr(config, "attention_chunk_size", None) or getattr(
-        config.get_text_config(), "attention_chunk_size", None
-    )
-    if chunk:
+    text_config = config.get_text_config()
+    chunk = getattr(text_config, "attention_chunk_size", None)
+    if chunk and "chunked_attention" not in (getattr(text_config, "layer_types", None) or ()):
         raise UnsupportedArchitecture(
-            f"{name} uses chunked attention (attention_chunk_size={chunk}), applied by its own mask builder; "
-            f"slipstream's packed attention does not implement it. {TRAIN_UNPACKED}"
+            f"{name} sets attention_chunk_size={chunk} without naming its chunked layers in layer_types, so "
+            f"slipstream cannot tell which layers chunk. {TRAIN_UNPACKED}"
         )
     indexers = _sparse_indexers(model)
     if indexers:
@@ -152,15 +266,39 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
             f"{name} selects attention keys with a sparse-attention indexer ({', '.join(indexers)}) that reads the "
             f"model's own mask over the whole row; slipstream does not split it per document. {TRAIN_UNPACKED}"
         )
-    return ArchitectureVerdict(name, mixers=find_token_mixers(model), position_offset=_position_offset(model))
+    return ArchitectureVerdict(
+        name,
+        mixers=find_token_mixers(model),
+        position_offset=_position_offset(model),
+        attention_chunk=chunk if chunk else None,
+        attention_to_verify=attention_modules,
+    )
 
 
 # --------------------------------------------------------------------------- adaptations
 
 
+# Keyword arguments that describe the whole packed row (its batch, its varlen boundaries): a
+# mixer run on one document alone must not see them.
+_ROW_KWARGS = frozenset(
+    {
+        PACKED_BATCH_KWARG,
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "cu_seqlens",
+        "seq_idx",
+    }
+)
+
+
 def _slice_tokens(value, start: int, end: int, length: int):
-    """``value`` cut to tokens [start, end) where it is laid out per token (dim 1 of size T)."""
+    """``value`` cut to tokens [start, end) where it is laid out per token: pairwise ([..., T, T],
+    e.g. relative distances or a bias) on both token axes, else per token on dim 1."""
     if isinstance(value, torch.Tensor):
+        if value.dim() >= 3 and value.shape[0] == 1 and tuple(value.shape[-2:]) == (length, length):
+            return value[..., start:end, start:end]
         if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == length:
             return value[:, start:end]
         return value
@@ -192,7 +330,7 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         for start, end in batch.doc_bounds():
             doc_args = [_slice_tokens(a, start, end, length) for a in args]
             doc_kwargs = {
-                k: _slice_tokens(v, start, end, length) for k, v in kwargs.items() if k != PACKED_BATCH_KWARG
+                k: _slice_tokens(v, start, end, length) for k, v in kwargs.items() if k not in _ROW_KWARGS
             }
             with running_unpacked():  # an attention inside sees one document, causally
                 pieces.append(forward(*doc_args, **doc_kwargs))
@@ -219,6 +357,9 @@ def apply_adaptations(model: torch.nn.Module, verdict: ArchitectureVerdict) -> C
             continue
         module.forward = _per_document_forward(module, module.forward)
         undo.append(lambda module=module: vars(module).pop("forward", None))
+    if verdict.attention_to_verify:
+        check = AttentionRouteCheck(model, verdict.attention_to_verify)
+        undo.append(check.remove)
     if verdict.position_offset:
         offset = verdict.position_offset
 
