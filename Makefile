@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slipstream-installed
 
-.PHONY: demo test lint setup clean bench-packing
+.PHONY: demo test compat lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples
 	$(BIN)/python -m pytest -q
+
+# Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
+compat: $(STAMP)
+	$(BIN)/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples
