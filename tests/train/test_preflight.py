@@ -63,3 +63,15 @@ def test_token_ids_beyond_the_vocabulary_and_samples_without_labels():
         check_labels_left(3, config)
     config.data.skip_bad_rows = True
     check_labels_left(3, config)
+
+
+def test_a_refusal_is_said_in_config_terms():
+    from slipstream.train.loop import config_advice
+
+    message = "X does not route attention ... Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
+    assert config_advice(message) == " (in the config: speedups.packed_attention: false)"
+    assert (
+        config_advice("Use slipstream.optimize(model, moe_routing='stock').")
+        == " (in the config: speedups.moe_routing: stock)"
+    )
+    assert config_advice("no advice") == ""

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -110,6 +111,19 @@ def _samples(config: TrainConfig, tokenizer):
     if not samples:
         raise TrainError(f"{config.data.path}: no usable rows ({report.summary()})")
     return samples, report
+
+
+_OPTIMIZE_ADVICE = re.compile(r"optimize\(model, (\w+)=([^)]+)\)")
+
+
+def config_advice(message: str) -> str:
+    """The config line for the ``slipstream.optimize(model, key=value)`` a refusal advises."""
+    match = _OPTIMIZE_ADVICE.search(message)
+    if not match:
+        return ""
+    key, value = match.group(1), match.group(2).strip("'\"")
+    value = {"False": "false", "True": "true", "None": "null"}.get(value, value)
+    return f" (in the config: speedups.{key}: {value})"
 
 
 def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
@@ -286,14 +300,19 @@ def train(
     check_token_ids(samples, model, config.data.path or "the demo data")
     if not config.quantization.four_bit:
         model.to(device)
-    optimize(
-        model,
-        packed_attention=config.speedups.packed_attention,
-        moe_routing=config.speedups.moe_routing,
-        checkpointing=config.speedups.checkpointing,
-        chunked_loss=config.speedups.chunked_loss,
-        loss_chunk_tokens=config.speedups.loss_chunk_tokens,
-    )
+    try:
+        optimize(
+            model,
+            packed_attention=config.speedups.packed_attention,
+            moe_routing=config.speedups.moe_routing,
+            checkpointing=config.speedups.checkpointing,
+            chunked_loss=config.speedups.chunked_loss,
+            loss_chunk_tokens=config.speedups.loss_chunk_tokens,
+        )
+    except NotImplementedError as error:  # a refusal (UnsupportedArchitecture, ...): say it in config terms
+        raise TrainError(
+            f"{config.model.path or config.model.preset}: {error}{config_advice(str(error))}"
+        ) from error
     torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
     model = _apply_lora(model, config)
     model.train()
