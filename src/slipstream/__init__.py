@@ -10,6 +10,7 @@ The public API::
 - ``collate_packed``: documents into one row, metadata (position_ids, cu_seqlens,
   max_seqlen) built once on the host; returns a ``PackedBatch``.
 - ``optimize``: each speedup a toggle whose other arm is the stock path.
+- ``Speedups``: every toggle as one typed, validated dataclass (what ``optimize`` takes).
 - ``PackedBatch``: the batch and its metadata; ``model_inputs()`` gives the model kwargs.
 - ``PackedCollator``: the same packing as a data collator for the HF Trainer and TRL's
   SFTTrainer (the loss stays token-weighted under their gradient accumulation).
@@ -20,5 +21,14 @@ from ._version import __version__
 from .models.qlora import load_for_qlora
 from .optimize import optimize
 from .packing import PackedBatch, PackedCollator, collate_packed
+from .speedups import Speedups
 
-__all__ = ["PackedBatch", "PackedCollator", "__version__", "collate_packed", "load_for_qlora", "optimize"]
+__all__ = [
+    "PackedBatch",
+    "PackedCollator",
+    "Speedups",
+    "__version__",
+    "collate_packed",
+    "load_for_qlora",
+    "optimize",
+]

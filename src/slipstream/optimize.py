@@ -7,8 +7,10 @@ toggle off restores the stock behaviour.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +18,7 @@ from .packing.attention import BACKEND_NAMES, choose_backend, register_attention
 from .packing.batch import PACKED_BATCH_KWARG
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
 from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
+from .speedups import Speedups
 
 logger = logging.getLogger("slipstream")
 
@@ -69,50 +72,41 @@ def _padding_guard(module, args, kwargs):
     return None
 
 
-def optimize(
-    model: torch.nn.Module,
-    packed_attention: bool = True,
-    attention_backend: str = "auto",
-    moe_routing: str | None = None,
-    moe_compute: str = "auto",
-    checkpointing: str | None = None,
-    chunked_loss: bool | None = None,
-    loss_chunk_tokens: int | None = None,
-) -> torch.nn.Module:
+def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options: Any) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
+    ``speedups``: a :class:`slipstream.Speedups` (every toggle, typed and validated once; see
+    its fields for what each does). ``**options`` are its fields by name, a convenience:
+    ``optimize(model, packed_attention=False)`` is ``optimize(model, Speedups(packed_attention=False))``,
+    and with both given the options replace those fields.
+
     packed_attention: attend within each document of a :class:`PackedBatch`, reading the
-        metadata the collator built on the host: no host syncs, no [T, T] mask, O(sum Li^2)
-        attention. The model is inspected first (:mod:`slipstream.packing.verdict`): refused
-        with an error naming the feature, or adapted (token mixers per document, position
-        offsets), each adaptation logged. ``False`` restores the model's stock attention.
-    attention_backend: "auto" (varlen flash on CUDA when importable, per-document SDPA
-        otherwise), or "sdpa", "varlen", "flex".
-    moe_routing: "sorted" groups each MoE layer's tokens by expert once (argsort + counts)
-        and runs every expert on its contiguous slice; "stock" leaves transformers' choice.
-        Default: "sorted" for an MoE model whose experts it runs exactly (transformers'
-        experts interface, no post-expert norm), else "stock" with the reason logged.
-    moe_compute: for sorted routing, "auto" (grouped_mm where the platform runs it for the
-        dtype, else a loop over non-empty experts with one host sync per layer), or force
-        "grouped_mm" / "loop".
-    checkpointing: "off", "recompute" (per-layer activation checkpointing), "offload" (layer
-        inputs to host memory, one reload buffer), "offload-double" (two reload buffers, the
-        next layer's input prefetched during the current layer's backward) or "auto" (the
-        best the device allows; each decision logged). ``None`` leaves it as it is.
-    chunked_loss: compute the LM head and the cross-entropy a chunk of labelled tokens at a
-        time, so the [tokens, vocab] logits never exist and unlabelled positions (prompts)
-        cost no head FLOPs. It applies to training forwards (training mode, autograd on,
-        ``labels`` given), which then return ``loss`` and ``logits=None``; evaluation,
-        ``no_grad`` forwards and generation keep the stock path and their logits. ``None``
-        (default): on where the model supports it (else logged and off); ``True``: on or
-        an error saying why not; ``False``: the stock loss.
-    loss_chunk_tokens: tokens per chunk; default from a memory budget (a share of free
-        memory on CUDA, a fixed budget on CPU), decided on the first training forward.
+        metadata the collator built on the host: no host syncs, no [T, T] mask. The model is
+        inspected first (:mod:`slipstream.packing.verdict`): refused with an error naming the
+        feature, or adapted (token mixers per document, position offsets), each logged.
+        ``False`` restores the model's stock attention.
+    moe_routing: "sorted" groups each MoE layer's tokens by expert once (argsort + counts);
+        "stock" leaves transformers' choice; default: sorted where the experts allow it exactly.
+    checkpointing: "off", "recompute", "offload", "offload-double" or "auto"; ``None`` leaves it.
+    chunked_loss: the LM head + cross-entropy a chunk of labelled tokens at a time, so the
+        [tokens, vocab] logits never exist (training forwards with labels only); ``None``: on
+        where the model supports it, else logged and off.
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.
-    Each choice is logged once and kept in ``model.slipstream_state``.
+    Each choice is logged once and kept in the model's state (``slipstream.state_of(model)``).
     """
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Speedups)})
+    if unknown:
+        raise TypeError(
+            f"optimize() got unknown option(s) {unknown}; the speedups are the fields of Speedups"
+        )
+    speedups = (speedups or Speedups()).replace(**options) if options else (speedups or Speedups())
+    speedups, environment_note = speedups.with_environment()
+    packed_attention, attention_backend = speedups.packed_attention, speedups.attention_backend
+    moe_routing, moe_compute = speedups.moe_routing, speedups.moe_compute
+    checkpointing = speedups.checkpointing
+    chunked_loss, loss_chunk_tokens = speedups.chunked_loss, speedups.loss_chunk_tokens
     base = _base_model(model)
     state: OptimizeState | None = getattr(base, _STATE_ATTR, None)
     if state is None:
@@ -177,6 +171,9 @@ def optimize(
     if checkpointing is not None:
         from .offload import enable_checkpointing
 
+        if environment_note:
+            state.policies.append(f"checkpointing: {environment_note}")
+            logger.info("checkpointing: %s", environment_note)
         policy, state.offload_manager = enable_checkpointing(base, checkpointing)
         state.checkpointing = policy.mode
         state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
@@ -234,7 +231,6 @@ def _set_moe_routing(
     base: torch.nn.Module, state: OptimizeState, moe_routing: str | None, compute: str
 ) -> None:
     from .moe.experts import (
-        COMPUTE_CHOICES,
         EXPERTS_IMPLEMENTATION,
         UnsupportedExperts,
         experts_modules,
@@ -242,10 +238,6 @@ def _set_moe_routing(
         register_experts_implementation,
     )
 
-    if moe_routing not in (None, "sorted", "stock"):
-        raise ValueError(f"moe_routing must be 'sorted' or 'stock', got {moe_routing!r}")
-    if compute not in COMPUTE_CHOICES:
-        raise ValueError(f"moe_compute must be one of {COMPUTE_CHOICES}, got {compute!r}")
     moe = is_moe_model(base)
     modules = experts_modules(base)
     if moe_routing is None:  # the default: sorted where it plugs in exactly, else stock (logged)

@@ -15,6 +15,7 @@ gate/up columns, or the default ``act(gate) * up``).
 from __future__ import annotations
 
 import logging
+from typing import Literal, get_args
 
 import torch
 
@@ -24,7 +25,10 @@ from .routing import combine_top_k, group_by_expert, tokens_in_expert_order
 logger = logging.getLogger("slipstream")
 
 EXPERTS_IMPLEMENTATION = "slipstream_sorted"
-COMPUTE_CHOICES = ("auto", "grouped_mm", "loop")
+# The routing and compute choices, defined once (Speedups and the CLIs read them).
+MoeRouting = Literal["sorted", "stock"]
+MoeCompute = Literal["auto", "grouped_mm", "loop"]
+COMPUTE_CHOICES = get_args(MoeCompute)
 
 
 class UnsupportedExperts(NotImplementedError):

@@ -1,8 +1,8 @@
 """Which checkpointing mode to run, decided once from a description of the device, and why.
 
 Every decision is returned with its reason (the caller logs each once) and each can be
-overridden: by the mode asked for, by ``SLIPSTREAM_CHECKPOINTING`` (a mode name) and by
-``SLIPSTREAM_PINNED=0`` (pageable host buffers). The device is described by a small
+overridden: by the mode asked for (``SLIPSTREAM_CHECKPOINTING`` is applied to it, and said,
+by :class:`slipstream.Speedups`) and by ``SLIPSTREAM_PINNED=0`` (pageable host buffers). The device is described by a small
 dataclass so tests can walk every branch without the hardware.
 """
 
@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-MODES = ("off", "recompute", "offload", "offload-double")
+# The checkpointing choices, defined once: Speedups, the configs and the CLIs read this.
+Checkpointing = Literal["off", "recompute", "offload", "offload-double", "auto"]
+MODES = tuple(mode for mode in get_args(Checkpointing) if mode != "auto")
 
 
 @dataclass(frozen=True)
@@ -67,14 +70,6 @@ def choose_policy(requested: str, device: DeviceDescription, buffer_bytes: int =
     buffer of "offload-double" fits in free device memory.
     """
     reasons: list[str] = []
-    override = os.environ.get("SLIPSTREAM_CHECKPOINTING")
-    if override:
-        if override not in (*MODES, "auto"):
-            raise ValueError(
-                f"SLIPSTREAM_CHECKPOINTING={override!r}: expected one of {', '.join((*MODES, 'auto'))}"
-            )
-        reasons.append(f"checkpointing {override!r} from SLIPSTREAM_CHECKPOINTING")
-        requested = override
     if requested not in (*MODES, "auto"):
         raise ValueError(f"checkpointing must be one of {', '.join((*MODES, 'auto'))}, got {requested!r}")
     mode = "offload-double" if requested == "auto" else requested

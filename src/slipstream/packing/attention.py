@@ -23,7 +23,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from .batch import PackedBatch
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 
-BACKENDS = ("sdpa", "varlen", "flex")
+# The packed-attention backends, defined once (Speedups and the CLIs read them).
+AttentionBackend = Literal["auto", "sdpa", "varlen", "flex"]
+BACKENDS = tuple(b for b in get_args(AttentionBackend) if b != "auto")
 _NOT_GIVEN: Any = object()  # an attention call that did not pass sliding_window at all (None: no window)
 
 

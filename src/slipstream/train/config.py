@@ -13,52 +13,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A config problem; the message names the file and the key."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """Bounds a number (or every number of a list) must lie within."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def violation(self, value: float) -> str | None:
-        for bound, holds, symbol in (
-            (self.ge, lambda b: value >= b, ">="),
-            (self.gt, lambda b: value > b, ">"),
-            (self.le, lambda b: value <= b, "<="),
-            (self.lt, lambda b: value < b, "<"),
-        ):
-            if bound is not None and not holds(bound):
-                return f"must be {symbol} {bound:g}"
-        return None
-
-
-@dataclass(frozen=True)
-class Length:
-    """How many items a list must hold."""
-
-    exactly: int
-
-
-Positive = Annotated[int, Range(ge=1)]
-NonNegative = Annotated[int, Range(ge=0)]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Checkpointing = Literal["off", "recompute", "offload", "offload-double", "auto"]
+from ..fields import (  # noqa: F401 - re-exported: the config's field types and rules
+    ConfigError,
+    Dtype,
+    Length,
+    NonNegative,
+    Positive,
+    Range,
+)
+from ..fields import (
+    coerce as _coerce,
+)
+from ..fields import (
+    field_types as _field_types,
+)
+from ..speedups import Speedups
 
 
 @dataclass
@@ -127,15 +102,6 @@ class TrainingConfig:
 
 
 @dataclass
-class SpeedupsConfig:
-    packed_attention: bool = True
-    moe_routing: Literal["sorted", "stock"] | None = None  # None = "sorted" for MoE models
-    checkpointing: Checkpointing = "off"
-    chunked_loss: bool | None = None  # None = on where the model supports it (logged); false = stock loss
-    loss_chunk_tokens: Positive | None = None  # None = from a memory budget
-
-
-@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -143,7 +109,7 @@ class TrainConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    speedups: SpeedupsConfig = field(default_factory=SpeedupsConfig)
+    speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes
     output_dir: str = "runs/train"
     seed: NonNegative = 0
 
@@ -175,66 +141,6 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------- reading values
-
-
-_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls, include_extras=True)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _coerce(value: Any, expected: Any, key: str, where: str) -> Any:
-    """``value`` read as ``expected`` (a type, Literal, Optional or Annotated with rules)."""
-    origin = typing.get_origin(expected)
-    if origin is Annotated:
-        inner, *rules = typing.get_args(expected)
-        value = _coerce(value, inner, key, where)
-        for rule in rules:
-            if isinstance(rule, Length) and len(value) != rule.exactly:
-                raise ConfigError(f"{where}: '{key}' must hold {rule.exactly} numbers, got {len(value)}")
-            if isinstance(rule, Range):
-                for number in value if isinstance(value, list) else [value]:
-                    problem = rule.violation(number)
-                    if problem:
-                        raise ConfigError(f"{where}: '{key}' {problem}, got {number!r}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(expected)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, key, where)
-            except ConfigError as error:
-                errors.append(error)
-        raise errors[0]
-    if origin is Literal:
-        choices = typing.get_args(expected)
-        if value not in choices:
-            raise ConfigError(
-                f"{where}: '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}"
-            )
-        return value
-    if origin is list:
-        (item,) = typing.get_args(expected)
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: '{key}' must be a list, got {type(value).__name__}")
-        return [_coerce(v, item, f"{key}[{i}]", where) for i, v in enumerate(value)]
-    if expected is float and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
-        return float(value)  # YAML 1.1 reads 1e-4 (no dot) as a string
-    if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if expected is bool and not isinstance(value, bool):
-        raise ConfigError(f"{where}: '{key}' must be true or false, got {value!r}")
-    if expected in (int, float, str) and (not isinstance(value, expected) or isinstance(value, bool)):
-        kind = {int: "an integer", float: "a number", str: "a string"}[expected]
-        raise ConfigError(f"{where}: '{key}' must be {kind}, got {value!r}")
-    return value
 
 
 def _where(source: str, lines: dict[str, int] | None, key: str) -> str:

@@ -1,0 +1,107 @@
+"""``Speedups``: every toggle slipstream has, typed, validated once, from config to kernel.
+
+One frozen dataclass holds each speedup and its choices. ``slipstream.optimize(model,
+speedups=...)`` takes it; the training config's ``speedups`` section *is* it; each A/B arm is a
+``Speedups`` plus a batch layout; the ``slipstream train`` config keys and the ``slipstream ab``
+options are generated from its fields. Adding a speedup is adding one field here (with its
+type, default and help) and reading it where the speedup is switched on.
+
+The only environment override, ``SLIPSTREAM_CHECKPOINTING``, is applied here
+(:meth:`Speedups.with_environment`) and said in the returned note, never read elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Annotated, Any, get_args
+
+from .fields import Range, check_fields
+from .moe.experts import MoeCompute, MoeRouting
+from .offload.policy import Checkpointing
+from .packing.attention import AttentionBackend
+
+CHECKPOINTING_MODES: tuple[str, ...] = get_args(Checkpointing)
+ENV_CHECKPOINTING = "SLIPSTREAM_CHECKPOINTING"
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class Speedups:
+    """The speedups ``optimize`` switches on; every one has a stock arm (see each field's help)."""
+
+    packed_attention: bool = field(
+        default=True,
+        metadata=_help(
+            "attend within each document of a packed batch from host-built metadata: no host syncs, "
+            "no T x T mask (false: the model's stock attention)"
+        ),
+    )
+    attention_backend: AttentionBackend = field(
+        default="auto",
+        metadata=_help("packed attention kernel: auto (varlen flash on CUDA, per-document SDPA otherwise)"),
+    )
+    moe_routing: MoeRouting | None = field(
+        default=None,
+        metadata=_help(
+            "MoE routing: sorted (argsort + counts, one grouped pass) or stock; default sorted where exact"
+        ),
+    )
+    moe_compute: MoeCompute = field(
+        default="auto", metadata=_help("sorted-routing expert compute: auto, grouped_mm or loop")
+    )
+    checkpointing: Checkpointing | None = field(
+        default=None,
+        metadata=_help(
+            "activation checkpointing: off, recompute, offload, offload-double or auto "
+            f"(default: leave as is; {ENV_CHECKPOINTING} overrides)"
+        ),
+    )
+    chunked_loss: bool | None = field(
+        default=None,
+        metadata=_help(
+            "LM head + cross-entropy a chunk of labelled tokens at a time (default: on where supported)"
+        ),
+    )
+    loss_chunk_tokens: Annotated[int, Range(ge=1)] | None = field(
+        default=None, metadata=_help("tokens per loss chunk (default: from a memory budget)")
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # every rule, once: raises ConfigError naming the field
+
+    def replace(self, **changes: Any) -> Speedups:
+        return dataclasses.replace(self, **changes)
+
+    def with_environment(self) -> tuple[Speedups, str | None]:
+        """These speedups with ``SLIPSTREAM_CHECKPOINTING`` applied, and a note saying so (or None)."""
+        override = os.environ.get(ENV_CHECKPOINTING)
+        if not override:
+            return self, None
+        if override not in CHECKPOINTING_MODES:
+            raise ValueError(
+                f"{ENV_CHECKPOINTING}={override!r}: expected one of {', '.join(CHECKPOINTING_MODES)}"
+            )
+        note = f"checkpointing {override!r} from {ENV_CHECKPOINTING} (was {self.checkpointing!r})"
+        return self.replace(checkpointing=override), note
+
+
+def speedup_fields() -> list[dataclasses.Field]:
+    """The fields, in order: what the CLIs generate their options from."""
+    return list(dataclasses.fields(Speedups))
+
+
+__all__ = [
+    "CHECKPOINTING_MODES",
+    "ENV_CHECKPOINTING",
+    "AttentionBackend",
+    "Checkpointing",
+    "MoeCompute",
+    "MoeRouting",
+    "Speedups",
+    "speedup_fields",
+]
