@@ -97,7 +97,7 @@ def run_arm(arm: str, args_dict: dict, docs: list[dict], dtype_name: str) -> dic
             times.append(time.perf_counter() - start)
             extra.append(peak - before)
         losses.append(float(loss))
-    state = model.get_base_model().slipstream_state
+    state = model.slipstream
     return {
         "arm": arm,
         "dtype": dtype_name,

@@ -62,7 +62,7 @@ def run_mode(
 
     model = build_model(shape, layers=layers, vocab_size=vocab_size, dtype=torch.bfloat16).cuda().train()
     slipstream.optimize(model, checkpointing=mode)
-    policies = list(model.slipstream_state.policies)
+    policies = list(model.slipstream.policies)
     model = get_peft_model(
         model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
     )

@@ -221,7 +221,7 @@ def slipstream_arm(argv: list[str]) -> int:
             file=sys.stderr,
         )
 
-    state = model.get_base_model().slipstream_state
+    state = model.slipstream
     result = {
         "arm": "slipstream",
         "versions": {

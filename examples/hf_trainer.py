@@ -67,7 +67,7 @@ def main() -> int:
     print(f"losses every 5 steps: {', '.join(f'{loss:.3f}' for loss in losses)}")
     print(
         f"{result.global_step} steps in {result.metrics['train_runtime']:.1f} s; policies: "
-        f"{model.slipstream_state.policies}"
+        f"{model.slipstream.policies}"
     )
     trainer.save_model(args.output_dir)
     print(f"model saved to {args.output_dir}/")

@@ -66,7 +66,7 @@ def main() -> int:
     print(f"losses every {config.logging_steps} steps: {', '.join(f'{loss:.3f}' for loss in losses)}")
     print(
         f"{result.global_step} steps in {result.metrics['train_runtime']:.1f} s; policies: "
-        f"{trainer.model.get_base_model().slipstream_state.policies}"
+        f"{trainer.model.slipstream.policies}"
     )
     trainer.save_model(args.output_dir)
     print(f"adapter saved to {args.output_dir}/")

@@ -24,9 +24,9 @@ def test_every_field_is_validated_at_construction():
 def test_optimize_takes_speedups_or_their_fields_by_name():
     model = build_model("llama")
     slipstream.optimize(model, Speedups(packed_attention=False, chunked_loss=False))
-    assert model.slipstream_state.packed_attention is None and model.slipstream_state.chunked_loss is None
+    assert model.slipstream.packed_attention is None and model.slipstream.chunked_loss is None
     slipstream.optimize(model, Speedups(packed_attention=False), packed_attention=True)  # options win
-    assert model.slipstream_state.packed_attention == "slipstream_docwise"
+    assert model.slipstream.packed_attention == "slipstream_docwise"
     with pytest.raises(TypeError, match="unknown option.*packd_attention"):
         slipstream.optimize(model, packd_attention=True)
 
@@ -37,8 +37,8 @@ def test_the_checkpointing_environment_override_is_applied_once_and_said(monkeyp
     assert speedups.checkpointing == "recompute" and "from SLIPSTREAM_CHECKPOINTING" in note
     model = build_model("llama")
     slipstream.optimize(model, checkpointing="off")
-    assert model.slipstream_state.checkpointing == "recompute"
-    assert any("from SLIPSTREAM_CHECKPOINTING" in p for p in model.slipstream_state.policies)
+    assert model.slipstream.checkpointing == "recompute"
+    assert any("from SLIPSTREAM_CHECKPOINTING" in p for p in model.slipstream.policies)
     monkeypatch.setenv("SLIPSTREAM_CHECKPOINTING", "sometimes")
     with pytest.raises(ValueError, match="SLIPSTREAM_CHECKPOINTING='sometimes'"):
         Speedups().with_environment()

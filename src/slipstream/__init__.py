@@ -11,6 +11,7 @@ The public API::
   max_seqlen) built once on the host; returns a ``PackedBatch``.
 - ``optimize``: each speedup a toggle whose other arm is the stock path.
 - ``Speedups``: every toggle as one typed, validated dataclass (what ``optimize`` takes).
+- ``state_of(model)``: what slipstream attached to a model (``model.slipstream``), with ``undo()``.
 - ``PackedBatch``: the batch and its metadata; ``model_inputs()`` gives the model kwargs.
 - ``PackedCollator``: the same packing as a data collator for the HF Trainer and TRL's
   SFTTrainer (the loss stays token-weighted under their gradient accumulation).
@@ -19,7 +20,7 @@ The public API::
 
 from ._version import __version__
 from .models.qlora import load_for_qlora
-from .optimize import optimize
+from .optimize import optimize, state_of
 from .packing import PackedBatch, PackedCollator, collate_packed
 from .speedups import Speedups
 
@@ -31,4 +32,5 @@ __all__ = [
     "collate_packed",
     "load_for_qlora",
     "optimize",
+    "state_of",
 ]

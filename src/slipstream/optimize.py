@@ -14,6 +14,17 @@ from typing import Any
 
 import torch
 
+from .loss import ChunkedLoss, UnsupportedLoss
+from .moe.experts import (
+    COMPUTE_CHOICE,
+    EXPERTS_IMPLEMENTATION,
+    UnsupportedExperts,
+    check_experts_module,
+    experts_modules,
+    is_moe_model,
+    register_experts_implementation,
+)
+from .offload import enable_checkpointing
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
@@ -22,12 +33,13 @@ from .speedups import Speedups
 
 logger = logging.getLogger("slipstream")
 
-_STATE_ATTR = "slipstream_state"
+_STATE_ATTR = "slipstream"  # the one attribute slipstream puts on a model: its OptimizeState
 
 
 @dataclass
 class OptimizeState:
-    """What ``optimize`` changed on a model, so it can be reported and undone."""
+    """Everything slipstream attached to a model (``model.slipstream``): each decision, the
+    hooks and managers it installed, the policy log; :meth:`undo` puts the model back."""
 
     stock_attn_implementation: str | None
     stock_use_cache: bool | None
@@ -38,9 +50,23 @@ class OptimizeState:
     offload_manager: object | None = field(default=None, repr=False)
     chunked_loss: object | None = field(default=None, repr=False)  # a loss.ChunkedLoss when on
     policies: list[str] = field(default_factory=list)
+    model: object | None = field(default=None, repr=False)  # the transformers model it belongs to
     hook: object | None = field(default=None, repr=False)
     guard_hooks: list = field(default_factory=list, repr=False)
     undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
+
+    def undo(self) -> None:
+        """Every speedup back to its stock arm, the hooks removed, and this state detached."""
+        model = self.model
+        stock = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False)
+        optimize(model, stock.replace(checkpointing="off") if self.checkpointing is not None else stock)
+        if getattr(model, _STATE_ATTR, None) is self:
+            delattr(model, _STATE_ATTR)
+
+
+def state_of(model: torch.nn.Module) -> OptimizeState | None:
+    """The slipstream state of ``model`` (through a PEFT wrapper), or None if never optimized."""
+    return getattr(_base_model(model), _STATE_ATTR, None)
 
 
 def _base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,6 +140,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
             stock_attn_implementation=base.config._attn_implementation,
             stock_use_cache=getattr(base.config, "use_cache", None),
             stock_experts_implementation=getattr(base.config, "_experts_implementation", None),
+            model=base,
         )
         setattr(base, _STATE_ATTR, state)
 
@@ -169,8 +196,6 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
     _set_moe_routing(base, state, moe_routing, moe_compute)
     _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
     if checkpointing is not None:
-        from .offload import enable_checkpointing
-
         if environment_note:
             state.policies.append(f"checkpointing: {environment_note}")
             logger.info("checkpointing: %s", environment_note)
@@ -184,8 +209,6 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
 def _set_chunked_loss(
     base: torch.nn.Module, state: OptimizeState, wanted: bool | None, chunk_tokens: int | None
 ) -> None:
-    from .loss import ChunkedLoss, UnsupportedLoss
-
     current = state.chunked_loss
     if wanted is False:
         if current is not None:
@@ -213,8 +236,6 @@ def _set_chunked_loss(
 
 def _check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
     """Raise UnsupportedExperts unless sorted routing can run every experts module of ``base``."""
-    from .moe.experts import UnsupportedExperts, check_experts_module, is_moe_model
-
     if not is_moe_model(base):
         raise ValueError(f"moe_routing='sorted': {type(base).__name__} has no MoE layers")
     if not modules:
@@ -230,14 +251,6 @@ def _check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module])
 def _set_moe_routing(
     base: torch.nn.Module, state: OptimizeState, moe_routing: str | None, compute: str
 ) -> None:
-    from .moe.experts import (
-        EXPERTS_IMPLEMENTATION,
-        UnsupportedExperts,
-        experts_modules,
-        is_moe_model,
-        register_experts_implementation,
-    )
-
     moe = is_moe_model(base)
     modules = experts_modules(base)
     if moe_routing is None:  # the default: sorted where it plugs in exactly, else stock (logged)
@@ -253,7 +266,7 @@ def _set_moe_routing(
     if moe_routing == "sorted":
         _check_sorted_routing(base, modules)
         for module in modules:
-            module.slipstream_moe_compute = compute
+            COMPUTE_CHOICE[module] = compute
         register_experts_implementation()
         if state.moe_routing != "sorted":
             base.set_experts_implementation(EXPERTS_IMPLEMENTATION)

@@ -158,7 +158,7 @@ def test_scaled_and_softcapped_logits_match_stock(config):
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     stock, chunked = pair(model, loss_chunk_tokens=16)
     assert_same_step(stock, chunked, [slipstream.collate_packed(prompt_masked_docs())])
-    policies = " ".join(chunked.slipstream_state.policies)
+    policies = " ".join(chunked.slipstream.policies)
     expected = {"Gemma2Config": "softcap 3", "GraniteConfig": "scale 0.25", "CohereConfig": "scale 0.25"}
     assert expected[type(config).__name__] in policies
 
@@ -236,7 +236,7 @@ def test_training_returns_no_logits_but_eval_and_no_grad_do():
     slipstream.optimize(model, chunked_loss=False)
     model.train()
     assert model(**batch.model_inputs()).logits is not None  # the toggle restores the stock loss
-    assert "chunked loss: off (stock loss)" in model.slipstream_state.policies
+    assert "chunked loss: off (stock loss)" in model.slipstream.policies
 
 
 class _ExtraTransformLlama(LlamaForCausalLM):
@@ -276,7 +276,7 @@ def test_a_model_with_an_unknown_logit_transform_is_refused_on_its_first_step():
     torch.manual_seed(0)
     model = _ExtraTransformLlama(LlamaConfig(**TINY)).train()
     slipstream.optimize(model, packed_attention=False)
-    assert model.slipstream_state.chunked_loss is not None
+    assert model.slipstream.chunked_loss is not None
     with pytest.raises(UnsupportedLoss, match="transforms its logits .* does not know"):
         model(**collate_padded(prompt_masked_docs()))
 
@@ -284,7 +284,7 @@ def test_a_model_with_an_unknown_logit_transform_is_refused_on_its_first_step():
 def test_a_model_computing_its_own_loss_is_refused():
     model = _InlineLossLlama(LlamaConfig(**TINY)).train()
     slipstream.optimize(model, packed_attention=False)  # default: off, and says why
-    assert any("does not call model.loss_function" in p for p in model.slipstream_state.policies)
+    assert any("does not call model.loss_function" in p for p in model.slipstream.policies)
     with pytest.raises(UnsupportedLoss, match="does not call model.loss_function"):
         slipstream.optimize(model, packed_attention=False, chunked_loss=True)
     model = _SometimesInlineLossLlama(LlamaConfig(**TINY)).train()
@@ -297,7 +297,7 @@ def test_a_model_with_its_own_loss_type_keeps_the_stock_loss_or_refuses():
     model = build_model("llama", vocab_size=VOCAB)
     model.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum() * 0
     slipstream.optimize(model)
-    assert any("chunked loss: off" in p and "its own loss" in p for p in model.slipstream_state.policies)
+    assert any("chunked loss: off" in p and "its own loss" in p for p in model.slipstream.policies)
     with pytest.raises(UnsupportedLoss, match="its own loss"):
         slipstream.optimize(model, chunked_loss=True)
 

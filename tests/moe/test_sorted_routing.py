@@ -123,7 +123,7 @@ def test_moe_default_and_refusals():
     # The default takes sorted routing only where it is exact: here it stays stock, and says why.
     slipstream.optimize(model)
     assert model.config._experts_implementation != "slipstream_sorted"
-    assert any("moe routing: stock" in p and "post-expert norm" in p for p in model.slipstream_state.policies)
+    assert any("moe routing: stock" in p and "post-expert norm" in p for p in model.slipstream.policies)
 
 
 def test_experts_declared_in_a_nested_config_count_as_moe():

@@ -16,7 +16,7 @@ def test_cuda_offload_matches_recompute_and_survives_inference_mode(mode):
     for arm in ("recompute", mode):
         model = build_model("qwen3", layers=4, seed=0).cuda().train()
         slipstream.optimize(model, checkpointing=arm)
-        assert model.slipstream_state.checkpointing == arm
+        assert model.slipstream.checkpointing == arm
         batch = slipstream.collate_packed(random_docs([300, 500, 224]), device="cuda")
         with torch.inference_mode():  # an evaluation between steps must not poison the buffers
             model.eval()

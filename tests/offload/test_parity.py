@@ -48,7 +48,7 @@ def test_offload_on_cpu_falls_back_to_recompute_and_says_why(caplog):
     model = build_model("llama").train()
     with caplog.at_level(logging.INFO, logger="slipstream"):
         slipstream.optimize(model, checkpointing="offload-double")
-    assert model.slipstream_state.checkpointing == "recompute"
+    assert model.slipstream.checkpointing == "recompute"
     assert "no CUDA device: recompute instead" in caplog.text
 
 

@@ -17,7 +17,7 @@ def test_optimize_returns_the_same_model_and_logs_its_policy(caplog):
     with caplog.at_level(logging.INFO, logger="slipstream"):
         assert slipstream.optimize(model) is model
     assert "packed attention: slipstream_docwise" in caplog.text
-    assert model.slipstream_state.packed_attention == "slipstream_docwise"
+    assert model.slipstream.packed_attention == "slipstream_docwise"
 
 
 def test_packed_attention_false_leaves_a_fresh_model_stock():

@@ -138,7 +138,7 @@ def test_attention_computed_outside_the_interface_is_caught_on_the_first_packed_
     model = tiny_model("qwen3_next")
     assert not model._supports_attention_backend
     slipstream.optimize(model)
-    assert any("first packed forward checks" in p for p in model.slipstream_state.policies)
+    assert any("first packed forward checks" in p for p in model.slipstream.policies)
     attention = next(m for _, m in model.named_modules() if type(m).__name__ == "Qwen3NextAttention")
 
     def inline_attention(hidden_states, *args, **kwargs):

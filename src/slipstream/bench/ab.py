@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..atomic import write_text_atomically
+from ..optimize import state_of
 
 # Each arm: the batch layout, the toggles it runs with and its loss ("stock": transformers'
 # full logits; "chunked": slipstream's chunked LM head + loss; "trl-fused": TRL 1.16's fused LM
@@ -235,7 +236,7 @@ def build_arm_model(config: ABConfig, arm: str, vocab_size: int, device: str):
         checkpointing=checkpointing,
         chunked_loss=None if spec["loss"] == "chunked" else False,
     )
-    state = getattr(model, "slipstream_state", None)
+    state = state_of(model)
     if spec["loss"] == "trl-fused":
         from trl.trainer.utils import add_fused_lm_head  # what SFTTrainer 1.16 installs (before PEFT)
 

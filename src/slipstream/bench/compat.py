@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from ..optimize import state_of
+
 # Relative error bounds in fp32 (summation order differs between the arms; a cross-document
 # leak shows as 1e-2 .. 1e0).
 TOLERANCE = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3}
@@ -254,7 +256,7 @@ def run_arm(
         detail = _short(error) if status == "refused" else _short(error) + " @ " + _where(error)
         result = ArmResult(status, detail)
     result.offload = offloaded
-    state = getattr(model, "slipstream_state", None)
+    state = state_of(model)
     result.policies = list(getattr(state, "policies", []) or [])
     return result
 

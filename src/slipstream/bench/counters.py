@@ -14,23 +14,11 @@ from collections.abc import Iterable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import host_reads
+from ..host_reads import read_to_host  # noqa: F401 - where callers found it before
+
 # ATen ops that read a device value back to the host (or need its value to size an output).
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"})
-
-# Counters active now (innermost last), told about deliberate host reads that ATen does not
-# show as an op (``Tensor.tolist`` of a CPU tensor reads memory directly).
-_ACTIVE: list[HostSyncCounter] = []
-
-
-def read_to_host(tensor: torch.Tensor) -> list:
-    """``tensor.tolist()``, counted as one host sync by every active HostSyncCounter.
-
-    slipstream routes its own deliberate reads through here so the counts stay honest on a
-    CPU, where ``tolist`` would not show up as an ATen op.
-    """
-    for counter in _ACTIVE:
-        counter.by_op["tolist"] += 1
-    return tensor.tolist()
 
 
 def _op_name(func) -> str:
@@ -54,12 +42,16 @@ class HostSyncCounter(TorchDispatchMode):
         return sum(self.by_op.values())
 
     def __enter__(self):
-        _ACTIVE.append(self)
+        # slipstream's deliberate host reads (a CPU tolist is no ATen op) are announced, not seen
+        self._unsubscribe = host_reads.subscribe(self._announced)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        self._unsubscribe()
         return super().__exit__(*exc)
+
+    def _announced(self, op: str) -> None:
+        self.by_op[op] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _op_name(func)

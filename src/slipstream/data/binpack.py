@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..packing.batch import IGNORE_INDEX
+from .labels import IGNORE_INDEX
 
 Overflow = Literal["truncate", "split"]
 OVERFLOW_POLICIES: tuple[str, ...] = ("truncate", "split")

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ..packing.batch import IGNORE_INDEX, PACKED_BATCH_KWARG
+from ..data.labels import IGNORE_INDEX
+from ..packing.batch import PACKED_BATCH_KWARG
 from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 logger = logging.getLogger("slipstream")

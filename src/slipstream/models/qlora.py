@@ -25,7 +25,6 @@ def load_for_qlora(
 
     from ..moe.experts import experts_modules
     from ..moe.nf4 import quantize_experts
-    from ..optimize import optimize
 
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -44,8 +43,7 @@ def load_for_qlora(
         **kwargs,
     )
     if experts_modules(model):
-        optimize(model, packed_attention=False, moe_routing="sorted")
-        quantize_experts(
+        quantize_experts(  # also switches the experts to sorted routing, which runs NF4 experts
             model, double_quant=double_quant, compute_dtype=str(compute_dtype).removeprefix("torch.")
         )
     for param in model.parameters():

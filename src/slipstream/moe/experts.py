@@ -15,6 +15,7 @@ gate/up columns, or the default ``act(gate) * up``).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Literal, get_args
 
 import torch
@@ -85,6 +86,12 @@ def _project(module, linear: GroupedLinear, x_S, name: str, groups) -> torch.Ten
     return out
 
 
+# Per experts-module settings, kept beside the modules rather than as attributes on them
+# (weak keys: a module that goes away takes its entry with it).
+COMPUTE_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+_LOGGED_PATH: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
 def sorted_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -96,10 +103,10 @@ def sorted_experts_forward(
     x_SH = tokens_in_expert_order(hidden_states, groups)
     first = "gate_up_proj" if self.has_gate else "up_proj"
     first_weight, _ = _weight(self, first)
-    compute = getattr(self, "slipstream_moe_compute", "auto")
+    compute = COMPUTE_CHOICE.get(self, "auto")
     linear = GroupedLinear(x_SH, first_weight, groups.counts_E, groups.offsets_E, compute)
-    if getattr(self, "_slipstream_logged_path", None) != linear.path:  # each choice logged once per layer
-        self._slipstream_logged_path = linear.path
+    if _LOGGED_PATH.get(self) != linear.path:  # each choice logged once per layer
+        _LOGGED_PATH[self] = linear.path
         logger.info("moe compute for %s: %s (%s)", type(self).__name__, linear.path, linear.reason)
     proj = _project(self, linear, x_SH, first, groups)
     proj = self._apply_gate(proj) if self.has_gate else self.act_fn(proj)
@@ -112,6 +119,13 @@ def register_experts_implementation() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, sorted_experts_forward)
+
+
+def use_sorted_experts(model: torch.nn.Module) -> None:
+    """Switch ``model``'s experts to sorted routing (``optimize`` records it as its choice too)."""
+    register_experts_implementation()
+    if getattr(model.config, "_experts_implementation", None) != EXPERTS_IMPLEMENTATION:
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from ..bench.counters import read_to_host
+from ..host_reads import read_to_host
 
 
 class ExpertWeightStore(Protocol):

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import temporary_path
-from .experts import experts_modules
+from .experts import experts_modules, use_sorted_experts
 
 MANIFEST = "slipstream_quantization.json"
 
@@ -152,12 +152,13 @@ def quantize_experts(
 ) -> torch.nn.Module:
     """Quantize every expert weight of ``model`` to NF4, in place; returns the model.
 
-    The dense 3D parameters are removed (biases stay, in full precision). Needs sorted
-    routing (``slipstream.optimize`` turns it on for MoE models).
+    The dense 3D parameters are removed (biases stay, in full precision). The model's experts
+    switch to sorted routing, the only path that runs 4-bit experts.
     """
     modules = experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no experts modules to quantize")
+    use_sorted_experts(model)  # 4-bit experts run only through sorted routing
     for module in modules:
         if getattr(module, "slipstream_nf4", None) is not None:
             continue

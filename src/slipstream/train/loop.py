@@ -217,7 +217,7 @@ def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple
 # ----------------------------------------------------------------------------- loss weights, outputs
 def _label_tokens(docs: list[dict]) -> int:
     """The label tokens a packed bin contributes to the loss (each document's first label is masked)."""
-    from ..packing import IGNORE_INDEX
+    from ..data.labels import IGNORE_INDEX
 
     return sum(sum(1 for label in doc["labels"][1:] if label != IGNORE_INDEX) for doc in docs)
 
@@ -317,11 +317,7 @@ def train(
     model = _apply_lora(model, config)
     model.train()
     # The model's own list: decisions made on the first step (loss chunk size) join it there.
-    policies = (
-        model.get_base_model().slipstream_state.policies
-        if hasattr(model, "get_base_model")
-        else model.slipstream_state.policies
-    )
+    policies = model.slipstream.policies if hasattr(model, "get_base_model") else model.slipstream.policies
     policies.insert(0, dtype_policy)
     model = wrap(model, info)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -1,0 +1,79 @@
+"""No module imports from a layer above its own (see ARCHITECTURE.md for the picture)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import slipstream
+
+# Lowest first. A module may import from its own layer and the layers below it.
+LAYERS = [
+    {"_version", "atomic", "fields", "host_reads", "data"},  # shared helpers, data
+    {"packing", "moe", "offload", "loss"},  # the optimizations, each its own folder
+    {"speedups", "optimize"},  # the toggles and the one function that applies them
+    {"models"},  # model builders and loaders
+    {"train"},  # the training loop
+    {"bench"},  # the A/B harness, the compatibility sweep
+    {"cli", "__main__"},  # the command line
+]
+LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}
+ROOT = Path(slipstream.__file__).parent
+
+
+def _component(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return parts[0]
+
+
+def _imported_components(path: Path) -> set[tuple[str, int]]:
+    """Top-level slipstream components ``path`` imports (module level or inside functions)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = path.relative_to(ROOT).parent.parts
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = [*base, *(node.module.split(".") if node.module else [])]
+                names = [alias.name for alias in node.names] if not target else []
+                component = target[0] if target else (names[0] if names else "")
+            elif node.module and node.module.split(".")[0] == "slipstream":
+                rest = node.module.split(".")[1:]
+                component = rest[0] if rest else node.names[0].name
+            else:
+                continue
+            found.add((component, node.lineno))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "slipstream" and len(parts) > 1:
+                    found.add((parts[1], node.lineno))
+    return found
+
+
+def test_every_component_has_a_layer():
+    components = {_component(p) for p in ROOT.rglob("*.py") if p.name != "__init__.py" or p.parent != ROOT}
+    assert components - set(LAYER_OF) == set()
+
+
+def test_no_import_runs_upward():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.parent == ROOT and path.name == "__init__.py":
+            continue  # the package's public face may gather from every layer
+        own = LAYER_OF[_component(path)]
+        for component, line in _imported_components(path):
+            if component in LAYER_OF and LAYER_OF[component] > own:
+                upward.append(f"{path.relative_to(ROOT)}:{line} imports {component}")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_walk_sees_relative_absolute_and_function_level_imports(tmp_path):
+    """The check is only as good as its parser: it must see every form of import."""
+    components = {c for c, _ in _imported_components(ROOT / "packing" / "batch.py")}
+    assert "data" in components  # from ..data.labels import IGNORE_INDEX
+    components = {c for c, _ in _imported_components(ROOT / "optimize.py")}
+    assert {"speedups", "packing", "moe", "offload", "loss"} <= components
+    components = {c for c, _ in _imported_components(ROOT / "train" / "loop.py")}
+    assert "models" in components  # a function-level import (the QLoRA loader)
