@@ -24,17 +24,32 @@ exception), ``unbuilt`` (the tiny model could not be made: a gap in the sweep, n
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import os
+import platform
+import queue
 import re
+import subprocess
+import sys
+import threading
 import time
 import traceback
+import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
-from ..optimize import state_of
+from ..loss.chunked_loss import UnsupportedLoss
+from ..models.tiny_any import RESERVED_HIGH, RESERVED_LOW, causal_lm_class, tiny_model
+from ..moe.experts import UnsupportedExperts, is_moe_model
+from ..offload import UnsupportedCheckpointing
+from ..optimize import optimize, state_of
+from ..packing.guards import UnsupportedArchitecture
 
 # Relative error bounds in fp32 (summation order differs between the arms; a cross-document
 # leak shows as 1e-2 .. 1e0).
@@ -102,7 +117,6 @@ def _vocab_size(model: torch.nn.Module) -> int:
 
 def documents(model: torch.nn.Module, lengths=LENGTHS, seed: int = SEED) -> list[list[int]]:
     """Random documents over the ordinary ids of the tiny vocabulary (no special tokens)."""
-    from ..models.tiny_any import RESERVED_HIGH, RESERVED_LOW
 
     vocab = _vocab_size(model)
     low, high = RESERVED_LOW, max(RESERVED_LOW + 1, vocab - RESERVED_HIGH)
@@ -189,10 +203,6 @@ def _compare(ref: Reference, logits: list[torch.Tensor] | None, loss: float, gra
 
 def _is_refusal(error: BaseException) -> bool:
     """A deliberate slipstream refusal (not a crash): one of its errors, raised by its own code."""
-    from ..loss.chunked_loss import UnsupportedLoss
-    from ..moe.experts import UnsupportedExperts
-    from ..offload import UnsupportedCheckpointing
-    from ..packing.guards import UnsupportedArchitecture
 
     if isinstance(
         error, UnsupportedArchitecture | UnsupportedExperts | UnsupportedLoss | UnsupportedCheckpointing
@@ -218,7 +228,6 @@ def run_arm(
     offload: bool = True,
 ) -> ArmResult:
     """A copy of ``stock`` under ``optimize(**options)`` (+ offload), compared with ``ref``."""
-    import slipstream
     from slipstream.offload import RecordingEngine, checkpointing_layers, enable_checkpointing
     from slipstream.packing import collate_packed
 
@@ -227,7 +236,7 @@ def run_arm(
     try:
         model = _copy_model(stock)
         model.zero_grad(set_to_none=True)
-        slipstream.optimize(model, **options)
+        optimize(model, **options)
         if offload and checkpointing_layers(model):
             enable_checkpointing(model, "offload-double", engine=RecordingEngine(), min_offload_bytes=0)
             offloaded = "on"
@@ -330,7 +339,6 @@ def _run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[
 
 def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
     """The verdict for one registry ``model_type`` (never raises)."""
-    from ..models.tiny_any import causal_lm_class, tiny_model
 
     started = time.perf_counter()
     verdict = Verdict(model_type)
@@ -349,7 +357,6 @@ def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
         verdict.status, verdict.detail = "unbuilt", _short(error) + " @ " + _where(error)
         verdict.seconds = time.perf_counter() - started
         return verdict
-    from ..moe.experts import is_moe_model
 
     verdict.moe = is_moe_model(stock)
     arm, offload_note = _run_with_offload_fallback(stock, docs, ref, {})
@@ -408,19 +415,11 @@ __all__ = [
 
 def _worker(model_types: list[str]) -> None:
     """Worker process: one ``START`` line, then one ``RESULT`` JSON line, per model type."""
-    import json
-    import logging
-    import warnings
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-    except Exception:  # noqa: BLE001
-        pass
+    transformers.logging.set_verbosity_error()
     for model_type in model_types:
         print("START " + model_type, flush=True)
         verdict = check_architecture(model_type)
@@ -432,11 +431,6 @@ def sweep(
 ) -> list[dict[str, Any]]:
     """Check every model type, ``workers`` processes at a time; a worker that dies (an abort in
     a native kernel) or hangs costs only the model type it was on, which is recorded as CRASH."""
-    import json
-    import queue
-    import subprocess
-    import sys
-    import threading
 
     pending = list(model_types)
     results: dict[str, dict[str, Any]] = {}
@@ -547,10 +541,6 @@ def _cpu_name() -> str:
 
 def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None) -> str:
     """``docs/compatibility.md``: the per-architecture table and how it was made."""
-    import platform
-    from collections import Counter
-
-    import transformers
 
     counts = Counter(v["status"] for v in verdicts)
     lines = [

@@ -6,6 +6,9 @@ import os
 
 import torch
 
+from ..moe.experts import experts_modules
+from ..moe.nf4 import quantize_experts
+
 
 def load_for_qlora(
     path: str | os.PathLike,
@@ -22,9 +25,6 @@ def load_for_qlora(
     fetched from a hub (``local_files_only``).
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from ..moe.experts import experts_modules
-    from ..moe.nf4 import quantize_experts
 
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32

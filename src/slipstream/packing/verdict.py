@@ -34,6 +34,7 @@ model on every causal LM transformers registers.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -196,7 +197,6 @@ class AttentionRouteCheck:
 
 
 def _takes_position_ids(model: torch.nn.Module) -> bool:
-    import inspect
 
     try:
         parameters = inspect.signature(model.forward).parameters

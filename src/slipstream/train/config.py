@@ -34,6 +34,7 @@ from ..fields import (
     field_types as _field_types,
 )
 from ..speedups import Speedups
+from .distributed import Strategy
 
 
 @dataclass
@@ -98,7 +99,7 @@ class TrainingConfig:
     )
     log_every: Positive = 1
     tensorboard: bool = False
-    distributed: Literal["ddp", "fsdp2"] = "ddp"  # under torchrun: DDP or FSDP2 (fully_shard)
+    distributed: Strategy = "ddp"  # under torchrun: DDP or FSDP2 (fully_shard)
 
 
 @dataclass

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
+
+from ..offload import checkpointing_layers
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,18 @@ class Distributed:
         return float(tensor.item())
 
 
-def setup(strategy: str) -> Distributed:
+# The multi-process strategies, defined once (the training config's field reads this).
+Strategy = Literal["ddp", "fsdp2"]
+STRATEGIES = get_args(Strategy)
+
+
+def setup(strategy: Strategy) -> Distributed:
     """Join the process group torchrun describes (gloo on CPU, nccl on CUDA); one process otherwise."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
         return Distributed()
-    if strategy not in ("ddp", "fsdp2"):
-        raise ValueError(f"training.distributed must be 'ddp' or 'fsdp2', got {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"training.distributed must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -75,8 +83,6 @@ def wrap(model: torch.nn.Module, info: Distributed) -> torch.nn.Module:
         device_ids = [info.local_rank] if torch.cuda.is_available() else None
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     from torch.distributed.fsdp import fully_shard
-
-    from ..offload import checkpointing_layers
 
     for layer in checkpointing_layers(model):
         fully_shard(layer)
