@@ -1,11 +1,14 @@
 """`slipstream report` and the ab command's sweep / parity exit codes, on synthetic records."""
 
+import dataclasses
 import json
 import random
 
 import pytest
 
+from slipstream.bench.ab import ABConfig
 from slipstream.bench.report import (
+    RUN_OPTIONS,
     ReportError,
     ceiling_table,
     cross_table,
@@ -147,3 +150,21 @@ def test_memory_ceilings_appear_in_the_report(tmp_path, capsys):
     assert "30,720 (10.0x stock-packed)" in row and "8.0 GB" in row
     assert main(["report", str(tmp_path)]) == 0
     assert "Memory ceiling" in capsys.readouterr().out
+
+
+def test_a_lora_run_and_a_full_fine_tune_are_different_workloads(tmp_path):
+    full, lora = record("NVIDIA H100", 2048, 1.2, 1), record("NVIDIA H100", 2048, 1.5, 2)
+    full["config"]["lora_rank"], lora["config"]["lora_rank"] = 0, 8
+    with pytest.raises(ReportError, match="lora_rank"):
+        pair_records(full, lora)
+    write(tmp_path, "full", full)
+    write(tmp_path, "lora", lora)
+    rows = report_rows(load_records([tmp_path]))
+    assert len(rows) == 2 and all(r["records"] == 1 for r in rows)  # not pooled
+    table = [line for line in cross_table(rows).splitlines() if line.startswith("| qwen3-8b")]
+    assert len(table) == 2 and sum("lora_rank 8" in line for line in table) == 1
+
+
+def test_the_run_options_are_config_fields():
+    """A renamed run option would otherwise turn into workload and split repeats of one workload."""
+    assert RUN_OPTIONS.issubset(f.name for f in dataclasses.fields(ABConfig))

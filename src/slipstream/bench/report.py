@@ -1,7 +1,8 @@
 """``slipstream report``: many A/B records (machines, runs) -> one hardware x workload table.
 
-A workload is everything that decides what a step computes: model shape, layers, sequence
-length, micro-batches per step, batching, dtype, checkpointing and the attention backends the
+A workload is everything that decides what a step computes: every ``ABConfig`` field but the
+run options listed below (so model shape, layers, sequence length, micro-batches per step,
+batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and the attention backends the
 arms ran. Records are only ever combined with records of the same workload on the same
 hardware (their timed steps pooled into one interval); different workloads stay on
 different rows and are never compared.
@@ -9,35 +10,48 @@ different rows and are never compared.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from .ab import ARM_SPECS
+from .ab import ARM_SPECS, ABConfig
 from .stats import speedup
 
-WORKLOAD_KEYS = (
-    "model",
-    "layers",
-    "max_seq_len",
-    "grad_accum",
-    "batching",
-    "dtype",
-    "checkpointing",
-    "num_rows",
+# ABConfig fields that do not change what a timed step computes, so runs differing only in them
+# are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr), which
+# arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
+# (out_dir), and the machine (device, threads), which is the hardware column, not the workload.
+RUN_OPTIONS = frozenset(
+    ("steps", "warmup", "lr", "seed", "arms", "repeats", "max_tokens_within", "out_dir", "device", "threads")
 )
+# Every other field is workload: a field added to ABConfig separates records unless listed above.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ABConfig)}
+WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
+# The workload keys its label spells out; any other one shows as "key value" when not its default.
+_LABELLED = frozenset(("model", "layers", "max_seq_len", "grad_accum", "batching", "dtype", "checkpointing"))
 
 
 class ReportError(ValueError):
     """Unreadable records, or a request to compare what must not be compared."""
 
 
+def _setting(record: dict, key: str):
+    """A workload setting of a record; a record older than the field ran its default."""
+    return record["config"].get(key, _DEFAULTS[key])
+
+
 def workload(record: dict) -> str:
     config = record["config"]
     shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
     backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    others = "".join(
+        f"{key} {_setting(record, key)} · "
+        for key in WORKLOAD_KEYS
+        if key not in _LABELLED and _setting(record, key) != _DEFAULTS[key]
+    )
     return (
         f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
-        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends} · "
+        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {others}{backends} · "
         f"vocab {record.get('vocab_size', '?')}"
     )
 
@@ -50,15 +64,14 @@ def hardware(record: dict) -> str:
 
 
 def _key(record: dict) -> tuple:
-    config = record["config"]
     backends = tuple(sorted({s["attn_implementation"] for s in record["summary"].values()}))
-    return (*(config.get(k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
+    return (*(_setting(record, k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
 
 
 def pair_records(a: dict, b: dict) -> None:
     """Raise unless ``a`` and ``b`` ran the same workload (so their steps may be pooled)."""
     if _key(a) != _key(b):
-        diffs = [k for k in WORKLOAD_KEYS if a["config"].get(k) != b["config"].get(k)]
+        diffs = [k for k in WORKLOAD_KEYS if _setting(a, k) != _setting(b, k)]
         diffs += ["vocab_size"] if a.get("vocab_size") != b.get("vocab_size") else []
         raise ReportError(
             f"refusing to compare different workloads ({', '.join(diffs) or 'attention backend'} differ): "
