@@ -28,7 +28,8 @@ commands:
 
 def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
     """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts)."""
-    from .bench.ab import ARMS, ABConfig
+    from .bench.arms import ARMS
+    from .bench.runner import ABConfig
 
     defaults = defaults or ABConfig()
     p.add_argument(
@@ -90,7 +91,8 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
 
 def ab_config_from_args(args: argparse.Namespace):
     """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
-    from .bench.ab import ARM_PRESETS, ABConfig
+    from .bench.arms import ARM_PRESETS
+    from .bench.runner import ABConfig
 
     arms = (
         ARM_PRESETS[args.preset]
@@ -147,7 +149,7 @@ def _sweep_grid(sweeps: list[str]) -> list[dict]:
     import dataclasses
     import itertools
 
-    from .bench.ab import ABConfig
+    from .bench.runner import ABConfig
 
     fields = {f.name: f for f in dataclasses.fields(ABConfig)}
     axes = []
@@ -165,7 +167,8 @@ def _sweep_grid(sweeps: list[str]) -> list[dict]:
 def _cmd_ab(args) -> int:
     import dataclasses
 
-    from .bench.ab import parity_failures, print_tables, run_ab, write_record
+    from .bench.render import print_tables, write_record
+    from .bench.runner import parity_failures, run_ab
 
     try:
         base = ab_config_from_args(args)
@@ -204,7 +207,7 @@ def _add_report(sub) -> None:
 
 
 def _cmd_report(args) -> int:
-    from .bench.ab import write_atomically
+    from .atomic import write_text_atomically
     from .bench.plots import report_plot
     from .bench.report import ReportError, ceiling_table, cross_table, load_records, report_rows
 
@@ -222,7 +225,7 @@ def _cmd_report(args) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        write_atomically(
+        write_text_atomically(
             out / "report.md",
             f"# slipstream report\n\n{len(records)} records.\n\n{table}\n![speedups](report.png)\n",
         )

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from slipstream.bench.ab import ABConfig
+from slipstream.bench import render, runner
 from slipstream.bench.report import (
     RUN_OPTIONS,
     ReportError,
@@ -16,6 +16,7 @@ from slipstream.bench.report import (
     pair_records,
     report_rows,
 )
+from slipstream.bench.runner import ABConfig
 from slipstream.cli import _sweep_grid, main
 
 
@@ -114,14 +115,12 @@ def test_sweep_grid_and_bad_sweeps():
 
 
 def test_require_parity_exits_non_zero_on_a_diverged_curve(monkeypatch, tmp_path):
-    import slipstream.bench.ab as ab
-
     diverged = record("cpu", 256, 1.0, 1, diverge=True)
     diverged["summary"]["slipstream"]["loss_vs_stock-packed"] = "diverged"
     diverged["summary"]["stock-packed"]["loss_vs_stock-packed"] = "identical"
-    monkeypatch.setattr(ab, "run_ab", lambda config: diverged)
-    monkeypatch.setattr(ab, "print_tables", lambda record: None)
-    monkeypatch.setattr(ab, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
+    monkeypatch.setattr(runner, "run_ab", lambda config: diverged)
+    monkeypatch.setattr(render, "print_tables", lambda record: None)
+    monkeypatch.setattr(render, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
     assert main(["ab", "--out", str(tmp_path / "x")]) == 0  # reported, not fatal
     assert main(["ab", "--out", str(tmp_path / "y"), "--require-parity"]) == 3
 

@@ -14,7 +14,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .ab import ARM_SPECS, ABConfig
+from .arms import ARM_SPECS
+from .runner import ABConfig
 from .stats import speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them
