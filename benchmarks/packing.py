@@ -20,9 +20,9 @@ import io
 from pathlib import Path
 
 from slipstream.atomic import write_text_atomically
+from slipstream.bench.command import ab_config_from_args, add_ab_arguments
 from slipstream.bench.render import print_tables, write_record
 from slipstream.bench.runner import ABConfig, run_ab
-from slipstream.cli import ab_config_from_args, add_ab_arguments
 
 TARGET = 1.6
 

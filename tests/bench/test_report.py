@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from slipstream.bench import render, runner
+from slipstream.bench import command
+from slipstream.bench.command import sweep_grid
 from slipstream.bench.report import (
     RUN_OPTIONS,
     ReportError,
@@ -17,7 +18,7 @@ from slipstream.bench.report import (
     report_rows,
 )
 from slipstream.bench.runner import ABConfig
-from slipstream.cli import _sweep_grid, main
+from slipstream.cli import main
 
 
 def record(hardware: str, max_seq_len: int, gain: float, seed: int, diverge: bool = False) -> dict:
@@ -102,7 +103,7 @@ def test_report_errors_name_the_file(tmp_path, capsys):
 
 
 def test_sweep_grid_and_bad_sweeps():
-    grid = _sweep_grid(["batch_tokens=1024,2048", "grad_accum=1,2"])
+    grid = sweep_grid(["batch_tokens=1024,2048", "grad_accum=1,2"])
     assert grid == [
         {"max_seq_len": 1024, "grad_accum": 1},
         {"max_seq_len": 1024, "grad_accum": 2},
@@ -110,7 +111,7 @@ def test_sweep_grid_and_bad_sweeps():
         {"max_seq_len": 2048, "grad_accum": 2},
     ]
     with pytest.raises(ValueError, match="--sweep"):
-        _sweep_grid(["speed=fast"])
+        sweep_grid(["speed=fast"])
     assert main(["ab", "--sweep", "speed=fast"]) == 2
 
 
@@ -118,9 +119,9 @@ def test_require_parity_exits_non_zero_on_a_diverged_curve(monkeypatch, tmp_path
     diverged = record("cpu", 256, 1.0, 1, diverge=True)
     diverged["summary"]["slipstream"]["loss_vs_stock-packed"] = "diverged"
     diverged["summary"]["stock-packed"]["loss_vs_stock-packed"] = "identical"
-    monkeypatch.setattr(runner, "run_ab", lambda config: diverged)
-    monkeypatch.setattr(render, "print_tables", lambda record: None)
-    monkeypatch.setattr(render, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
+    monkeypatch.setattr(command, "run_ab", lambda config: diverged)
+    monkeypatch.setattr(command, "print_tables", lambda record: None)
+    monkeypatch.setattr(command, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
     assert main(["ab", "--out", str(tmp_path / "x")]) == 0  # reported, not fatal
     assert main(["ab", "--out", str(tmp_path / "y"), "--require-parity"]) == 3
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from ..atomic import write_text_atomically
 from .arms import ARM_SPECS
 from .runner import ABConfig
 from .stats import speedup
@@ -182,3 +183,27 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
             + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
+    """What ``slipstream report`` shows: the speedup table, then any memory ceilings."""
+    table = cross_table(rows)
+    ceilings = ceiling_table(records)
+    if ceilings:
+        table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
+    return table
+
+
+def write_report(
+    out: Path, records: list[tuple[Path, dict]], rows: list[dict], table: str
+) -> tuple[Path, Path]:
+    """report.md (the table) and report.png (the speedups), each written atomically."""
+    from .plots import report_plot  # matplotlib is slow to import: only when a plot is drawn
+
+    md_path, png_path = out / "report.md", out / "report.png"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(
+        md_path, f"# slipstream report\n\n{len(records)} records.\n\n{table}\n![speedups](report.png)\n"
+    )
+    report_plot(rows, png_path)
+    return md_path, png_path
