@@ -11,6 +11,7 @@ from rich.table import Table
 from ..atomic import write_text_atomically
 from .arms import ARM_SPECS
 from .fingerprint import describe
+from .stats import format_speedup
 
 
 def _speedup_cells(s: dict) -> list[str]:
@@ -19,11 +20,7 @@ def _speedup_cells(s: dict) -> list[str]:
     for key, value in s.items():
         if key.startswith("speedup_vs_"):
             base = key.removeprefix("speedup_vs_")
-            interval = s.get(f"interval_vs_{base}")
-            detail = (
-                f" [{interval['low']:.2f}, {interval['high']:.2f}] {interval['verdict']}" if interval else ""
-            )
-            cells.append(f"{value:.2f}x{detail} vs {base}")
+            cells.append(f"{format_speedup(value, s.get(f'interval_vs_{base}'))} vs {base}")
     return cells
 
 

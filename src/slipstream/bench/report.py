@@ -17,7 +17,7 @@ from pathlib import Path
 from ..atomic import write_text_atomically
 from .arms import ARM_SPECS
 from .runner import ABConfig
-from .stats import speedup
+from .stats import format_speedup, speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them
 # are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr), which
@@ -141,9 +141,8 @@ def cross_table(rows: list[dict]) -> str:
     machines = sorted({r["hardware"] for r in rows})
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
-        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = (
-            f"{r['ratio']:.2f}x [{r['low']:.2f}, {r['high']:.2f}] {r['verdict']}"
-            + (f" ({r['records']} runs)" if r["records"] > 1 else "")
+        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = format_speedup(r["ratio"], r) + (
+            f" ({r['records']} runs)" if r["records"] > 1 else ""
         )
     lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
     for (load, arm), by_machine in cells.items():
