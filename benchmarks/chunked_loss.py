@@ -131,8 +131,9 @@ def main() -> int:
     parser.add_argument("--out", default="runs/bench-chunked-loss")
     args = parser.parse_args()
 
-    from slipstream.bench.ab import run_in_fresh_process, write_atomically
+    from slipstream.atomic import write_text_atomically as write_atomically
     from slipstream.bench.fingerprint import describe, fingerprint
+    from slipstream.bench.runner import run_in_fresh_process
     from slipstream.models import preset_vocab_size
 
     if preset_vocab_size(args.model) is None:

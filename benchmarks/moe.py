@@ -166,8 +166,9 @@ def run_arm(
 
 
 def main() -> int:
-    from slipstream.bench.ab import run_in_fresh_process, write_atomically
+    from slipstream.atomic import write_text_atomically as write_atomically
     from slipstream.bench.fingerprint import describe, fingerprint
+    from slipstream.bench.runner import run_in_fresh_process
     from slipstream.data import demo_samples, demo_tokenizer, pack_samples
     from slipstream.models import preset_vocab_size
 

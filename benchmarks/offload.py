@@ -108,8 +108,9 @@ def main() -> int:
         print("benchmarks/offload.py times GPU offloading and needs CUDA; on a CPU run it with --accounting")
         return 2
 
-    from slipstream.bench.ab import run_in_fresh_process, write_atomically
+    from slipstream.atomic import write_text_atomically as write_atomically
     from slipstream.bench.fingerprint import describe, fingerprint
+    from slipstream.bench.runner import run_in_fresh_process
     from slipstream.data import demo_samples, demo_tokenizer, pack_samples
     from slipstream.models import preset_vocab_size
 

@@ -19,8 +19,10 @@ import csv
 import io
 from pathlib import Path
 
-from slipstream.bench.ab import ABConfig, print_tables, run_ab, write_atomically, write_record
-from slipstream.cli import ab_config_from_args, add_ab_arguments
+from slipstream.atomic import write_text_atomically
+from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+from slipstream.bench.render import print_tables, write_record
+from slipstream.bench.runner import ABConfig, run_ab
 
 TARGET = 1.6
 
@@ -75,7 +77,7 @@ def main() -> int:
                 parity[arm],
             ]
         )
-    write_atomically(out / "packing.csv", table.getvalue())
+    write_text_atomically(out / "packing.csv", table.getvalue())
 
     print(
         f"\nslipstream vs best stock arm ({best_stock}): {ratio:.2f}x  (target >= {TARGET}x: "

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.cli import ab_config_from_args, build_parser, main
+from slipstream.bench.command import ab_config_from_args
+from slipstream.cli import build_parser, main
 from slipstream.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .bench.command import ab_grid, add_ab_arguments, run_grid
+from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 
 DESCRIPTION = """\
 slipstream makes LoRA / QLoRA fine-tuning of Hugging Face causal LMs faster and proves
@@ -24,100 +26,6 @@ commands:
   pack   read a dataset file (JSONL, JSON, Parquet, datasets-on-disk), tokenize and
          bin-pack it, and report skipped rows and packing efficiency
 """
-
-
-def add_ab_arguments(p: argparse.ArgumentParser, defaults=None) -> None:
-    """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts)."""
-    from .bench.ab import ARMS, ABConfig
-
-    defaults = defaults or ABConfig()
-    p.add_argument(
-        "--model", default=defaults.model, help="model shape (tiny config or real-model preset, random init)"
-    )
-    p.add_argument("--layers", type=int, default=defaults.layers, help="shorten the model to N layers")
-    p.add_argument(
-        "--max-seq-len", type=int, default=defaults.max_seq_len, help="tokens per packed micro-batch"
-    )
-    p.add_argument(
-        "--steps", type=int, default=defaults.steps, help="optimizer steps per arm (warm-up included)"
-    )
-    p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed warm-up steps")
-    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step")
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--rows", type=int, default=defaults.num_rows, help="built-in demo rows to draw from")
-    p.add_argument(
-        "--batching",
-        choices=("bfd", "sequential"),
-        default=defaults.batching,
-        help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
-        "(sequential: the batches padded training usually sees)",
-    )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
-    p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
-    p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated, from {','.join(ARMS)}")
-    p.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="run every arm this many times, interleaved"
-    )
-    p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads per arm")
-    p.add_argument("--out", default=defaults.out_dir, help="output directory (default: runs/ab-<time>)")
-    p.add_argument(
-        "--lora-rank",
-        type=int,
-        default=defaults.lora_rank,
-        help="train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)",
-    )
-    p.add_argument(
-        "--preset",
-        choices=("default", "ablation", "ceiling"),
-        default=None,
-        help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out) or "
-        "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload)",
-    )
-    p.add_argument(
-        "--max-tokens-within",
-        default=defaults.max_tokens_within,
-        metavar="SIZE",
-        help="also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
-        "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
-    )
-    p.add_argument(
-        "--checkpointing",
-        default=defaults.checkpointing,
-        help="off, recompute, offload, offload-double or auto (slipstream arms; stock arms recompute)",
-    )
-
-
-def ab_config_from_args(args: argparse.Namespace):
-    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
-    from .bench.ab import ARM_PRESETS, ABConfig
-
-    arms = (
-        ARM_PRESETS[args.preset]
-        if args.preset
-        else tuple(a.strip() for a in args.arms.split(",") if a.strip())
-    )
-    return ABConfig(
-        model=args.model,
-        layers=args.layers,
-        max_seq_len=args.max_seq_len,
-        steps=args.steps,
-        warmup=args.warmup,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        seed=args.seed,
-        num_rows=args.rows,
-        batching=args.batching,
-        dtype=args.dtype,
-        device=args.device,
-        arms=arms,
-        checkpointing=args.checkpointing,
-        lora_rank=args.lora_rank,
-        repeats=args.repeats,
-        threads=args.threads,
-        out_dir=args.out,
-        max_tokens_within=args.max_tokens_within,
-    )
 
 
 def _add_ab(sub) -> None:
@@ -139,49 +47,14 @@ def _add_ab(sub) -> None:
     p.set_defaults(func=_cmd_ab)
 
 
-SWEEP_ALIASES = {"batch_tokens": "max_seq_len", "tokens": "max_seq_len"}
-
-
-def _sweep_grid(sweeps: list[str]) -> list[dict]:
-    """[{field: value, ...}, ...] for every combination of the --sweep options."""
-    import dataclasses
-    import itertools
-
-    from .bench.ab import ABConfig
-
-    fields = {f.name: f for f in dataclasses.fields(ABConfig)}
-    axes = []
-    for sweep in sweeps:
-        key, _, values = sweep.partition("=")
-        key = SWEEP_ALIASES.get(key.strip(), key.strip())
-        if key not in fields or not values:
-            raise ValueError(f"--sweep {sweep!r}: expected KEY=V1,V2 with KEY one of {', '.join(fields)}")
-        kind = type(getattr(ABConfig(), key))
-        cast = int if kind is int or key in ("layers", "threads") else float if kind is float else str
-        axes.append([(key, cast(v.strip())) for v in values.split(",")])
-    return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
-
-
 def _cmd_ab(args) -> int:
-    import dataclasses
-
-    from .bench.ab import parity_failures, print_tables, run_ab, write_record
-
     try:
-        base = ab_config_from_args(args)
-        grid = [dataclasses.replace(base, **point) for point in _sweep_grid(args.sweep)]
+        grid = ab_grid(args)
     except ValueError as error:
         print(f"slipstream ab: {error}", file=sys.stderr)
         return 2
     out_root = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
-    diverged = []
-    for point, config in zip(_sweep_grid(args.sweep), grid, strict=True):
-        out_dir = out_root / "-".join(f"{k}={v}" for k, v in point.items()) if point else out_root
-        record = run_ab(config)
-        print_tables(record)
-        json_path, md_path = write_record(record, out_dir)
-        print(f"wrote {json_path}, {md_path} and the plots in {out_dir}")
-        diverged += [f"{out_dir}: {arm}" for arm in parity_failures(record)]
+    diverged = run_grid(grid, out_root)
     if len(grid) > 1:
         print(f"sweep of {len(grid)} workloads done; merge them with: slipstream report {out_root}")
     if diverged:
@@ -204,30 +77,17 @@ def _add_report(sub) -> None:
 
 
 def _cmd_report(args) -> int:
-    from .bench.ab import write_atomically
-    from .bench.plots import report_plot
-    from .bench.report import ReportError, ceiling_table, cross_table, load_records, report_rows
-
     try:
         records = load_records(args.paths)
         rows = report_rows(records)
     except ReportError as error:
         print(f"slipstream report: {error}", file=sys.stderr)
         return 1
-    table = cross_table(rows)
-    ceilings = ceiling_table(records)
-    if ceilings:
-        table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
+    table = report_markdown(records, rows)
     print(f"{len(records)} records\n\n{table}")
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_atomically(
-            out / "report.md",
-            f"# slipstream report\n\n{len(records)} records.\n\n{table}\n![speedups](report.png)\n",
-        )
-        report_plot(rows, out / "report.png")
-        print(f"wrote {out / 'report.md'} and {out / 'report.png'}")
+        md_path, png_path = write_report(Path(args.out), records, rows, table)
+        print(f"wrote {md_path} and {png_path}")
     return 0
 
 

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from slipstream.bench.ab import ABConfig, markdown_report, parity_failures, run_ab, summarize, write_record
+from slipstream.bench.arms import ARM_PRESETS
+from slipstream.bench.render import markdown_report, write_record
+from slipstream.bench.runner import ABConfig, parity_failures, run_ab, summarize
 
 
 def _run(arm, step_s, tokens, loss):
@@ -69,8 +71,6 @@ def test_a_short_real_run_of_every_arm(tmp_path):
 
 
 def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
-    from slipstream.bench.ab import ARM_PRESETS
-
     config = ABConfig(
         model="qwen3-moe",
         max_seq_len=256,

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from slipstream.bench.ab import ABConfig, run_in_fresh_process
 from slipstream.bench.ceiling import ceiling_docs, fresh_probe, max_tokens_within, parse_bytes
+from slipstream.bench.runner import ABConfig, run_in_fresh_process
 
 
 def test_sizes_parse_and_bad_ones_are_named():

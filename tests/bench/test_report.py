@@ -1,11 +1,15 @@
 """`slipstream report` and the ab command's sweep / parity exit codes, on synthetic records."""
 
+import dataclasses
 import json
 import random
 
 import pytest
 
+from slipstream.bench import command
+from slipstream.bench.command import sweep_grid
 from slipstream.bench.report import (
+    RUN_OPTIONS,
     ReportError,
     ceiling_table,
     cross_table,
@@ -13,7 +17,8 @@ from slipstream.bench.report import (
     pair_records,
     report_rows,
 )
-from slipstream.cli import _sweep_grid, main
+from slipstream.bench.runner import ABConfig
+from slipstream.cli import main
 
 
 def record(hardware: str, max_seq_len: int, gain: float, seed: int, diverge: bool = False) -> dict:
@@ -98,7 +103,7 @@ def test_report_errors_name_the_file(tmp_path, capsys):
 
 
 def test_sweep_grid_and_bad_sweeps():
-    grid = _sweep_grid(["batch_tokens=1024,2048", "grad_accum=1,2"])
+    grid = sweep_grid(["batch_tokens=1024,2048", "grad_accum=1,2"])
     assert grid == [
         {"max_seq_len": 1024, "grad_accum": 1},
         {"max_seq_len": 1024, "grad_accum": 2},
@@ -106,19 +111,17 @@ def test_sweep_grid_and_bad_sweeps():
         {"max_seq_len": 2048, "grad_accum": 2},
     ]
     with pytest.raises(ValueError, match="--sweep"):
-        _sweep_grid(["speed=fast"])
+        sweep_grid(["speed=fast"])
     assert main(["ab", "--sweep", "speed=fast"]) == 2
 
 
 def test_require_parity_exits_non_zero_on_a_diverged_curve(monkeypatch, tmp_path):
-    import slipstream.bench.ab as ab
-
     diverged = record("cpu", 256, 1.0, 1, diverge=True)
     diverged["summary"]["slipstream"]["loss_vs_stock-packed"] = "diverged"
     diverged["summary"]["stock-packed"]["loss_vs_stock-packed"] = "identical"
-    monkeypatch.setattr(ab, "run_ab", lambda config: diverged)
-    monkeypatch.setattr(ab, "print_tables", lambda record: None)
-    monkeypatch.setattr(ab, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
+    monkeypatch.setattr(command, "run_ab", lambda config: diverged)
+    monkeypatch.setattr(command, "print_tables", lambda record: None)
+    monkeypatch.setattr(command, "write_record", lambda record, out: (out / "ab.json", out / "ab.md"))
     assert main(["ab", "--out", str(tmp_path / "x")]) == 0  # reported, not fatal
     assert main(["ab", "--out", str(tmp_path / "y"), "--require-parity"]) == 3
 
@@ -147,3 +150,21 @@ def test_memory_ceilings_appear_in_the_report(tmp_path, capsys):
     assert "30,720 (10.0x stock-packed)" in row and "8.0 GB" in row
     assert main(["report", str(tmp_path)]) == 0
     assert "Memory ceiling" in capsys.readouterr().out
+
+
+def test_a_lora_run_and_a_full_fine_tune_are_different_workloads(tmp_path):
+    full, lora = record("NVIDIA H100", 2048, 1.2, 1), record("NVIDIA H100", 2048, 1.5, 2)
+    full["config"]["lora_rank"], lora["config"]["lora_rank"] = 0, 8
+    with pytest.raises(ReportError, match="lora_rank"):
+        pair_records(full, lora)
+    write(tmp_path, "full", full)
+    write(tmp_path, "lora", lora)
+    rows = report_rows(load_records([tmp_path]))
+    assert len(rows) == 2 and all(r["records"] == 1 for r in rows)  # not pooled
+    table = [line for line in cross_table(rows).splitlines() if line.startswith("| qwen3-8b")]
+    assert len(table) == 2 and sum("lora_rank 8" in line for line in table) == 1
+
+
+def test_the_run_options_are_config_fields():
+    """A renamed run option would otherwise turn into workload and split repeats of one workload."""
+    assert RUN_OPTIONS.issubset(f.name for f in dataclasses.fields(ABConfig))

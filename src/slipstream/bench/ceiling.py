@@ -19,6 +19,14 @@ import os
 import re
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
+
+import torch
+from tqdm import tqdm
+
+from ..data import demo_samples, demo_tokenizer
+from ..train.step import train_step
+from .arms import build_arm_model, micro_batch_inputs
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _OVER_BUDGET_EXIT = 86  # the watchdog's exit status
@@ -50,16 +58,13 @@ def _watch_rss(budget: int, stop: threading.Event) -> None:
 
 def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, budget: int) -> dict:
     """One optimizer step of ``arm`` on ``docs`` packed into one row; its peak memory and whether it fit."""
-    import torch
+    from .runner import ABConfig, resolve_device  # here, not above: the runner imports this module
 
-    from ..train.step import train_step
-    from .ab import ABConfig, _micro_batch_inputs, _resolve_device, build_arm_model
-
-    config = ABConfig(**{**config_dict, "arms": tuple(config_dict["arms"])})
-    device = _resolve_device(config.device)
+    config = ABConfig.from_dict(config_dict)
+    device = resolve_device(config.device)
     model, _ = build_arm_model(config, arm, vocab_size, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
-    micro = [_micro_batch_inputs(arm, docs, device)]
+    micro = [micro_batch_inputs(arm, docs, device)]
     start = time.perf_counter()
     if device == "cuda":
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / torch.cuda.mem_get_info()[1]))
@@ -84,8 +89,6 @@ def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, b
 
 def ceiling_docs(tokens: int, seed: int) -> list[dict]:
     """Built-in demo documents (every token labelled) filling exactly ``tokens`` tokens."""
-    from ..data import demo_samples, demo_tokenizer
-
     tokenizer = demo_tokenizer()
     docs, total, rows = [], 0, 0
     while total < tokens:
@@ -145,8 +148,6 @@ def max_tokens_within(config, arm: str, vocab_size: int, run_probe) -> dict:
 
 def fresh_probe(run_in_fresh_process, config_dict: dict, arm: str, tokens: int, vocab_size: int) -> dict:
     """``probe_step`` in a fresh process; a process that ended (the watchdog, the OS) did not fit."""
-    from concurrent.futures.process import BrokenProcessPool
-
     budget = parse_bytes(config_dict["max_tokens_within"])
     docs = ceiling_docs(tokens, config_dict["seed"])
     try:
@@ -157,8 +158,6 @@ def fresh_probe(run_in_fresh_process, config_dict: dict, arm: str, tokens: int, 
 
 def search_all(config, vocab_size: int, run_in_fresh_process, progress: bool = True) -> dict[str, dict]:
     """The ceiling of every arm of ``config``, each probe in a fresh process (one line per probe)."""
-    from tqdm import tqdm
-
     config_dict = dataclasses.asdict(config)
 
     def probe(arm: str, tokens: int) -> dict:

@@ -1,7 +1,8 @@
 """``slipstream report``: many A/B records (machines, runs) -> one hardware x workload table.
 
-A workload is everything that decides what a step computes: model shape, layers, sequence
-length, micro-batches per step, batching, dtype, checkpointing and the attention backends the
+A workload is everything that decides what a step computes: every ``ABConfig`` field but the
+run options listed below (so model shape, layers, sequence length, micro-batches per step,
+batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and the attention backends the
 arms ran. Records are only ever combined with records of the same workload on the same
 hardware (their timed steps pooled into one interval); different workloads stay on
 different rows and are never compared.
@@ -9,35 +10,50 @@ different rows and are never compared.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
-from .ab import ARM_SPECS
-from .stats import speedup
+from ..atomic import write_text_atomically
+from .arms import ARM_SPECS
+from .runner import ABConfig
+from .stats import format_speedup, speedup
 
-WORKLOAD_KEYS = (
-    "model",
-    "layers",
-    "max_seq_len",
-    "grad_accum",
-    "batching",
-    "dtype",
-    "checkpointing",
-    "num_rows",
+# ABConfig fields that do not change what a timed step computes, so runs differing only in them
+# are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr), which
+# arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
+# (out_dir), and the machine (device, threads), which is the hardware column, not the workload.
+RUN_OPTIONS = frozenset(
+    ("steps", "warmup", "lr", "seed", "arms", "repeats", "max_tokens_within", "out_dir", "device", "threads")
 )
+# Every other field is workload: a field added to ABConfig separates records unless listed above.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ABConfig)}
+WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
+# The workload keys its label spells out; any other one shows as "key value" when not its default.
+_LABELLED = frozenset(("model", "layers", "max_seq_len", "grad_accum", "batching", "dtype", "checkpointing"))
 
 
 class ReportError(ValueError):
     """Unreadable records, or a request to compare what must not be compared."""
 
 
+def _setting(record: dict, key: str):
+    """A workload setting of a record; a record older than the field ran its default."""
+    return record["config"].get(key, _DEFAULTS[key])
+
+
 def workload(record: dict) -> str:
     config = record["config"]
     shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
     backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    others = "".join(
+        f"{key} {_setting(record, key)} · "
+        for key in WORKLOAD_KEYS
+        if key not in _LABELLED and _setting(record, key) != _DEFAULTS[key]
+    )
     return (
         f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
-        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {backends} · "
+        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {others}{backends} · "
         f"vocab {record.get('vocab_size', '?')}"
     )
 
@@ -50,15 +66,14 @@ def hardware(record: dict) -> str:
 
 
 def _key(record: dict) -> tuple:
-    config = record["config"]
     backends = tuple(sorted({s["attn_implementation"] for s in record["summary"].values()}))
-    return (*(config.get(k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
+    return (*(_setting(record, k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
 
 
 def pair_records(a: dict, b: dict) -> None:
     """Raise unless ``a`` and ``b`` ran the same workload (so their steps may be pooled)."""
     if _key(a) != _key(b):
-        diffs = [k for k in WORKLOAD_KEYS if a["config"].get(k) != b["config"].get(k)]
+        diffs = [k for k in WORKLOAD_KEYS if _setting(a, k) != _setting(b, k)]
         diffs += ["vocab_size"] if a.get("vocab_size") != b.get("vocab_size") else []
         raise ReportError(
             f"refusing to compare different workloads ({', '.join(diffs) or 'attention backend'} differ): "
@@ -126,9 +141,8 @@ def cross_table(rows: list[dict]) -> str:
     machines = sorted({r["hardware"] for r in rows})
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
-        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = (
-            f"{r['ratio']:.2f}x [{r['low']:.2f}, {r['high']:.2f}] {r['verdict']}"
-            + (f" ({r['records']} runs)" if r["records"] > 1 else "")
+        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = format_speedup(r["ratio"], r) + (
+            f" ({r['records']} runs)" if r["records"] > 1 else ""
         )
     lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
     for (load, arm), by_machine in cells.items():
@@ -168,3 +182,27 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
             + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
+    """What ``slipstream report`` shows: the speedup table, then any memory ceilings."""
+    table = cross_table(rows)
+    ceilings = ceiling_table(records)
+    if ceilings:
+        table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
+    return table
+
+
+def write_report(
+    out: Path, records: list[tuple[Path, dict]], rows: list[dict], table: str
+) -> tuple[Path, Path]:
+    """report.md (the table) and report.png (the speedups), each written atomically."""
+    from .plots import report_plot  # matplotlib is slow to import: only when a plot is drawn
+
+    md_path, png_path = out / "report.md", out / "report.png"
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomically(
+        md_path, f"# slipstream report\n\n{len(records)} records.\n\n{table}\n![speedups](report.png)\n"
+    )
+    report_plot(rows, png_path)
+    return md_path, png_path

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Relative per-step loss differences: (identical up to, within tolerance up to), by dtype.
@@ -25,8 +26,12 @@ class Speedup:
     high: float
     verdict: str  # "faster", "slower" or "within noise"
 
-    def describe(self) -> str:
-        return f"{self.ratio:.2f}x [{self.low:.2f}, {self.high:.2f}] {self.verdict}"
+
+def format_speedup(ratio: float, interval: Mapping | None = None) -> str:
+    """'1.44x [1.39, 1.50] faster': how every table writes a speedup (``interval``: low, high, verdict)."""
+    if not interval:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2f}x [{interval['low']:.2f}, {interval['high']:.2f}] {interval['verdict']}"
 
 
 def speedup(

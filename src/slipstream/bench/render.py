@@ -1,0 +1,153 @@
+"""An A/B record as people read it: the Markdown report, the terminal tables, the files on disk."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from ..atomic import write_text_atomically
+from .arms import ARM_SPECS
+from .fingerprint import describe
+from .stats import format_speedup
+
+
+def _speedup_cells(s: dict) -> list[str]:
+    """'1.44x [1.39, 1.50] faster vs stock-packed' for every stock arm an arm was compared with."""
+    cells = []
+    for key, value in s.items():
+        if key.startswith("speedup_vs_"):
+            base = key.removeprefix("speedup_vs_")
+            cells.append(f"{format_speedup(value, s.get(f'interval_vs_{base}'))} vs {base}")
+    return cells
+
+
+def _parity(s: dict) -> str:
+    return s[next(k for k in s if k.startswith("loss_vs_"))]
+
+
+def markdown_report(record: dict) -> str:
+    config, summary = record["config"], record["summary"]
+    lines = [
+        f"# slipstream A/B: {config['model']} @ max_seq_len {config['max_seq_len']}",
+        "",
+        f"Machine: {describe(record['fingerprint'])}",
+        f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
+        f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
+        f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
+        f"vocabulary {record.get('vocab_size', '?')}; LoRA rank {config.get('lora_rank', 0) or '- (full fine-tune)'}",
+        "",
+        "| arm | attention | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) | activation bytes "
+        "| host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for arm, s in summary.items():
+        lines.append(
+            f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | "
+            f"{s.get('median_forward_s', 0):.4f} / {s.get('median_backward_s', 0):.4f} | {s['tokens_per_s']:.0f} | "
+            f"{s['peak_memory_mb']:.0f} | {s.get('activation_bytes', 0):,} | {s['host_syncs_per_step']} | "
+            f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
+        )
+    lines += ceiling_lines(record)
+    arms = list(record["runs"])
+    lines += [
+        "",
+        "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)",
+        "",
+        "Per-step loss (first repeat):",
+        "",
+        "| step | " + " | ".join(arms) + " |",
+        "|---:|" + "---:|" * len(arms),
+    ]
+    for step in range(config["steps"]):
+        lines.append(
+            f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def ceiling_lines(record: dict) -> list[str]:
+    """The memory-ceiling table of a record (none when it was not searched)."""
+    ceiling = record.get("ceiling")
+    if not ceiling:
+        return []
+    budget = next(iter(ceiling.values()))["budget_bytes"]
+    lines = [
+        "",
+        f"Memory ceiling: the most packed tokens one optimizer step trains within {budget / 1e9:.1f} GB "
+        f"({record['summary'][next(iter(ceiling))]['memory_kind']}; doubling then bisection, each probe a fresh process):",
+        "",
+        "| arm | max tokens per step | vs "
+        + " | vs ".join(a for a in ceiling if ARM_SPECS[a]["stock"])
+        + " | probes (tokens: peak GB) |",
+        "|---|---:|" + "---:|" * sum(1 for a in ceiling if ARM_SPECS[a]["stock"]) + "---|",
+    ]
+    for arm, found in ceiling.items():
+        ratios = [
+            f"{found['max_tokens'] / ceiling[base]['max_tokens']:.1f}x"
+            if ceiling[base]["max_tokens"]
+            else "-"
+            for base in ceiling
+            if ARM_SPECS[base]["stock"]
+        ]
+        probes = ", ".join(
+            f"{p['tokens']}: {p['peak_bytes'] / 1e9:.2f}" if p["peak_bytes"] else f"{p['tokens']}: over"
+            for p in found["probes"]
+        )
+        most = f"{'>= ' if found['capped'] else ''}{found['max_tokens']:,}"
+        lines.append(f"| {arm} | {most} | " + " | ".join(ratios) + f" | {probes} |")
+    return lines
+
+
+def write_record(record: dict, out_dir: Path) -> tuple[Path, Path]:
+    """ab.json, ab.md and the PNG plots, each written atomically."""
+    from .plots import ab_plots  # matplotlib is slow to import: only when plots are drawn
+
+    json_path, md_path = out_dir / "ab.json", out_dir / "ab.md"
+    write_text_atomically(json_path, json.dumps(record, indent=1))
+    write_text_atomically(md_path, markdown_report(record))
+    ab_plots(record, out_dir)
+    return json_path, md_path
+
+
+def print_tables(record: dict) -> None:
+    console = Console(width=max(Console().width, 140))
+    config, summary = record["config"], record["summary"]
+    table = Table(
+        title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
+        f"batching {config['batching']}"
+    )
+    for column in (
+        "arm",
+        "median step (s)",
+        "tokens/s",
+        "peak mem (MB)",
+        "host syncs/step",
+        "speedup [95%]",
+        "loss",
+    ):
+        table.add_column(column, justify="left" if column in ("arm", "loss", "speedup [95%]") else "right")
+    for arm, s in summary.items():
+        table.add_row(
+            arm,
+            f"{s['median_step_s']:.4f}",
+            f"{s['tokens_per_s']:.0f}",
+            f"{s['peak_memory_mb']:.0f}",
+            str(s["host_syncs_per_step"]),
+            "\n".join(_speedup_cells(s)) or "-",
+            _parity(s),
+        )
+    console.print(table)
+    arms = list(record["runs"])
+    losses = Table(title="per-step loss (same data, same seed: the curves must agree)")
+    losses.add_column("step", justify="right")
+    for arm in arms:
+        losses.add_column(arm, justify="right")
+    for step in range(config["steps"]):
+        losses.add_row(str(step), *(f"{record['runs'][arm][0]['loss'][step]:.5f}" for arm in arms))
+    console.print(losses)
+    if record.get("ceiling"):
+        console.print("\n".join(ceiling_lines(record)))
+    console.print(f"measured on {describe(record['fingerprint'])}")

@@ -1,0 +1,281 @@
+"""The A/B harness: the same model, data, batch and seed under each arm; time, memory, loss.
+
+Each arm runs in its own process (fresh allocator, no state leaking between arms), arms
+interleave over repeats, warm-up steps are excluded from timing, and every arm trains on
+the very same packed bins from the same initial weights. The loss curves must agree: if they
+move, something other than scheduling changed. The arms themselves are in ``arms.py``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..data import demo_samples, demo_tokenizer, pack_samples
+from ..models import preset_vocab_size
+from ..offload import device_activation_bytes
+from ..train.step import train_step
+from .arms import ARM_PRESETS, ARM_SPECS, ARMS, build_arm_model, micro_batch_inputs
+from .ceiling import parse_bytes, search_all
+from .counters import HostSyncCounter
+from .fingerprint import fingerprint
+from .stats import loss_parity, speedup
+
+
+@dataclass
+class ABConfig:
+    """One A/B workload. Every arm sees exactly this."""
+
+    model: str = "demo"
+    layers: int | None = None
+    max_seq_len: int = 1024
+    steps: int = 40
+    warmup: int = 2
+    grad_accum: int = 1
+    lr: float = 2e-3
+    seed: int = 0
+    num_rows: int = 1500
+    # How documents are grouped into micro-batches (every arm gets the same groups):
+    # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
+    # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
+    # to the token budget, the batches padded training usually sees.
+    batching: str = "bfd"
+    dtype: str = "float32"
+    device: str = "auto"
+    arms: tuple[str, ...] = ARM_PRESETS["default"]
+    checkpointing: str = "off"  # for slipstream arms; stock arms use plain recompute when this is not "off"
+    lora_rank: int = 0  # > 0: every arm trains a PEFT LoRA on q/k/v/o (the base frozen), as users fine-tune
+    repeats: int = 1
+    threads: int | None = None
+    out_dir: str | None = None
+    # The memory ceiling: for each arm, the most packed tokens one step trains within this
+    # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.
+    max_tokens_within: str | None = None
+
+    def __post_init__(self):
+        unknown = [arm for arm in self.arms if arm not in ARMS]
+        if unknown:
+            raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
+        if self.steps <= self.warmup:
+            raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
+        if self.batching not in ("bfd", "sequential"):
+            raise ValueError(f"batching must be 'bfd' or 'sequential', got {self.batching!r}")
+        if self.checkpointing not in ("off", "recompute", "offload", "offload-double", "auto"):
+            raise ValueError(
+                f"checkpointing must be off, recompute, offload, offload-double or auto, "
+                f"got {self.checkpointing!r}"
+            )
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.max_tokens_within is not None:
+            parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
+
+    @classmethod
+    def from_dict(cls, config_dict: dict) -> ABConfig:
+        """Back from ``dataclasses.asdict`` (how a config reaches an arm's process)."""
+        return cls(**{**config_dict, "arms": tuple(config_dict["arms"])})
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    step_s: list[float]
+    forward_s: list[float]
+    backward_s: list[float]
+    tokens: list[int]
+    loss: list[float]
+    grad_norm: list[float]
+    host_syncs_per_step: int
+    host_syncs_by_op: dict[str, int]
+    peak_memory_mb: float
+    memory_kind: str
+    attn_implementation: str
+    policies: list[str] = field(default_factory=list)
+    activation_bytes: int = 0  # kept on the device at the end of forward (hardware-independent)
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def model_vocab_size(config: ABConfig, tokenizer) -> int:
+    """A preset's real vocabulary (the demo tokenizer's ids are valid ids of it); tiny models take the tokenizer's."""
+    return preset_vocab_size(config.model) or len(tokenizer)
+
+
+def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
+    """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
+    tokenizer = demo_tokenizer()
+    samples = demo_samples(tokenizer, num_rows=config.num_rows, seed=config.seed)
+    bins, report = pack_samples(
+        samples, config.max_seq_len, seed=config.seed, overflow="truncate", strategy=config.batching
+    )
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
+        raise ValueError(f"the data packs into {len(bins)} bins, fewer than steps x grad_accum = {needed}")
+    bins = bins[:needed]
+    plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+    slim = [
+        [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
+    ]
+    return slim, model_vocab_size(config, tokenizer), dataclasses.asdict(report)
+
+
+def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
+    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict."""
+    config = ABConfig.from_dict(config_dict)
+    device = resolve_device(config.device)
+    model, state = build_arm_model(config, arm, vocab_size, device)
+
+    first_inputs, _ = micro_batch_inputs(arm, plan[0][0], device)
+    activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+    )
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    result = ArmResult(
+        arm=arm,
+        step_s=[],
+        forward_s=[],
+        backward_s=[],
+        tokens=[],
+        loss=[],
+        grad_norm=[],
+        host_syncs_per_step=0,
+        host_syncs_by_op={},
+        peak_memory_mb=0.0,
+        memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
+        attn_implementation=(
+            model.get_base_model() if config.lora_rank else model
+        ).config._attn_implementation,
+        policies=state.policies if state else [],  # the model's own list: first-step decisions join it
+        activation_bytes=activation_bytes,
+    )
+    for step, micro_docs in enumerate(plan):
+        micro = [micro_batch_inputs(arm, docs, device) for docs in micro_docs]
+        tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
+        sync()
+        start = time.perf_counter()
+        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
+            syncs = HostSyncCounter()
+            metrics = train_step(model, micro, optimizer, model_context=lambda counter=syncs: counter)
+            result.host_syncs_by_op = dict(syncs.by_op)
+            result.host_syncs_per_step = syncs.total
+        else:
+            metrics = train_step(model, micro, optimizer)
+        sync()
+        result.step_s.append(time.perf_counter() - start)
+        result.forward_s.append(metrics["forward_s"])
+        result.backward_s.append(metrics["backward_s"])
+        result.tokens.append(tokens)
+        result.loss.append(metrics["loss"])
+        result.grad_norm.append(metrics["grad_norm"])
+    if device == "cuda":
+        result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        result.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return dataclasses.asdict(result)
+
+
+def run_in_fresh_process(fn, *args):
+    """``fn(*args)`` in a new process (spawned: fresh allocator, no state shared between arms)."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def _median(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
+    """Per-arm medians and throughput; speedups (with 95% intervals) against each stock arm; loss parity."""
+    summary: dict[str, Any] = {}
+    timed: dict[str, list[float]] = {}
+    for arm, runs in arms.items():
+        step_s = [s for run in runs for s in run["step_s"][config.warmup :]]
+        tokens = [t for run in runs for t in run["tokens"][config.warmup :]]
+        timed[arm] = step_s
+        first = runs[0]
+        summary[arm] = {
+            "median_step_s": statistics.median(step_s),
+            "median_forward_s": _median(f for run in runs for f in run.get("forward_s", [])[config.warmup :]),
+            "median_backward_s": _median(
+                b for run in runs for b in run.get("backward_s", [])[config.warmup :]
+            ),
+            "tokens_per_s": sum(tokens) / sum(step_s),
+            "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
+            "memory_kind": first["memory_kind"],
+            "activation_bytes": first.get("activation_bytes", 0),
+            "host_syncs_per_step": first["host_syncs_per_step"],
+            "attn_implementation": first["attn_implementation"],
+            "final_loss": first["loss"][-1],
+        }
+    reference = next(iter(arms))
+    for arm in arms:
+        parity = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
+        summary[arm]["loss_vs_" + reference] = parity.verdict
+        summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
+    stock_arms = [a for a in arms if ARM_SPECS[a]["stock"]]
+    for arm in arms:
+        if ARM_SPECS[arm]["stock"]:
+            continue
+        for base in stock_arms:
+            summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
+            interval = speedup(timed[base], timed[arm], seed=config.seed)
+            summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
+    return summary
+
+
+def parity_failures(record: dict) -> list[str]:
+    """Arms whose loss curve diverged from the reference arm's."""
+    return [
+        arm
+        for arm, s in record["summary"].items()
+        if any(v == "diverged" for k, v in s.items() if k.startswith("loss_vs_"))
+    ]
+
+
+def run_ab(config: ABConfig, progress: bool = True) -> dict:
+    """Run every arm ``config.repeats`` times (interleaved) and return the full record."""
+    plan, vocab_size, packing = prepare_bins(config)
+    runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
+    jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
+    for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
+        runs[arm].append(run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size))
+    record = {
+        "kind": "slipstream-ab",
+        "config": dataclasses.asdict(config),
+        "vocab_size": vocab_size,
+        # The arms' own thread count (--threads), not this parent process's.
+        "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},
+        "packing": packing,
+        "summary": summarize(config, runs),
+        "runs": runs,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if config.max_tokens_within:
+        record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process, progress)
+        for arm, found in record["ceiling"].items():
+            record["summary"][arm]["max_tokens_within"] = found["max_tokens"]
+    return record
