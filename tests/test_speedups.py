@@ -44,3 +44,39 @@ def test_the_checkpointing_environment_override_is_applied_once_and_said(monkeyp
         Speedups().with_environment()
     monkeypatch.delenv("SLIPSTREAM_CHECKPOINTING")
     assert Speedups().with_environment() == (Speedups(), None)
+
+
+def test_a_new_speedup_is_one_field(monkeypatch, tmp_path):
+    """A field added to Speedups (here in a subclass) is an `ab` option, a validated `train` config
+    key and a line of `train --help`, with no other edit."""
+    import dataclasses
+    from dataclasses import dataclass, field
+
+    import slipstream.speedups
+    import slipstream.train.config
+    from slipstream.bench.command import ab_config_from_args
+    from slipstream.cli import build_parser
+    from slipstream.train.config import load_config
+
+    @dataclass(frozen=True)
+    class WithToy(Speedups):
+        toy_fusion: bool = field(default=False, metadata={"help": "fuse the toy kernels"})
+
+    monkeypatch.setattr(slipstream.speedups, "Speedups", WithToy)
+    monkeypatch.setattr(slipstream.train.config, "Speedups", WithToy)
+
+    parser = build_parser()
+    ab = parser._subparsers._group_actions[0].choices["ab"]
+    assert "--toy-fusion" in ab.format_help() and "fuse the toy kernels" in ab.format_help()
+    config = ab_config_from_args(parser.parse_args(["ab", "--toy-fusion", "true"]))
+    assert config.speedups == {"toy_fusion": True}
+    train = parser._subparsers._group_actions[0].choices["train"]
+    assert "speedups.toy_fusion: true|false" in train.format_help()
+
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text("model: {preset: demo}\ntraining: {steps: 1}\nspeedups: {toy_fusion: true}\n")
+    assert load_config(yaml_path).speedups.toy_fusion is True
+    yaml_path.write_text("model: {preset: demo}\ntraining: {steps: 1}\nspeedups: {toy_fusion: 3}\n")
+    with pytest.raises(ConfigError, match="run.yaml:3: 'speedups.toy_fusion' must be true or false"):
+        load_config(yaml_path)
+    assert [f.name for f in dataclasses.fields(WithToy)][-1] == "toy_fusion"

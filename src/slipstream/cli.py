@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
+import typing
 from pathlib import Path
 
 from . import __version__
+from . import speedups as speedups_module  # read at call time: a new field shows in the help
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
+from .fields import choices, field_types
 
 DESCRIPTION = """\
 slipstream makes LoRA / QLoRA fine-tuning of Hugging Face causal LMs faster and proves
@@ -91,11 +95,26 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def speedups_help(prefix: str) -> str:
+    """The speedup keys, generated from ``Speedups``' fields (a new field shows up here by itself)."""
+    lines = ["speedups (config keys; --set speedups.KEY=VALUE):"]
+    for spec in dataclasses.fields(speedups_module.Speedups):
+        allowed = choices(field_types(speedups_module.Speedups)[spec.name])
+        expected = field_types(speedups_module.Speedups)[spec.name]
+        is_bool = bool in (expected, *typing.get_args(expected))
+        values = "|".join(map(str, allowed)) if allowed else "true|false" if is_bool else "VALUE"
+        lines.append(f"  {prefix}{spec.name}: {values}  (default {spec.default!r})")
+        lines.append(f"      {spec.metadata.get('help', '')}")
+    return "\n".join(lines)
+
+
 def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
         help="LoRA / QLoRA SFT from a YAML config",
         description="Train from CONFIG.yaml; every speedup on by default, each switchable.",
+        epilog=speedups_help("speedups."),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="a YAML training config (see examples/)")
     p.add_argument(

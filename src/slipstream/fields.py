@@ -51,7 +51,9 @@ class Length:
 
 Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# The precisions, listed once: a run's (ab) and, with "auto", a training config's.
+Precision = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto"] | Precision
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import speedups as speedups_module  # read at call time, so a new field is known here
 from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
@@ -84,6 +85,25 @@ def micro_batch_inputs(arm: str, docs: list[dict], device: str):
     return inputs, batch.num_label_tokens
 
 
+def arm_speedups(config, arm: str, checkpointing: str):
+    """What an arm runs: its own settings over the config's speedup options (slipstream arms only)."""
+    spec = ARM_SPECS[arm]
+    own = {
+        "packed_attention": spec["packed_attention"],
+        "moe_routing": spec["moe_routing"],
+        "checkpointing": checkpointing,
+        "chunked_loss": None if spec["loss"] == "chunked" else False,
+    }
+    # An option sets a field the arm leaves at its default; the field an arm ablates stays its own.
+    default = speedups_module.Speedups()
+    options = {
+        key: value
+        for key, value in config.speedups.items()
+        if not spec["stock"] and (key not in own or own[key] == getattr(default, key))
+    }
+    return speedups_module.Speedups(**{**own, **options})
+
+
 def build_arm_model(config, arm: str, vocab_size: int, device: str):
     """The model an arm trains, set up as the arm says; returns ``(model, slipstream state)``.
 
@@ -101,13 +121,7 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
     checkpointing = spec.get("checkpointing", config.checkpointing)
     if spec["stock"] and checkpointing != "off":
         checkpointing = "recompute"  # what stock transformers offers
-    optimize(
-        model,
-        packed_attention=spec["packed_attention"],
-        moe_routing=spec["moe_routing"],
-        checkpointing=checkpointing,
-        chunked_loss=None if spec["loss"] == "chunked" else False,
-    )
+    optimize(model, arm_speedups(config, arm, checkpointing))
     state = state_of(model)
     if spec["loss"] == "trl-fused":
         # TRL is optional and heavy: only this arm imports it

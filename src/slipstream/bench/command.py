@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import typing
 from pathlib import Path
 
+from .. import speedups as speedups_module  # read at call time: a new field is a new option
+from ..fields import Precision, choices, field_types
 from .arms import ARM_PRESETS, ARMS
 from .render import print_tables, write_record
 from .runner import ABConfig, parity_failures, run_ab
@@ -40,7 +43,7 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
         help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
         "(sequential: the batches padded training usually sees)",
     )
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=defaults.dtype)
+    p.add_argument("--dtype", choices=typing.get_args(Precision), default=defaults.dtype)
     p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
     p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated, from {','.join(ARMS)}")
     p.add_argument(
@@ -68,11 +71,52 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
         help="also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
         "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
     )
-    p.add_argument(
-        "--checkpointing",
-        default=defaults.checkpointing,
-        help="off, recompute, offload, offload-double or auto (slipstream arms; stock arms recompute)",
-    )
+    add_speedup_arguments(p, defaults)
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered not in ("true", "false", "on", "off", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return lowered in ("true", "on", "1", "yes")
+
+
+def add_speedup_arguments(p: argparse.ArgumentParser, defaults: ABConfig) -> None:
+    """One option per ``Speedups`` field, generated: a new speedup is a new option, no edit here.
+
+    ``checkpointing`` is ABConfig's own (it also sets the stock arms' recompute); every other
+    field is collected into ``ABConfig.speedups`` for the slipstream arms.
+    """
+    for spec in dataclasses.fields(speedups_module.Speedups):
+        flag = "--" + spec.name.replace("_", "-")
+        expected = field_types(speedups_module.Speedups)[spec.name]
+        allowed = choices(expected)
+        kind = _bool if _is(expected, bool) else int if _is(expected, int) else str
+        default = defaults.checkpointing if spec.name == "checkpointing" else None
+        p.add_argument(
+            flag,
+            dest=f"speedup_{spec.name}",
+            type=kind,
+            choices=allowed,
+            default=default,
+            metavar=None if allowed else spec.name.upper(),
+            help=spec.metadata.get("help", "") + " (slipstream arms)",
+        )
+
+
+def _is(expected, kind) -> bool:
+    """Whether annotation ``expected`` (maybe Optional / Annotated) is ``kind``."""
+    if expected is kind:
+        return True
+    return any(_is(arg, kind) for arg in typing.get_args(expected) if arg is not type(None))
+
+
+def _speedup_options(args: argparse.Namespace) -> dict:
+    return {
+        spec.name: getattr(args, f"speedup_{spec.name}")
+        for spec in dataclasses.fields(speedups_module.Speedups)
+        if spec.name != "checkpointing" and getattr(args, f"speedup_{spec.name}", None) is not None
+    }
 
 
 def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
@@ -96,7 +140,8 @@ def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
         dtype=args.dtype,
         device=args.device,
         arms=arms,
-        checkpointing=args.checkpointing,
+        checkpointing=args.speedup_checkpointing,
+        speedups=_speedup_options(args),
         lora_rank=args.lora_rank,
         repeats=args.repeats,
         threads=args.threads,

@@ -27,7 +27,10 @@ RUN_OPTIONS = frozenset(
     ("steps", "warmup", "lr", "seed", "arms", "repeats", "max_tokens_within", "out_dir", "device", "threads")
 )
 # Every other field is workload: a field added to ABConfig separates records unless listed above.
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ABConfig)}
+_DEFAULTS = {
+    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    for f in dataclasses.fields(ABConfig)
+}
 WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
 # The workload keys its label spells out; any other one shows as "key value" when not its default.
 _LABELLED = frozenset(("model", "layers", "max_seq_len", "grad_accum", "batching", "dtype", "checkpointing"))
@@ -39,7 +42,8 @@ class ReportError(ValueError):
 
 def _setting(record: dict, key: str):
     """A workload setting of a record; a record older than the field ran its default."""
-    return record["config"].get(key, _DEFAULTS[key])
+    value = record["config"].get(key, _DEFAULTS[key])
+    return tuple(sorted(value.items())) if isinstance(value, dict) else value  # comparable and hashable
 
 
 def workload(record: dict) -> str:
@@ -49,7 +53,7 @@ def workload(record: dict) -> str:
     others = "".join(
         f"{key} {_setting(record, key)} · "
         for key in WORKLOAD_KEYS
-        if key not in _LABELLED and _setting(record, key) != _DEFAULTS[key]
+        if key not in _LABELLED and _setting(record, key) not in (_DEFAULTS[key], ())
     )
     return (
         f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "

@@ -15,14 +15,17 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
 
+from .. import speedups as speedups_module  # read at call time, so a new field is known here
 from ..data import demo_samples, demo_tokenizer, pack_samples
+from ..fields import Precision, check_fields
 from ..models import preset_vocab_size
 from ..offload import device_activation_bytes
+from ..offload.policy import Checkpointing
 from ..train.step import train_step
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS, build_arm_model, micro_batch_inputs
 from .ceiling import parse_bytes, search_all
@@ -48,11 +51,14 @@ class ABConfig:
     # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
     # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
     # to the token budget, the batches padded training usually sees.
-    batching: str = "bfd"
-    dtype: str = "float32"
+    batching: Literal["bfd", "sequential"] = "bfd"
+    dtype: Precision = "float32"
     device: str = "auto"
     arms: tuple[str, ...] = ARM_PRESETS["default"]
-    checkpointing: str = "off"  # for slipstream arms; stock arms use plain recompute when this is not "off"
+    checkpointing: Checkpointing = "off"  # for slipstream arms; stock arms use plain recompute when not "off"
+    # Other Speedups fields set for the slipstream arms (each arm's own ablation still wins):
+    # every Speedups field is an `ab` option, generated (bench/command.py).
+    speedups: dict[str, Any] = field(default_factory=dict)
     lora_rank: int = 0  # > 0: every arm trains a PEFT LoRA on q/k/v/o (the base frozen), as users fine-tune
     repeats: int = 1
     threads: int | None = None
@@ -67,17 +73,10 @@ class ABConfig:
             raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
-        if self.batching not in ("bfd", "sequential"):
-            raise ValueError(f"batching must be 'bfd' or 'sequential', got {self.batching!r}")
-        if self.checkpointing not in ("off", "recompute", "offload", "offload-double", "auto"):
-            raise ValueError(
-                f"checkpointing must be off, recompute, offload, offload-double or auto, "
-                f"got {self.checkpointing!r}"
-            )
+        check_fields(self)  # the typed fields' rules (choices, ranges), as everywhere
+        speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.max_tokens_within is not None:
             parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
 
