@@ -12,66 +12,44 @@ import typing
 from pathlib import Path
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
-from ..fields import Precision, choices, field_types
-from .arms import ARM_PRESETS, ARMS
+from ..fields import choices, field_types
+from .arms import ARM_PRESETS
 from .render import print_tables, write_record
 from .runner import ABConfig, parity_failures, run_ab
 
 
 def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = None) -> None:
-    """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts)."""
+    """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts), generated
+    from ABConfig's fields and Speedups' fields: a new field is a new option, no edit here."""
     defaults = defaults or ABConfig()
-    p.add_argument(
-        "--model", default=defaults.model, help="model shape (tiny config or real-model preset, random init)"
-    )
-    p.add_argument("--layers", type=int, default=defaults.layers, help="shorten the model to N layers")
-    p.add_argument(
-        "--max-seq-len", type=int, default=defaults.max_seq_len, help="tokens per packed micro-batch"
-    )
-    p.add_argument(
-        "--steps", type=int, default=defaults.steps, help="optimizer steps per arm (warm-up included)"
-    )
-    p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed warm-up steps")
-    p.add_argument("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step")
-    p.add_argument("--lr", type=float, default=defaults.lr)
-    p.add_argument("--seed", type=int, default=defaults.seed)
-    p.add_argument("--rows", type=int, default=defaults.num_rows, help="built-in demo rows to draw from")
-    p.add_argument(
-        "--batching",
-        choices=("bfd", "sequential"),
-        default=defaults.batching,
-        help="documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
-        "(sequential: the batches padded training usually sees)",
-    )
-    p.add_argument("--dtype", choices=typing.get_args(Precision), default=defaults.dtype)
-    p.add_argument("--device", default=defaults.device, help="auto, cpu or cuda")
-    p.add_argument("--arms", default=",".join(defaults.arms), help=f"comma-separated, from {','.join(ARMS)}")
-    p.add_argument(
-        "--repeats", type=int, default=defaults.repeats, help="run every arm this many times, interleaved"
-    )
-    p.add_argument("--threads", type=int, default=defaults.threads, help="torch CPU threads per arm")
-    p.add_argument("--out", default=defaults.out_dir, help="output directory (default: runs/ab-<time>)")
-    p.add_argument(
-        "--lora-rank",
-        type=int,
-        default=defaults.lora_rank,
-        help="train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)",
-    )
-    p.add_argument(
-        "--preset",
-        choices=("default", "ablation", "ceiling"),
-        default=None,
-        help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out) or "
-        "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload)",
-    )
-    p.add_argument(
-        "--max-tokens-within",
-        default=defaults.max_tokens_within,
-        metavar="SIZE",
-        help="also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
-        "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
-    )
+    types_ = field_types(ABConfig)
+    for spec in dataclasses.fields(ABConfig):
+        if not spec.metadata.get("cli", True):
+            continue
+        expected, value = types_[spec.name], getattr(defaults, spec.name)
+        options: dict = {"default": value, "help": spec.metadata.get("help")}
+        if spec.name == "arms":  # a comma-separated list on the command line
+            options["default"] = ",".join(value)
+        elif choices(expected):
+            options["choices"] = choices(expected)
+        elif _is(expected, int) or _is(expected, float):
+            options["type"] = int if _is(expected, int) else float
+        if spec.metadata.get("metavar"):
+            options["metavar"] = spec.metadata["metavar"]
+        p.add_argument(spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"), **options)
+        if spec.name == "lora_rank":  # the arms preset sits beside the arms it picks
+            p.add_argument(
+                "--preset",
+                choices=tuple(ARM_PRESETS),
+                default=None,
+                help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out) "
+                "or ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload)",
+            )
     add_speedup_arguments(p, defaults)
+
+
+def _dest(spec: dataclasses.Field) -> str:
+    return (spec.metadata.get("flag") or "--" + spec.name).lstrip("-").replace("-", "_")
 
 
 def _bool(text: str) -> bool:
@@ -121,33 +99,17 @@ def _speedup_options(args: argparse.Namespace) -> dict:
 
 def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
     """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
-    arms = (
+    values = {
+        spec.name: getattr(args, _dest(spec))
+        for spec in dataclasses.fields(ABConfig)
+        if spec.metadata.get("cli", True)
+    }
+    values["arms"] = (
         ARM_PRESETS[args.preset]
         if args.preset
         else tuple(a.strip() for a in args.arms.split(",") if a.strip())
     )
-    return ABConfig(
-        model=args.model,
-        layers=args.layers,
-        max_seq_len=args.max_seq_len,
-        steps=args.steps,
-        warmup=args.warmup,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        seed=args.seed,
-        num_rows=args.rows,
-        batching=args.batching,
-        dtype=args.dtype,
-        device=args.device,
-        arms=arms,
-        checkpointing=args.speedup_checkpointing,
-        speedups=_speedup_options(args),
-        lora_rank=args.lora_rank,
-        repeats=args.repeats,
-        threads=args.threads,
-        out_dir=args.out,
-        max_tokens_within=args.max_tokens_within,
-    )
+    return ABConfig(**values, checkpointing=args.speedup_checkpointing, speedups=_speedup_options(args))
 
 
 SWEEP_ALIASES = {"batch_tokens": "max_seq_len", "tokens": "max_seq_len"}

@@ -34,38 +34,54 @@ from .fingerprint import fingerprint
 from .stats import loss_parity, speedup
 
 
+def _option(
+    default: Any, help: str | None, flag: str | None = None, cli: bool = True, metavar: str | None = None
+):
+    """An ABConfig field and its ``slipstream ab`` option (generated in bench/command.py)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli, "metavar": metavar})
+
+
 @dataclass
 class ABConfig:
     """One A/B workload. Every arm sees exactly this."""
 
-    model: str = "demo"
-    layers: int | None = None
-    max_seq_len: int = 1024
-    steps: int = 40
-    warmup: int = 2
-    grad_accum: int = 1
-    lr: float = 2e-3
-    seed: int = 0
-    num_rows: int = 1500
-    # How documents are grouped into micro-batches (every arm gets the same groups):
+    model: str = _option("demo", "model shape (tiny config or real-model preset, random init)")
+    layers: int | None = _option(None, "shorten the model to N layers")
+    max_seq_len: int = _option(1024, "tokens per packed micro-batch")
+    steps: int = _option(40, "optimizer steps per arm (warm-up included)")
+    warmup: int = _option(2, "untimed warm-up steps")
+    grad_accum: int = _option(1, "micro-batches per step")
+    lr: float = _option(2e-3, None)
+    seed: int = _option(0, None)
+    num_rows: int = _option(1500, "built-in demo rows to draw from", flag="--rows")
     # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
     # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
-    # to the token budget, the batches padded training usually sees.
-    batching: Literal["bfd", "sequential"] = "bfd"
-    dtype: Precision = "float32"
-    device: str = "auto"
-    arms: tuple[str, ...] = ARM_PRESETS["default"]
-    checkpointing: Checkpointing = "off"  # for slipstream arms; stock arms use plain recompute when not "off"
-    # Other Speedups fields set for the slipstream arms (each arm's own ablation still wins):
-    # every Speedups field is an `ab` option, generated (bench/command.py).
-    speedups: dict[str, Any] = field(default_factory=dict)
-    lora_rank: int = 0  # > 0: every arm trains a PEFT LoRA on q/k/v/o (the base frozen), as users fine-tune
-    repeats: int = 1
-    threads: int | None = None
-    out_dir: str | None = None
+    # to the token budget, the batches padded training usually sees. Every arm gets the same.
+    batching: Literal["bfd", "sequential"] = _option(
+        "bfd",
+        "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
+        "(sequential: the batches padded training usually sees)",
+    )
+    dtype: Precision = _option("float32", None)
+    device: str = _option("auto", "auto, cpu or cuda")
+    arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
+    # Speedups for the slipstream arms: every Speedups field is an `ab` option (generated in
+    # bench/command.py). checkpointing also makes the stock arms recompute when not "off"; the
+    # others are collected here, and an arm's own ablation wins over them.
+    checkpointing: Checkpointing = _option("off", None, cli=False)
+    speedups: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
+    lora_rank: int = _option(0, "train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)")
+    repeats: int = _option(1, "run every arm this many times, interleaved")
+    threads: int | None = _option(None, "torch CPU threads per arm")
+    out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
     # The memory ceiling: for each arm, the most packed tokens one step trains within this
     # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.
-    max_tokens_within: str | None = None
+    max_tokens_within: str | None = _option(
+        None,
+        "also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
+        "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
+        metavar="SIZE",
+    )
 
     def __post_init__(self):
         unknown = [arm for arm in self.arms if arm not in ARMS]
