@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 from jinja2 import TemplateError
 
-from ..packing.batch import IGNORE_INDEX  # the label cross-entropy ignores
 from .errors import DataError
+from .labels import IGNORE_INDEX
 
 _TAG = re.compile(r"<[^<>\s]{1,64}>")  # <think>, </think>, <tool_call>, <|im_end|>: templates test for these
 _MAX_SHIFT = 25

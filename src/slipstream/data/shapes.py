@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .chat import IGNORE_INDEX, has_chat_template, plan_chat
+from .chat import has_chat_template, plan_chat
 from .errors import DataError, json_type
+from .labels import IGNORE_INDEX
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Message fields handed to the template besides role and content, with the JSON type each must have.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from ..data.labels import IGNORE_INDEX
 
 # The keyword under which the batch travels through transformers' **kwargs to the attention.
 PACKED_BATCH_KWARG = "slipstream_packed_batch"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..packing.batch import IGNORE_INDEX
+from ..data.labels import IGNORE_INDEX
 
 # A micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
 MicroBatch = tuple[dict[str, Any], int]
