@@ -25,9 +25,6 @@ class Speedup:
     high: float
     verdict: str  # "faster", "slower" or "within noise"
 
-    def describe(self) -> str:
-        return f"{self.ratio:.2f}x [{self.low:.2f}, {self.high:.2f}] {self.verdict}"
-
 
 def speedup(
     baseline_s: list[float],
