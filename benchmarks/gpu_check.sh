@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
   nvidia-smi || true
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   pip install -q --no-deps -e . 2>&1 | tail -2
-  pip install -q tokenizers pyarrow pyyaml tqdm rich psutil 2>&1 | tail -2
+  pip install -q tokenizers pyarrow pyyaml tqdm rich 2>&1 | tail -2
 } > "$OUT/env.txt" 2>&1
 
 # 1. Packing (issue 2): no host sync in a packed step (sync debug "error"), varlen backend used.

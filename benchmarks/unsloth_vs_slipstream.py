@@ -517,11 +517,11 @@ def main() -> int:
         "load_average": [load_before, os.getloadavg()[0]],
     }
     record["caveats"] = caveats(record)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # function-level: the Unsloth arm runs this file in its own environment, without slipstream
+    from slipstream.atomic import write_text_atomically
+
     for name, text in (("unsloth.json", json.dumps(record, indent=1)), ("unsloth.md", markdown(record))):
-        tmp = out_dir / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text)
-        os.replace(tmp, out_dir / name)  # never a half-written report
+        write_text_atomically(out_dir / name, text)  # never a half-written report
     print(markdown(record))
     print(f"wrote {out_dir / 'unsloth.json'} and {out_dir / 'unsloth.md'}")
     return 0

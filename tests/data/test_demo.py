@@ -6,9 +6,11 @@ import os
 import re
 import shutil
 import statistics
+from pathlib import Path
 
 import pytest
 
+from slipstream import atomic
 from slipstream.data import demo_bpe, demo_rows, demo_samples, demo_tokenizer, tokenize_row
 
 
@@ -88,13 +90,14 @@ def test_two_fresh_builds_are_identical(tokenizer, tmp_path):
 
 def test_a_concurrent_builder_that_won_the_race_is_used(tokenizer, tokenizer_cache, tmp_path, monkeypatch):
     built = next(tokenizer_cache.iterdir())
-    real_rename = os.rename
+    real_replace = os.replace
 
-    def rename_after_another_builder(source, target):
-        shutil.copytree(built, target)  # the other builder's copy lands first
-        real_rename(source, target)
+    def replace_after_another_builder(source, target):
+        if Path(target).name == built.name:
+            shutil.copytree(built, target)  # the other builder's copy lands first
+        real_replace(source, target)
 
     monkeypatch.setattr(demo_bpe, "_train", lambda: tokenizer)
-    monkeypatch.setattr(demo_bpe.os, "rename", rename_after_another_builder)
+    monkeypatch.setattr(atomic.os, "replace", replace_after_another_builder)
     assert demo_tokenizer(tmp_path).get_vocab() == tokenizer.get_vocab()
     assert [path.name for path in tmp_path.iterdir()] == [built.name]

@@ -34,10 +34,12 @@ from slipstream.train.checkpoints import (
 from slipstream.train.config import load_config
 from slipstream.train.errors import TrainError, TrainInterrupted
 from slipstream.train.fingerprint import compare
-from slipstream.train.interrupt import FAULT_ENV
 from slipstream.train.loop import train
 
+from .fault_runner import faulty_train, interrupt_after, signal_after
 from .test_train import TINY, losses
+
+FAULT_RUNNER = Path(__file__).with_name("fault_runner.py")
 
 
 def tiny_config(folder: Path, out: Path, *overrides: str, data: dict | None = None):
@@ -66,12 +68,8 @@ def reference(tmp_path_factory):
 def stopped(tmp_path_factory):
     """A run stopped by Ctrl-C after step 10 (checkpoints at 4, 8 and 10), never to be changed."""
     folder = tmp_path_factory.mktemp("stopped")
-    os.environ[FAULT_ENV] = "10"
-    try:
-        with pytest.raises(TrainInterrupted) as caught:
-            train(tiny_config(folder, folder / "out"), progress=False)
-    finally:
-        del os.environ[FAULT_ENV]
+    with pytest.raises(TrainInterrupted) as caught:
+        train(tiny_config(folder, folder / "out"), progress=False, after_step=interrupt_after(10))
     return folder / "out", str(caught.value)
 
 
@@ -100,55 +98,46 @@ def test_ctrl_c_saves_the_last_step_and_resume_reproduces_the_run(stopped, run_c
     assert all(torch.equal(resumed[k], reference_adapter[k]) for k in resumed)
 
 
-def test_ctrl_c_from_the_cli_is_one_line_and_a_non_zero_exit(tmp_path, monkeypatch, capsys):
+def test_ctrl_c_from_the_cli_is_one_line_and_a_non_zero_exit(tmp_path, capsys):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({**TINY, "training": {"steps": 4}, "output_dir": str(tmp_path / "o")}))
-    monkeypatch.setenv(FAULT_ENV, "2")
-    assert main(["train", str(config)]) == 1
+    with faulty_train(interrupt_after(2)):
+        assert main(["train", str(config)]) == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("slipstream train: SIGINT: stopped after step 2 of 4; checkpoint ")
     assert last.endswith("--resume to continue")
     assert steps_of(tmp_path / "o") == ["step-000002"]  # though checkpoint_every does not ask for it
-    monkeypatch.delenv(FAULT_ENV)
     assert main(["train", str(config), "--resume"]) == 0
     assert "finished 4 steps, final loss" in capsys.readouterr().out
 
 
-def test_sigterm_stops_the_same_way(tmp_path, monkeypatch):
+def test_sigterm_stops_the_same_way(tmp_path):
     """What torchrun forwards to its workers, and schedulers send before preempting a job."""
-    monkeypatch.setattr("slipstream.train.loop.send_interrupt", lambda: signal.raise_signal(signal.SIGTERM))
-    monkeypatch.setenv(FAULT_ENV, "3")
     with pytest.raises(
         TrainInterrupted, match=r"^SIGTERM: stopped after step 3 of 12; checkpoint .*step-000003"
     ):
-        train(tiny_config(tmp_path, tmp_path / "o"), progress=False)
+        train(
+            tiny_config(tmp_path, tmp_path / "o"), progress=False, after_step=signal_after(3, signal.SIGTERM)
+        )
     assert read_checkpoint(tmp_path / "o" / "checkpoints" / "step-000003").loss is not None
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, monkeypatch):
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path):
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default handler here")
-
-    def twice():
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)
-
-    monkeypatch.setattr("slipstream.train.loop.send_interrupt", twice)
-    monkeypatch.setenv(FAULT_ENV, "6")
+    twice = signal_after(6, signal.SIGINT, signal.SIGINT)
     with pytest.raises(TrainInterrupted, match=r"stopped at once .* --resume continues from .*step-000004$"):
-        train(tiny_config(tmp_path, tmp_path / "o"), progress=False)
+        train(tiny_config(tmp_path, tmp_path / "o"), progress=False, after_step=twice)
     assert steps_of(tmp_path / "o") == ["step-000004"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_a_run_stopped_after_its_last_step_completes_on_resume(tmp_path, monkeypatch, capsys, reference):
+def test_a_run_stopped_after_its_last_step_completes_on_resume(tmp_path, capsys, reference):
     """Killed after the last checkpoint but before run.json: --resume writes the adapter and run.json."""
     config = tiny_config(tmp_path, tmp_path / "o")
-    monkeypatch.setenv(FAULT_ENV, "12")
     with pytest.raises(TrainInterrupted, match="after step 12 of 12"):
-        train(config, progress=False)
-    monkeypatch.delenv(FAULT_ENV)
+        train(config, progress=False, after_step=interrupt_after(12))
     assert not (tmp_path / "o" / "run.json").exists()
     assert main(["train", str(tmp_path / "config-o.yaml"), "--resume"]) == 0
     assert f"finished 12 steps, final loss {reference[0][-1]:.4f}" in capsys.readouterr().out
@@ -224,12 +213,8 @@ def test_a_changed_data_file_is_refused_unless_forced_and_a_moved_one_resumes(tm
     rows.write_text("".join(json.dumps({"text": f"row {i} " + "word " * (5 + i)}) + "\n" for i in range(24)))
     data = {"data": {"path": str(rows), "max_seq_len": 64}, "training": {"steps": 4, "checkpoint_every": 2}}
     config = tiny_config(tmp_path, tmp_path / "o", data=data)
-    os.environ[FAULT_ENV] = "2"
-    try:
-        with pytest.raises(TrainInterrupted):
-            train(config, progress=False)
-    finally:
-        del os.environ[FAULT_ENV]
+    with pytest.raises(TrainInterrupted):
+        train(config, progress=False, after_step=interrupt_after(2))
     moved = tmp_path / "moved" / "rows.jsonl"
     moved.parent.mkdir()
     shutil.copy(rows, moved)
@@ -372,15 +357,18 @@ def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
             "2",
             "--master_port",
             str(30500 + os.getpid() % 1000),
-            "-m",
-            "slipstream",
+            str(FAULT_RUNNER),
+            "--interrupt-after",
+            "2",
+            "--rank",
+            "1",
             "train",
             str(config),
         ],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", FAULT_ENV: "2@1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode != 0
     assert "a stop request on another rank: stopped after step 2 of 4" in done.stderr

@@ -92,7 +92,19 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path):
     full = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "full")}, "full.yaml")
     part = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "part")}, "part.yaml")
     assert run_cli(["train", str(full)]).returncode == 0
-    killed = run_cli(["train", str(part)], env={"SLIPSTREAM_FAULT_KILL_AFTER_STEP": "6"})
+    killed = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).with_name("fault_runner.py")),
+            "--kill-after",
+            "6",
+            "train",
+            str(part),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -9  # SIGKILL
     assert newest_checkpoint(tmp_path / "part").name == "step-000004"
     # a checkpoint caught mid-write is never picked up

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
 
-from ..atomic import temporary_path
+from ..atomic import atomic_file
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = temporary_path(path)
-    fig.savefig(tmp, dpi=90, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=90, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

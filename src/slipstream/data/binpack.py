@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .labels import IGNORE_INDEX
+from .labels import count_label_tokens
 
 Overflow = Literal["truncate", "split"]
 OVERFLOW_POLICIES: tuple[str, ...] = ("truncate", "split")
@@ -151,6 +151,6 @@ def _fit_to_length(
             ]
             report.split += 1
             report.chunks_from_splits += len(starts)
-    trainable = [piece for piece in pieces if any(label != IGNORE_INDEX for label in piece["labels"][1:])]
+    trainable = [piece for piece in pieces if count_label_tokens([piece])]
     report.no_labels = len(pieces) - len(trainable)
     return trainable

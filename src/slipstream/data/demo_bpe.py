@@ -14,8 +14,6 @@ import hashlib
 import inspect
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from ..atomic import atomic_directory
 from . import demo_data
 from .demo_data import demo_rows
 from .shapes import tokenize_row
@@ -85,17 +84,9 @@ def _source_digest() -> str:
 
 
 def _build_into(folder: Path) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    # a concurrent builder that renamed its copy first wins: its copy is used
+    with atomic_directory(folder, existing="keep") as staging:
         _train().save_pretrained(str(staging))
-        try:
-            os.rename(staging, folder)
-        except OSError:  # a concurrent builder renamed its copy first: use that one
-            if not (folder / "tokenizer.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _train() -> PreTrainedTokenizerFast:

@@ -15,10 +15,10 @@ import gc
 import hashlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_directory
 from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy
 from .readers import read_rows
 from .shapes import RowPlan, plan_row, tokenize_planned
@@ -154,24 +154,17 @@ def _write_cache(entry: Path, samples: list[dict[str, list[int]]], report: DataR
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".{entry.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     table = pa.table(
         {
             "input_ids": pa.array([s["input_ids"] for s in samples], type=pa.list_(pa.int32())),
             "labels": pa.array([s["labels"] for s in samples], type=pa.list_(pa.int32())),
         }
     )
-    pq.write_table(table, tmp / "samples.parquet")
-    (tmp / "report.json").write_text(
-        json.dumps({"rows_read": report.rows_read, "rows_used": report.rows_used, "skipped": report.skipped})
-    )
-    try:
-        os.replace(tmp, entry)
-    except OSError:  # another process wrote the same entry first: theirs is as good
-        shutil.rmtree(tmp, ignore_errors=True)
+    stored = {"rows_read": report.rows_read, "rows_used": report.rows_used, "skipped": report.skipped}
+    # another process may write the same entry first: theirs is as good
+    with atomic_directory(entry, existing="keep") as tmp:
+        pq.write_table(table, tmp / "samples.parquet")
+        (tmp / "report.json").write_text(json.dumps(stored))
 
 
 def _read_cache(entry: Path) -> tuple[list[dict[str, list[int]]], DataReport]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import temporary_path
+from ..atomic import atomic_file
 from .experts import experts_modules
 
 CONFIG_FILE = "expert_lora_config.json"
@@ -144,9 +144,8 @@ def save_expert_lora(model: torch.nn.Module, directory: str | os.PathLike) -> Pa
         (WEIGHTS_FILE, lambda p: save_file(expert_lora_state_dict(model), str(p))),
         (CONFIG_FILE, lambda p: p.write_text(json.dumps(asdict(configs.pop()), indent=1))),
     ):
-        tmp = temporary_path(directory / name)
-        write(tmp)
-        os.replace(tmp, directory / name)
+        with atomic_file(directory / name) as tmp:
+            write(tmp)
     return directory
 
 

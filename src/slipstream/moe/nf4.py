@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import temporary_path
+from ..atomic import atomic_directory
 from .experts import experts_modules, use_sorted_experts
 
 MANIFEST = "slipstream_quantization.json"
@@ -201,14 +201,10 @@ def save_quantized(model: torch.nn.Module, directory: str | os.PathLike) -> Path
     from safetensors.torch import save_model
 
     directory = Path(directory)
-    tmp = temporary_path(directory)
-    tmp.mkdir(parents=True, exist_ok=False)
-    model.config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
-    (tmp / MANIFEST).write_text(json.dumps(_manifest(model), indent=1))
-    if directory.exists():
-        raise FileExistsError(f"{directory} exists; not overwriting it")
-    os.replace(tmp, directory)
+    with atomic_directory(directory, existing="refuse") as tmp:
+        model.config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        (tmp / MANIFEST).write_text(json.dumps(_manifest(model), indent=1))
     return directory
 
 

@@ -156,9 +156,6 @@ class OffloadManager:
             self.engine.record(event, self.engine.compute_stream())
             self.slot_free[saved.slot] = event
 
-    def device_buffer_bytes(self) -> int:
-        return sum(s.numel() * s.element_size() for s in self.slots if s is not None)
-
     # ------------------------------------------------------------------ the checkpoint function
     def checkpoint_function(self, layer: int):
         """The ``_gradient_checkpointing_func`` for decoder layer ``layer``."""

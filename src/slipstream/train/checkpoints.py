@@ -1,12 +1,14 @@
-"""Checkpoints: written whole or not at all, checked before use, pruned, and skipped when damaged.
+"""Checkpoints and the final adapter: written whole or not at all, checked before use, pruned,
+and skipped when damaged. Everything the loop reads or writes of them is here.
 
 ``checkpoints/step-NNNNNN/`` holds ``trainable.safetensors`` (the trainable weights),
 ``trainer_state.pt`` (optimizer, scheduler, every RNG state) and ``state.json`` (the step,
-its loss and the run's fingerprint, see ``fingerprint.py``). A checkpoint is written under a
-temporary name (``.step-NNNNNN.tmp-PID``) and renamed when complete; one it replaces or
-prunes is first renamed aside (``.step-NNNNNN.old-PID``) and then deleted, so a reader never
-sees half of one. ``--resume`` reads the newest checkpoint whole before touching the model;
-if it is damaged (a file missing or unreadable) it warns and falls back to the previous one.
+its loss and the run's fingerprint, see ``fingerprint.py``). A checkpoint, like the final
+``adapter/``, is written under a temporary name and renamed when complete; one it replaces or
+prunes is first renamed aside and then deleted (``atomic.atomic_directory``), so a reader
+never sees half of one. ``--resume`` reads the newest checkpoint whole before touching the
+model; if it is damaged (a file missing or unreadable) it warns and falls back to the
+previous one.
 
 ``training.keep_checkpoints: N`` keeps the newest N complete checkpoints after each save
 (0 keeps all); the one just written is always kept.
@@ -16,20 +18,22 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
-from .distributed import unwrap
+from ..atomic import atomic_directory, discard_directory, write_text_atomically
+from ..moe.lora import save_expert_lora
+from .distributed import Distributed, unwrap
 from .errors import TrainError
 from .fingerprint import compare
-from .output_dir import CHECKPOINTS
+from .output_dir import ADAPTER, CHECKPOINTS, FINISHED
 
 logger = logging.getLogger("slipstream")
 
@@ -85,14 +89,6 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
-def _set_aside(path: Path) -> None:
-    """Rename ``path`` to a leftover name, then delete it: it vanishes at once, whatever happens next."""
-    aside = path.with_name(f".{path.name}.old-{os.getpid()}")
-    shutil.rmtree(aside, ignore_errors=True)
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def save_checkpoint(
     out: Path,
     step: int,
@@ -104,27 +100,40 @@ def save_checkpoint(
     fingerprint: dict | None = None,
 ) -> Path:
     """``checkpoints/step-NNNNNN``, written under a temporary name and renamed when complete."""
-    from safetensors.torch import save_file
-
     final = Path(out) / CHECKPOINTS / f"step-{step:06d}"
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     state = {"format": CHECKPOINT_FORMAT, "step": step, "loss": loss, "fingerprint": fingerprint}
     try:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_file(_trainable(model), str(tmp / WEIGHTS))
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
-            tmp / TRAINER_STATE,
-        )
-        (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
-        if final.exists():
-            _set_aside(final)
-        os.replace(tmp, final)
+        with atomic_directory(final) as tmp:
+            save_file(_trainable(model), str(tmp / WEIGHTS))
+            torch.save(
+                {
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": rng_state(),
+                },
+                tmp / TRAINER_STATE,
+            )
+            (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     except OSError as error:  # a full disk, say: no half checkpoint stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
         raise TrainError(f"{final}: cannot write the checkpoint ({error.strerror or error})") from None
     return final
+
+
+def checkpoint_and_prune(
+    out: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    *,
+    loss: float | None,
+    fingerprint: dict | None,
+    keep: int,
+) -> Path:
+    """Save step ``step``'s checkpoint, then keep the newest ``keep`` (``training.keep_checkpoints``)."""
+    path = save_checkpoint(out, step, model, optimizer, scheduler, loss=loss, fingerprint=fingerprint)
+    prune_checkpoints(out, keep, step)
+    return path
 
 
 def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
@@ -143,7 +152,7 @@ def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
     removed = []
     for step, path in steps:
         if step < oldest_kept:  # older than every kept one, complete or not
-            _set_aside(path)
+            discard_directory(path)
             removed.append(path)
     if removed:
         logger.info("pruned %d old checkpoint(s): %s", len(removed), ", ".join(p.name for p in removed))
@@ -171,8 +180,6 @@ def newest_checkpoint(out: Path) -> Path | None:
 
 def read_checkpoint(path: Path) -> Checkpoint:
     """Read a checkpoint whole; ``DamagedCheckpoint`` says which file is missing or unreadable."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     match = _NAME.match(path.name)
     if match is None:
@@ -275,6 +282,30 @@ def find_resume_point(
     return point, chosen
 
 
+def load_resume_point(
+    out: Path, fingerprint: dict | None, info: Distributed, *, resumable: bool, force: bool
+) -> tuple[ResumePoint, Checkpoint | None]:
+    """Rank 0 picks and checks the checkpoint; every rank gets its verdict and reads it."""
+    point, checkpoint, error = ResumePoint(), None, None
+    if info.is_main and resumable:
+        try:
+            point, checkpoint = find_resume_point(out, fingerprint, force=force)
+        except TrainError as caught:
+            error = str(caught)
+    if info.enabled:
+        box = [(point, error)]
+        dist.broadcast_object_list(box, src=0)
+        point, error = box[0]
+    if error is not None:
+        raise TrainError(error)
+    if point.path is not None and checkpoint is None:
+        try:
+            checkpoint = read_checkpoint(point.path)
+        except DamagedCheckpoint as damaged:
+            raise TrainError(f"{point.path}: {damaged}") from None
+    return point, checkpoint
+
+
 def apply_checkpoint(checkpoint: Checkpoint, model, optimizer, scheduler) -> int:
     """Load a checkpoint read by ``read_checkpoint`` into the model, optimizer, scheduler and RNGs."""
     params = {n: p for n, p in unwrap(model).named_parameters() if p.requires_grad}
@@ -301,3 +332,22 @@ def apply_checkpoint(checkpoint: Checkpoint, model, optimizer, scheduler) -> int
         raise TrainError(f"{where}: the optimizer state does not fit this run ({_short(error)})") from None
     set_rng_state(checkpoint.trainer["rng"])
     return checkpoint.step
+
+
+# ----------------------------------------------------------------------------- the final adapter
+def save_final(
+    out: Path, model, tokenizer, summary: dict, *, state: dict | None = None, expert_lora: bool = False
+) -> Path:
+    """The adapter (or the fine-tuned model) in PEFT / transformers format, then ``run.json``.
+
+    ``state``: the full trainable state when the model is sharded (FSDP2), gathered on every rank.
+    """
+    adapter = Path(out) / ADAPTER
+    model = unwrap(model)
+    with atomic_directory(adapter) as tmp:
+        model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
+        if expert_lora:
+            save_expert_lora(model, tmp / "experts")
+        tokenizer.save_pretrained(tmp)
+    write_text_atomically(Path(out) / FINISHED, json.dumps({"status": "finished", **summary}, indent=1))
+    return adapter

@@ -7,25 +7,22 @@ sees it after the step that is running completes, saves a checkpoint of that ste
 halfway through an optimizer update. A second signal does what it would have done without
 us (Ctrl-C raises ``KeyboardInterrupt`` at once; SIGTERM ends the process).
 
-Under torchrun every rank records its own signal; the ranks agree (an all-reduce per step)
-to stop after the same step, and only rank 0 writes.
-
-For tests, ``SLIPSTREAM_FAULT_INTERRUPT_AFTER_STEP=N`` sends this process a SIGINT once step
-N has completed (``N@R``: only on rank R).
+Under torchrun every rank records its own signal; the ranks agree (``stop_agreed``, an
+all-reduce per step) to stop after the same step, and only rank 0 writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
 import threading
+
+from .distributed import Distributed
 
 logger = logging.getLogger("slipstream")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-FAULT_ENV = "SLIPSTREAM_FAULT_INTERRUPT_AFTER_STEP"
 
 
 class GracefulStop:
@@ -63,17 +60,8 @@ class GracefulStop:
         )
 
 
-def fault_interrupt_step(rank: int) -> int:
-    """The step after which the test hook interrupts this rank (0: never)."""
-    value = os.environ.get(FAULT_ENV, "").strip()
-    if not value:
-        return 0
-    step, _, only_rank = value.partition("@")
-    if only_rank and int(only_rank) != rank:
-        return 0
-    return int(step)
-
-
-def send_interrupt() -> None:
-    """What Ctrl-C does: a SIGINT to this process (handled before the next line runs)."""
-    signal.raise_signal(signal.SIGINT)
+def stop_agreed(requested: str | None, info: Distributed) -> bool:
+    """Whether any rank was asked to stop (every rank calls this after every step)."""
+    if not info.enabled:
+        return requested is not None
+    return info.sum(1.0 if requested is not None else 0.0) > 0

@@ -3,14 +3,15 @@
 rows -> tokens -> best-fit-decreasing bins (seeded) -> packed micro-batches -> optimized
 model -> token-weighted step -> metrics JSONL, checkpoints, the final PEFT adapter.
 
-Checkpoints (every ``training.checkpoint_every`` steps, and when Ctrl-C stops the run) hold
-the trainable weights, the optimizer and scheduler, every RNG state, the step (which fixes the
-data position: the order of micro-batches is a pure function of the seed) and a fingerprint of
-the config, data and tokenizer. Each is written under a temporary name and renamed when
-complete, so an interrupted write is never picked up; ``--resume`` continues from the newest
-usable one, refuses if what it was computed from changed, and reproduces the uninterrupted
-run. See ``checkpoints.py``, ``fingerprint.py``, ``interrupt.py`` and, for what a run may do
-to its output directory, ``output_dir.py``.
+``train`` is set-up (``_set_up``), the step loop with its metrics (``_run_steps``), then the
+summary and the final adapter. Checkpoints (every ``training.checkpoint_every`` steps, and
+when Ctrl-C stops the run) hold the trainable weights, the optimizer and scheduler, every RNG
+state, the step (which fixes the data position: the order of micro-batches is a pure function
+of the seed) and a fingerprint of the config, data and tokenizer; ``--resume`` continues from
+the newest usable one, refuses if what it was computed from changed, and reproduces the
+uninterrupted run. What is read and written of them is in ``checkpoints.py``; see also
+``fingerprint.py``, ``interrupt.py`` and, for what a run may do to its output directory,
+``output_dir.py``.
 """
 
 from __future__ import annotations
@@ -18,34 +19,52 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import re
-import shutil
-import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..atomic import write_text_atomically
-from ..data import DataError
+from ..data import (
+    DataError,
+    DataReport,
+    PackingReport,
+    demo_samples,
+    demo_tokenizer,
+    load_samples,
+    pack_samples,
+)
+from ..data.labels import count_label_tokens
+from ..models import build_model
+from ..models.qlora import load_for_qlora
+from ..moe.experts import experts_modules
+from ..moe.lora import add_expert_lora
+from ..optimize import optimize, state_of
+from ..packing import collate_packed
 from .checkpoints import (
-    DamagedCheckpoint,
+    Checkpoint,
     ResumePoint,
     apply_checkpoint,
-    find_resume_point,
+    checkpoint_and_prune,
+    load_resume_point,
     newest_checkpoint,
-    prune_checkpoints,
-    read_checkpoint,
     save_checkpoint,
+    save_final,
 )
 from .config import ConfigError, TrainConfig
-from .distributed import unwrap
+from .distributed import Distributed, full_trainable_state, setup, shutdown, wrap
 from .errors import TrainError, TrainInterrupted
 from .fingerprint import fingerprint as run_fingerprint
-from .interrupt import GracefulStop, fault_interrupt_step, send_interrupt
-from .output_dir import CHECKPOINTS, FINISHED, METRICS, prepare_output
+from .interrupt import GracefulStop, stop_agreed
+from .output_dir import CHECKPOINTS, CONFIG, FINISHED, METRICS, TENSORBOARD, prepare_output, rewind_metrics
 from .precision import resolve_dtype
 from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
 from .step import train_step
@@ -66,11 +85,7 @@ __all__ = [
 # ----------------------------------------------------------------------------- set-up
 def _tokenizer(config: TrainConfig):
     if config.model.preset is not None:
-        from ..data import demo_tokenizer
-
         return demo_tokenizer()
-    from transformers import AutoTokenizer
-
     check_model_dir(
         config.model.path
     )  # before anything reads it: a missing directory is not a network problem
@@ -85,8 +100,6 @@ def _tokenizer(config: TrainConfig):
 
 
 def _samples(config: TrainConfig, tokenizer):
-    from ..data import demo_samples, load_samples
-
     if config.data.path is None:
         samples = demo_samples(
             tokenizer,
@@ -132,8 +145,6 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
             raise ConfigError(
                 "quantization.four_bit loads a model directory: set model.path, not model.preset"
             )
-        from ..models import build_model
-
         try:
             return build_model(
                 config.model.preset,
@@ -146,16 +157,12 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
             raise ConfigError(f"model.preset: {error.args[0]}") from None
     path = check_model_dir(config.model.path)
     if config.quantization.four_bit:
-        from ..models.qlora import load_for_qlora
-
         return load_for_qlora(
             path,
             double_quant=config.quantization.double_quant,
             compute_dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
         )
-    from transformers import AutoModelForCausalLM
-
     try:
         return AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
@@ -167,11 +174,6 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
 def _apply_lora(model, config: TrainConfig):
     if not config.lora.enabled:
         return model
-    from peft import LoraConfig, get_peft_model
-
-    from ..moe.experts import experts_modules
-    from ..moe.lora import add_expert_lora
-
     lora = LoraConfig(
         r=config.lora.rank,
         lora_alpha=config.lora.alpha,
@@ -188,7 +190,7 @@ def _apply_lora(model, config: TrainConfig):
     return model
 
 
-def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, callable]:
+def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, Callable]:
     """Total steps, and step -> the bin indices of the whole (all-rank) step.
 
     Each epoch is a seeded permutation of the bins; a step takes ``grad_accum x world_size``
@@ -214,65 +216,33 @@ def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple
     return total, bins_for
 
 
-# ----------------------------------------------------------------------------- loss weights, outputs
-def _label_tokens(docs: list[dict]) -> int:
-    """The label tokens a packed bin contributes to the loss (each document's first label is masked)."""
-    from ..data.labels import IGNORE_INDEX
+@dataclass
+class _Run:
+    """A run once set up: what the step loop trains, and what the summary reports."""
 
-    return sum(sum(1 for label in doc["labels"][1:] if label != IGNORE_INDEX) for doc in docs)
-
-
-def _save_final(out: Path, model, tokenizer, config: TrainConfig, summary: dict, state=None) -> Path:
-    """The adapter (or the fine-tuned model) in PEFT / transformers format, then run.json."""
-    adapter = out / "adapter"
-    tmp = out / f".adapter.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model = unwrap(model)
-    model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
-    if config.lora.enabled and config.lora.experts:
-        from ..moe.lora import save_expert_lora
-
-        save_expert_lora(model, tmp / "experts")
-    tokenizer.save_pretrained(tmp)
-    if adapter.exists():
-        shutil.rmtree(adapter)
-    os.replace(tmp, adapter)
-    write_text_atomically(out / FINISHED, json.dumps({"status": "finished", **summary}, indent=1))
-    return adapter
+    config: TrainConfig
+    info: Distributed
+    out: Path
+    tokenizer: Any
+    bins: list[list[dict]]
+    label_tokens: list[int]  # per bin: what weights the loss, known to every rank without communication
+    packing: PackingReport
+    data_report: DataReport | None
+    dtype: torch.dtype
+    device: torch.device
+    fingerprint: dict | None  # rank 0 only
+    point: ResumePoint
+    model: torch.nn.Module
+    policies: list[str]
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    total: int
+    bins_for: Callable[[int], list[int]]
+    start: int = 0  # the step resumed from
 
 
-# ----------------------------------------------------------------------------- the loop
-def train(
-    config: TrainConfig,
-    resume: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-    force: bool = False,
-):
-    """Run the training described by ``config``; returns ``(model, summary)``.
-
-    ``resume`` continues from the newest usable checkpoint in ``config.output_dir`` after
-    checking it was computed from the same config, data and tokenizer; ``force`` accepts a
-    change that leaves the checkpoint loadable (the data, say). ``overwrite`` starts over in
-    a directory slipstream marked as its own. Ctrl-C saves a checkpoint of the last completed
-    step and raises ``TrainInterrupted``. Under torchrun every rank runs this; each takes its
-    share of every step and rank 0 writes.
-    """
-    from tqdm import tqdm
-
-    from .. import collate_packed, optimize
-    from ..data import pack_samples
-    from .distributed import full_trainable_state, setup, shutdown, wrap
-
-    info = setup(config.training.distributed)
-    out = Path(config.output_dir)
-    resumable = False
-    if info.is_main:
-        resumable = prepare_output(out, resume=resume, overwrite=overwrite)
-    info.barrier()
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    tokenizer = _tokenizer(config)
+def _data(config: TrainConfig, tokenizer, info: Distributed):
+    """Samples and their bins; the rows skipped and the samples cut are always said."""
     samples, data_report = _samples(config, tokenizer)
     bins, packing = pack_samples(
         samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
@@ -287,28 +257,18 @@ def train(
     if info.is_main and (packing.no_labels or packing.truncated):
         tqdm.write(f"slipstream train: {packing.summary()}")
     logger.info("%s", packing.summary())
-    device = info.device()
-    dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
-    fingerprint = (
-        run_fingerprint(config, tokenizer, world_size=info.world_size, dtype=dtype) if info.is_main else None
-    )
-    point, checkpoint = _resume_point(out, fingerprint, resume and resumable, force, info)
-    if info.is_main:
-        tqdm.write(f"slipstream train: {dtype_policy}")
+    return samples, bins, packing, data_report
+
+
+def _trainable_model(config: TrainConfig, tokenizer, samples, device, dtype, dtype_policy: str, info):
+    """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
     model = _model(config, len(tokenizer), dtype)
     check_lora_targets(model, config)
     check_token_ids(samples, model, config.data.path or "the demo data")
     if not config.quantization.four_bit:
         model.to(device)
     try:
-        optimize(
-            model,
-            packed_attention=config.speedups.packed_attention,
-            moe_routing=config.speedups.moe_routing,
-            checkpointing=config.speedups.checkpointing,
-            chunked_loss=config.speedups.chunked_loss,
-            loss_chunk_tokens=config.speedups.loss_chunk_tokens,
-        )
+        optimize(model, config.speedups)  # the config's section is a Speedups
     except NotImplementedError as error:  # a refusal (UnsupportedArchitecture, ...): say it in config terms
         raise TrainError(
             f"{config.model.path or config.model.preset}: {error}{config_advice(str(error))}"
@@ -317,139 +277,232 @@ def train(
     model = _apply_lora(model, config)
     model.train()
     # The model's own list: decisions made on the first step (loss chunk size) join it there.
-    policies = model.slipstream.policies if hasattr(model, "get_base_model") else model.slipstream.policies
+    policies = state_of(model).policies
     policies.insert(0, dtype_policy)
-    model = wrap(model, info)
+    return wrap(model, info), policies
+
+
+def _optimizer(config: TrainConfig, model, device: torch.device, info: Distributed):
     params = [p for p in model.parameters() if p.requires_grad]
     fused = {"fused": True} if device.type in ("cuda", "cpu") and info.strategy != "fsdp2" else {}
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         params,
         lr=config.optimizer.lr,
         betas=tuple(config.optimizer.betas),
         weight_decay=config.optimizer.weight_decay,
         **fused,
     )
-    total, bins_for = _step_plan(len(bins), config, info.world_size)
-    from transformers import get_scheduler
 
+
+def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) -> _Run:
+    """Everything before the first step, in an order the seeds depend on; every rank runs it."""
+    info = setup(config.training.distributed)
+    out = Path(config.output_dir)
+    resumable = prepare_output(out, resume=resume, overwrite=overwrite) if info.is_main else False
+    info.barrier()
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    tokenizer = _tokenizer(config)
+    samples, bins, packing, data_report = _data(config, tokenizer, info)
+    device = info.device()
+    dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
+    fingerprint = (
+        run_fingerprint(config, tokenizer, world_size=info.world_size, dtype=dtype) if info.is_main else None
+    )
+    point, checkpoint = load_resume_point(out, fingerprint, info, resumable=resume and resumable, force=force)
+    if info.is_main:
+        tqdm.write(f"slipstream train: {dtype_policy}")
+    model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info)
+    optimizer = _optimizer(config, model, device, info)
+    total, bins_for = _step_plan(len(bins), config, info.world_size)
     scheduler = get_scheduler(
         config.optimizer.schedule,
         optimizer,
         num_warmup_steps=config.optimizer.warmup_steps,
         num_training_steps=total,
     )
-    start = 0
-    metrics_path = out / METRICS
-    if checkpoint is not None:
-        start = apply_checkpoint(checkpoint, model, optimizer, scheduler)
-        checkpoint = None  # its tensors are in the model now
-        if start > total:
-            raise TrainError(
-                f"{point.path}: the checkpoint is at step {start}, past this run's {total} steps"
-            )
-        if info.is_main:
-            kept = (
-                [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start]
-                if metrics_path.exists()
-                else []
-            )
-            write_text_atomically(metrics_path, "".join(line + "\n" for line in kept))
-            if point.loss is None and kept:  # a checkpoint from before state.json held the loss
-                point.loss = json.loads(kept[-1])["loss"]
-        logger.info("resumed from %s (step %d)", point.path, start)
-    else:
-        if resume and info.is_main:
-            logger.warning("%s: no checkpoint to resume from: starting at step 0", out)
-        if metrics_path.exists() and info.is_main:
-            metrics_path.unlink()
+    run = _Run(
+        config=config,
+        info=info,
+        out=out,
+        tokenizer=tokenizer,
+        bins=bins,
+        label_tokens=[count_label_tokens(b) for b in bins],
+        packing=packing,
+        data_report=data_report,
+        dtype=dtype,
+        device=device,
+        fingerprint=fingerprint,
+        point=point,
+        model=model,
+        policies=policies,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        total=total,
+        bins_for=bins_for,
+    )
+    run.start = _restore(run, checkpoint, resume=resume)
+    del checkpoint  # its tensors are in the model now
     if info.is_main:
-        write_text_atomically(out / "config.json", json.dumps(config.to_dict(), indent=1))
+        write_text_atomically(out / CONFIG, json.dumps(config.to_dict(), indent=1))
     info.barrier()
-    kill_after = int(
-        os.environ.get("SLIPSTREAM_FAULT_KILL_AFTER_STEP", "0")
-    )  # a fault-injection hook for tests
-    interrupt_after = fault_interrupt_step(info.rank)  # another one: Ctrl-C after that step
-    writer = _tensorboard(out) if config.training.tensorboard and info.is_main else None
-    label_tokens = [_label_tokens(b) for b in bins]
+    return run
+
+
+def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
+    """Load the checkpoint resumed from and keep the metrics up to it; the step to start at."""
+    info, point = run.info, run.point
+    if checkpoint is None:
+        if resume and info.is_main:
+            logger.warning("%s: no checkpoint to resume from: starting at step 0", run.out)
+        if info.is_main:
+            rewind_metrics(run.out, 0)
+        return 0
+    start = apply_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
+    if start > run.total:
+        raise TrainError(
+            f"{point.path}: the checkpoint is at step {start}, past this run's {run.total} steps"
+        )
+    if info.is_main:
+        kept = rewind_metrics(run.out, start)
+        if point.loss is None and kept:  # a checkpoint from before state.json held the loss
+            point.loss = kept[-1]["loss"]
+    logger.info("resumed from %s (step %d)", point.path, start)
+    return start
+
+
+# ----------------------------------------------------------------------------- the loop
+def _train_step(run: _Run, step: int) -> tuple[float, float, int]:
+    """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm and tokens."""
+    step_bins = run.bins_for(step)
+    micro = []
+    for index in step_bins[run.info.rank :: run.info.world_size]:
+        batch = collate_packed(run.bins[index], device=run.device)
+        micro.append((batch.model_inputs(), batch.num_label_tokens))
+    result = train_step(
+        run.model,
+        micro,
+        run.optimizer,
+        max_grad_norm=run.config.optimizer.max_grad_norm,
+        global_tokens=sum(run.label_tokens[i] for i in step_bins),
+        loss_scale=run.info.world_size,
+    )
+    run.scheduler.step()
+    tokens = sum(len(d["input_ids"]) for index in step_bins for d in run.bins[index])
+    return run.info.sum(result["loss"]), result["grad_norm"], tokens
+
+
+class _Metrics:
+    """``metrics.jsonl`` (every ``training.log_every`` steps and the last) and TensorBoard; rank 0 writes."""
+
+    def __init__(self, run: _Run) -> None:
+        self.every, self.total = run.config.training.log_every, run.total
+        main = run.info.is_main
+        self.writer = _tensorboard(run.out) if run.config.training.tensorboard and main else None
+        self.stream = (run.out / METRICS).open("a") if main else None
+
+    def log(self, record: dict) -> None:
+        step = record["step"]
+        if self.stream is None or (step % self.every != 0 and step != self.total):
+            return
+        self.stream.write(json.dumps(record) + "\n")
+        self.stream.flush()
+        if self.writer is not None:
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
+                self.writer.add_scalar(f"train/{key}", record[key], step)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _tensorboard(out: Path):
+    try:  # function-level: tensorboard is optional, needed only with training.tensorboard
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise ConfigError(f"training.tensorboard needs the tensorboard package ({error})") from None
+    return SummaryWriter(str(out / TENSORBOARD))
+
+
+def _checkpoint(run: _Run, step: int, loss: float) -> None:
+    checkpoint_and_prune(
+        run.out,
+        step,
+        run.model,
+        run.optimizer,
+        run.scheduler,
+        loss=loss,
+        fingerprint=run.fingerprint,
+        keep=run.config.training.keep_checkpoints,
+    )
+
+
+def _stop(run: _Run, requested: str | None, step: int, loss: float, saved: bool) -> TrainInterrupted:
+    """Save step ``step`` (if not just saved) for a stop every rank agreed on; the error that says so."""
+    if run.info.strategy == "fsdp2":
+        where = "no checkpoint (training.distributed fsdp2 cannot write checkpoints yet)"
+        how = "run it again to start over"
+    else:
+        if run.info.is_main and not saved:
+            _checkpoint(run, step, loss)
+        run.info.barrier()
+        where = f"checkpoint {run.out / CHECKPOINTS / f'step-{step:06d}'}"
+        how = "run the same command with --resume to continue"
+    return TrainInterrupted(
+        f"{requested or 'a stop request on another rank'}: stopped after step "
+        f"{step} of {run.total}; {where}: {how}"
+    )
+
+
+def _run_steps(run: _Run, *, progress: bool, after_step: Callable[[int], None] | None) -> list[float]:
+    """Steps ``run.start`` to ``run.total``; returns their losses. Ctrl-C stops after a whole step."""
+    config, info, total = run.config, run.info, run.total
+    metrics = _Metrics(run)
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
     bar = tqdm(
-        range(start, total),
-        initial=start,
+        range(run.start, total),
+        initial=run.start,
         total=total,
         desc="train",
         disable=not (progress and info.is_main),
         unit="step",
     )
-    metrics = metrics_path.open("a") if info.is_main else None
-    step, stop = start, GracefulStop()
+    step, stop = run.start, GracefulStop()
     try:
         stop.install()
         for step in bar:
-            step_bins = bins_for(step)
-            micro = []
-            for index in step_bins[info.rank :: info.world_size]:
-                batch = collate_packed(bins[index], device=device)
-                micro.append((batch.model_inputs(), batch.num_label_tokens))
-            tokens_seen += sum(len(d["input_ids"]) for index in step_bins for d in bins[index])
-            result = train_step(
-                model,
-                micro,
-                optimizer,
-                max_grad_norm=config.optimizer.max_grad_norm,
-                global_tokens=sum(label_tokens[i] for i in step_bins),
-                loss_scale=info.world_size,
-            )
-            scheduler.step()
-            loss = info.sum(result["loss"])
+            loss, grad_norm, tokens = _train_step(run, step)
+            tokens_seen += tokens
             elapsed = time.perf_counter() - begin
             record = {
                 "step": step + 1,
                 "loss": loss,
-                "grad_norm": result["grad_norm"],
-                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm,
+                "lr": run.scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_seen / elapsed,
                 "elapsed_s": elapsed,
             }
             losses.append(loss)
-            if metrics is not None and ((step + 1) % config.training.log_every == 0 or step + 1 == total):
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                if writer is not None:
-                    for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
-                        writer.add_scalar(f"train/{key}", record[key], step + 1)
+            metrics.log(record)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             saved = False
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
                 if info.is_main:
-                    _checkpoint(out, step + 1, model, optimizer, scheduler, loss, fingerprint, config)
+                    _checkpoint(run, step + 1, loss)
                 saved = True
                 info.barrier()
-            if kill_after and step + 1 == kill_after:
-                if metrics is not None:
-                    metrics.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
-            if interrupt_after and step + 1 == interrupt_after:
-                send_interrupt()
-            if _stop_agreed(stop.requested, info):
-                if info.strategy == "fsdp2":
-                    where = "no checkpoint (training.distributed fsdp2 cannot write checkpoints yet)"
-                    how = "run it again to start over"
-                else:
-                    if info.is_main and not saved:
-                        _checkpoint(out, step + 1, model, optimizer, scheduler, loss, fingerprint, config)
-                    info.barrier()
-                    where = f"checkpoint {out / CHECKPOINTS / f'step-{step + 1:06d}'}"
-                    how = "run the same command with --resume to continue"
-                raise TrainInterrupted(
-                    f"{stop.requested or 'a stop request on another rank'}: stopped after step "
-                    f"{step + 1} of {total}; {where}: {how}"
-                )
+            if after_step is not None:
+                after_step(step + 1)
+            if stop_agreed(stop.requested, info):
+                raise _stop(run, stop.requested, step + 1, loss, saved)
     except KeyboardInterrupt as error:
         if isinstance(error, TrainInterrupted):
             raise
-        newest = newest_checkpoint(out)
+        newest = newest_checkpoint(run.out)
         raise TrainInterrupted(
             f"stopped at once during step {step + 1} of {total} (a second Ctrl-C), nothing saved for it: "
             + (
@@ -460,75 +513,68 @@ def train(
         ) from None
     finally:
         stop.restore()
-        if metrics is not None:
-            metrics.close()
-        if writer is not None:
-            writer.close()
+        metrics.close()
+    return losses
+
+
+# ----------------------------------------------------------------------------- finishing
+def _summary(run: _Run, losses: list[float]) -> dict:
+    """What ``run.json`` records and ``train`` returns."""
+    data = run.data_report.to_dict() if run.data_report is not None else {"source": "built-in demo data"}
     summary = {
-        "steps": total,
-        "final_loss": losses[-1] if losses else point.loss,
-        "data": data_report.to_dict() if data_report is not None else {"source": "built-in demo data"},
-        "packing": packing.summary(),
-        "policies": list(policies),
-        "dtype": str(dtype).removeprefix("torch."),
-        "world_size": info.world_size,
-        "distributed": info.strategy,
+        "steps": run.total,
+        "final_loss": losses[-1] if losses else run.point.loss,
+        "data": data,
+        "packing": run.packing.summary(),
+        "policies": list(run.policies),
+        "dtype": str(run.dtype).removeprefix("torch."),
+        "world_size": run.info.world_size,
+        "distributed": run.info.strategy,
     }
-    if point.path is not None:
+    if run.point.path is not None:
         summary["resumed"] = {
-            "from": str(point.path),
-            "step": point.step,
-            "skipped_damaged": point.skipped,
-            "forced": point.forced,
+            "from": str(run.point.path),
+            "step": run.point.step,
+            "skipped_damaged": run.point.skipped,
+            "forced": run.point.forced,
         }
-    state = full_trainable_state(model, info) if info.strategy == "fsdp2" else None  # collective: every rank
+    return summary
+
+
+def train(
+    config: TrainConfig,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    force: bool = False,
+    after_step: Callable[[int], None] | None = None,
+):
+    """Run the training described by ``config``; returns ``(model, summary)``.
+
+    ``resume`` continues from the newest usable checkpoint in ``config.output_dir`` after
+    checking it was computed from the same config, data and tokenizer; ``force`` accepts a
+    change that leaves the checkpoint loadable (the data, say). ``overwrite`` starts over in
+    a directory slipstream marked as its own. Ctrl-C saves a checkpoint of the last completed
+    step and raises ``TrainInterrupted``. Under torchrun every rank runs this; each takes its
+    share of every step and rank 0 writes. ``after_step(n)`` runs on every rank once step n
+    is complete (checkpoint included), before a stop request is looked at: tests inject
+    their faults there.
+    """
+    run = _set_up(config, resume=resume, overwrite=overwrite, force=force)
+    losses = _run_steps(run, progress=progress, after_step=after_step)
+    summary = _summary(run, losses)
+    info = run.info
+    # a collective under FSDP2: every rank gathers, rank 0 writes
+    state = full_trainable_state(run.model, info) if info.strategy == "fsdp2" else None
     if info.is_main:
-        _save_final(out, model, tokenizer, config, summary, state)
+        save_final(
+            run.out,
+            run.model,
+            run.tokenizer,
+            summary,
+            state=state,
+            expert_lora=config.lora.enabled and config.lora.experts,
+        )
     info.barrier()
     shutdown(info)
-    return model, summary
-
-
-def _checkpoint(out, step, model, optimizer, scheduler, loss, fingerprint, config: TrainConfig) -> Path:
-    path = save_checkpoint(out, step, model, optimizer, scheduler, loss=loss, fingerprint=fingerprint)
-    prune_checkpoints(out, config.training.keep_checkpoints, step)
-    return path
-
-
-def _stop_agreed(requested: str | None, info) -> bool:
-    """Whether any rank was asked to stop (every rank calls this after every step)."""
-    if not info.enabled:
-        return requested is not None
-    return info.sum(1.0 if requested is not None else 0.0) > 0
-
-
-def _resume_point(out: Path, fingerprint, resumable: bool, force: bool, info):
-    """Rank 0 picks and checks the checkpoint; every rank gets its verdict and reads it."""
-    point, checkpoint, error = ResumePoint(), None, None
-    if info.is_main and resumable:
-        try:
-            point, checkpoint = find_resume_point(out, fingerprint, force=force)
-        except TrainError as caught:
-            error = str(caught)
-    if info.enabled:
-        import torch.distributed as dist
-
-        box = [(point, error)]
-        dist.broadcast_object_list(box, src=0)
-        point, error = box[0]
-    if error is not None:
-        raise TrainError(error)
-    if point.path is not None and checkpoint is None:
-        try:
-            checkpoint = read_checkpoint(point.path)
-        except DamagedCheckpoint as damaged:
-            raise TrainError(f"{point.path}: {damaged}") from None
-    return point, checkpoint
-
-
-def _tensorboard(out: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise ConfigError(f"training.tensorboard needs the tensorboard package ({error})") from None
-    return SummaryWriter(str(out / "tensorboard"))
+    return run.model, summary

@@ -39,10 +39,13 @@ FINISHED = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 CONFIG = "config.json"
-OWN_ENTRIES = frozenset({MARKER, "adapter", CHECKPOINTS, METRICS, FINISHED, CONFIG, "tensorboard"})
+ADAPTER = "adapter"
+TENSORBOARD = "tensorboard"
+OWN_ENTRIES = frozenset({MARKER, ADAPTER, CHECKPOINTS, METRICS, FINISHED, CONFIG, TENSORBOARD})
 
-# What an interrupted write leaves: ``atomic.temporary_path`` (".run.tmp-123.json"), the adapter
-# (".adapter.tmp-123") and checkpoints (".step-000008.tmp-123", ".step-000004.old-123").
+# What an interrupted write leaves (see ``atomic``): files (".run.tmp-123.json"), the adapter
+# (".adapter.tmp-123.9f3a0c2e") and checkpoints (".step-000008.tmp-123.9f3a0c2e", and
+# ".step-000004.old-123.5b1d7e40" for one being replaced or pruned).
 _LEFTOVER = re.compile(r"^\..+\.(tmp|old)-\d+(\.[A-Za-z0-9]+)?$")
 
 
@@ -112,6 +115,18 @@ def _clear(out: Path, entries: list[str], overwrite: bool) -> None:
             "y" if len(kept) == 1 else "ies",
             ", ".join(kept),
         )
+
+
+def rewind_metrics(out: Path, step: int) -> list[dict]:
+    """Keep the records of ``metrics.jsonl`` up to ``step`` (a resumed run redoes the rest); 0 deletes it."""
+    path = Path(out) / METRICS
+    if step == 0:
+        path.unlink(missing_ok=True)
+        return []
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = [(line, record) for line in lines if (record := json.loads(line))["step"] <= step]
+    write_text_atomically(path, "".join(line + "\n" for line, _ in kept))
+    return [record for _, record in kept]
 
 
 def prepare_output(out: Path, *, resume: bool, overwrite: bool) -> bool:
