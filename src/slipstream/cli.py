@@ -15,7 +15,9 @@ from . import __version__
 from . import speedups as speedups_module  # read at call time: a new field shows in the help
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
+from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .fields import choices, field_types
+from .train.config import ConfigError, load_config
 
 DESCRIPTION = """\
 slipstream makes LoRA / QLoRA fine-tuning of Hugging Face causal LMs faster and proves
@@ -144,9 +146,7 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train(args) -> int:
-    from .data import DataError
-    from .train.config import ConfigError, load_config
-    from .train.loop import TrainError, train
+    from .train.loop import TrainError, train  # pulls in peft / bitsandbytes: only `train` pays for them
 
     try:
         config = load_config(args.config, args.set)
@@ -184,7 +184,6 @@ def _add_pack(sub) -> None:
 
 
 def _cmd_pack(args) -> int:
-    from .data import DataError, demo_tokenizer, load_samples, pack_samples
 
     if args.tokenizer:
         from transformers import AutoTokenizer

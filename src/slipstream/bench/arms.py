@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .. import speedups as speedups_module  # read at call time, so a new field is known here
+from ..data.labels import count_label_tokens
 from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
-from ..train.step import count_label_tokens
 
 # Each arm: the batch layout, the toggles it runs with and its loss ("stock": transformers'
 # full logits; "chunked": slipstream's chunked LM head + loss; "trl-fused": TRL 1.16's fused LM
@@ -77,7 +77,7 @@ def micro_batch_inputs(arm: str, docs: list[dict], device: str):
     spec = ARM_SPECS[arm]
     if spec["layout"] == "padded":
         inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in collate_padded(docs).items()}
-        return inputs, count_label_tokens(inputs["labels"])
+        return inputs, count_label_tokens(docs)  # the same count the packed layouts carry
     batch = collate_packed(docs, device=device)
     inputs = batch.model_inputs() if spec["packed_attention"] else batch.stock_inputs()
     if spec["loss"] == "trl-fused":

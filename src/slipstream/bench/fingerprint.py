@@ -8,6 +8,9 @@ import subprocess
 from pathlib import Path
 
 import torch
+import transformers
+
+from .._version import __version__
 
 
 def _cpu_name() -> str:
@@ -38,9 +41,6 @@ def _git_revision() -> str | None:
 
 def fingerprint() -> dict:
     """Where a figure was measured: device, CPU, library versions, git revision."""
-    import transformers
-
-    from .. import __version__
 
     info = {
         "cpu": _cpu_name(),

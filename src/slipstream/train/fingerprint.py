@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..data import demo_rows
 from ..data.samples import hash_path, tokenizer_parts
 from .errors import TrainError
 
@@ -95,8 +96,6 @@ def config_fingerprint(config, *, world_size: int, dtype: torch.dtype) -> dict[s
 
 def data_fingerprint(config) -> dict[str, Any]:
     if config.data.path is None:
-        from ..data import demo_rows
-
         rows = demo_rows(config.data.demo_rows, config.seed)
         sha = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
         return {"kind": "demo", "path": None, "sha256": sha}

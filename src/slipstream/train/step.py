@@ -14,16 +14,8 @@ from typing import Any
 
 import torch
 
-from ..data.labels import IGNORE_INDEX
-
 # A micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
 MicroBatch = tuple[dict[str, Any], int]
-
-
-def count_label_tokens(labels: torch.Tensor, shifted: bool = True) -> int:
-    """Label tokens the causal-LM loss will count (after the one-token shift when ``shifted``)."""
-    labels = labels[..., 1:] if shifted else labels
-    return int((labels != IGNORE_INDEX).sum())
 
 
 def train_step(
