@@ -80,3 +80,11 @@ def test_a_new_speedup_is_one_field(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="run.yaml:3: 'speedups.toy_fusion' must be true or false"):
         load_config(yaml_path)
     assert [f.name for f in dataclasses.fields(WithToy)][-1] == "toy_fusion"
+
+
+def test_the_training_dtypes_are_the_run_precisions_and_auto():
+    import typing
+
+    from slipstream.fields import Dtype, Precision
+
+    assert typing.get_args(Dtype) == ("auto", *typing.get_args(Precision))

@@ -53,7 +53,7 @@ Positive = Annotated[int, Range(ge=1)]
 NonNegative = Annotated[int, Range(ge=0)]
 # The precisions, listed once: a run's (ab) and, with "auto", a training config's.
 Precision = Literal["float32", "bfloat16", "float16"]
-Dtype = Literal["auto"] | Precision
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # Precision and "auto" (test_fields checks)
 
 
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?")
