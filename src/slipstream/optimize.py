@@ -66,11 +66,12 @@ class OptimizeState:
 
 def state_of(model: torch.nn.Module) -> OptimizeState | None:
     """The slipstream state of ``model`` (through a PEFT wrapper), or None if never optimized."""
-    return getattr(_base_model(model), _STATE_ATTR, None)
+    return getattr(base_model(model), _STATE_ATTR, None)
 
 
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself). (A DDP / FSDP wrapper is
+    ``train.distributed.unwrap``'s: that one keeps the adapters' wrapper.)"""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -133,7 +134,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
     moe_routing, moe_compute = speedups.moe_routing, speedups.moe_compute
     checkpointing = speedups.checkpointing
     chunked_loss, loss_chunk_tokens = speedups.chunked_loss, speedups.loss_chunk_tokens
-    base = _base_model(model)
+    base = base_model(model)
     state: OptimizeState | None = getattr(base, _STATE_ATTR, None)
     if state is None:
         state = OptimizeState(

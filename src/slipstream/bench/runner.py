@@ -26,6 +26,7 @@ from ..fields import Precision, check_fields
 from ..models import preset_vocab_size
 from ..offload import device_activation_bytes
 from ..offload.policy import Checkpointing
+from ..optimize import base_model
 from ..train.step import train_step
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS, build_arm_model, micro_batch_inputs
 from .ceiling import parse_bytes, search_all
@@ -179,9 +180,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         host_syncs_by_op={},
         peak_memory_mb=0.0,
         memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-        attn_implementation=(
-            model.get_base_model() if config.lora_rank else model
-        ).config._attn_implementation,
+        attn_implementation=base_model(model).config._attn_implementation,
         policies=state.policies if state else [],  # the model's own list: first-step decisions join it
         activation_bytes=activation_bytes,
     )
