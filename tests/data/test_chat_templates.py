@@ -12,22 +12,14 @@ from __future__ import annotations
 import pytest
 
 from slipstream.data import DataError, tokenize_row
+from tests.data.conftest import labelled_runs as labelled_token_runs
 
 IGNORE = -100
 
 
 def labelled_runs(sample, tokenizer):
-    runs, current = [], []
-    for token, label in zip(sample["input_ids"], sample["labels"], strict=True):
-        if label == IGNORE:
-            if current:
-                runs.append(current)
-            current = []
-        else:
-            assert label == token
-            current.append(token)
-    runs += [current] if current else []
-    return [tokenizer.decode(run) for run in runs]
+    """The labelled runs of a sample, decoded."""
+    return [tokenizer.decode(run) for run in labelled_token_runs(sample)]
 
 
 def user(text):

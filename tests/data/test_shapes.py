@@ -6,6 +6,7 @@ import pytest
 
 from slipstream.data import DataError, tokenize_row
 from slipstream.data.demo_bpe import CHAT_TEMPLATE
+from tests.data.conftest import labelled_runs
 
 IGNORE = -100
 CHAT = [
@@ -15,20 +16,6 @@ CHAT = [
     {"role": "user", "content": "Reverse the words: apple river stone"},
     {"role": "assistant", "content": "stone river apple"},
 ]
-
-
-def labelled_runs(sample):
-    """The contiguous runs of labelled tokens, each as a list of ids."""
-    runs, current = [], []
-    for token, label in zip(sample["input_ids"], sample["labels"], strict=True):
-        if label == IGNORE:
-            if current:
-                runs.append(current)
-            current = []
-        else:
-            assert label == token
-            current.append(token)
-    return runs + ([current] if current else [])
 
 
 def test_chat_uses_the_template_and_trains_everything_by_default(tokenizer):
