@@ -14,8 +14,6 @@ import pytest
 from slipstream.data import DataError, tokenize_row
 from tests.data.conftest import labelled_runs as labelled_token_runs
 
-IGNORE = -100
-
 
 def labelled_runs(sample, tokenizer):
     """The labelled runs of a sample, decoded."""

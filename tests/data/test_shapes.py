@@ -8,7 +8,6 @@ from slipstream.data import DataError, tokenize_row
 from slipstream.data.demo_bpe import CHAT_TEMPLATE
 from tests.data.conftest import labelled_runs
 
-IGNORE = -100
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Add each pair: 12+7; 33+45"},
