@@ -91,3 +91,26 @@ def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
     # only the packed attention removes the stock path's sync (MoE routing here is grouped_mm: 0 either way)
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["slipstream-no-packed-attention"]["host_syncs_per_step"] >= 1
+
+
+def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it_leaves_open():
+    from slipstream import Speedups
+    from slipstream.bench.arms import ARM_SPECS, arm_speedups
+    from slipstream.bench.runner import ABConfig
+
+    assert all(isinstance(arm.speedups, Speedups) for arm in ARM_SPECS.values())
+    config = ABConfig(checkpointing="offload", speedups={"moe_compute": "loop", "moe_routing": "sorted"})
+    slipstream_arm = arm_speedups(config, "slipstream")
+    assert (slipstream_arm.moe_compute, slipstream_arm.moe_routing, slipstream_arm.checkpointing) == (
+        "loop",
+        "sorted",
+        "offload",
+    )
+    ablated = arm_speedups(config, "slipstream-no-moe-routing")
+    assert ablated.moe_routing == "stock" and ablated.moe_compute == "loop"  # its own ablation wins
+    assert arm_speedups(config, "slipstream-no-offload").checkpointing == "recompute"
+    stock = arm_speedups(config, "stock-packed")
+    assert stock == Speedups(
+        packed_attention=False, moe_routing="stock", chunked_loss=False, checkpointing="recompute"
+    )
+    assert arm_speedups(ABConfig(), "stock-padded").checkpointing == "off"

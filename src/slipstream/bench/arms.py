@@ -8,54 +8,48 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-from .. import speedups as speedups_module  # read at call time, so a new field is known here
 from ..data.labels import count_label_tokens
 from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
+from ..speedups import Speedups
 
-# Each arm: the batch layout, the toggles it runs with and its loss ("stock": transformers'
-# full logits; "chunked": slipstream's chunked LM head + loss; "trl-fused": TRL 1.16's fused LM
-# head, as its SFTTrainer computes the loss). Stock arms are the model as users run it today
-# (transformers' own attention and experts); "trl-fused-head" is the peer users would pick for
-# memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
-_SLIPSTREAM = {
-    "layout": "packed",
-    "packed_attention": True,
-    "moe_routing": None,
-    "stock": False,
-    "loss": "chunked",
-}
-ARM_SPECS: dict[str, dict] = {
-    "stock-padded": {
-        "layout": "padded",
-        "packed_attention": False,
-        "moe_routing": "stock",
-        "stock": True,
-        "loss": "stock",
-    },
-    "stock-packed": {
-        "layout": "packed",
-        "packed_attention": False,
-        "moe_routing": "stock",
-        "stock": True,
-        "loss": "stock",
-    },
-    "trl-fused-head": {
-        "layout": "packed",
-        "packed_attention": False,
-        "moe_routing": "stock",
-        "stock": True,
-        "loss": "trl-fused",
-    },
-    "slipstream": _SLIPSTREAM,
-    "slipstream-offload": {**_SLIPSTREAM, "checkpointing": "auto"},
-    "slipstream-no-packed-attention": {**_SLIPSTREAM, "packed_attention": False},
-    "slipstream-no-moe-routing": {**_SLIPSTREAM, "moe_routing": "stock"},
-    "slipstream-no-offload": {**_SLIPSTREAM, "checkpointing": "recompute"},
-    "slipstream-no-chunked-loss": {**_SLIPSTREAM, "loss": "stock"},
+
+@dataclass(frozen=True)
+class Arm:
+    """An A/B arm: a batch layout plus the ``Speedups`` it runs.
+
+    ``stock``: the model as users run it today (transformers' own attention, experts and loss);
+    it keeps stock settings whatever speedup options the run sets, and recomputes when the run
+    checkpoints. ``peer_loss``: a peer's loss in place of ours ("trl-fused": TRL 1.16's fused
+    LM head, as its SFTTrainer computes the loss). A ``checkpointing`` of None takes the run's.
+    """
+
+    layout: Literal["packed", "padded"]
+    speedups: Speedups
+    stock: bool = False
+    peer_loss: Literal["trl-fused"] | None = None
+
+
+# Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
+# for memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
+STOCK = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False)
+SLIPSTREAM = Speedups()
+ARM_SPECS: dict[str, Arm] = {
+    "stock-padded": Arm("padded", STOCK, stock=True),
+    "stock-packed": Arm("packed", STOCK, stock=True),
+    "trl-fused-head": Arm("packed", STOCK, stock=True, peer_loss="trl-fused"),
+    "slipstream": Arm("packed", SLIPSTREAM),
+    "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
+    "slipstream-no-packed-attention": Arm("packed", SLIPSTREAM.replace(packed_attention=False)),
+    "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
+    "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
+    "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
@@ -75,33 +69,30 @@ ARM_PRESETS = {
 def micro_batch_inputs(arm: str, docs: list[dict], device: str):
     """The model kwargs of one micro-batch in ``arm``'s layout, and its label-token count."""
     spec = ARM_SPECS[arm]
-    if spec["layout"] == "padded":
+    if spec.layout == "padded":
         inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in collate_padded(docs).items()}
         return inputs, count_label_tokens(docs)  # the same count the packed layouts carry
     batch = collate_packed(docs, device=device)
-    inputs = batch.model_inputs() if spec["packed_attention"] else batch.stock_inputs()
-    if spec["loss"] == "trl-fused":
+    inputs = batch.model_inputs() if spec.speedups.packed_attention else batch.stock_inputs()
+    if spec.peer_loss == "trl-fused":
         inputs["fused_lm_head"] = True  # TRL's fused LM head computes the loss (see build_arm_model)
     return inputs, batch.num_label_tokens
 
 
-def arm_speedups(config, arm: str, checkpointing: str):
-    """What an arm runs: its own settings over the config's speedup options (slipstream arms only)."""
+def arm_speedups(config, arm: str) -> Speedups:
+    """What an arm runs: its own Speedups, the run's checkpointing where it sets none, and the
+    run's speedup options on the fields it leaves at their default (slipstream arms only)."""
     spec = ARM_SPECS[arm]
-    own = {
-        "packed_attention": spec["packed_attention"],
-        "moe_routing": spec["moe_routing"],
-        "checkpointing": checkpointing,
-        "chunked_loss": None if spec["loss"] == "chunked" else False,
-    }
-    # An option sets a field the arm leaves at its default; the field an arm ablates stays its own.
-    default = speedups_module.Speedups()
+    checkpointing = spec.speedups.checkpointing or config.checkpointing
+    if spec.stock:
+        return spec.speedups.replace(checkpointing="recompute" if checkpointing != "off" else "off")
+    default = Speedups()
     options = {
         key: value
         for key, value in config.speedups.items()
-        if not spec["stock"] and (key not in own or own[key] == getattr(default, key))
+        if getattr(spec.speedups, key) == getattr(default, key)  # an ablated field stays the arm's
     }
-    return speedups_module.Speedups(**{**own, **options})
+    return spec.speedups.replace(checkpointing=checkpointing, **options)
 
 
 def build_arm_model(config, arm: str, vocab_size: int, device: str):
@@ -118,12 +109,9 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
     )
     model.to(device).train()
     spec = ARM_SPECS[arm]
-    checkpointing = spec.get("checkpointing", config.checkpointing)
-    if spec["stock"] and checkpointing != "off":
-        checkpointing = "recompute"  # what stock transformers offers
-    optimize(model, arm_speedups(config, arm, checkpointing))
+    optimize(model, arm_speedups(config, arm))
     state = state_of(model)
-    if spec["loss"] == "trl-fused":
+    if spec.peer_loss == "trl-fused":
         # TRL is optional and heavy: only this arm imports it
         from trl.trainer.utils import add_fused_lm_head  # what SFTTrainer 1.16 installs (before PEFT)
 

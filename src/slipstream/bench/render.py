@@ -80,9 +80,9 @@ def ceiling_lines(record: dict) -> list[str]:
         f"({record['summary'][next(iter(ceiling))]['memory_kind']}; doubling then bisection, each probe a fresh process):",
         "",
         "| arm | max tokens per step | vs "
-        + " | vs ".join(a for a in ceiling if ARM_SPECS[a]["stock"])
+        + " | vs ".join(a for a in ceiling if ARM_SPECS[a].stock)
         + " | probes (tokens: peak GB) |",
-        "|---|---:|" + "---:|" * sum(1 for a in ceiling if ARM_SPECS[a]["stock"]) + "---|",
+        "|---|---:|" + "---:|" * sum(1 for a in ceiling if ARM_SPECS[a].stock) + "---|",
     ]
     for arm, found in ceiling.items():
         ratios = [
@@ -90,7 +90,7 @@ def ceiling_lines(record: dict) -> list[str]:
             if ceiling[base]["max_tokens"]
             else "-"
             for base in ceiling
-            if ARM_SPECS[base]["stock"]
+            if ARM_SPECS[base].stock
         ]
         probes = ", ".join(
             f"{p['tokens']}: {p['peak_bytes'] / 1e9:.2f}" if p["peak_bytes"] else f"{p['tokens']}: over"

@@ -120,8 +120,8 @@ def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
         for other in group[1:]:
             pair_records(group[0], other)
         arms = [a for a in group[0]["runs"] if all(a in r["runs"] for r in group)]
-        for arm in (a for a in arms if not ARM_SPECS[a]["stock"]):
-            for base in (a for a in arms if ARM_SPECS[a]["stock"]):
+        for arm in (a for a in arms if not ARM_SPECS[a].stock):
+            for base in (a for a in arms if ARM_SPECS[a].stock):
                 base_s = [s for r in group for s in _timed(r, base)]
                 arm_s = [s for r in group for s in _timed(r, arm)]
                 interval = speedup(base_s, arm_s)
@@ -164,7 +164,7 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
             continue
         machine = hardware(record)
         machines.add(machine)
-        stock = [a for a in ceiling if ARM_SPECS[a]["stock"] and ceiling[a]["max_tokens"]]
+        stock = [a for a in ceiling if ARM_SPECS[a].stock and ceiling[a]["max_tokens"]]
         for arm, found in ceiling.items():
             budget = f"{found['budget_bytes'] / 1e9:.1f} GB"
             ratios = [f"{found['max_tokens'] / ceiling[b]['max_tokens']:.1f}x {b}" for b in stock if b != arm]

@@ -250,9 +250,9 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
         parity = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
         summary[arm]["loss_vs_" + reference] = parity.verdict
         summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
-    stock_arms = [a for a in arms if ARM_SPECS[a]["stock"]]
+    stock_arms = [a for a in arms if ARM_SPECS[a].stock]
     for arm in arms:
-        if ARM_SPECS[arm]["stock"]:
+        if ARM_SPECS[arm].stock:
             continue
         for base in stock_arms:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
