@@ -12,7 +12,7 @@ import slipstream
 from slipstream.bench.compat import documents, reference, run_arm
 from slipstream.models.tiny_any import tiny_config, tiny_model
 from slipstream.offload import RecordingEngine, UnsupportedCheckpointing, enable_checkpointing
-from slipstream.packing import collate_packed
+from slipstream.packing import PACKED_BATCH_KWARG, collate_packed
 from slipstream.packing.guards import UnsupportedArchitecture
 from slipstream.packing.verdict import architecture_verdict, find_token_mixers
 
@@ -168,3 +168,27 @@ def test_hybrids_transformers_does_not_vouch_for_train_packed_when_their_attenti
     docs = documents(stock)
     result = run_arm(stock, docs, reference(stock, docs), {})
     assert result.status == "pass", result.detail
+
+
+def test_a_mixer_off_the_packed_token_stream_runs_as_it_is():
+    """An audio or vision tower's conv sees its own sequence, not the packed text row: not split."""
+    from slipstream.packing.guards import enter_forward, leave_forward
+    from slipstream.packing.verdict import _per_document_forward
+
+    conv = torch.nn.Conv1d(4, 4, 3, padding=2, groups=4)
+
+    def causal_conv(hidden_states):
+        return conv(hidden_states.transpose(1, 2))[..., : hidden_states.shape[1]].transpose(1, 2)
+
+    wrapped = _per_document_forward(conv, causal_conv)
+    batch = collate_packed([{"input_ids": [5] * n} for n in (3, 4)])
+    enter_forward(None, (), {PACKED_BATCH_KWARG: batch})
+    try:
+        row = torch.randn(1, 7, 4)  # the packed stream: split at the document bound
+        expected = torch.cat([causal_conv(row[:, :3]), causal_conv(row[:, 3:])], dim=1)
+        torch.testing.assert_close(wrapped(row), expected)
+        assert not torch.allclose(wrapped(row), causal_conv(row))
+        audio = torch.randn(1, 11, 4)  # another sequence: untouched
+        torch.testing.assert_close(wrapped(audio), causal_conv(audio))
+    finally:
+        leave_forward(None, (), {}, None)

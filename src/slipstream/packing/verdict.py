@@ -313,11 +313,13 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         if batch is None or len(batch.seq_lens) == 1:
             return forward(*args, **kwargs)
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] != 1:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[1] != batch.num_tokens:
+            # Not the packed token stream (an audio or vision tower's sequence): nothing to split.
+            return forward(*args, **kwargs)
+        if hidden.shape[0] != 1:
             raise UnsupportedArchitecture(
-                f"{type(module).__name__} got hidden states of shape "
-                f"{getattr(hidden, 'shape', None)}; the per-document adaptation needs one packed row [1, T, D]. "
-                + TRAIN_UNPACKED
+                f"{type(module).__name__} got hidden states of shape {tuple(hidden.shape)}; the per-document "
+                f"adaptation needs one packed row [1, T, D]. {TRAIN_UNPACKED}"
             )
         length = hidden.shape[1]
         mask = kwargs.get("attention_mask")
