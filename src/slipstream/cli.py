@@ -8,7 +8,6 @@ import logging
 import os
 import sys
 import time
-import typing
 from pathlib import Path
 
 from . import __version__
@@ -16,7 +15,7 @@ from . import speedups as speedups_module  # read at call time: a new field show
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
-from .fields import choices, field_types
+from .fields import choices, field_types, is_kind
 from .train.config import ConfigError, load_config
 
 DESCRIPTION = """\
@@ -103,8 +102,9 @@ def speedups_help(prefix: str) -> str:
     for spec in dataclasses.fields(speedups_module.Speedups):
         allowed = choices(field_types(speedups_module.Speedups)[spec.name])
         expected = field_types(speedups_module.Speedups)[spec.name]
-        is_bool = bool in (expected, *typing.get_args(expected))
-        values = "|".join(map(str, allowed)) if allowed else "true|false" if is_bool else "VALUE"
+        values = (
+            "|".join(map(str, allowed)) if allowed else "true|false" if is_kind(expected, bool) else "VALUE"
+        )
         lines.append(f"  {prefix}{spec.name}: {values}  (default {spec.default!r})")
         lines.append(f"      {spec.metadata.get('help', '')}")
     return "\n".join(lines)

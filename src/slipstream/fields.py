@@ -132,3 +132,10 @@ def choices(expected: Any) -> tuple | None:
     if typing.get_origin(expected) is Annotated:
         return choices(typing.get_args(expected)[0])
     return typing.get_args(expected) if typing.get_origin(expected) is Literal else None
+
+
+def is_kind(expected: Any, kind: type) -> bool:
+    """Whether annotation ``expected`` (maybe Optional / Annotated) is ``kind``."""
+    if expected is kind:
+        return True
+    return any(is_kind(arg, kind) for arg in typing.get_args(expected) if arg is not type(None))

@@ -8,11 +8,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import typing
 from pathlib import Path
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
-from ..fields import choices, field_types
+from ..fields import choices, field_types, is_kind
 from .arms import ARM_PRESETS
 from .render import print_tables, write_record
 from .runner import ABConfig, parity_failures, run_ab
@@ -32,8 +31,8 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
             options["default"] = ",".join(value)
         elif choices(expected):
             options["choices"] = choices(expected)
-        elif _is(expected, int) or _is(expected, float):
-            options["type"] = int if _is(expected, int) else float
+        elif is_kind(expected, int) or is_kind(expected, float):
+            options["type"] = int if is_kind(expected, int) else float
         if spec.metadata.get("metavar"):
             options["metavar"] = spec.metadata["metavar"]
         p.add_argument(spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"), **options)
@@ -69,7 +68,7 @@ def add_speedup_arguments(p: argparse.ArgumentParser, defaults: ABConfig) -> Non
         flag = "--" + spec.name.replace("_", "-")
         expected = field_types(speedups_module.Speedups)[spec.name]
         allowed = choices(expected)
-        kind = _bool if _is(expected, bool) else int if _is(expected, int) else str
+        kind = _bool if is_kind(expected, bool) else int if is_kind(expected, int) else str
         default = defaults.checkpointing if spec.name == "checkpointing" else None
         p.add_argument(
             flag,
@@ -80,13 +79,6 @@ def add_speedup_arguments(p: argparse.ArgumentParser, defaults: ABConfig) -> Non
             metavar=None if allowed else spec.name.upper(),
             help=spec.metadata.get("help", "") + " (slipstream arms)",
         )
-
-
-def _is(expected, kind) -> bool:
-    """Whether annotation ``expected`` (maybe Optional / Annotated) is ``kind``."""
-    if expected is kind:
-        return True
-    return any(_is(arg, kind) for arg in typing.get_args(expected) if arg is not type(None))
 
 
 def _speedup_options(args: argparse.Namespace) -> dict:

@@ -145,15 +145,19 @@ def reference(model: torch.nn.Module, docs: list[list[int]]) -> Reference:
     with torch.no_grad():
         logits = [model(input_ids=torch.tensor([doc])).logits[0].float() for doc in docs]
     model.zero_grad(set_to_none=True)
+    return Reference(logits, _backward_per_document(model, docs), _grads(model))
+
+
+def _backward_per_document(model: torch.nn.Module, docs: list[list[int]]) -> float:
+    """Each document alone, its loss weighted by its label tokens (a padded batch's loss); back-propagated."""
     total_labels = sum(len(doc) - 1 for doc in docs)
     loss = 0.0
     for doc in docs:
         ids = torch.tensor([doc])
-        out = model(input_ids=ids, labels=ids)
-        part = out.loss * (len(doc) - 1) / total_labels
+        part = model(input_ids=ids, labels=ids).loss * (len(doc) - 1) / total_labels
         part.backward()
         loss += part.item()
-    return Reference(logits, loss, _grads(model))
+    return loss
 
 
 # --------------------------------------------------------------------------- comparing
@@ -252,13 +256,7 @@ def run_arm(
         else:  # unpacked: one document per row, the loss weighted by label tokens as in the reference
             with torch.no_grad():
                 logits = [model(input_ids=torch.tensor([doc])).logits[0].float() for doc in docs]
-            total_labels = sum(len(doc) - 1 for doc in docs)
-            loss = 0.0
-            for doc in docs:
-                ids = torch.tensor([doc])
-                part = model(input_ids=ids, labels=ids).loss * (len(doc) - 1) / total_labels
-                part.backward()
-                loss += part.item()
+            loss = _backward_per_document(model, docs)
         result = _compare(ref, logits, loss, _grads(model))
     except Exception as error:  # noqa: BLE001 - every failure is an outcome here
         status = "refused" if _is_refusal(error) else "CRASH"

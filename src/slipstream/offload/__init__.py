@@ -12,6 +12,7 @@ import logging
 import torch
 
 from ..packing.guards import bind_running
+from ..packing.verdict import decoder_layers
 from .accounting import device_activation_bytes
 from .checkpoint import OffloadManager, UnsupportedCheckpointing
 from .engine import CudaEngine, RecordingEngine
@@ -41,9 +42,7 @@ def _recompute(function, *args, **kwargs):
 
 def checkpointing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers transformers lets us checkpoint, in forward order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return decoder_layers(model)
 
 
 def enable_checkpointing(

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .batch import PACKED_BATCH_KWARG, PackedBatch
 from .guards import ATTENTION_CALL_LISTENERS, UnsupportedArchitecture, active_batch, running_unpacked
@@ -96,9 +97,8 @@ class ArchitectureVerdict:
         return notes
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' GradientCheckpointingLayer), in forward order."""
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -110,7 +110,7 @@ def _is_attention(module: torch.nn.Module) -> bool:
 
 def find_token_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules of the decoder layers that mix tokens by something other than attention."""
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     names = {id(m): n for n, m in model.named_modules()}
     found: list[tuple[str, torch.nn.Module]] = []
     for layer in layers:
@@ -133,7 +133,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     mixers = {id(m) for _, m in find_token_mixers(model)}
     return [
         child
-        for layer in _decoder_layers(model)
+        for layer in decoder_layers(model)
         for child in layer.children()
         if child is not None and _is_attention(child) and id(child) not in mixers
     ]
