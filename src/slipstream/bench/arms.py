@@ -4,6 +4,11 @@
 - ``stock-packed``: stock transformers (sdpa), the packed row with restarting position_ids
   (transformers detects packing and builds a dense [1, 1, T, T] mask).
 - ``slipstream``: ``slipstream.optimize`` and the PackedBatch.
+- peers (``bench/peers``): ``trl`` (one optimizer step as TRL's SFTTrainer takes it),
+  ``stock-offload`` (transformers' own offloaded checkpointing, CUDA only), ``unsloth`` and
+  ``unsloth-same-settings`` (Unsloth in its own virtualenv: its defaults, then ours) and
+  ``liger`` (Liger-Kernel's patched model, CUDA only). A peer that cannot run here is skipped
+  with the reason in the record.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
+from .peers import Peer, prepare_base_model
 
 
 @dataclass(frozen=True)
@@ -27,13 +33,16 @@ class Arm:
     ``stock``: the model as users run it today (transformers' own attention, experts and loss);
     it keeps stock settings whatever speedup options the run sets, and recomputes when the run
     checkpoints. ``peer_loss``: a peer's loss in place of ours ("trl-fused": TRL 1.16's fused
-    LM head, as its SFTTrainer computes the loss). A ``checkpointing`` of None takes the run's.
+    LM head, as its SFTTrainer computes the loss). ``peer``: the tool users would pick instead,
+    run as that tool runs it (``bench/peers``); peer arms are baselines like the stock ones, so
+    every slipstream arm gets a speedup against each. A ``checkpointing`` of None takes the run's.
     """
 
     layout: Literal["packed", "padded"]
     speedups: Speedups
     stock: bool = False
     peer_loss: Literal["trl-fused"] | None = None
+    peer: Peer | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -50,6 +59,14 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
+    # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
+    "trl": Arm("packed", STOCK, stock=True, peer="trl"),
+    "stock-offload": Arm(
+        "packed", STOCK.replace(checkpointing="off"), stock=True, peer="transformers-offload"
+    ),
+    "unsloth": Arm("padded", STOCK, stock=True, peer="unsloth"),
+    "unsloth-same-settings": Arm("padded", STOCK, stock=True, peer="unsloth-same-settings"),
+    "liger": Arm("packed", STOCK, stock=True, peer="liger"),
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
@@ -63,6 +80,16 @@ ARM_PRESETS = {
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
+    # the tools users would pick instead, each on the same bins, weights, LoRA and seed
+    "peers": (
+        "trl",
+        "stock-packed",
+        "stock-offload",
+        "unsloth",
+        "unsloth-same-settings",
+        "liger",
+        "slipstream",
+    ),
 }
 
 
@@ -117,16 +144,21 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
 
         add_fused_lm_head(model)
         state.policies.append("loss: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)")
-    if config.lora_rank:
-        from peft import LoraConfig, get_peft_model  # heavy: only LoRA runs import it
+    if spec.peer:
+        state.policies.extend(prepare_base_model(spec.peer, model))
+    return attach_lora(model, config), state
 
-        torch.manual_seed(config.seed)  # the same adapter initialisation in every arm
-        model = get_peft_model(
-            model,
-            LoraConfig(
-                r=config.lora_rank,
-                lora_alpha=2 * config.lora_rank,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-            ),
-        )
-    return model, state
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def attach_lora(model, config):
+    """The run's PEFT LoRA (rank ``config.lora_rank``, alpha 2r, no dropout, q/k/v/o), initialised
+    from ``config.seed``: the same adapter in every arm, peers included. Rank 0: the model as is."""
+    if not config.lora_rank:
+        return model
+    from peft import LoraConfig, get_peft_model  # heavy: only LoRA runs import it
+
+    torch.manual_seed(config.seed)  # the same adapter initialisation in every arm
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=list(LORA_TARGETS))
+    return get_peft_model(model, lora)

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..data import demo_samples, demo_tokenizer
 from ..train.step import train_step
-from .arms import build_arm_model, micro_batch_inputs
+from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _OVER_BUDGET_EXIT = 86  # the watchdog's exit status
@@ -169,7 +169,10 @@ def search_all(config, vocab_size: int, run_in_fresh_process, progress: bool = T
             )
         return result
 
+    # A peer's step is its own tool's (TRL's trainer, Unsloth's venv): the probe step is ours, so
+    # peers are left out of the search rather than measured as something they are not.
     return {
         arm: max_tokens_within(config, arm, vocab_size, lambda tokens, arm=arm: probe(arm, tokens))
         for arm in config.arms
+        if not ARM_SPECS[arm].peer
     }

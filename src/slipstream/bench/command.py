@@ -41,8 +41,10 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
                 "--preset",
                 choices=tuple(ARM_PRESETS),
                 default=None,
-                help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out) "
-                "or ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload)",
+                help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out), "
+                "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload) or peers (trl, "
+                "stock-packed, stock-offload, unsloth, unsloth-same-settings, liger, slipstream; a peer "
+                "that cannot run here is skipped with the reason)",
             )
     add_speedup_arguments(p, defaults)
 

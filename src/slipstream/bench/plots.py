@@ -23,7 +23,9 @@ def _save(fig, path: Path) -> Path:
 
 def ab_plots(record: dict, out_dir: Path) -> list[Path]:
     """loss.png (curves overlaid), step_time.png (distribution per arm), memory.png (peak per arm)."""
-    config, runs, summary = record["config"], record["runs"], record["summary"]
+    config = record["config"]
+    summary = {arm: s for arm, s in record["summary"].items() if "skipped" not in s}  # arms that trained
+    runs = {arm: record["runs"][arm] for arm in summary}
     title = f"{config['model']} · max_seq_len {config['max_seq_len']} · {config['dtype']}"
     paths = []
 

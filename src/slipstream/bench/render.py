@@ -28,6 +28,16 @@ def _parity(s: dict) -> str:
     return s[next(k for k in s if k.startswith("loss_vs_"))]
 
 
+def _count(value) -> str:
+    """A counter's cell: '-' where it was not measured (a peer run outside our counters)."""
+    return "-" if value is None else f"{value:,}"
+
+
+def ran_arms(record: dict) -> list[str]:
+    """The arms that trained (a skipped peer has only its reason)."""
+    return [arm for arm, s in record["summary"].items() if "skipped" not in s]
+
+
 def markdown_report(record: dict) -> str:
     config, summary = record["config"], record["summary"]
     lines = [
@@ -39,19 +49,24 @@ def markdown_report(record: dict) -> str:
         f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
         f"vocabulary {record.get('vocab_size', '?')}; LoRA rank {config.get('lora_rank', 0) or '- (full fine-tune)'}",
         "",
-        "| arm | attention | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) | activation bytes "
-        "| host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| arm | attention | dtype | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) "
+        "| activation bytes | host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for arm, s in summary.items():
+        if "skipped" in s:
+            lines.append(f"| {arm} | skipped: {s['skipped']} |" + " - |" * 9)
+            continue
         lines.append(
-            f"| {arm} | {s['attn_implementation']} | {s['median_step_s']:.4f} | "
+            f"| {arm} | {s['attn_implementation']} | {s.get('dtype', config['dtype'])} | {s['median_step_s']:.4f} | "
             f"{s.get('median_forward_s', 0):.4f} / {s.get('median_backward_s', 0):.4f} | {s['tokens_per_s']:.0f} | "
-            f"{s['peak_memory_mb']:.0f} | {s.get('activation_bytes', 0):,} | {s['host_syncs_per_step']} | "
+            f"{s['peak_memory_mb']:.0f} | {_count(s.get('activation_bytes', 0))} | {_count(s['host_syncs_per_step'])} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += ceiling_lines(record)
-    arms = list(record["runs"])
+    arms = ran_arms(record)
+    lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
+    lines += [f"- **{arm}**: " + "; ".join(record["runs"][arm][0].get("policies") or ["-"]) for arm in arms]
     lines += [
         "",
         "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)",
@@ -130,17 +145,20 @@ def print_tables(record: dict) -> None:
     ):
         table.add_column(column, justify="left" if column in ("arm", "loss", "speedup [95%]") else "right")
     for arm, s in summary.items():
+        if "skipped" in s:
+            table.add_row(arm, "-", "-", "-", "-", "skipped", s["skipped"])
+            continue
         table.add_row(
             arm,
             f"{s['median_step_s']:.4f}",
             f"{s['tokens_per_s']:.0f}",
             f"{s['peak_memory_mb']:.0f}",
-            str(s["host_syncs_per_step"]),
+            _count(s["host_syncs_per_step"]),
             "\n".join(_speedup_cells(s)) or "-",
             _parity(s),
         )
     console.print(table)
-    arms = list(record["runs"])
+    arms = ran_arms(record)
     losses = Table(title="per-step loss (same data, same seed: the curves must agree)")
     losses.add_column("step", justify="right")
     for arm in arms:

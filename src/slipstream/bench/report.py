@@ -49,7 +49,9 @@ def _setting(record: dict, key: str):
 def workload(record: dict) -> str:
     config = record["config"]
     shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
-    backends = "/".join(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    backends = "/".join(
+        sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s})
+    )
     others = "".join(
         f"{key} {_setting(record, key)} · "
         for key in WORKLOAD_KEYS
@@ -70,7 +72,9 @@ def hardware(record: dict) -> str:
 
 
 def _key(record: dict) -> tuple:
-    backends = tuple(sorted({s["attn_implementation"] for s in record["summary"].values()}))
+    backends = tuple(
+        sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s})
+    )
     return (*(_setting(record, k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
 
 
@@ -119,7 +123,11 @@ def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
     for (_, machine), group in groups.items():
         for other in group[1:]:
             pair_records(group[0], other)
-        arms = [a for a in group[0]["runs"] if all(a in r["runs"] for r in group)]
+        arms = [
+            a
+            for a in group[0]["runs"]
+            if all(a in r["runs"] and "skipped" not in r["summary"].get(a, {}) for r in group)
+        ]
         for arm in (a for a in arms if not ARM_SPECS[a].stock):
             for base in (a for a in arms if ARM_SPECS[a].stock):
                 base_s = [s for r in group for s in _timed(r, base)]
@@ -188,12 +196,26 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def skipped_lines(records: list[tuple[Path, dict]]) -> list[str]:
+    """'- arm on machine, workload: reason' for every arm a record skipped (a peer that could not run)."""
+    seen = {}
+    for _, record in records:
+        for arm, s in record["summary"].items():
+            if "skipped" in s:
+                seen.setdefault((arm, hardware(record), s["skipped"]), workload(record))
+    return [f"- {arm} on {machine} ({load}): {reason}" for (arm, machine, reason), load in seen.items()]
+
+
 def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
-    """What ``slipstream report`` shows: the speedup table, then any memory ceilings."""
+    """What ``slipstream report`` shows: the speedup table (slipstream against every stock and peer
+    arm), any memory ceilings, then the arms that were skipped and why."""
     table = cross_table(rows)
     ceilings = ceiling_table(records)
     if ceilings:
         table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
+    skipped = skipped_lines(records)
+    if skipped:
+        table += "\nArms skipped (not run on that machine):\n\n" + "\n".join(skipped) + "\n"
     return table
 
 

@@ -9,6 +9,7 @@ move, something other than scheduling changed. The arms themselves are in ``arms
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import multiprocessing
 import resource
@@ -29,7 +30,7 @@ from ..offload.policy import Checkpointing
 from ..optimize import base_model
 from ..train.step import train_step
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS, build_arm_model, micro_batch_inputs
-from .ceiling import parse_bytes, search_all
+from .ceiling import parse_bytes, proc_status_kib, search_all
 from .counters import HostSyncCounter
 from .fingerprint import fingerprint
 from .stats import loss_parity, speedup
@@ -112,13 +113,15 @@ class ArmResult:
     tokens: list[int]
     loss: list[float]
     grad_norm: list[float]
-    host_syncs_per_step: int
+    host_syncs_per_step: int | None  # None: not counted (a peer run outside our counter)
     host_syncs_by_op: dict[str, int]
     peak_memory_mb: float
     memory_kind: str
     attn_implementation: str
     policies: list[str] = field(default_factory=list)
-    activation_bytes: int = 0  # kept on the device at the end of forward (hardware-independent)
+    # kept on the device at the end of forward (hardware-independent); None: not measured
+    activation_bytes: int | None = 0
+    dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
 
 
 def resolve_device(name: str) -> str:
@@ -150,17 +153,56 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     return slim, model_vocab_size(config, tokenizer), dataclasses.asdict(report)
 
 
+def peak_memory_mb(device: str) -> float:
+    """CUDA: max allocated. CPU: this process's peak RSS (VmHWM where Linux has it: ru_maxrss
+    carries a big parent's figure across fork + exec)."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        return proc_status_kib("VmHWM") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
-    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict."""
+    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
+    or ``{"arm", "skipped": reason}`` for a peer that cannot run here."""
     config = ABConfig.from_dict(config_dict)
     device = resolve_device(config.device)
-    model, state = build_arm_model(config, arm, vocab_size, device)
+    spec = ARM_SPECS[arm]
+    if spec.peer:
+        from .peers import unavailable
 
-    first_inputs, _ = micro_batch_inputs(arm, plan[0][0], device)
+        reason = unavailable(spec.peer, config, device)
+        if reason:
+            return {"arm": arm, "skipped": reason}
+        if spec.peer.startswith("unsloth"):
+            from .peers.unsloth_arm import run_unsloth_arm
+
+            return run_unsloth_arm(config, arm, plan, vocab_size)
+    model, state = build_arm_model(config, arm, vocab_size, device)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    trl_step = None
+    if spec.peer == "trl":
+        from .peers.trl_step import TrlStep
+
+        trl_step = TrlStep(model, config, demo_tokenizer(), device)
+        state.policies.extend(trl_step.policies)
+
+    def inputs_of(docs):
+        return trl_step.collate(docs) if trl_step else micro_batch_inputs(arm, docs, device)
+
+    first_inputs, _ = inputs_of(plan[0][0])
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
     )
+
+    def step_fn(micro, model_context=contextlib.nullcontext):
+        """One optimizer step: TRL's trainer for the trl arm, train_step for every other."""
+        if trl_step:
+            return trl_step(micro, model_context)
+        return train_step(model, micro, optimizer, model_context=model_context)
 
     def sync():
         if device == "cuda":
@@ -183,19 +225,20 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         attn_implementation=base_model(model).config._attn_implementation,
         policies=state.policies if state else [],  # the model's own list: first-step decisions join it
         activation_bytes=activation_bytes,
+        dtype=dtype,
     )
     for step, micro_docs in enumerate(plan):
-        micro = [micro_batch_inputs(arm, docs, device) for docs in micro_docs]
+        micro = [inputs_of(docs) for docs in micro_docs]
         tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
         sync()
         start = time.perf_counter()
         if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
             syncs = HostSyncCounter()
-            metrics = train_step(model, micro, optimizer, model_context=lambda counter=syncs: counter)
+            metrics = step_fn(micro, model_context=lambda counter=syncs: counter)
             result.host_syncs_by_op = dict(syncs.by_op)
             result.host_syncs_per_step = syncs.total
         else:
-            metrics = train_step(model, micro, optimizer)
+            metrics = step_fn(micro)
         sync()
         result.step_s.append(time.perf_counter() - start)
         result.forward_s.append(metrics["forward_s"])
@@ -203,10 +246,9 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         result.tokens.append(tokens)
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
-    if device == "cuda":
-        result.peak_memory_mb = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        result.peak_memory_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result.peak_memory_mb = peak_memory_mb(device)
+    if trl_step:
+        trl_step.close()
     return dataclasses.asdict(result)
 
 
@@ -222,11 +264,26 @@ def _median(values) -> float:
     return statistics.median(values) if values else 0.0
 
 
+def skipped_reason(runs: list[dict]) -> str | None:
+    """Why an arm did not run (a peer that cannot run here), or None."""
+    return next((run["skipped"] for run in runs if "skipped" in run), None)
+
+
+def _looser(dtype: str, other: str) -> str:
+    """The dtype whose loss tolerance applies to a pair of arms (a peer may pick bf16 on its defaults)."""
+    return "bfloat16" if "bfloat16" in (dtype, other) else "float16" if "float16" in (dtype, other) else dtype
+
+
 def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
-    """Per-arm medians and throughput; speedups (with 95% intervals) against each stock arm; loss parity."""
+    """Per-arm medians and throughput; speedups (with 95% intervals) against each baseline arm
+    (stock and peers); loss parity against the first arm that ran. Skipped arms keep their reason."""
     summary: dict[str, Any] = {}
     timed: dict[str, list[float]] = {}
+    ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
     for arm, runs in arms.items():
+        if arm not in ran:
+            summary[arm] = {"skipped": skipped_reason(runs)}
+            continue
         step_s = [s for run in runs for s in run["step_s"][config.warmup :]]
         tokens = [t for run in runs for t in run["tokens"][config.warmup :]]
         timed[arm] = step_s
@@ -243,18 +300,22 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
             "activation_bytes": first.get("activation_bytes", 0),
             "host_syncs_per_step": first["host_syncs_per_step"],
             "attn_implementation": first["attn_implementation"],
+            "dtype": first.get("dtype") or config.dtype,
             "final_loss": first["loss"][-1],
         }
-    reference = next(iter(arms))
-    for arm in arms:
-        parity = loss_parity(arms[reference][0]["loss"], arms[arm][0]["loss"], config.dtype)
+    if not ran:
+        return summary
+    reference = next(iter(ran))
+    for arm in ran:
+        dtype = _looser(summary[reference]["dtype"], summary[arm]["dtype"])
+        parity = loss_parity(ran[reference][0]["loss"], ran[arm][0]["loss"], dtype)
         summary[arm]["loss_vs_" + reference] = parity.verdict
         summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
-    stock_arms = [a for a in arms if ARM_SPECS[a].stock]
-    for arm in arms:
+    baselines = [a for a in ran if ARM_SPECS[a].stock]
+    for arm in ran:
         if ARM_SPECS[arm].stock:
             continue
-        for base in stock_arms:
+        for base in baselines:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)

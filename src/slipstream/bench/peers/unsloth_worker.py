@@ -1,6 +1,6 @@
-"""The Unsloth arm of benchmarks/unsloth_vs_slipstream.py: LoRA training through Unsloth's CPU backend.
+"""The worker of the ``unsloth`` A/B arms (``unsloth.py``): LoRA training through Unsloth's CPU backend.
 
-Runs inside .venv-unsloth (see make_unsloth_venv.sh) and never imports slipstream. One optimizer
+Runs inside Unsloth's own virtualenv (see make_unsloth_venv.sh) and never imports slipstream. One optimizer
 step per entry of --batches, on exactly those documents, starting from the adapter in
 --adapter-init; writes per-step wall time, tokens and loss plus peak RSS as JSON.
 
@@ -110,6 +110,7 @@ def main() -> int:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-seq-len", type=int, default=4096, help="Unsloth's max_seq_length")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing summary")
     p.add_argument("--out", help="write the JSON here instead of stdout")
     args = p.parse_args()
@@ -139,7 +140,7 @@ def main() -> int:
         }
         model, tokenizer = FastLanguageModel.from_pretrained(
             args.model_dir,
-            max_seq_length=4096,
+            max_seq_length=args.max_seq_len,
             dtype=dtype,
             load_in_4bit=False,
             local_files_only=True,

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Creates (or tops up) /work/main/.venv-unsloth: Unsloth 2026.10.9 and its CPU backend, for
-# benchmarks/unsloth_vs_slipstream.py. Idempotent: a second run checks and changes nothing.
+# Creates (or tops up) the virtualenv of the `unsloth` A/B arms: Unsloth 2026.10.9 and its CPU
+# backend. Usage: make_unsloth_venv.sh [VENV] (default: $SLIPSTREAM_UNSLOTH_VENV, else
+# ./.venv-unsloth). `slipstream ab` runs it on demand. Idempotent: a second run checks and changes nothing.
 #
 # Unsloth pins transformers <= 5.17 and trl <= 1.15, older than slipstream's, so it lives in a
 # venv of its own. Every package is installed from unsloth-constraints.txt with --no-deps, so the
 # resolver cannot pull torchvision (breaks `import unsloth` on a CPU torch) or a CUDA torch.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
-venv="$root/.venv-unsloth"
+venv="${1:-${SLIPSTREAM_UNSLOTH_VENV:-$PWD/.venv-unsloth}}"
 python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null || python=python3
 

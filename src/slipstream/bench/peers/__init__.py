@@ -1,0 +1,63 @@
+"""The tools users would pick instead of slipstream, as A/B arms on the same bins, weights and seed.
+
+- ``trl``: one optimizer step as TRL's ``SFTTrainer`` takes it (``trl_step.py``).
+- ``transformers-offload``: transformers' own ``activation_checkpointing_enable(offload=True)``
+  (its copies run on the compute stream); CUDA only: on a CPU activations already live on the host.
+- ``unsloth`` / ``unsloth-same-settings``: Unsloth in a virtualenv of its own (it pins older
+  transformers and TRL), on its defaults and then on ours (``unsloth_arm.py``; not ``unsloth.py``: the worker runs from this folder and must import the real one).
+- ``liger``: Liger-Kernel's patched model (its Triton kernels need a CUDA GPU).
+
+A peer that cannot run here is skipped, never faked: ``unavailable`` says why, and the reason
+goes into the record, the tables and ``slipstream report``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Literal
+
+import torch
+
+Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings", "liger"]
+
+
+def unavailable(peer: Peer, config, device: str) -> str | None:
+    """Why ``peer`` cannot run on ``device`` with ``config`` (None: it can)."""
+    if peer == "trl" and importlib.util.find_spec("trl") is None:
+        return "TRL is not installed (pip install 'slipstream[trl]')"
+    if peer == "transformers-offload":
+        if device != "cuda":
+            return (
+                "transformers' activation_checkpointing_enable(offload=True) copies activations from "
+                "the accelerator to host memory; on a CPU they already live there (CUDA only)"
+            )
+        from transformers import PreTrainedModel
+
+        if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
+            return "this transformers has no activation_checkpointing_enable (new in 5.17)"
+    if peer == "liger":
+        if device != "cuda":
+            return "Liger-Kernel's Triton kernels need a CUDA GPU"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger-kernel is not installed (pip install 'slipstream[liger]')"
+    if peer.startswith("unsloth"):
+        from .unsloth_arm import unsloth_unavailable
+
+        return unsloth_unavailable(config, device)
+    return None
+
+
+def prepare_base_model(peer: Peer, model: torch.nn.Module) -> list[str]:
+    """Set up the base model (before LoRA) as ``peer`` would; returns the policy lines to log."""
+    if peer == "transformers-offload":
+        model.activation_checkpointing_enable(offload=True)
+        return [
+            "checkpointing: transformers' activation_checkpointing_enable(offload=True) "
+            "(save_on_cpu(pin_memory=True) around each layer's checkpoint; copies on the compute stream)"
+        ]
+    if peer == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance  # optional, CUDA only
+
+        _apply_liger_kernel_to_instance(model=model)
+        return ["Liger-Kernel: _apply_liger_kernel_to_instance (its defaults for this model type)"]
+    return []

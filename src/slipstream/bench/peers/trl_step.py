@@ -1,0 +1,127 @@
+"""The ``trl`` arm: one optimizer step as TRL's ``SFTTrainer`` takes it, on our bins.
+
+TRL's: the padding-free collator (``DataCollatorForLanguageModeling(padding_free=True)``: one
+row, restarting ``position_ids``, each document's first label masked) over each micro-batch's
+documents; ``SFTTrainer.compute_loss`` (its fused LM head, the per-token negative
+log-likelihood summed over ``num_items_in_batch``, and the entropy and token-accuracy metrics
+it reads to the host every micro-batch); ``Trainer.training_step`` (``accelerator.backward``);
+the Trainer's own optimizer and scheduler (``adamw_torch``, constant LR, no weight decay) and
+its clipping (``accelerator.clip_grad_norm_``, 1.0); ``num_items_in_batch`` counted as the
+Trainer counts it (labels after the shift). Ours: which documents form each micro-batch and
+in what order, so TRL's loss curve must match ours step for step.
+
+Left out, as from every arm: the Trainer's dataloader, callbacks and logging. Mixed precision
+is off (``bf16=False``): the model is already in the run's dtype, as in every arm; TRL's own
+default would autocast on a bf16-capable device. Checkpointing is the stock arms' (the run's).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from contextlib import nullcontext
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class TrlStep:
+    """Drives a real ``SFTTrainer`` one optimizer step at a time over the harness's micro-batches."""
+
+    def __init__(self, model: torch.nn.Module, config, tokenizer, device: str):
+        from datasets import Dataset
+        from trl import SFTConfig, SFTTrainer
+
+        self.device = device
+        self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-")
+        args = SFTConfig(
+            output_dir=self._output_dir,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=config.grad_accum,
+            max_steps=config.steps,
+            learning_rate=config.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            bf16=False,
+            fp16=False,
+            gradient_checkpointing=False,  # the run's checkpointing is installed like the stock arms'
+            padding_free=True,
+            packing=False,
+            max_length=None,
+            use_cpu=device == "cpu",
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=config.seed,
+            dataset_kwargs={"skip_prepare_dataset": True},
+        )
+        # The dataset is never iterated: the harness hands each micro-batch to training_step itself.
+        placeholder = Dataset.from_list([{"input_ids": [0, 1], "labels": [0, 1]}])
+        self.trainer = SFTTrainer(
+            model=model, args=args, train_dataset=placeholder, processing_class=tokenizer
+        )
+        self.model = self.trainer.model
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=config.steps)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self._forward_s = 0.0
+        self._forward_start = 0.0
+        self.model.register_forward_pre_hook(self._start_forward)
+        self.model.register_forward_hook(self._end_forward)
+        self.policies = [
+            "TRL SFTTrainer: padding-free collator, compute_loss (fused LM head, entropy and token "
+            "accuracy read every micro-batch), training_step, its adamw_torch optimizer and clipping",
+        ]
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def _start_forward(self, module, args):
+        self._sync()
+        self._forward_start = time.perf_counter()
+
+    def _end_forward(self, module, args, output):
+        self._sync()
+        self._forward_s += time.perf_counter() - self._forward_start
+
+    def collate(self, docs: list[dict]) -> tuple[dict, int]:
+        """TRL's padding-free row of ``docs`` on the device, and its label tokens counted as the Trainer counts."""
+        batch = self.trainer.data_collator(
+            [{"input_ids": d["input_ids"], "labels": d["labels"]} for d in docs]
+        )
+        count = int(batch["labels"][..., 1:].ne(IGNORE_INDEX).sum())
+        inputs = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        return inputs, count
+
+    def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
+        """One optimizer step over ``micro_batches``; the metrics ``train_step`` returns."""
+        start = time.perf_counter()
+        self._forward_s = 0.0
+        items = torch.tensor(sum(count for _, count in micro_batches), device=self.device)
+        losses = []
+        for inputs, _ in micro_batches:
+            with model_context():
+                losses.append(self.trainer.training_step(self.model, inputs, num_items_in_batch=items))
+        grad_norm = self.trainer.accelerator.clip_grad_norm_(self.parameters, self.trainer.args.max_grad_norm)
+        self.trainer.optimizer.step()
+        self.trainer.lr_scheduler.step()
+        self.model.zero_grad()
+        loss = float(torch.stack(losses).sum())
+        self._sync()
+        total = time.perf_counter() - start
+        return {
+            "loss": loss,
+            "grad_norm": float(grad_norm),
+            "forward_s": self._forward_s,
+            # backward, TRL's metric reads, clipping and the optimizer step
+            "backward_s": total - self._forward_s,
+        }
+
+    def close(self) -> None:
+        shutil.rmtree(self._output_dir, ignore_errors=True)
