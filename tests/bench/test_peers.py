@@ -111,3 +111,23 @@ def test_unsloth_on_its_defaults_and_on_ours_matches_our_loss(monkeypatch):
     assert summary["unsloth"]["loss_vs_slipstream"] in ("identical", "within tolerance")
     policies = " ".join(record["runs"]["unsloth"][0]["policies"])
     assert "its default settings" in policies and "gradient checkpointing on" in policies
+
+
+def test_stock_offload_installs_transformers_own_offloaded_checkpointing_and_why_it_is_cuda_only():
+    """The arm's set-up is transformers' own; on a CPU-only torch its pinned host copies cannot even
+    be allocated, which is why the arm is skipped there (if this starts passing, revisit the skip)."""
+    import torch
+
+    from slipstream.bench.peers import prepare_base_model
+    from slipstream.models import build_model
+    from slipstream.packing import collate_packed
+
+    docs = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in (7, 12, 5)]
+    model = build_model("qwen3", vocab_size=64, seed=0).train()
+    policies = prepare_base_model("transformers-offload", model)
+    assert "activation_checkpointing_enable(offload=True)" in policies[0]
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA torch: the arm runs for real in the A/B")
+    with pytest.raises(RuntimeError, match="pin_memory"):
+        model(**collate_packed(docs).stock_inputs()).loss.backward()

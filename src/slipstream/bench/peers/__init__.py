@@ -29,7 +29,8 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
         if device != "cuda":
             return (
                 "transformers' activation_checkpointing_enable(offload=True) copies activations from "
-                "the accelerator to host memory; on a CPU they already live there (CUDA only)"
+                "the accelerator to pinned host memory; on a CPU they already live there, and a "
+                "CPU-only torch cannot pin memory (CUDA only)"
             )
         from transformers import PreTrainedModel
 
