@@ -15,6 +15,7 @@ LAYERS = [
     {"models"},  # model builders and loaders
     {"train"},  # the training loop
     {"bench"},  # the A/B harness, the compatibility sweep
+    {"doctor"},  # slipstream doctor: the machine, each fast path's choice and its check
     {"cli", "__main__"},  # the command line
 ]
 LAYER_OF = {name: index for index, names in enumerate(LAYERS) for name in names}

@@ -15,7 +15,9 @@ from . import speedups as speedups_module  # read at call time: a new field show
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
+from .doctor import first_use_hint
 from .fields import choices, field_types, is_kind
+from .models import model_names
 from .train.config import ConfigError, load_config
 
 DESCRIPTION = """\
@@ -30,6 +32,9 @@ commands:
   report merge A/B records from many machines and runs into one hardware x workload table
   pack   read a dataset file (JSONL, JSON, Parquet, datasets-on-disk), tokenize and
          bin-pack it, and report skipped rows and packing efficiency
+  doctor this machine's device and versions, which backend each fast path picks here and
+         why, and a run of each against its stock arm on a tiny model (parity, host syncs);
+         exit 1 if any is wrong (under a minute, on any machine)
 """
 
 
@@ -53,6 +58,7 @@ def _add_ab(sub) -> None:
 
 
 def _cmd_ab(args) -> int:
+    first_use_hint()
     try:
         grid = ab_grid(args)
     except ValueError as error:
@@ -148,6 +154,7 @@ def _add_train(sub) -> None:
 def _cmd_train(args) -> int:
     from .train.loop import TrainError, train  # pulls in peft / bitsandbytes: only `train` pays for them
 
+    first_use_hint()
     try:
         config = load_config(args.config, args.set)
         _, summary = train(config, resume=args.resume, overwrite=args.overwrite, force=args.force)
@@ -214,6 +221,42 @@ def _cmd_pack(args) -> int:
     return 0
 
 
+def _add_doctor(sub) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this machine: device, versions, and every fast path against its stock arm",
+        description="Report the device and versions, the backend each fast path picks here and why, then run "
+        "each fast path against its stock arm on a tiny random model of the family (parity of the loss and "
+        "every gradient, host syncs). Exit status 1 if any path is WRONG.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="PRESET_OR_PATH",
+        help="a model preset (" + ", ".join(model_names()) + ") or a local directory with a config.json "
+        "(checked as a tiny random model of its family; default: the demo model)",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the whole report as JSON")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dtype of the checks (default auto: what model.dtype: auto trains in on this device)",
+    )
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import DoctorError, run_doctor
+
+    try:
+        _, status = run_doctor(args.model, json_path=args.json, dtype=args.dtype)
+    except DoctorError as error:
+        print(f"slipstream doctor: {error}", file=sys.stderr)
+        return 2
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slipstream", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -228,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ab(sub)
     _add_report(sub)
     _add_pack(sub)
+    _add_doctor(sub)
     return parser
 
 

@@ -7,11 +7,13 @@
 - ``pack_samples``: best-fit-decreasing bin packing, with a ``PackingReport``.
 - ``demo_rows`` / ``demo_tokenizer`` / ``demo_samples``: built-in data a small model can
   learn from, and a tokenizer trained on it; nothing is downloaded.
+- ``cache_root``: ``$SLIPSTREAM_CACHE`` (default ``~/.cache/slipstream``), where all of it is kept.
 
 Every problem with the data is a ``DataError`` whose message starts with its location.
 """
 
 from .binpack import PackingReport, pack_samples
+from .cache import cache_root
 from .demo_bpe import demo_samples, demo_tokenizer
 from .demo_data import demo_rows
 from .errors import DataError, DataReport
@@ -23,6 +25,7 @@ __all__ = [
     "DataError",
     "DataReport",
     "PackingReport",
+    "cache_root",
     "demo_rows",
     "demo_samples",
     "demo_tokenizer",

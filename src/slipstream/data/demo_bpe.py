@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ..atomic import atomic_directory
 from . import demo_data
+from .cache import cache_root
 from .demo_data import demo_rows
 from .shapes import tokenize_row
 
@@ -57,9 +57,7 @@ def demo_samples(
 
 
 def _cache_root(cache_dir: str | Path | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream")
+    return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
 def _recipe_hash() -> str:

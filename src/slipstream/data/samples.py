@@ -14,11 +14,11 @@ import contextlib
 import gc
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_directory
+from .cache import cache_root
 from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy
 from .readers import read_rows
 from .shapes import RowPlan, plan_row, tokenize_planned
@@ -132,7 +132,7 @@ def hash_path(path: str | Path) -> tuple[str, int]:
 def _cache_root(cache: bool | str | Path) -> Path:
     if cache is not True:
         return Path(cache)
-    return Path(os.environ.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream") / "tokenized"
+    return cache_root() / "tokenized"
 
 
 def _cache_entry(path, tokenizer, response_only, on_bad_row, cache) -> Path | None:

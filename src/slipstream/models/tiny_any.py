@@ -855,6 +855,21 @@ def tiny_config(model_type: str, layers: int = 2):
     return AutoConfig.for_model(model_type, **kwargs)
 
 
+def shrink_config(config, layers: int = 2):
+    """A tiny copy of a real model's ``config`` (e.g. read from its config.json): its family and the
+    values it sets, shrunk and with its special features on as ``tiny_config`` does for a family's
+    defaults (overrides by model type at every level included)."""
+    model_type = config.model_type
+    kwargs = _tiny_level(config, [model_type], layers)
+    if "is_decoder" in config.to_dict() and not config.is_decoder:
+        kwargs["is_decoder"] = True
+    for key in _sub_config_keys(config):
+        sub = getattr(config, key)
+        names = [getattr(sub, "model_type", None) or "", f"{model_type}.{key}"]
+        kwargs[key] = _rebuild(sub, _tiny_level(sub, names, layers))
+    return _rebuild(config, kwargs)
+
+
 def _default_config(model_type: str):
     """The family's default config; ``_DEFAULT_KWARGS`` for the few whose bare defaults don't validate."""
     from transformers import AutoConfig
@@ -897,8 +912,14 @@ def _perturb_zero_features(model: torch.nn.Module, generator: torch.Generator) -
 
 def tiny_model(model_type: str, seed: int = 0, attn_implementation: str = "eager", layers: int = 2):
     """A tiny randomly initialised model of the registry's causal-LM class for ``model_type`` (fp32)."""
-    cls = causal_lm_class(model_type)
-    config = config_for_class(cls, tiny_config(model_type, layers=layers))
+    return random_model(tiny_config(model_type, layers=layers), seed, attn_implementation, model_type)
+
+
+def random_model(config, seed: int = 0, attn_implementation: str = "eager", model_type: str | None = None):
+    """A randomly initialised model of the registry's causal-LM class for ``config`` (fp32), with
+    zero-initialised features (attention sinks) given values; ``config`` is best a tiny one."""
+    cls = causal_lm_class(model_type or config.model_type)
+    config = config_for_class(cls, config)
     torch.manual_seed(seed)
     model = cls._from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     _perturb_zero_features(model, torch.Generator().manual_seed(seed + 1))
@@ -916,6 +937,8 @@ __all__ = [
     "causal_lm_class",
     "config_for_class",
     "parameter_count",
+    "random_model",
+    "shrink_config",
     "shrink_kwargs",
     "tiny_config",
     "tiny_model",

@@ -1,0 +1,169 @@
+"""``slipstream doctor``: the device, the versions, each fast path's choice and why, and its check.
+
+:func:`run_doctor` gathers the report (a plain dict, what ``--json`` writes), prints it as rich
+tables and returns it with the exit status: 1 if any path is WRONG, else 0 (and the marker that
+silences the first-use hint is written).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..atomic import write_text_atomically
+from ..bench.fingerprint import fingerprint
+from ..train.precision import resolve_dtype
+from .machine import describe_device, device_rows, training_device, versions
+from .marker import marker_key, write_marker
+from .paths import VERDICTS, check_paths, decisions, resolve_model, shape_of
+
+VERDICT_STYLE = {"ok": "green", "WRONG": "bold red", "refused": "yellow", "skipped": "dim"}
+
+
+def run_doctor(
+    model: str | None = None,
+    json_path: str | Path | None = None,
+    dtype: str = "auto",
+    console: Console | None = None,
+    probe_pinned_memory: bool = True,
+) -> tuple[dict[str, Any], int]:
+    """Check this machine; returns (the report, the exit status). Raises DoctorError on a bad ``model``."""
+    started = time.perf_counter()
+    console = console or Console(width=None if Console().is_terminal else 160)
+    checked = resolve_model(model)  # first: a bad --model fails before any work
+    device = training_device()
+    torch_dtype, dtype_why = resolve_dtype(dtype, device)
+
+    info = fingerprint()
+    device_facts = describe_device(device, info, probe_pinned_memory=probe_pinned_memory)
+    found_versions = versions(info)
+    console.print(_key_value_table("Device", device_rows(device_facts)))
+    console.print(
+        _key_value_table(
+            "Versions", [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
+        )
+    )
+    console.print(
+        f"model: {checked.describe()}; checked as a tiny random model: {_shape(checked)}, "
+        f"{str(torch_dtype).removeprefix('torch.')} on {device}"
+    )
+
+    with console.status("checking the fast paths") as status:
+        checks, subjects = check_paths(
+            checked, device, torch_dtype, progress=lambda path: status.update(f"checking {path}")
+        )
+        chosen = decisions(
+            checked, subjects["main"].base, subjects["moe"].base, device, torch_dtype, dtype_why
+        )
+    if subjects["moe"] is not subjects["main"]:
+        console.print(
+            f"MoE check on a tiny {subjects['moe'].label} ({checked.family} has no experts): "
+            f"{shape_of(subjects['moe'].base.config)}"
+        )
+    console.print(_decisions_table(chosen))
+    console.print(_checks_table(checks, checked.asked))
+
+    counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in VERDICTS}
+    status = 1 if counts["WRONG"] else 0
+    key = marker_key(device)
+    report: dict[str, Any] = {
+        "device": device_facts,
+        "versions": found_versions,
+        "model": {
+            "asked": checked.asked,
+            "source": checked.source,
+            "family": checked.family,
+            "checked_shape": _shape(checked),
+            "note": checked.note,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "dtype_why": dtype_why,
+        },
+        "decisions": chosen,
+        "checks": [c.to_dict() for c in checks],
+        "verdicts": counts,
+        "exit_status": status,
+        "marker": None,
+    }
+    if status == 0:
+        path, problem = write_marker(key, {"model": checked.asked, "verdicts": counts})
+        report["marker"] = str(path) if path else f"not written ({problem})"
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+    console.print(
+        f"doctor: {summary} ({report['seconds']:.1f} s)"
+        + (
+            "; a fast path is WRONG on this device: train with it off (see the reason) and report it"
+            if status
+            else ""
+        )
+    )
+    if json_path is not None:
+        write_text_atomically(json_path, json.dumps(report, indent=2, default=str) + "\n")
+        console.print(f"wrote {json_path}")
+    return report, status
+
+
+def _shape(checked) -> str:
+    return shape_of(checked.tiny)
+
+
+def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
+
+
+def _decisions_table(rows: list[dict[str, str]]) -> Table:
+    table = Table(title="Fast paths on this device: what runs, and why", title_justify="left")
+    table.add_column("path", style="bold")
+    table.add_column("choice")
+    table.add_column("why")
+    for row in rows:
+        table.add_row(row["path"], row["choice"], row["why"])
+    return table
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def _syncs(check) -> str:
+    if check.syncs is None:
+        return "-"
+    allowed = "not promised unpacked" if check.syncs_allowed is None else f"promised <= {check.syncs_allowed}"
+    text = f"{check.syncs} ({allowed}; stock {check.stock_syncs})"
+    if check.cuda_sync_warnings is not None:
+        text += f"; sync-debug warnings {check.cuda_sync_warnings}"
+    return text
+
+
+def _checks_table(checks, main_model: str) -> Table:
+    table = Table(title="Checks: each fast path vs its stock arm, one training step", title_justify="left")
+    for column in ("path", "compares", "loss Δ", "grad Δ", "host syncs", "verdict", "reason / how judged"):
+        table.add_column(column, style="bold" if column == "path" else None)
+    for check in checks:
+        compares = check.arms + (f"; on the {check.model}" if check.model != main_model else "")
+        if check.layout == "alone" and check.path != "packed attention":
+            compares += "; unpacked (packed attention is not ok here)"
+        reason = check.reason or check.bound
+        copies = check.details.get("offload_copies")
+        if copies and check.verdict == "ok":
+            reason += f"; {copies.get('offloads', 0)} offloads, {copies.get('reloads', 0)} reloads"
+        table.add_row(
+            check.path,
+            compares,
+            _number(check.loss_error),
+            _number(check.grad_error),
+            _syncs(check),
+            f"[{VERDICT_STYLE[check.verdict]}]{check.verdict}[/]",
+            reason,
+        )
+    return table

@@ -1,0 +1,213 @@
+"""slipstream doctor: every verdict right on this machine, a broken path caught, the first-use hint."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+import slipstream.loss.chunked_loss as chunked_loss_module
+import slipstream.packing.attention as attention_module
+from slipstream.cli import main
+from slipstream.doctor import first_use_hint, has_passed, run_doctor
+from slipstream.doctor.marker import marker_key, write_marker
+from slipstream.packing.attention import choose_backend
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """A fresh slipstream cache per test: no doctor has passed here yet."""
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def doctor(**kwargs):
+    out = io.StringIO()
+    report, status = run_doctor(console=Console(file=out, width=200), **kwargs)
+    return report, status, out.getvalue()
+
+
+def verdicts(report) -> dict[str, str]:
+    return {check["path"]: check["verdict"] for check in report["checks"]}
+
+
+ALL_OK = {"packed attention": "ok", "sorted MoE routing": "ok", "offload-double": "ok", "chunked loss": "ok"}
+
+
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_path):
+    report, status, text = doctor(dtype=dtype, json_path=tmp_path / "doctor.json")
+    assert status == 0 and report["exit_status"] == 0
+    assert verdicts(report) == ALL_OK, [c["reason"] for c in report["checks"]]
+    assert json.loads((tmp_path / "doctor.json").read_text())["verdicts"] == report["verdicts"]
+    for check in report["checks"]:
+        assert check["syncs"] == 0 and check["syncs_allowed"] == 0  # packed batches promise no host sync
+    packed = report["checks"][0]
+    assert packed["stock_syncs"] > 0  # stock attention does sync: the counter is live
+    offload = report["checks"][2]
+    assert offload["details"]["offload_copies"]["offloads"] > 0  # the schedule really ran
+    if not torch.cuda.is_available():  # the decisions are the library's own
+        backend, why = choose_backend("auto", torch.device("cpu"), has_sinks=False)
+        assert {
+            "path": "packed attention",
+            "choice": f"{backend} (slipstream_docwise)",
+            "why": why,
+        } in report["decisions"]
+    assert report["model"]["asked"] == "demo" and report["model"]["family"] == "qwen3"
+    assert (
+        "qwen3-moe" in report["checks"][1]["model"]
+    )  # the demo has no experts: said, and checked on a stand-in
+    assert has_passed() and report["marker"] and report["marker"].endswith(".json")
+    for title in ("Device", "Versions", "Fast paths on this device", "Checks"):
+        assert title in text
+
+
+def leak_across_documents(monkeypatch):
+    """Packed attention that attends over the whole row: documents see each other."""
+    monkeypatch.setattr(
+        attention_module, "_per_document", lambda fn, batch, q, k, v, **kw: fn(q, k, v, batch=batch, **kw)
+    )
+
+
+def sync_in_attention(monkeypatch):
+    """Packed attention that reads a value back to the host in every layer."""
+    original = attention_module._per_document
+
+    def syncing(fn, batch, query, key, value, **kw):
+        bool(query.sum() > 0)
+        return original(fn, batch, query, key, value, **kw)
+
+    monkeypatch.setattr(attention_module, "_per_document", syncing)
+
+
+def loss_off_by_one_percent(monkeypatch):
+    original = chunked_loss_module.linear_cross_entropy
+    monkeypatch.setattr(chunked_loss_module, "linear_cross_entropy", lambda *a, **k: original(*a, **k) * 1.01)
+
+
+@pytest.mark.parametrize(
+    "breakage, dtype, wrong, why",
+    [
+        (leak_across_documents, "auto", "packed attention", "gradient"),
+        (leak_across_documents, "float32", "packed attention", "loss off"),
+        (sync_in_attention, "float32", "packed attention", "host syncs"),
+        (loss_off_by_one_percent, "auto", "chunked loss", "loss off"),
+    ],
+)
+def test_a_broken_path_is_WRONG_alone_and_the_exit_status_is_1(breakage, dtype, wrong, why, monkeypatch):
+    breakage(monkeypatch)
+    report, status, _ = doctor(dtype=dtype)
+    assert status == 1
+    assert verdicts(report) == {**ALL_OK, wrong: "WRONG"}, [c["reason"] for c in report["checks"]]
+    assert why in next(c for c in report["checks"] if c["path"] == wrong)["reason"]
+    assert report["marker"] is None and not has_passed()  # no marker: the hint keeps pointing at doctor
+
+
+def test_the_cli_exit_status_is_1_when_a_path_is_wrong(monkeypatch, tmp_path, capsys):
+    loss_off_by_one_percent(monkeypatch)
+    assert main(["doctor", "--dtype", "float32", "--json", str(tmp_path / "d.json")]) == 1
+    assert "WRONG" in capsys.readouterr().out
+    assert json.loads((tmp_path / "d.json").read_text())["exit_status"] == 1
+
+
+def test_a_local_config_is_checked_as_a_tiny_model_of_its_family(tmp_path, capsys):
+    from transformers import MixtralConfig
+
+    MixtralConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, vocab_size=32000
+    ).save_pretrained(tmp_path / "mixtral")
+    assert main(["doctor", "--model", str(tmp_path / "mixtral"), "--json", str(tmp_path / "d.json")]) == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    assert report["model"]["source"] == "local config" and report["model"]["family"] == "mixtral"
+    assert report["model"]["checked_shape"].startswith("hidden 64, 2 layers")  # the shape checked is said
+    assert verdicts(report) == ALL_OK
+    assert report["checks"][1]["model"] == str(tmp_path / "mixtral")  # its own experts, no stand-in
+    # the chunk size is decided for the real vocabulary, not the tiny one
+    assert "vocab 32000" in next(d for d in report["decisions"] if d["path"] == "chunked loss")["why"]
+
+
+def test_a_bad_model_is_named_and_exits_2(tmp_path, capsys):
+    from transformers import ViTConfig
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    ViTConfig().save_pretrained(tmp_path / "vit")
+    cases = {
+        str(tmp_path / "missing"): "not a preset",
+        str(tmp_path / "empty"): "no config.json",
+        str(tmp_path / "broken"): "could not be read",
+        str(tmp_path / "vit"): "no causal-LM class",
+    }
+    for path, message in cases.items():
+        assert main(["doctor", "--model", path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"slipstream doctor: --model {path}: ") and message in err, err
+
+
+def test_the_hint_until_doctor_passes_then_never(capsys):
+    assert first_use_hint() is True
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"slipstream: first run on {marker_key()['device']}; check its fast paths with: slipstream doctor"
+    ]
+    _, status, _ = doctor()
+    assert status == 0
+    assert first_use_hint() is False
+    assert capsys.readouterr().err == ""
+
+
+def test_train_and_ab_print_the_hint_once(monkeypatch, tmp_path, capsys):
+    import slipstream.cli as cli
+    import slipstream.train.loop as loop
+
+    monkeypatch.setattr(cli, "run_grid", lambda grid, out_root: [])
+    monkeypatch.setattr(loop, "train", lambda config, **kw: (None, {"steps": 0, "final_loss": 0.0}))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  preset: demo\ntraining:\n  steps: 2\noutput_dir: {tmp_path / 'out'}\n")
+    for argv in (["ab", "--out", str(tmp_path / "ab")], ["train", str(config)]):
+        assert main(argv) == 0
+        assert capsys.readouterr().err.count("slipstream doctor") == 1
+    write_marker(marker_key(), {})  # what a passing doctor leaves
+    assert main(["train", str(config)]) == 0
+    assert "slipstream doctor" not in capsys.readouterr().err
+
+
+def test_an_unusable_cache_never_breaks_a_command(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(blocker / "cache"))  # under a file: nothing can be written
+    path, problem = write_marker(marker_key(), {})
+    assert path is None and problem
+    assert first_use_hint() is True  # still just the hint
+    monkeypatch.setattr("slipstream.doctor.marker.marker_key", lambda: 1 / 0)
+    assert first_use_hint() is False  # anything failing: no hint, no error
+    monkeypatch.setenv("RANK", "1")
+    assert first_use_hint() is False  # under torchrun only rank 0 speaks
+
+
+def test_the_pinned_memory_probe_is_bounded(monkeypatch):
+    """Without a GPU here, torch's pinned allocation is faked: it fails above 256 MiB."""
+    from slipstream.doctor import machine
+
+    assert not machine.probe_pinned(cap_bytes=1 << 40).applicable or torch.cuda.is_available()
+    real_empty = torch.empty
+    asked = []
+
+    def fake_empty(size, dtype=None, pin_memory=False):
+        asked.append(size)
+        if size > 256 << 20:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_empty(1, dtype=dtype)
+
+    monkeypatch.setattr(machine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(machine.torch, "empty", fake_empty)
+    failed = machine.probe_pinned(cap_bytes=1 << 40, start_bytes=64 << 20)
+    assert failed.largest_bytes == 256 << 20 and failed.stopped.startswith("failed at 0.5 GiB")
+    assert asked == [64 << 20, 128 << 20, 256 << 20, 512 << 20]  # doubling, one block at a time
+    capped = machine.probe_pinned(cap_bytes=128 << 20, start_bytes=64 << 20)
+    assert capped.largest_bytes == 128 << 20 and capped.stopped == "cap"
+    assert capped.describe().startswith(">= 0.1 GiB (probe stopped at its cap")
