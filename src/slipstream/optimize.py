@@ -149,7 +149,10 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         verdict = architecture_verdict(base)  # refuses what packed training cannot do exactly
         register_attention_functions()
         device = next(base.parameters()).device
-        backend, reason = choose_backend(attention_backend, device, _has_attention_sinks(base))
+        # the hidden states' dtype (the embeddings'; a 4-bit model's packed weights are uint8)
+        embeddings = base.get_input_embeddings()
+        dtype = embeddings.weight.dtype if embeddings is not None else next(base.parameters()).dtype
+        backend, reason = choose_backend(attention_backend, device, _has_attention_sinks(base), dtype)
         name = BACKEND_NAMES[backend]
         if state.packed_attention != name:
             try:

@@ -212,7 +212,7 @@ def decisions(
     text = checked.config.get_text_config()
 
     def attention() -> tuple[str, str]:
-        backend, why = choose_backend("auto", device, _has_attention_sinks(model))
+        backend, why = choose_backend("auto", device, _has_attention_sinks(model), dtype)
         return f"{backend} ({BACKEND_NAMES[backend]})", why
 
     def offload() -> tuple[str, str]:

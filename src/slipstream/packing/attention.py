@@ -433,8 +433,17 @@ def register_attention_functions() -> None:
         AttentionInterface.register(name, fn)
 
 
-def choose_backend(requested: str, device: torch.device, has_sinks: bool) -> tuple[str, str]:
-    """Pick a backend for ``requested`` ("auto" or one of BACKENDS); returns (backend, reason)."""
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # the varlen kernels are flash attention's
+
+
+def choose_backend(
+    requested: str, device: torch.device, has_sinks: bool, dtype: torch.dtype | None = None
+) -> tuple[str, str]:
+    """Pick a backend for ``requested`` ("auto" or one of BACKENDS); returns (backend, reason).
+
+    ``dtype``: the attention inputs' dtype (the model's). The varlen kernels run fp16 / bf16 only,
+    so "auto" keeps an fp32 model on per-document SDPA and an explicit "varlen" is refused.
+    """
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
     if requested != "auto":
@@ -442,9 +451,19 @@ def choose_backend(requested: str, device: torch.device, has_sinks: bool) -> tup
             raise ValueError(
                 "attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn"
             )
+        if requested == "varlen" and dtype is not None and dtype not in VARLEN_DTYPES:
+            raise ValueError(
+                f"attention_backend='varlen' runs float16 / bfloat16 only (flash attention), not "
+                f"{str(dtype).removeprefix('torch.')}: use 'sdpa' or 'auto'"
+            )
         return requested, "requested"
     if device.type == "cuda":
         kernel = _varlen_kernel()
+        if kernel is not None and not has_sinks and dtype is not None and dtype not in VARLEN_DTYPES:
+            return "sdpa", (
+                f"{str(dtype).removeprefix('torch.')} model: per-document SDPA (the varlen kernels "
+                "run float16 / bfloat16 only)"
+            )
         if kernel is not None and not has_sinks:
             return "varlen", f"CUDA with {kernel[0]}"
         if has_sinks:
