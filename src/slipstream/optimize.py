@@ -76,7 +76,7 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _has_attention_sinks(model: torch.nn.Module) -> bool:
+def has_attention_sinks(model: torch.nn.Module) -> bool:
     return any(hasattr(module, "sinks") for module in model.modules())
 
 
@@ -152,7 +152,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         # the hidden states' dtype (the embeddings'; a 4-bit model's packed weights are uint8)
         embeddings = base.get_input_embeddings()
         dtype = embeddings.weight.dtype if embeddings is not None else next(base.parameters()).dtype
-        backend, reason = choose_backend(attention_backend, device, _has_attention_sinks(base), dtype)
+        backend, reason = choose_backend(attention_backend, device, has_attention_sinks(base), dtype)
         name = BACKEND_NAMES[backend]
         if state.packed_attention != name:
             try:

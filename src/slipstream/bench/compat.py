@@ -27,7 +27,6 @@ import copy
 import json
 import logging
 import os
-import platform
 import queue
 import re
 import subprocess
@@ -38,7 +37,6 @@ import traceback
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +48,7 @@ from ..moe.experts import UnsupportedExperts, is_moe_model
 from ..offload import UnsupportedCheckpointing
 from ..optimize import optimize, state_of
 from ..packing.guards import UnsupportedArchitecture
+from .fingerprint import cpu_name
 
 # Relative error bounds in fp32 (summation order differs between the arms; a cross-document
 # leak shows as 1e-2 .. 1e0).
@@ -527,16 +526,6 @@ def _note(verdict: dict[str, Any]) -> str:
     return "; ".join(notes) if verdict["status"] == "pass" else verdict["detail"]
 
 
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return ""
-    return next(
-        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), ""
-    )
-
-
 def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None) -> str:
     """``docs/compatibility.md``: the per-architecture table and how it was made."""
 
@@ -553,7 +542,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         f"parameter gradient in fp32 (relative tolerances {TOLERANCE}). A refusal is a clear error naming the",
         "feature; the fallback it advises is run and compared too.",
         "",
-        f"Machine: {_cpu_name() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}"
+        f"Machine: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}"
         + (f"; the sweep took {seconds:.0f} s with 2 worker processes." if seconds else "."),
         "",
         "| outcome | architectures |",

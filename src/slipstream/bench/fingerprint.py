@@ -13,7 +13,8 @@ import transformers
 from .._version import __version__
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -43,7 +44,7 @@ def fingerprint() -> dict:
     """Where a figure was measured: device, CPU, library versions, git revision."""
 
     info = {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

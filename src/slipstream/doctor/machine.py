@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..bench.fingerprint import _cpu_name, fingerprint
+from ..bench.fingerprint import cpu_name, fingerprint
 from ..offload.policy import DeviceDescription
 from ..train.precision import fast_bf16
 
@@ -46,7 +46,7 @@ def device_name(device: torch.device | None = None) -> str:
     device = device or training_device()
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return _cpu_name()
+    return cpu_name()
 
 
 def host_ram_bytes() -> int | None:

@@ -50,7 +50,7 @@ from ..moe.experts import UnsupportedExperts, check_experts_module, experts_modu
 from ..moe.grouped import GroupedLinear
 from ..offload import CudaEngine, RecordingEngine, UnsupportedCheckpointing, enable_checkpointing
 from ..offload.policy import DeviceDescription, choose_policy
-from ..optimize import _has_attention_sinks, optimize, state_of
+from ..optimize import has_attention_sinks, optimize, state_of
 from ..packing import collate_packed
 from ..packing.attention import BACKEND_NAMES, UnsupportedAttentionFeature, choose_backend
 from ..packing.guards import UnsupportedArchitecture
@@ -212,7 +212,7 @@ def decisions(
     text = checked.config.get_text_config()
 
     def attention() -> tuple[str, str]:
-        backend, why = choose_backend("auto", device, _has_attention_sinks(model), dtype)
+        backend, why = choose_backend("auto", device, has_attention_sinks(model), dtype)
         return f"{backend} ({BACKEND_NAMES[backend]})", why
 
     def offload() -> tuple[str, str]:
