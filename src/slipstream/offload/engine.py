@@ -36,7 +36,11 @@ class CudaEngine:
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream, what: str) -> None:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-        src.record_stream(stream)  # the allocator keeps src until the copy on `stream` is done
+        if src.is_cuda:  # the allocator keeps src until the copy on `stream` is done
+            src.record_stream(stream)
+        # A host source (a reload from the pinned pool) has no record_stream (aten's is CUDA-only);
+        # pinned host memory is tracked by its own caching allocator, which records an event per
+        # non-blocking copy, and the pool buffers live as long as the manager anyway.
 
     def host_empty(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
         with torch.inference_mode(False):

@@ -1,0 +1,190 @@
+"""The packed training step on a fake CUDA device: the backend chosen, and no host read anywhere.
+
+Every step here runs forward and backward on fake CUDA tensors, where any data-dependent host
+read raises (``HOST_READ_ERRORS``); the negative controls inject one and watch it raise.
+"""
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import slipstream
+from slipstream.models import build_model
+from slipstream.packing import attention
+from slipstream.packing.attention import choose_backend
+from tests.conftest import random_docs
+from tests.fake_cuda import (
+    HOST_READ_ERRORS,
+    backward_by_hand,
+    fake_cuda,
+    requires_fake_cuda,
+    skip_logit_probe,
+    tiny_cuda_model,
+    train_step,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
+
+DOCS = random_docs([30, 50, 20])
+CUDA = torch.device("cuda")
+KERNEL = ("torch.varlen_attn", lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize(
+    "kernel, sinks, backend, reason",
+    [
+        (KERNEL, False, "varlen", "CUDA with torch.varlen_attn"),
+        (("flash_attn", KERNEL[1]), False, "varlen", "CUDA with flash_attn"),
+        (KERNEL, True, "sdpa", "attention sinks"),
+        (None, False, "sdpa", "CUDA without a varlen kernel"),
+    ],
+)
+def test_auto_backend_on_cuda(monkeypatch, kernel, sinks, backend, reason):
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda: kernel)
+    chosen, why = choose_backend("auto", CUDA, has_sinks=sinks)
+    assert chosen == backend and reason in why
+
+
+def test_requested_backends_on_cuda(monkeypatch):
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda: None)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose_backend("varlen", CUDA, has_sinks=False)
+    assert choose_backend("flex", CUDA, has_sinks=False) == ("flex", "requested")
+    monkeypatch.setattr(attention, "_varlen_kernel", lambda: KERNEL)
+    assert choose_backend("varlen", CUDA, has_sinks=False) == ("varlen", "requested")
+    assert choose_backend("auto", torch.device("cpu"), has_sinks=False)[0] == "sdpa"
+
+
+def test_varlen_kernel_is_torchs_own_where_cuda_is_available(monkeypatch):
+    from torch.nn.attention.varlen import varlen_attn
+
+    assert attention._varlen_kernel() is None  # this CPU build
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert attention._varlen_kernel() == ("torch.varlen_attn", varlen_attn)
+
+
+def varlen_windows(monkeypatch) -> list:
+    """Record the window each call of the (real) varlen kernel gets."""
+    windows, real = [], attention._varlen_kernel
+
+    def kernel():
+        name, fn = real()
+
+        @functools.wraps(fn)
+        def recorded(*args, **kwargs):
+            windows.append(kwargs.get("window_size"))
+            return fn(*args, **kwargs)
+
+        return name, recorded
+
+    monkeypatch.setattr(attention, "_varlen_kernel", kernel)
+    return windows
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize(
+    "family, backend, windows",
+    [
+        ("llama", "slipstream_varlen", [(-1, 0)] * 2),
+        ("qwen3-sliding", "slipstream_varlen", [(7, 0), (-1, 0)]),  # window 8: 7 keys to the left
+        ("qwen3-moe", "slipstream_varlen", [(-1, 0)] * 2),
+        ("gpt-oss", "slipstream_docwise", []),  # sinks: the per-document path
+    ],
+)
+def test_packed_bf16_step_on_cuda_has_no_host_read(monkeypatch, family, backend, windows):
+    seen = varlen_windows(monkeypatch)
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model(family)
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        batch = slipstream.collate_packed(DOCS, device="cuda")
+        loss, grads = train_step(model, batch)  # a host read anywhere would raise
+    state = slipstream.state_of(model)
+    assert state.packed_attention == backend
+    assert seen == windows
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    assert all(p in grads and grads[p].dtype == p.dtype for p in model.parameters() if p.requires_grad)
+
+
+@requires_fake_cuda
+def test_cuda_without_a_varlen_kernel_runs_per_document_sdpa():
+    with fake_cuda(cuda_available=False):
+        model = tiny_cuda_model("llama")
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        loss, grads = train_step(model, slipstream.collate_packed(DOCS, device="cuda"))
+    assert slipstream.state_of(model).packed_attention == "slipstream_docwise"
+    assert len(grads) == sum(p.requires_grad for p in model.parameters())
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize(
+    "read, error",
+    [
+        (lambda t: t.sum().item(), "DataDependentOutputException"),
+        (lambda t: t[0, 0].tolist(), "DataDependentOutputException"),
+        (lambda t: bool(t.isfinite().all()), "DataDependentOutputException"),
+        (lambda t: torch.nonzero(t), "DynamicOutputShapeException"),
+    ],
+)
+def test_the_step_harness_catches_a_host_read(read, error):
+    """Negative control: the same step with one host read in a layer's forward hook raises."""
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model("qwen3-moe")
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        model.model.layers[1].mlp.register_forward_hook(lambda module, args, out: read(out))
+        with pytest.raises(HOST_READ_ERRORS) as raised:
+            train_step(model, slipstream.collate_packed(DOCS, device="cuda"))
+    assert type(raised.value).__name__ == error
+
+
+@requires_fake_cuda
+def test_a_fresh_models_first_host_read_is_the_logit_probe():
+    """The chunked loss's documented once-per-model read (the probe row) is caught too, and it is
+    the first read of a fresh model's first step."""
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model("llama")
+        slipstream.optimize(model)
+        with pytest.raises(HOST_READ_ERRORS) as raised:
+            train_step(model, slipstream.collate_packed(DOCS, device="cuda"))
+    assert "_match_transform" in [frame.name for frame in raised.traceback]
+
+
+class _Copies(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.to_cuda = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("device", args[0].device).type == "cuda":
+            self.to_cuda.append((args[0], kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+@requires_fake_cuda
+def test_collating_for_cuda_pins_then_copies_without_blocking():
+    with fake_cuda(cuda_available=True) as cuda, _Copies() as copies:
+        batch = slipstream.collate_packed(DOCS, device="cuda")
+        chunked = batch.split_every(16)  # Llama 4's chunked attention: new cu_seqlens, moved once
+    assert len(copies.to_cuda) == 6  # ids, labels, positions, cu_seqlens, loss positions; the split's
+    for source, non_blocking in copies.to_cuda:
+        assert non_blocking and any(source is pinned for pinned in cuda.pinned)
+    assert chunked.cu_seqlens.device.type == "cuda" and chunked.seq_lens[:3] == (16, 14, 16)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
+def test_backward_by_hand_matches_the_engine(family):
+    """The harness's backward (the engine cannot run on fake CUDA here) gives the engine's
+    gradients on real CPU tensors: built-in nodes, slipstream's autograd Functions, the chunked loss."""
+    model = build_model(family).train()
+    slipstream.optimize(model)
+    batch = slipstream.collate_packed(DOCS)
+    loss = model(**batch.model_inputs()).loss
+    by_hand = backward_by_hand([loss])
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(by_hand[param], param.grad, rtol=1e-5, atol=1e-7, msg=name)
