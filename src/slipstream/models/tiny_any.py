@@ -842,32 +842,28 @@ def tiny_config(model_type: str, layers: int = 2):
     """
     from transformers import AutoConfig
 
-    default = _default_config(model_type)
-    kwargs = _tiny_level(default, [model_type], layers)
-    if "is_decoder" in default.to_dict() and not default.is_decoder:
+    return AutoConfig.for_model(model_type, **_tiny_kwargs(_default_config(model_type), model_type, layers))
+
+
+def _tiny_kwargs(config, model_type: str, layers: int) -> dict[str, Any]:
+    """The keyword arguments of a tiny ``config``: every level shrunk, sub-configs rebuilt."""
+    kwargs = _tiny_level(config, [model_type], layers)
+    if "is_decoder" in config.to_dict() and not config.is_decoder:
         # An encoder family's *ForCausalLM is a causal LM only as a decoder (transformers warns
         # otherwise and attends both ways): build it the way it is trained.
         kwargs["is_decoder"] = True
-    for key in _sub_config_keys(default):
-        sub = getattr(default, key)
+    for key in _sub_config_keys(config):
+        sub = getattr(config, key)
         names = [getattr(sub, "model_type", None) or "", f"{model_type}.{key}"]
         kwargs[key] = _rebuild(sub, _tiny_level(sub, names, layers))
-    return AutoConfig.for_model(model_type, **kwargs)
+    return kwargs
 
 
 def shrink_config(config, layers: int = 2):
     """A tiny copy of a real model's ``config`` (e.g. read from its config.json): its family and the
     values it sets, shrunk and with its special features on as ``tiny_config`` does for a family's
     defaults (overrides by model type at every level included)."""
-    model_type = config.model_type
-    kwargs = _tiny_level(config, [model_type], layers)
-    if "is_decoder" in config.to_dict() and not config.is_decoder:
-        kwargs["is_decoder"] = True
-    for key in _sub_config_keys(config):
-        sub = getattr(config, key)
-        names = [getattr(sub, "model_type", None) or "", f"{model_type}.{key}"]
-        kwargs[key] = _rebuild(sub, _tiny_level(sub, names, layers))
-    return _rebuild(config, kwargs)
+    return _rebuild(config, _tiny_kwargs(config, config.model_type, layers))
 
 
 def _default_config(model_type: str):
