@@ -106,11 +106,14 @@ def test_bfloat16_stays_close_to_the_fp32_upcast_loss(path):
 
 
 def test_chunk_size_policy():
-    tokens, reason = choose_chunk_tokens(151936, torch.float32, torch.device("cpu"))
-    assert tokens % 64 == 0 and tokens * 151936 * 4 <= 256 * 2**20
-    assert "vocab 151936" in reason
-    bf16, _ = choose_chunk_tokens(151936, torch.bfloat16, torch.device("cpu"))
-    assert bf16 < tokens  # a bf16 row also holds its fp32 working copy
+    cpu = torch.device("cpu")
+    tokens, reason = choose_chunk_tokens(151936, torch.float32, cpu)
+    assert tokens == 128 and "vocab 151936" in reason  # a real vocabulary: the CPU's floor of rows
+    assert choose_chunk_tokens(151936, torch.bfloat16, cpu)[0] == 128
+    small, _ = choose_chunk_tokens(2048, torch.float32, cpu)
+    assert small % 64 == 0 and small * 2048 * 4 <= 64 * 2**20 and small >= 4096  # a small one: big chunks
+    bf16, _ = choose_chunk_tokens(2048, torch.bfloat16, cpu)
+    assert bf16 < small  # a bf16 row also holds its fp32 working copy
     assert choose_chunk_tokens(1000, torch.float32, torch.device("cpu"), override=5)[0] == 5
     with pytest.raises(ValueError, match="at least 1"):
         choose_chunk_tokens(1000, torch.float32, torch.device("cpu"), override=0)

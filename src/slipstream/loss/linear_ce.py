@@ -33,8 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-# Memory one chunk may use on a CPU, where free memory is not a meaningful budget.
-CPU_CHUNK_BUDGET_BYTES = 256 << 20
+# Memory one chunk may use on a CPU, where free memory is not a meaningful budget, and the fewest
+# rows a CPU chunk takes. At vocabulary 151,936 (qwen3-bench-cpu, 1,024-token steps) 128-row
+# chunks were as fast as 192-384-row ones in fp32 and bf16 and kept 65-150 MB less resident
+# (BENCHMARKS.md, issue 13); a small vocabulary still gets one big chunk.
+CPU_CHUNK_BUDGET_BYTES = 64 << 20
+CPU_MIN_CHUNK_TOKENS = 128
 # On CUDA: this share of the memory free when the loss first runs, within these bounds.
 CUDA_FREE_SHARE = 0.25
 MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS = 64, 16384
@@ -89,7 +93,8 @@ def choose_chunk_tokens(
         budget, source = int(free * CUDA_FREE_SHARE), f"{CUDA_FREE_SHARE:.0%} of {free / 2**30:.1f} GiB free"
     else:
         budget, source = CPU_CHUNK_BUDGET_BYTES, "the CPU budget"
-    tokens = max(MIN_CHUNK_TOKENS, min(MAX_CHUNK_TOKENS, budget // row))
+    fewest = MIN_CHUNK_TOKENS if device.type == "cuda" else CPU_MIN_CHUNK_TOKENS
+    tokens = max(fewest, min(MAX_CHUNK_TOKENS, budget // row))
     tokens = max(CHUNK_MULTIPLE, tokens // CHUNK_MULTIPLE * CHUNK_MULTIPLE)
     return tokens, (
         f"{tokens} tokens per chunk ({tokens * row / 2**20:.0f} MiB of {source}; vocab {vocab_size}, "
