@@ -194,15 +194,15 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
 
     first_inputs, _ = inputs_of(plan[0][0])
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
-    )
+    if trl_step:
+        step_fn = trl_step  # TRL's trainer, with its own optimizer and clipping
+    else:
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+        )
 
-    def step_fn(micro, model_context=contextlib.nullcontext):
-        """One optimizer step: TRL's trainer for the trl arm, train_step for every other."""
-        if trl_step:
-            return trl_step(micro, model_context)
-        return train_step(model, micro, optimizer, model_context=model_context)
+        def step_fn(micro, model_context=contextlib.nullcontext):
+            return train_step(model, micro, optimizer, model_context=model_context)
 
     def sync():
         if device == "cuda":
