@@ -166,6 +166,25 @@ def _relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
 
 
+def gradient_errors(actual: dict, expected: dict) -> dict[str, float]:
+    """Relative error of every parameter's gradient (inf where only one side has a nonzero one).
+
+    A gradient far smaller than the model's largest is compared against that scale, so fp32 noise
+    on a near-zero gradient is not called a difference."""
+    scale = max((g.norm().item() for g in expected.values() if g is not None), default=1.0)
+    errors: dict[str, float] = {}
+    for name in sorted(set(actual) | set(expected)):
+        a, e = actual.get(name), expected.get(name)
+        if a is None and e is None:
+            continue
+        if a is None or e is None:
+            if (a if e is None else e).abs().max().item() != 0:
+                errors[name] = float("inf")
+            continue
+        errors[name] = (a - e).norm().item() / max(e.norm().item(), 1e-4 * scale, 1e-12)
+    return errors
+
+
 def _compare(ref: Reference, logits: list[torch.Tensor] | None, loss: float, grads) -> ArmResult:
     result = ArmResult("pass")
     problems = []
@@ -176,23 +195,10 @@ def _compare(ref: Reference, logits: list[torch.Tensor] | None, loss: float, gra
     result.loss_error = abs(loss - ref.loss) / max(abs(ref.loss), 1e-12)
     if not result.loss_error <= TOLERANCE["loss"]:
         problems.append(f"loss off by {result.loss_error:.2g}")
-    worst, worst_name = 0.0, None
-    scale = max((g.norm().item() for g in ref.grads.values() if g is not None), default=1.0)
-    for name, expected in ref.grads.items():
-        actual = grads.get(name)
-        if expected is None and actual is None:
-            continue
-        if expected is None or actual is None:
-            other = actual if expected is None else expected
-            if other.abs().max().item() == 0:
-                continue
-            worst, worst_name = float("inf"), name
-            break
-        # A gradient far smaller than the model's largest is compared against that scale, so
-        # fp32 noise on a near-zero gradient is not called a difference.
-        error = (actual - expected).norm().item() / max(expected.norm().item(), 1e-4 * scale, 1e-12)
-        if error > worst:
-            worst, worst_name = error, name
+    errors = gradient_errors(grads, ref.grads)
+    worst_name = max(errors, key=errors.__getitem__, default=None)
+    worst = errors.get(worst_name, 0.0)
+    worst_name = worst_name if worst > 0 else None
     result.grad_error, result.worst_param = worst, worst_name
     if not worst <= TOLERANCE["grad"]:
         problems.append(f"gradient of {worst_name} off by {worst:.2g}")

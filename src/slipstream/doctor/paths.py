@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from ..bench.compat import LENGTHS, TOLERANCE, documents
+from ..bench.compat import LENGTHS, TOLERANCE, documents, gradient_errors
 from ..bench.counters import HostSyncCounter
 from ..loss import UnsupportedLoss, choose_chunk_tokens
 from ..models import TINY, build_config, build_model, model_names
@@ -434,15 +434,7 @@ def compare(actual: ArmRun, expected: ArmRun) -> Errors:
     """Relative error of the loss and of every parameter gradient (a gradient far smaller than the
     model's largest is compared against that scale, as the compatibility sweep does)."""
     loss = abs(actual.loss - expected.loss) / max(abs(expected.loss), 1e-12)
-    scale = max((g.norm().item() for g in expected.grads.values()), default=1.0)
-    grads: dict[str, float] = {}
-    for name in sorted(set(actual.grads) | set(expected.grads)):
-        a, e = actual.grads.get(name), expected.grads.get(name)
-        if a is None or e is None:
-            if (a if e is None else e).abs().max().item() != 0:
-                grads[name] = float("inf")
-            continue
-        grads[name] = (a - e).norm().item() / max(e.norm().item(), 1e-4 * scale, 1e-12)
+    grads = gradient_errors(actual.grads, expected.grads)
     worst = max(grads, key=grads.__getitem__, default=None)
     if worst is None or grads[worst] == 0:
         return Errors(loss, 0.0, None, grads)
