@@ -1,6 +1,10 @@
-"""Shared test set-up: markers that skip cleanly, deterministic threads, small random documents."""
+"""Shared test set-up: markers that skip cleanly, a fresh cache and home per test, deterministic
+threads, small random documents."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,59 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="slow: run with --runslow or SLIPSTREAM_SLOW=1"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+# Where a user's own state lives. A test run sees none of it: ``pytest_configure`` points these
+# at a home of the session's own before any test module is imported (huggingface_hub reads
+# HF_HOME at import, matplotlib its config folder on first use), and ``_fresh_cache`` gives every
+# test an empty ``$SLIPSTREAM_CACHE``. Subprocesses inherit both through the environment.
+_HOME_VARIABLES = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "HF_HOME", "MPLCONFIGDIR")
+_saved_environment: dict[str, str | None] = {}
+
+
+def pytest_configure(config):
+    home = Path(tempfile.mkdtemp(prefix="slipstream-test-home-"))
+    config._slipstream_home = home
+    for name in (*_HOME_VARIABLES, "SLIPSTREAM_CACHE"):
+        _saved_environment[name] = os.environ.pop(name, None)
+    os.environ["HOME"] = str(home)
+    os.environ["MPLCONFIGDIR"] = str(home / "matplotlib")
+    os.environ["SLIPSTREAM_CACHE"] = str(home / "cache")  # replaced per test by _fresh_cache
+
+
+def pytest_unconfigure(config):
+    for name, value in _saved_environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    home = getattr(config, "_slipstream_home", None)
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def _session_demo_tokenizer(tmp_path_factory) -> Path:
+    """The demo tokenizer, built once per session (a few seconds) in a cache of the session's own."""
+    from slipstream.data import demo_tokenizer
+
+    cache = tmp_path_factory.mktemp("session-cache")
+    demo_tokenizer(cache)
+    (folder,) = [path for path in cache.iterdir() if path.name.startswith("demo-tokenizer-")]
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path_factory, monkeypatch, _session_demo_tokenizer):
+    """Every test gets an empty ``$SLIPSTREAM_CACHE`` of its own, as on a machine slipstream never ran on.
+
+    Only the demo tokenizer (derived from the recipe, read-only in use) is shared, linked in
+    from the session's copy: no doctor marker, no tokenized data carries from test to test.
+    """
+    cache = tmp_path_factory.mktemp("cache")
+    (cache / _session_demo_tokenizer.name).symlink_to(_session_demo_tokenizer, target_is_directory=True)
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
+    yield cache
 
 
 @pytest.fixture(autouse=True)

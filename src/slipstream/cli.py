@@ -58,12 +58,12 @@ def _add_ab(sub) -> None:
 
 
 def _cmd_ab(args) -> int:
-    first_use_hint()
     try:
         grid = ab_grid(args)
     except ValueError as error:
         print(f"slipstream ab: {error}", file=sys.stderr)
         return 2
+    first_use_hint()  # once the options are valid: a mistake stays the one line that names it
     out_root = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
     diverged = run_grid(grid, out_root)
     if len(grid) > 1:
@@ -154,9 +154,9 @@ def _add_train(sub) -> None:
 def _cmd_train(args) -> int:
     from .train.loop import TrainError, train  # pulls in peft / bitsandbytes: only `train` pays for them
 
-    first_use_hint()
     try:
         config = load_config(args.config, args.set)
+        first_use_hint()  # once the config is valid: a mistake in it stays the one line that names it
         _, summary = train(config, resume=args.resume, overwrite=args.overwrite, force=args.force)
     except (ConfigError, DataError, TrainError) as error:
         print(f"slipstream train: {error}", file=sys.stderr)

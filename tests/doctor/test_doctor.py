@@ -148,7 +148,23 @@ def test_a_bad_model_is_named_and_exits_2(tmp_path, capsys):
         assert err.startswith(f"slipstream doctor: --model {path}: ") and message in err, err
 
 
-def test_the_hint_until_doctor_passes_then_never(capsys):
+@pytest.fixture
+def terminal(capsys, monkeypatch):
+    """stderr as a person's terminal: a TTY, no CI variable (the hint speaks only there)."""
+    monkeypatch.delenv("CI", raising=False)
+    _as_terminal(monkeypatch)
+    return capsys
+
+
+def _as_terminal(monkeypatch):
+    # capsys swaps its stream in and out around each phase: patch the class it uses, not the object
+    from _pytest.capture import CaptureIO
+
+    monkeypatch.setattr(CaptureIO, "isatty", lambda self: True)
+
+
+def test_the_hint_until_doctor_passes_then_never(terminal):
+    capsys = terminal
     assert first_use_hint() is True
     lines = capsys.readouterr().err.splitlines()
     assert lines == [
@@ -160,7 +176,8 @@ def test_the_hint_until_doctor_passes_then_never(capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_train_and_ab_print_the_hint_once(monkeypatch, tmp_path, capsys):
+def test_train_and_ab_print_the_hint_once(monkeypatch, tmp_path, terminal):
+    capsys = terminal
     import slipstream.cli as cli
     import slipstream.train.loop as loop
 
@@ -176,7 +193,40 @@ def test_train_and_ab_print_the_hint_once(monkeypatch, tmp_path, capsys):
     assert "slipstream doctor" not in capsys.readouterr().err
 
 
-def test_an_unusable_cache_never_breaks_a_command(monkeypatch, tmp_path, capsys):
+def test_no_hint_for_a_script_ci_or_a_mistake(monkeypatch, tmp_path, capsys):
+    """Not a terminal, or CI=true, or an invalid config / option: only the command's own output."""
+    import slipstream.cli as cli
+    import slipstream.train.loop as loop
+
+    monkeypatch.setattr(cli, "run_grid", lambda grid, out_root: [])
+    monkeypatch.setattr(loop, "train", lambda config, **kw: (None, {"steps": 0, "final_loss": 0.0}))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  preset: demo\ntraining:\n  steps: 2\noutput_dir: {tmp_path / 'out'}\n")
+    monkeypatch.delenv("CI", raising=False)
+    assert first_use_hint() is False  # capsys' stderr is no terminal: a script or a pipe
+    assert main(["train", str(config)]) == 0 and capsys.readouterr().err == ""
+    _as_terminal(monkeypatch)
+    assert first_use_hint() is True  # a person at a terminal
+    capsys.readouterr()
+    for ci in ("true", "1"):
+        monkeypatch.setenv("CI", ci)
+        assert first_use_hint() is False
+        assert main(["train", str(config)]) == 0 and capsys.readouterr().err == ""
+    monkeypatch.setenv("CI", "false")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: demo\noptimizer:\n  lr: -1\ntraining:\n  steps: 2\n")
+    assert main(["train", str(bad)]) == 1  # a terminal, no marker, but a mistake: its line alone
+    assert capsys.readouterr().err.splitlines() == [
+        f"slipstream train: {bad}:4: 'optimizer.lr' must be > 0, got -1.0"
+    ]
+    assert main(["ab", "--sweep", "nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "slipstream doctor" not in err, err
+    assert main(["train", str(config)]) == 0
+    assert capsys.readouterr().err.count("slipstream doctor") == 1  # the same terminal, a valid config
+
+
+def test_an_unusable_cache_never_breaks_a_command(monkeypatch, tmp_path, terminal):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(blocker / "cache"))  # under a file: nothing can be written

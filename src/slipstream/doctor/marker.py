@@ -3,6 +3,12 @@
 ``slipstream doctor`` writes the marker after a run with no WRONG path; ``slipstream train`` and
 ``slipstream ab`` call :func:`first_use_hint`, which prints one line to stderr while there is
 none. Nothing here may break a command: an unwritable or unreadable cache only loses the hint.
+
+When the hint speaks (decided, and tested in tests/doctor/test_doctor.py):
+- only to a person: stderr is a terminal and no ``CI`` variable is set. A script, a pipeline or
+  CI reads exactly the command's own output, on a fresh machine as on a checked one;
+- only once the command's arguments and config are valid: the commands call it after parsing,
+  so a mistake is still the one line that names it.
 """
 
 from __future__ import annotations
@@ -46,19 +52,29 @@ def has_passed(device: torch.device | None = None) -> bool:
     return marker_path(marker_key(device)).is_file()
 
 
+def is_interactive(stream: TextIO) -> bool:
+    """Whether a person reads ``stream``: a terminal, and no CI system (``CI`` set, not false)."""
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        return False
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
 def first_use_hint(stream: TextIO | None = None) -> bool:
     """Print one line pointing at ``slipstream doctor`` if it never passed on this device; True if printed.
 
-    Only rank 0 speaks under torchrun; any failure (no cache, no device name) prints nothing."""
+    Only to a person (:func:`is_interactive`), only rank 0 under torchrun; any failure (no
+    cache, no device name) prints nothing."""
     try:
-        if os.environ.get("RANK", "0") != "0":
+        stream = stream or sys.stderr
+        if os.environ.get("RANK", "0") != "0" or not is_interactive(stream):
             return False
         key = marker_key()
         if marker_path(key).is_file():
             return False
         print(
             f"slipstream: first run on {key['device']}; check its fast paths with: slipstream doctor",
-            file=stream or sys.stderr,
+            file=stream,
         )
         return True
     except Exception:  # noqa: BLE001 - a hint must never break the command it decorates
