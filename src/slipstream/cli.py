@@ -163,10 +163,14 @@ def _cmd_train(args) -> int:
         return 1
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 speaks
         print(
-            f"finished {summary['steps']} steps, final loss {summary['final_loss']:.4f}; "
+            f"finished {summary['steps']} steps, final loss {_number(summary['final_loss'])}; "
             f"adapter in {Path(config.output_dir) / 'adapter'}"
         )
     return 0
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
 
 
 def _add_pack(sub) -> None:

@@ -5,6 +5,7 @@ In-process tests pass ``after_step=interrupt_after(n)`` (or another callback bel
 
     python tests/train/fault_runner.py --kill-after 6 train config.yaml
     torchrun --nproc_per_node 2 tests/train/fault_runner.py --interrupt-after 2 --rank 1 train c.yaml
+    torchrun --nproc_per_node 2 tests/train/fault_runner.py --nonfinite-at 2 --rank 1 train c.yaml
 
 which is ``slipstream ...`` with the fault added to every ``train`` the CLI starts.
 """
@@ -52,6 +53,35 @@ def kill_after(step: int) -> AfterStep:
 
 
 @contextlib.contextmanager
+def nonfinite_at(steps: set[int], rank: int | None = None) -> Iterator[None]:
+    """Make the loss of ``steps`` (1-based) infinite (on rank ``rank`` only, if given): a bad batch.
+
+    The weights are left alone; only that step's loss (and so its gradients) is poisoned."""
+    real = loop._train_step
+
+    def poisoned(run, step: int):
+        here = rank is None or int(os.environ.get("RANK", "0")) == rank
+        if step + 1 not in steps or not here:
+            return real(run, step)
+
+        def hook(module, args, output):
+            output.loss = output.loss * float("inf")
+            return output
+
+        handle = run.model.register_forward_hook(hook)
+        try:
+            return real(run, step)
+        finally:
+            handle.remove()
+
+    loop._train_step = poisoned
+    try:
+        yield
+    finally:
+        loop._train_step = real
+
+
+@contextlib.contextmanager
 def faulty_train(after_step: AfterStep) -> Iterator[None]:
     """Every ``train`` the CLI starts inside this gets ``after_step``."""
     real = loop.train
@@ -67,8 +97,12 @@ def main(argv: list[str]) -> int:
     fault = parser.add_mutually_exclusive_group(required=True)
     fault.add_argument("--kill-after", type=int, metavar="STEP")
     fault.add_argument("--interrupt-after", type=int, metavar="STEP")
+    fault.add_argument("--nonfinite-at", type=int, metavar="STEP")
     parser.add_argument("--rank", type=int, help="interrupt this rank only")
     args, cli_args = parser.parse_known_args(argv)
+    if args.nonfinite_at is not None:
+        with nonfinite_at({args.nonfinite_at}, rank=args.rank):
+            return cli_main(cli_args)
     if args.kill_after is not None:
         after_step = kill_after(args.kill_after)
     else:

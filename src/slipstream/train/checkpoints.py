@@ -12,12 +12,24 @@ previous one.
 
 ``training.keep_checkpoints: N`` keeps the newest N complete checkpoints after each save
 (0 keeps all); the one just written is always kept.
+
+Nothing non-finite is kept: a checkpoint or adapter whose weights or optimizer state hold a
+NaN or an infinity is refused before anything is written (``TrainError``), a checkpoint that
+holds one (written by an older slipstream) counts as damaged when read, and pruning counts
+only finite checkpoints, so it never removes a finite one in favour of a non-finite one.
+
+A run stopped by a non-finite step N marks the checkpoint of step N-1, if there is one
+(``leads_to_nonfinite`` in its ``state.json``): its weights, data position and RNG state
+compute step N again exactly, whatever the learning rate, so ``--resume`` passes over it to an
+older checkpoint, with a warning, unless the run now skips non-finite steps
+(``training.on_nonfinite: skip``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -89,6 +101,35 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
+def first_nonfinite(tensors: Any, prefix: str = "") -> str | None:
+    """The name of the first floating tensor in ``tensors`` (nested dicts / lists) with a NaN or inf."""
+    if isinstance(tensors, torch.Tensor):
+        if tensors.is_floating_point() and not bool(torch.isfinite(tensors).all()):
+            return prefix or "a tensor"
+        return None
+    items = (
+        tensors.items()
+        if isinstance(tensors, dict)
+        else enumerate(tensors)
+        if isinstance(tensors, (list, tuple))
+        else ()
+    )
+    for key, value in items:
+        found = first_nonfinite(value, f"{prefix}.{key}" if prefix else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_nonfinite(where: Path, what: str, tensors: Any) -> None:
+    bad = first_nonfinite(tensors)
+    if bad is not None:
+        raise TrainError(
+            f"{where}: not written: {what} {bad!r} holds NaN or infinite values "
+            f"(the run diverged; earlier checkpoints are kept)"
+        )
+
+
 def save_checkpoint(
     out: Path,
     step: int,
@@ -102,12 +143,15 @@ def save_checkpoint(
     """``checkpoints/step-NNNNNN``, written under a temporary name and renamed when complete."""
     final = Path(out) / CHECKPOINTS / f"step-{step:06d}"
     state = {"format": CHECKPOINT_FORMAT, "step": step, "loss": loss, "fingerprint": fingerprint}
+    weights, optimizer_state = _trainable(model), optimizer.state_dict()
+    _refuse_nonfinite(final, "the trainable weight", weights)
+    _refuse_nonfinite(final, "the optimizer state", optimizer_state["state"])
     try:
         with atomic_directory(final) as tmp:
-            save_file(_trainable(model), str(tmp / WEIGHTS))
+            save_file(weights, str(tmp / WEIGHTS))
             torch.save(
                 {
-                    "optimizer": optimizer.state_dict(),
+                    "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "rng": rng_state(),
                 },
@@ -145,7 +189,7 @@ def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
     if keep < 0:
         raise ValueError(f"keep must be at least 0, got {keep}")
     steps = [(step, path) for step, path in _step_dirs(out) if step <= newest_step]
-    complete = [step for step, path in steps if (path / STATE).is_file()]
+    complete = [step for step, path in steps if _complete_and_finite(path)]
     if keep == 0 or len(complete) <= keep:
         return []
     oldest_kept = complete[keep - 1]
@@ -157,6 +201,49 @@ def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
     if removed:
         logger.info("pruned %d old checkpoint(s): %s", len(removed), ", ".join(p.name for p in removed))
     return removed
+
+
+def _complete_and_finite(path: Path) -> bool:
+    """A checkpoint pruning may count: complete, and its recorded loss not NaN / infinite."""
+    try:
+        loss = json.loads((path / STATE).read_text()).get("loss")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return loss is None or (isinstance(loss, (int, float)) and math.isfinite(loss))
+
+
+LEADS_TO_NONFINITE = "leads_to_nonfinite"
+
+
+def mark_leads_to_nonfinite(out: Path, nonfinite_step: int) -> Path | None:
+    """Mark the checkpoint right before non-finite step ``nonfinite_step`` (if any); its path."""
+    path = Path(out) / CHECKPOINTS / f"step-{nonfinite_step - 1:06d}"
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError):
+        return None
+    state[LEADS_TO_NONFINITE] = nonfinite_step
+    write_text_atomically(path / STATE, json.dumps(state, indent=1) + "\n")
+    return path
+
+
+def _leads_to_nonfinite(path: Path) -> int | None:
+    try:
+        return json.loads((path / STATE).read_text()).get(LEADS_TO_NONFINITE)
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def newest_resumable(out: Path) -> Path | None:
+    """The newest complete checkpoint that does not lead straight into a non-finite step."""
+    return next(
+        (
+            path
+            for _, path in _step_dirs(out)
+            if (path / STATE).is_file() and _leads_to_nonfinite(path) is None
+        ),
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------- reading
@@ -214,6 +301,9 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise DamagedCheckpoint(f"{TRAINER_STATE} is unreadable ({_short(error)})") from None
     if not isinstance(trainer, dict) or not {"optimizer", "scheduler", "rng"} <= trainer.keys():
         raise DamagedCheckpoint(f"{TRAINER_STATE} lacks the optimizer, scheduler or RNG state")
+    bad = first_nonfinite(weights) or first_nonfinite(trainer["optimizer"])
+    if bad is not None:  # written by a slipstream that kept diverged runs' checkpoints
+        raise DamagedCheckpoint(f"{bad!r} holds NaN or infinite values (a diverged run)")
     return Checkpoint(path=path, step=state["step"], state=state, weights=weights, trainer=trainer)
 
 
@@ -228,11 +318,12 @@ def _short(error: Exception) -> str:
 
 
 def find_resume_point(
-    out: Path, fingerprint: dict, *, force: bool = False
+    out: Path, fingerprint: dict, *, force: bool = False, skips_nonfinite: bool = False
 ) -> tuple[ResumePoint, Checkpoint | None]:
     """The newest usable checkpoint, checked against this run's ``fingerprint``.
 
-    Damaged checkpoints are skipped with a warning; a fingerprint mismatch raises
+    Damaged checkpoints are skipped with a warning, and so are those that lead straight into
+    a non-finite step unless this run skips such steps (``skips_nonfinite``); a fingerprint mismatch raises
     ``TrainError`` saying what changed (``force`` accepts the changes that leave the
     checkpoint loadable, with a warning); so does having checkpoints none of which is usable.
     """
@@ -240,6 +331,15 @@ def find_resume_point(
     candidates = _step_dirs(out)
     chosen = None
     for _, path in candidates:
+        nonfinite_next = None if skips_nonfinite else _leads_to_nonfinite(path)
+        if nonfinite_next is not None:
+            why = (
+                f"its weights computed the non-finite step {nonfinite_next}, and would again "
+                "(resume from it with --set training.on_nonfinite=skip to skip that step)"
+            )
+            point.skipped.append(f"{path.name}: {why}")
+            logger.warning("%s: passed over: %s; falling back to an older checkpoint", path, why)
+            continue
         try:
             chosen = read_checkpoint(path)
             break
@@ -283,13 +383,21 @@ def find_resume_point(
 
 
 def load_resume_point(
-    out: Path, fingerprint: dict | None, info: Distributed, *, resumable: bool, force: bool
+    out: Path,
+    fingerprint: dict | None,
+    info: Distributed,
+    *,
+    resumable: bool,
+    force: bool,
+    skips_nonfinite: bool = False,
 ) -> tuple[ResumePoint, Checkpoint | None]:
     """Rank 0 picks and checks the checkpoint; every rank gets its verdict and reads it."""
     point, checkpoint, error = ResumePoint(), None, None
     if info.is_main and resumable:
         try:
-            point, checkpoint = find_resume_point(out, fingerprint, force=force)
+            point, checkpoint = find_resume_point(
+                out, fingerprint, force=force, skips_nonfinite=skips_nonfinite
+            )
         except TrainError as caught:
             error = str(caught)
     if info.enabled:
@@ -344,6 +452,8 @@ def save_final(
     """
     adapter = Path(out) / ADAPTER
     model = unwrap(model)
+    trained = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}  # read where it lies
+    _refuse_nonfinite(adapter, "the trainable weight", state if state is not None else trained)
     with atomic_directory(adapter) as tmp:
         model.save_pretrained(tmp, **({"state_dict": state} if state is not None else {}))
         if expert_lora:

@@ -100,6 +100,10 @@ class TrainingConfig:
     log_every: Positive = 1
     tensorboard: bool = False
     distributed: Strategy = "ddp"  # under torchrun: DDP or FSDP2 (fully_shard)
+    # a step whose loss or gradient norm is NaN / infinite is never applied; then either stop
+    # the run (exit non-zero, naming the last finite checkpoint) or skip the step and go on
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_consecutive_skips: Positive = 5  # with on_nonfinite: skip, stop after this many in a row
 
 
 @dataclass

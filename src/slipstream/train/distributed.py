@@ -53,6 +53,14 @@ class Distributed:
         dist.all_reduce(tensor)
         return float(tensor.item())
 
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over ranks where it lies (no host read): the step's loss before it is read."""
+        if not self.enabled:
+            return tensor
+        tensor = tensor.detach().clone()
+        dist.all_reduce(tensor)
+        return tensor
+
 
 # The multi-process strategies, defined once (the training config's field reads this).
 Strategy = Literal["ddp", "fsdp2"]

@@ -7,7 +7,9 @@ Every checkpoint's ``state.json`` holds a fingerprint of three things:
   the torchrun world size (the step plan depends on it). Left out, because they change where
   or how often results are written, or how the same computation runs, never its result:
   ``output_dir``, ``training.checkpoint_every``, ``training.keep_checkpoints``,
-  ``training.log_every``, ``training.tensorboard``, ``training.distributed``, every
+  ``training.log_every``, ``training.tensorboard``, ``training.distributed``,
+  ``training.on_nonfinite`` and ``training.max_consecutive_skips`` (a finite step is computed
+  the same under either; a non-finite one is never applied), every
   ``speedups.*`` key and ``data.cache``; ``data.path`` too, since the data's content is
   hashed instead (a moved file resumes, an edited one does not). A key added to the config
   later is fingerprinted unless it is added here;
@@ -48,6 +50,8 @@ NOT_FINGERPRINTED = (
     "training.log_every",
     "training.tensorboard",
     "training.distributed",
+    "training.on_nonfinite",
+    "training.max_consecutive_skips",
 )
 NOT_FINGERPRINTED_SECTIONS = ("speedups.",)
 WORLD_SIZE = "torchrun world size"

@@ -54,13 +54,16 @@ from .checkpoints import (
     ResumePoint,
     apply_checkpoint,
     checkpoint_and_prune,
+    first_nonfinite,
     load_resume_point,
+    mark_leads_to_nonfinite,
     newest_checkpoint,
+    newest_resumable,
     save_checkpoint,
     save_final,
 )
 from .config import ConfigError, TrainConfig
-from .distributed import Distributed, full_trainable_state, setup, shutdown, wrap
+from .distributed import Distributed, full_trainable_state, setup, shutdown, unwrap, wrap
 from .errors import TrainError, TrainInterrupted
 from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
@@ -309,7 +312,14 @@ def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) 
     fingerprint = (
         run_fingerprint(config, tokenizer, world_size=info.world_size, dtype=dtype) if info.is_main else None
     )
-    point, checkpoint = load_resume_point(out, fingerprint, info, resumable=resume and resumable, force=force)
+    point, checkpoint = load_resume_point(
+        out,
+        fingerprint,
+        info,
+        resumable=resume and resumable,
+        force=force,
+        skips_nonfinite=config.training.on_nonfinite == "skip",
+    )
     if info.is_main:
         tqdm.write(f"slipstream train: {dtype_policy}")
     model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info)
@@ -359,6 +369,7 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
             rewind_metrics(run.out, 0)
         return 0
     start = apply_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
+    _config_hyperparameters(run)
     if start > run.total:
         raise TrainError(
             f"{point.path}: the checkpoint is at step {start}, past this run's {run.total} steps"
@@ -371,9 +382,31 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
     return start
 
 
+def _config_hyperparameters(run: _Run) -> None:
+    """The config's optimizer settings over those a checkpoint restored (``--resume --force`` with a changed lr).
+
+    ``load_state_dict`` brings back the checkpoint's lr, betas and weight decay with the moments,
+    and the scheduler its base lr, so a changed ``optimizer.lr`` would silently not apply. The
+    schedule itself (its shape, warmup) is this run's; the lr is recomputed for the step resumed at.
+    """
+    settings = run.config.optimizer
+    for group in run.optimizer.param_groups:
+        group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+    scheduler = run.scheduler
+    scheduler.base_lrs = [settings.lr] * len(run.optimizer.param_groups)
+    lrs = [
+        lr * factor(scheduler.last_epoch)
+        for lr, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    ]
+    for group, lr in zip(run.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
+
+
 # ----------------------------------------------------------------------------- the loop
-def _train_step(run: _Run, step: int) -> tuple[float, float, int]:
-    """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm and tokens."""
+def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
+    """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm,
+    tokens, and whether it was finite (applied); every rank gets the same loss and verdict."""
     step_bins = run.bins_for(step)
     micro = []
     for index in step_bins[run.info.rank :: run.info.world_size]:
@@ -386,10 +419,11 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int]:
         max_grad_norm=run.config.optimizer.max_grad_norm,
         global_tokens=sum(run.label_tokens[i] for i in step_bins),
         loss_scale=run.info.world_size,
+        reduce_loss=run.info.sum_tensor,
     )
-    run.scheduler.step()
+    run.scheduler.step()  # a skipped step keeps the plan: the lr stays a function of the step
     tokens = sum(len(d["input_ids"]) for index in step_bins for d in run.bins[index])
-    return run.info.sum(result["loss"]), result["grad_norm"], tokens
+    return result["loss"], result["grad_norm"], tokens, result["finite"]
 
 
 class _Metrics:
@@ -402,14 +436,17 @@ class _Metrics:
         self.stream = (run.out / METRICS).open("a") if main else None
 
     def log(self, record: dict) -> None:
+        """Every ``log_every`` steps, the last, and every non-finite step (an event, always kept)."""
         step = record["step"]
-        if self.stream is None or (step % self.every != 0 and step != self.total):
+        event = "nonfinite" in record
+        if self.stream is None or (step % self.every != 0 and step != self.total and not event):
             return
-        self.stream.write(json.dumps(record) + "\n")
+        self.stream.write(json.dumps(record, allow_nan=False) + "\n")
         self.stream.flush()
         if self.writer is not None:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
-                self.writer.add_scalar(f"train/{key}", record[key], step)
+                if record[key] is not None:
+                    self.writer.add_scalar(f"train/{key}", record[key], step)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -426,7 +463,7 @@ def _tensorboard(out: Path):
     return SummaryWriter(str(out / TENSORBOARD))
 
 
-def _checkpoint(run: _Run, step: int, loss: float) -> None:
+def _checkpoint(run: _Run, step: int, loss: float | None) -> None:
     checkpoint_and_prune(
         run.out,
         step,
@@ -439,7 +476,7 @@ def _checkpoint(run: _Run, step: int, loss: float) -> None:
     )
 
 
-def _stop(run: _Run, requested: str | None, step: int, loss: float, saved: bool) -> TrainInterrupted:
+def _stop(run: _Run, requested: str | None, step: int, loss: float | None, saved: bool) -> TrainInterrupted:
     """Save step ``step`` (if not just saved) for a stop every rank agreed on; the error that says so."""
     if run.info.strategy == "fsdp2":
         where = "no checkpoint (training.distributed fsdp2 cannot write checkpoints yet)"
@@ -456,10 +493,118 @@ def _stop(run: _Run, requested: str | None, step: int, loss: float, saved: bool)
     )
 
 
-def _run_steps(run: _Run, *, progress: bool, after_step: Callable[[int], None] | None) -> list[float]:
-    """Steps ``run.start`` to ``run.total``; returns their losses. Ctrl-C stops after a whole step."""
+class _NonFiniteSteps:
+    """``training.on_nonfinite``: what a step whose loss or gradient norm is NaN / infinite does.
+
+    ``train_step`` never applies such a step. ``stop`` ends the run at the first one; ``skip``
+    goes on (the update dropped, the step counted and logged) until ``max_consecutive_skips``
+    come in a row. The verdict rests on the loss summed over the ranks and the grad norm, which
+    every rank reads alike, so every rank decides the same. Nothing here reads the device.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self.run = run
+        self.skipped = 0  # over the run (this process's part of it, after a resume)
+        self.in_a_row = 0
+
+    def record(self, step: int, loss: float, grad_norm: float) -> str:
+        """Count step ``step`` (1-based, non-finite); returns the line that says it was skipped.
+
+        Raises ``TrainError`` (one line) when the run must stop."""
+        training = self.run.config.training
+        what = _nonfinite_what(loss, grad_norm)
+        self.skipped += 1
+        self.in_a_row += 1
+        if training.on_nonfinite == "stop":
+            raise TrainError(self._stop_message(step, what, "training.on_nonfinite: stop", repeats=True))
+        if self.in_a_row >= training.max_consecutive_skips:
+            raise TrainError(
+                self._stop_message(
+                    step,
+                    what,
+                    f"{self.in_a_row} non-finite steps in a row, training.max_consecutive_skips",
+                    repeats=True,
+                )
+            )
+        return (
+            f"slipstream train: step {step}: {what}: update skipped (training.on_nonfinite: skip; "
+            f"{self.in_a_row} in a row, the run stops at {training.max_consecutive_skips})"
+        )
+
+    def finite(self) -> None:
+        self.in_a_row = 0
+
+    def check_weights(self, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Before step ``step``'s checkpoint or the final adapter, on every rank: stop if an update
+        made a trainable weight non-finite (a finite loss and grad norm with too large a step).
+
+        A later step's loss would show it too, but not before this write; the writers refuse such
+        weights as well, on rank 0 only. ``state``: the gathered weights under FSDP2."""
+        tensors = (
+            state
+            if state is not None
+            else {
+                name: param.detach()
+                for name, param in unwrap(self.run.model).named_parameters()
+                if param.requires_grad
+            }
+        )
+        bad = first_nonfinite(tensors)
+        if bad is not None:
+            what = f"its update made the trainable weight {bad!r} NaN or infinite"
+            raise TrainError(self._stop_message(step, what, "nothing non-finite is written", repeats=False))
+
+    def _stop_message(self, step: int, what: str, why: str, *, repeats: bool) -> str:
+        """The one line a non-finite stop prints. ``repeats``: the step's own computation was
+        non-finite, so the checkpoint right before it would compute it again (it is marked)."""
+        run = self.run
+        marked = None
+        if run.info.is_main and repeats:
+            marked = mark_leads_to_nonfinite(run.out, step)
+        run.info.barrier()
+        lower = f"{run.config.optimizer.lr / 10:g}"
+        newest = newest_resumable(run.out)
+        passed = (
+            f" ({marked.name} is passed over: its weights would compute step {step} again)"
+            if marked is not None
+            else ""
+        )
+        if newest is not None:
+            where = (
+                f"the last finite checkpoint to go back to is {newest}{passed}: run the same command with "
+                f"--resume --force --set optimizer.lr={lower} (a lower learning rate) to continue from it"
+            )
+        else:
+            where = (
+                f"no earlier checkpoint to go back to{passed}: run the same command with --overwrite "
+                f"--set optimizer.lr={lower} (a lower learning rate) to start over"
+            )
+        return (
+            f"step {step} of {run.total}: {what} ({why}): the run stopped; nothing of that step was "
+            f"applied or written; {where}"
+        )
+
+
+def _nonfinite_what(loss: float, grad_norm: float) -> str:
+    parts = [f"{name} is {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))]
+    bad = [part for part, value in zip(parts, (loss, grad_norm), strict=True) if not math.isfinite(value)]
+    return " and the ".join(bad) if len(bad) > 1 else bad[0]
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _run_steps(
+    run: _Run, *, progress: bool, after_step: Callable[[int], None] | None
+) -> tuple[list[float], _NonFiniteSteps]:
+    """Steps ``run.start`` to ``run.total``; returns the finite losses and the non-finite count.
+
+    Ctrl-C stops after a whole step; a non-finite step stops the run or is skipped
+    (``_NonFiniteSteps``)."""
     config, info, total = run.config, run.info, run.total
     metrics = _Metrics(run)
+    nonfinite = _NonFiniteSteps(run)
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
@@ -475,30 +620,39 @@ def _run_steps(run: _Run, *, progress: bool, after_step: Callable[[int], None] |
     try:
         stop.install()
         for step in bar:
-            loss, grad_norm, tokens = _train_step(run, step)
+            loss, grad_norm, tokens, finite = _train_step(run, step)
             tokens_seen += tokens
             elapsed = time.perf_counter() - begin
             record = {
                 "step": step + 1,
-                "loss": loss,
-                "grad_norm": grad_norm,
+                "loss": _finite_or_none(loss),
+                "grad_norm": _finite_or_none(grad_norm),
                 "lr": run.scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_seen / elapsed,
                 "elapsed_s": elapsed,
             }
-            losses.append(loss)
-            metrics.log(record)
+            if finite:
+                nonfinite.finite()
+                losses.append(loss)
+                metrics.log(record)
+            else:  # the update was dropped; the record says which value was not finite
+                names = [n for n, v in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(v)]
+                metrics.log({**record, "nonfinite": names, "skipped": config.training.on_nonfinite == "skip"})
+                line = nonfinite.record(step + 1, loss, grad_norm)  # raises to stop the run
+                if info.is_main:
+                    tqdm.write(line)
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
             saved = False
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
+                nonfinite.check_weights(step + 1)
                 if info.is_main:
-                    _checkpoint(run, step + 1, loss)
+                    _checkpoint(run, step + 1, _finite_or_none(loss))
                 saved = True
                 info.barrier()
             if after_step is not None:
                 after_step(step + 1)
             if stop_agreed(stop.requested, info):
-                raise _stop(run, stop.requested, step + 1, loss, saved)
+                raise _stop(run, stop.requested, step + 1, _finite_or_none(loss), saved)
     except KeyboardInterrupt as error:
         if isinstance(error, TrainInterrupted):
             raise
@@ -514,11 +668,11 @@ def _run_steps(run: _Run, *, progress: bool, after_step: Callable[[int], None] |
     finally:
         stop.restore()
         metrics.close()
-    return losses
+    return losses, nonfinite
 
 
 # ----------------------------------------------------------------------------- finishing
-def _summary(run: _Run, losses: list[float]) -> dict:
+def _summary(run: _Run, losses: list[float], nonfinite: _NonFiniteSteps) -> dict:
     """What ``run.json`` records and ``train`` returns."""
     data = run.data_report.to_dict() if run.data_report is not None else {"source": "built-in demo data"}
     summary = {
@@ -530,6 +684,7 @@ def _summary(run: _Run, losses: list[float]) -> dict:
         "dtype": str(run.dtype).removeprefix("torch."),
         "world_size": run.info.world_size,
         "distributed": run.info.strategy,
+        "skipped_nonfinite_steps": nonfinite.skipped,
     }
     if run.point.path is not None:
         summary["resumed"] = {
@@ -561,11 +716,12 @@ def train(
     their faults there.
     """
     run = _set_up(config, resume=resume, overwrite=overwrite, force=force)
-    losses = _run_steps(run, progress=progress, after_step=after_step)
-    summary = _summary(run, losses)
+    losses, nonfinite = _run_steps(run, progress=progress, after_step=after_step)
+    summary = _summary(run, losses, nonfinite)
     info = run.info
     # a collective under FSDP2: every rank gathers, rank 0 writes
     state = full_trainable_state(run.model, info) if info.strategy == "fsdp2" else None
+    nonfinite.check_weights(run.total, state)
     if info.is_main:
         save_final(
             run.out,

@@ -3,10 +3,16 @@
 Gradient accumulation that averages per-micro-batch mean losses over-weights the tokens of
 short micro-batches. Here each micro-batch's summed loss is divided by the label-token count
 of the whole step (``num_items_in_batch``), which is the loss of one big batch.
+
+A step whose loss or gradient norm is not finite is never applied: the two are read to the
+host together, once, before the optimizer runs (the step's one host read, moved ahead of the
+update rather than added), and the update is dropped if either is NaN or infinite. What the
+run does then (stop, or go on) is the caller's policy (``training.on_nonfinite``).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -26,8 +32,9 @@ def train_step(
     model_context: Callable[[], AbstractContextManager] = nullcontext,
     global_tokens: int | None = None,
     loss_scale: float = 1.0,
-) -> dict[str, float]:
-    """Forward + backward every micro-batch, clip, step, zero. Returns loss and grad norm.
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Forward + backward every micro-batch, clip, step (if finite), zero. Returns loss and grad norm.
 
     The returned loss is the token-weighted mean over the whole step, the number a single
     batch holding all micro-batches would report. ``model_context`` wraps each forward +
@@ -35,7 +42,9 @@ def train_step(
 
     Data parallel: ``global_tokens`` is the label-token count of the step over all ranks
     (this rank's loss is then its share of the global mean) and ``loss_scale`` the world
-    size, undoing the gradient averaging of DDP / FSDP2.
+    size, undoing the gradient averaging of DDP / FSDP2; ``reduce_loss`` sums this rank's
+    share over the ranks on the device, so every rank reads the same loss and grad norm and
+    makes the same decision. ``finite`` in the result is False when the update was dropped.
     """
     total_tokens = global_tokens if global_tokens is not None else sum(tokens for _, tokens in micro_batches)
     if total_tokens == 0:
@@ -56,14 +65,23 @@ def train_step(
         loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
+    if loss_sum is None:
+        loss_sum = torch.zeros((), device=device)
+    if reduce_loss is not None:
+        loss_sum = reduce_loss(loss_sum)
+    # The step's one host read: loss and grad norm in one transfer, before the update.
+    loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+    finite = math.isfinite(loss) and math.isfinite(norm)
+    if finite:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     forward_s, backward_s = clock.phases()
     return {
-        "loss": float(loss_sum) if loss_sum is not None else 0.0,
-        "grad_norm": float(grad_norm),
+        "loss": loss,
+        "grad_norm": norm,
+        "finite": finite,
         "forward_s": forward_s,
         "backward_s": backward_s,
     }
