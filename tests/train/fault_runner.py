@@ -100,6 +100,7 @@ def main(argv: list[str]) -> int:
     fault.add_argument("--nonfinite-at", type=int, metavar="STEP")
     parser.add_argument("--rank", type=int, help="interrupt this rank only")
     args, cli_args = parser.parse_known_args(argv)
+    print(f"fault_runner pid {os.getpid()}", flush=True)
     if args.nonfinite_at is not None:
         with nonfinite_at({args.nonfinite_at}, rank=args.rank):
             return cli_main(cli_args)

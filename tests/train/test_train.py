@@ -88,6 +88,10 @@ def run_cli(args, env=None):
     )
 
 
+def killed_pid(done: subprocess.CompletedProcess) -> int:
+    return int(done.stdout.split("fault_runner pid ", 1)[1].split()[0])
+
+
 def test_killed_run_resumes_to_the_same_losses(tmp_path):
     full = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "full")}, "full.yaml")
     part = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "part")}, "part.yaml")
@@ -111,8 +115,12 @@ def test_killed_run_resumes_to_the_same_losses(tmp_path):
     (tmp_path / "part" / "checkpoints" / ".step-000008.tmp-123").mkdir()
     (tmp_path / "part" / "checkpoints" / "step-000010").mkdir()  # no state.json: incomplete
     assert newest_checkpoint(tmp_path / "part").name == "step-000004"
+    stale = json.loads((tmp_path / "part" / ".slipstream-run.lock").read_text())  # the killed run's lock
+    assert stale["pid"] == killed_pid(killed)
     resumed = run_cli(["train", str(part), "--resume"])
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"took over the lock of a run that is no longer running (pid {stale['pid']} on " in resumed.stderr
+    assert not (tmp_path / "part" / ".slipstream-run.lock").exists()  # released at the end
     reference, again = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert len(again) == len(reference) == 12
     for step in range(4, 12):

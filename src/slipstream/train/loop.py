@@ -67,6 +67,7 @@ from .distributed import Distributed, full_trainable_state, setup, shutdown, unw
 from .errors import TrainError, TrainInterrupted
 from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
+from .lock import RunLock
 from .output_dir import CHECKPOINTS, CONFIG, FINISHED, METRICS, TENSORBOARD, prepare_output, rewind_metrics
 from .precision import resolve_dtype
 from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
@@ -241,6 +242,7 @@ class _Run:
     scheduler: Any
     total: int
     bins_for: Callable[[int], list[int]]
+    lock: RunLock | None  # the output directory's, held by rank 0 until the run ends
     start: int = 0  # the step resumed from
 
 
@@ -301,6 +303,25 @@ def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) 
     """Everything before the first step, in an order the seeds depend on; every rank runs it."""
     info = setup(config.training.distributed)
     out = Path(config.output_dir)
+    lock = RunLock.acquire(out) if info.is_main else None  # before anything there is read or changed
+    try:
+        return _set_up_locked(config, info, out, lock, resume=resume, overwrite=overwrite, force=force)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _set_up_locked(
+    config: TrainConfig,
+    info: Distributed,
+    out: Path,
+    lock: RunLock | None,
+    *,
+    resume: bool,
+    overwrite: bool,
+    force: bool,
+) -> _Run:
     resumable = prepare_output(out, resume=resume, overwrite=overwrite) if info.is_main else False
     info.barrier()
     random.seed(config.seed)
@@ -350,6 +371,7 @@ def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) 
         scheduler=scheduler,
         total=total,
         bins_for=bins_for,
+        lock=lock,
     )
     run.start = _restore(run, checkpoint, resume=resume)
     del checkpoint  # its tensors are in the model now
@@ -716,6 +738,15 @@ def train(
     their faults there.
     """
     run = _set_up(config, resume=resume, overwrite=overwrite, force=force)
+    try:
+        return _train_and_save(run, progress=progress, after_step=after_step)
+    finally:
+        if run.lock is not None:
+            run.lock.release()
+
+
+def _train_and_save(run: _Run, *, progress: bool, after_step: Callable[[int], None] | None):
+    config = run.config
     losses, nonfinite = _run_steps(run, progress=progress, after_step=after_step)
     summary = _summary(run, losses, nonfinite)
     info = run.info

@@ -15,7 +15,8 @@ time, slipstream version) before it writes anything else. The rules:
   mid-write, ``.adapter.tmp-*``, ``.run.tmp-*.json`` ...) are removed when a run starts or resumes.
 
 A directory written by a slipstream from before the marker (it has ``checkpoints/`` but no
-marker) may still be resumed; it is marked then.
+marker) may still be resumed; it is marked then. One live run at a time: the caller holds the
+directory's lock (``lock.py``) before calling ``prepare_output``, which ignores the lock file.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from .._version import __version__
 from ..atomic import write_text_atomically
 from .errors import TrainError
+from .lock import LOCK
 
 logger = logging.getLogger("slipstream")
 
@@ -144,7 +146,8 @@ def prepare_output(out: Path, *, resume: bool, overwrite: bool) -> bool:
     if out.exists() and not out.is_dir():
         raise TrainError(f"{out}: output_dir is a file, not a directory")
     try:
-        entries = sorted(entry.name for entry in out.iterdir()) if out.exists() else []
+        # the run lock (``lock.py``) is taken before this looks: it is the caller's, not the run's
+        entries = sorted(entry.name for entry in out.iterdir() if entry.name != LOCK) if out.exists() else []
     except OSError as error:
         raise TrainError(f"{out}: cannot list the output directory ({error.strerror or error})") from None
     marked = MARKER in entries and is_marked(out)
