@@ -54,20 +54,18 @@ from .checkpoints import (
     ResumePoint,
     apply_checkpoint,
     checkpoint_and_prune,
-    first_nonfinite,
     load_resume_point,
-    mark_leads_to_nonfinite,
     newest_checkpoint,
-    newest_resumable,
     save_checkpoint,
     save_final,
 )
 from .config import ConfigError, TrainConfig
-from .distributed import Distributed, full_trainable_state, setup, shutdown, unwrap, wrap
+from .distributed import Distributed, full_trainable_state, setup, shutdown, wrap
 from .errors import TrainError, TrainInterrupted
 from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
 from .lock import RunLock
+from .nonfinite import NonFiniteSteps, finite_or_none
 from .output_dir import CHECKPOINTS, CONFIG, FINISHED, METRICS, TENSORBOARD, prepare_output, rewind_metrics
 from .precision import resolve_dtype
 from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
@@ -515,118 +513,16 @@ def _stop(run: _Run, requested: str | None, step: int, loss: float | None, saved
     )
 
 
-class _NonFiniteSteps:
-    """``training.on_nonfinite``: what a step whose loss or gradient norm is NaN / infinite does.
-
-    ``train_step`` never applies such a step. ``stop`` ends the run at the first one; ``skip``
-    goes on (the update dropped, the step counted and logged) until ``max_consecutive_skips``
-    come in a row. The verdict rests on the loss summed over the ranks and the grad norm, which
-    every rank reads alike, so every rank decides the same. Nothing here reads the device.
-    """
-
-    def __init__(self, run: _Run) -> None:
-        self.run = run
-        self.skipped = 0  # over the run (this process's part of it, after a resume)
-        self.in_a_row = 0
-
-    def record(self, step: int, loss: float, grad_norm: float) -> str:
-        """Count step ``step`` (1-based, non-finite); returns the line that says it was skipped.
-
-        Raises ``TrainError`` (one line) when the run must stop."""
-        training = self.run.config.training
-        what = _nonfinite_what(loss, grad_norm)
-        self.skipped += 1
-        self.in_a_row += 1
-        if training.on_nonfinite == "stop":
-            raise TrainError(self._stop_message(step, what, "training.on_nonfinite: stop", repeats=True))
-        if self.in_a_row >= training.max_consecutive_skips:
-            raise TrainError(
-                self._stop_message(
-                    step,
-                    what,
-                    f"{self.in_a_row} non-finite steps in a row, training.max_consecutive_skips",
-                    repeats=True,
-                )
-            )
-        return (
-            f"slipstream train: step {step}: {what}: update skipped (training.on_nonfinite: skip; "
-            f"{self.in_a_row} in a row, the run stops at {training.max_consecutive_skips})"
-        )
-
-    def finite(self) -> None:
-        self.in_a_row = 0
-
-    def check_weights(self, step: int, state: dict[str, torch.Tensor] | None = None) -> None:
-        """Before step ``step``'s checkpoint or the final adapter, on every rank: stop if an update
-        made a trainable weight non-finite (a finite loss and grad norm with too large a step).
-
-        A later step's loss would show it too, but not before this write; the writers refuse such
-        weights as well, on rank 0 only. ``state``: the gathered weights under FSDP2."""
-        tensors = (
-            state
-            if state is not None
-            else {
-                name: param.detach()
-                for name, param in unwrap(self.run.model).named_parameters()
-                if param.requires_grad
-            }
-        )
-        bad = first_nonfinite(tensors)
-        if bad is not None:
-            what = f"its update made the trainable weight {bad!r} NaN or infinite"
-            raise TrainError(self._stop_message(step, what, "nothing non-finite is written", repeats=False))
-
-    def _stop_message(self, step: int, what: str, why: str, *, repeats: bool) -> str:
-        """The one line a non-finite stop prints. ``repeats``: the step's own computation was
-        non-finite, so the checkpoint right before it would compute it again (it is marked)."""
-        run = self.run
-        marked = None
-        if run.info.is_main and repeats:
-            marked = mark_leads_to_nonfinite(run.out, step)
-        run.info.barrier()
-        lower = f"{run.config.optimizer.lr / 10:g}"
-        newest = newest_resumable(run.out)
-        passed = (
-            f" ({marked.name} is passed over: its weights would compute step {step} again)"
-            if marked is not None
-            else ""
-        )
-        if newest is not None:
-            where = (
-                f"the last finite checkpoint to go back to is {newest}{passed}: run the same command with "
-                f"--resume --force --set optimizer.lr={lower} (a lower learning rate) to continue from it"
-            )
-        else:
-            where = (
-                f"no earlier checkpoint to go back to{passed}: run the same command with --overwrite "
-                f"--set optimizer.lr={lower} (a lower learning rate) to start over"
-            )
-        return (
-            f"step {step} of {run.total}: {what} ({why}): the run stopped; nothing of that step was "
-            f"applied or written; {where}"
-        )
-
-
-def _nonfinite_what(loss: float, grad_norm: float) -> str:
-    parts = [f"{name} is {value}" for name, value in (("loss", loss), ("gradient norm", grad_norm))]
-    bad = [part for part, value in zip(parts, (loss, grad_norm), strict=True) if not math.isfinite(value)]
-    return " and the ".join(bad) if len(bad) > 1 else bad[0]
-
-
-def _finite_or_none(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
 def _run_steps(
     run: _Run, *, progress: bool, after_step: Callable[[int], None] | None
-) -> tuple[list[float], _NonFiniteSteps]:
+) -> tuple[list[float], NonFiniteSteps]:
     """Steps ``run.start`` to ``run.total``; returns the finite losses and the non-finite count.
 
     Ctrl-C stops after a whole step; a non-finite step stops the run or is skipped
-    (``_NonFiniteSteps``)."""
+    (``nonfinite.NonFiniteSteps``)."""
     config, info, total = run.config, run.info, run.total
     metrics = _Metrics(run)
-    nonfinite = _NonFiniteSteps(run)
+    nonfinite = NonFiniteSteps(run.config, run.info, run.out, run.total, run.model)
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
@@ -647,8 +543,8 @@ def _run_steps(
             elapsed = time.perf_counter() - begin
             record = {
                 "step": step + 1,
-                "loss": _finite_or_none(loss),
-                "grad_norm": _finite_or_none(grad_norm),
+                "loss": finite_or_none(loss),
+                "grad_norm": finite_or_none(grad_norm),
                 "lr": run.scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_seen / elapsed,
                 "elapsed_s": elapsed,
@@ -668,13 +564,13 @@ def _run_steps(
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
                 nonfinite.check_weights(step + 1)
                 if info.is_main:
-                    _checkpoint(run, step + 1, _finite_or_none(loss))
+                    _checkpoint(run, step + 1, finite_or_none(loss))
                 saved = True
                 info.barrier()
             if after_step is not None:
                 after_step(step + 1)
             if stop_agreed(stop.requested, info):
-                raise _stop(run, stop.requested, step + 1, _finite_or_none(loss), saved)
+                raise _stop(run, stop.requested, step + 1, finite_or_none(loss), saved)
     except KeyboardInterrupt as error:
         if isinstance(error, TrainInterrupted):
             raise
@@ -694,7 +590,7 @@ def _run_steps(
 
 
 # ----------------------------------------------------------------------------- finishing
-def _summary(run: _Run, losses: list[float], nonfinite: _NonFiniteSteps) -> dict:
+def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
     """What ``run.json`` records and ``train`` returns."""
     data = run.data_report.to_dict() if run.data_report is not None else {"source": "built-in demo data"}
     summary = {
