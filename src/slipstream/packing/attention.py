@@ -210,10 +210,22 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
         )
-    if sinks is not None:
-        out = _sinks_one(module, query, key, value, scaling, dropout, window, sinks, None)
+
+    def one(q, k, v):
+        if sinks is not None:
+            return _sinks_one(module, q, k, v, scaling, dropout, window, sinks, None)
+        return _sdpa_one(q, k, v, scaling, dropout, window, None)
+
+    chunk = chunked_attention_size(module)
+    length = query.shape[-2]
+    if chunk and length == key.shape[-2] and length > chunk:
+        # A chunked-attention layer (Llama 4) over a whole row: the model's mask builder, which
+        # would cut it into chunks, does not run for slipstream's attention, so cut it here.
+        pieces = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+        parts = zip(query.split(pieces, 2), key.split(pieces, 2), value.split(pieces, 2), strict=True)
+        out = torch.cat([one(q, k, v) for q, k, v in parts], dim=2)
     else:
-        out = _sdpa_one(query, key, value, scaling, dropout, window, None)
+        out = one(query, key, value)
     return out.transpose(1, 2).contiguous(), None
 
 
