@@ -133,3 +133,10 @@ def test_row_position_adaptations_add_no_host_sync(model_type):
     with HostSyncCounter() as syncs:
         model(**batch.model_inputs()).loss.backward()
     assert syncs.total == 0, dict(syncs.by_op)
+
+
+def test_every_audit_finding_has_one_outcome_and_says_why():
+    assert {f.outcome for f in rowpos.AUDIT} <= {"exact", "adapted", "guarded", "refused"}
+    assert all(f.feature and f.model_types and f.why for f in rowpos.AUDIT)
+    outcomes = {f.outcome for f in rowpos.AUDIT if "llama4" in f.model_types or "phi3" in f.model_types}
+    assert "adapted" in outcomes

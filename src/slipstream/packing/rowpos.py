@@ -21,6 +21,8 @@ feature is found here, one small place per feature, and either adapted or refuse
   position seen (and stay grown between calls). Below ``max_position_embeddings`` nothing
   grows and packing is exact; a packed batch with a document that long is refused.
 
+:data:`AUDIT` records what a read of every causal LM in transformers' registry found, and
+what becomes of each finding; the compatibility sweep prints it in ``docs/compatibility.md``.
 """
 
 from __future__ import annotations
@@ -282,7 +284,114 @@ def _rope_by_length(model: torch.nn.Module) -> list[RowPositionFeature]:
     return features
 
 
+# --------------------------------------------------------------------------- the audit
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One row-position feature found in transformers' causal LMs, and its outcome packed."""
+
+    feature: str
+    model_types: str
+    outcome: str  # "exact" | "adapted" | "guarded" | "refused"
+    why: str
+
+
+# What a read of every causal LM in transformers 5.24's registry found in the training forward:
+# values computed from the row position (an arange over the tokens, the row's length, its largest
+# position) rather than from position_ids. The sweep's tiny configs put each threshold named here
+# inside the test documents' lengths, so a regression shows as WRONG.
+AUDIT: tuple[Finding, ...] = (
+    Finding(
+        "attention temperature tuning (`attn_temperature_tuning`, `floor_scale`, `attn_scale`) on NoPE layers",
+        "llama4, llama4_text",
+        "adapted",
+        "the model scales queries by the row position (an arange over the tokens); while a packed batch runs "
+        "slipstream's attention scales them by each token's position_id instead (the model's own scaling off for "
+        "the call)",
+    ),
+    Finding(
+        "longrope RoPE: long or short factors chosen by `max(position_ids) + 1` against "
+        "`original_max_position_embeddings`",
+        "phi3, phi4_multimodal (long-context configs); any RoPE model with `rope_type: longrope`",
+        "adapted",
+        "packed, that is the longest document of the row; the rotary module runs once per run of documents on the "
+        "same side of the threshold (from the host lengths)",
+    ),
+    Finding(
+        "longrope with short / long `mscale` chosen by the longest position",
+        "phimoe",
+        "refused",
+        "already refused for its config-only sliding window; its rotary module would get the longrope adaptation",
+    ),
+    Finding(
+        "dynamic NTK RoPE: frequencies regrown from `max(position_ids) + 1`, kept between calls",
+        "any RoPE model with `rope_type: dynamic` (hunyuan_v1_dense / hunyuan_v1_moe with `alpha` are static)",
+        "guarded",
+        "below `max_position_embeddings` nothing grows and packing is exact; a packed batch with a document that "
+        "long is refused by name",
+    ),
+    Finding(
+        "Llama-4-style query scaling `1 + beta * log(1 + floor(position / original_max_position_embeddings))`",
+        "ministral3",
+        "exact",
+        "computed from position_ids, which restart at every document",
+    ),
+    Finding(
+        "scalable-softmax query scale `(1 + (position + 1) / 2048) ** 0.1` on NoPE layers",
+        "beam",
+        "exact",
+        "computed from position_ids",
+    ),
+    Finding(
+        "query / position-bias log scaling from an arange over the row (`log_scaling_n_floor`), relative "
+        "position bias over the row",
+        "inkling_text, inkling2_text, inkling2_loop_text",
+        "refused",
+        "already refused: their attention does not go through transformers' AttentionInterface",
+    ),
+    Finding(
+        "ALiBi built from an arange or the mask's cumsum over the row; relative-position buckets over the row",
+        "bloom, mpt, falcon (`alibi`), cpmant, prophetnet, xlnet",
+        "refused",
+        "already refused: their attention does not go through transformers' AttentionInterface",
+    ),
+    Finding(
+        "learned / sinusoidal decoder positions from `arange(T) + cache length`, whatever position_ids say",
+        "bart, mbart, blenderbot, blenderbot-small, pegasus, plbart, marian, bigbird_pegasus",
+        "refused",
+        "already refused: their attention does not go through transformers' AttentionInterface",
+    ),
+    Finding(
+        "axial position embeddings sized by the row's largest position (`position_ids.max()`)",
+        "reformer",
+        "refused",
+        "already refused: its attention does not go through transformers' AttentionInterface",
+    ),
+    Finding(
+        "default `position_ids = arange(T) + cache length` (and M-RoPE's `get_rope_index`) when none are given",
+        "every decoder",
+        "exact",
+        "packed batches always pass position_ids",
+    ),
+    Finding(
+        "positions from the padding mask's cumsum, counted from `padding_idx + 1`",
+        "roberta family (roberta, xlm-roberta, camembert, data2vec-text, xmod, ...)",
+        "adapted",
+        "position_ids are given, shifted by `padding_idx + 1` (the existing position-offset adaptation)",
+    ),
+    Finding(
+        "sliding-window and chunked attention spans",
+        "mistral, qwen2, gemma3, llama4, ... (see the table)",
+        "adapted",
+        "applied per document by the packed backends (windows of 8 in the sweep)",
+    ),
+)
+
+
 __all__ = [
+    "AUDIT",
+    "Finding",
     "RowPositionFeature",
     "document_temperature",
     "row_position_features",
