@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.bench.compat import advice, causal_lm_model_types, check_architecture, render_markdown, sweep
+from slipstream.bench.compat import (
+    LENGTHS,
+    _cell,
+    advice,
+    causal_lm_model_types,
+    check_architecture,
+    render_markdown,
+    sweep,
+)
+from slipstream.models.tiny_any import DYNAMIC_ROPE_POSITIONS, POSITION_THRESHOLD, tiny_config
+from slipstream.packing import verdict as packing_verdict
+from slipstream.packing.rowpos import AUDIT
 
 # One of each kind of outcome the sweep must keep right.
 SUBSET = {
@@ -16,6 +27,8 @@ SUBSET = {
     "deepseek_v4": "refused",  # compressed keys (K != Q)
     "roberta": "pass",  # positions from padding_idx + 1, shifted
     "mamba": "refused",  # no AttentionInterface
+    "llama4_text": "pass",  # chunked attention; temperature tuning by document position
+    "phi3": "pass",  # longrope factors chosen per document
 }
 
 
@@ -47,6 +60,32 @@ def test_the_table_counts_every_outcome():
     text = render_markdown(verdicts, seconds=1.0)
     assert "| packed, exact | 1 |" in text and "| refused | 1 |" in text and "| total | 2 |" in text
     assert "| `mamba` | MambaForCausalLM | refused |" in text
+    assert "## Values computed from the packed row" in text
+    assert all(_cell(finding.feature) in text for finding in AUDIT)
+
+
+def test_position_thresholds_sit_inside_the_test_documents():
+    """Each threshold on a position or a length is crossed by some documents and not others (or,
+    for dynamic RoPE, by the row but by no document), so a value read off the row differs."""
+    assert min(LENGTHS) <= POSITION_THRESHOLD < max(LENGTHS)
+    assert max(LENGTHS) < DYNAMIC_ROPE_POSITIONS < sum(LENGTHS)
+    assert tiny_config("llama4_text").floor_scale == POSITION_THRESHOLD
+    assert tiny_config("llama4").text_config.floor_scale == POSITION_THRESHOLD
+    for model_type in ("phi3", "phi4_multimodal", "phimoe", "ministral3"):
+        rope = tiny_config(model_type).rope_parameters
+        assert rope["original_max_position_embeddings"] == POSITION_THRESHOLD, model_type
+    config = tiny_config("hunyuan_v1_dense")
+    assert config.rope_parameters["rope_type"] == "dynamic"
+    assert config.max_position_embeddings == DYNAMIC_ROPE_POSITIONS
+
+
+def test_the_sweep_reports_llama4_wrong_without_its_temperature_adaptation(monkeypatch):
+    """Llama 4's temperature tuning reads the row position: with floor_scale inside the documents,
+    the sweep sees it (longrope's counterpart: tests/packing/test_rowpos.py)."""
+    monkeypatch.setattr(packing_verdict, "row_position_features", lambda model: [])
+    verdict = check_architecture("llama4_text")
+    assert verdict.status == "WRONG", verdict.detail
+    assert "self_attn" in verdict.detail
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from tests.fake_cuda import (
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor:UserWarning")
 
 DOCS = random_docs([30, 50, 20])
+ROW_POSITION_DOCS = random_docs([11, 30, 20], vocab_size=200)  # ids inside the tiny registry vocabulary
 CUDA = torch.device("cuda")
 KERNEL = ("torch.varlen_attn", lambda *args, **kwargs: None)
 
@@ -106,6 +107,30 @@ def test_packed_bf16_step_on_cuda_has_no_host_read(monkeypatch, family, backend,
     assert seen == windows
     assert loss.device.type == "cuda" and loss.dtype == torch.float32
     assert all(p in grads and grads[p].dtype == p.dtype for p in model.parameters() if p.requires_grad)
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize("model_type", ["llama4_text", "phi3"])
+def test_row_position_adaptations_on_cuda_have_no_host_read(monkeypatch, model_type):
+    """Llama 4's temperature by document position and longrope's per-document factors (documents of
+    11, 30 and 20 tokens on both sides of the tiny thresholds of 16) on the varlen path."""
+    from slipstream.models.tiny_any import causal_lm_class, config_for_class, tiny_config
+
+    seen = varlen_windows(monkeypatch)
+    cls = causal_lm_class(model_type)
+    config = config_for_class(cls, tiny_config(model_type))
+    with fake_cuda(cuda_available=True):
+        with torch.device("cuda"):
+            model = cls._from_config(config, attn_implementation="eager", dtype=torch.bfloat16).train()
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        loss, grads = train_step(model, slipstream.collate_packed(ROW_POSITION_DOCS, device="cuda"))
+    assert slipstream.state_of(model).packed_attention == "slipstream_varlen" and seen
+    assert any(
+        "adapted: " in p and ("temperature" in p or "longrope" in p)
+        for p in slipstream.state_of(model).policies
+    )
+    assert len(grads) == sum(p.requires_grad for p in model.parameters())
 
 
 @requires_fake_cuda

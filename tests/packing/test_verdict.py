@@ -124,6 +124,17 @@ def test_chunked_attention_is_attended_per_document_chunk(monkeypatch):
     assert run_arm(stock, docs, ref, {}).status == "WRONG"  # whole documents: wrong for chunked layers
 
 
+def test_an_unpacked_row_is_chunked_too():
+    """Without a PackedBatch (a plain row: an evaluation, a prompt) the chunked layers still attend
+    within chunks counted from the row's start, as the model's own mask builder makes them."""
+    stock = tiny_model("llama4_text")
+    model = tiny_model("llama4_text")
+    slipstream.optimize(model, chunked_loss=False)
+    rows = torch.tensor(documents(stock, lengths=(3 * stock.config.attention_chunk_size + 5,) * 2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=rows).logits, stock(input_ids=rows).logits)
+
+
 def test_split_every_cuts_each_document_from_its_start():
     batch = collate_packed([{"input_ids": list(range(3, 3 + n))} for n in (5, 8, 3)])
     split = batch.split_every(4)

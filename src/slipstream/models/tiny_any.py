@@ -55,6 +55,11 @@ WINDOW = 8  # sliding / chunked attention window: smaller than most test documen
 STATE = 8  # SSM / recurrent state size
 CHUNK = 8  # scan / linear-attention chunk: documents span several chunks
 MAX_POSITIONS = 512
+# Thresholds on a token's position or a document's length (Llama 4's temperature ``floor_scale``,
+# longrope's ``original_max_position_embeddings``, ...): inside the range of the test documents'
+# lengths and below a packed row's, so a value taken from the row instead of the document differs.
+POSITION_THRESHOLD = 16
+DYNAMIC_ROPE_POSITIONS = 32  # max_position_embeddings of the dynamic-RoPE model: above every test document
 # Ids 0..RESERVED_LOW-1 are pad / bos / eos; the top RESERVED_HIGH ids are given to the other
 # special tokens (image, audio, ...). Test documents use ids in between.
 RESERVED_LOW = 3
@@ -659,6 +664,16 @@ def _granitemoehybrid(default, kwargs):
     return _layout(kwargs, layer_types=["linear_attention", "full_attention"])  # default: Mamba only
 
 
+@_override("hunyuan_v1_dense")
+def _hunyuan_v1_dense(default, kwargs):
+    # Dynamic NTK RoPE (the rope type Hunyuan's configs name; without ``alpha``, which would make it
+    # static): its frequencies grow past max_position_embeddings, set here above every test
+    # document and below a packed row, so only a model that took the row's length for a
+    # document's would grow them.
+    rope = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}
+    return {**kwargs, "rope_parameters": rope, "max_position_embeddings": DYNAMIC_ROPE_POSITIONS}
+
+
 @_override("hunyuan_v1_moe")
 def _hunyuan_v1_moe(default, kwargs):
     return {**kwargs, "num_experts": EXPERTS, "moe_topk": TOP_K}  # the default is a single expert
@@ -690,8 +705,52 @@ def _lfm2(default, kwargs):
 
 @_override("llama4_text")
 def _llama4_text(default, kwargs):
-    # Dense and MoE layers interleaved (Maverick); the MoE layer list is derived again.
-    return {**_without(kwargs, "moe_layers"), "interleave_moe_layer_step": 2}
+    # Dense and MoE layers interleaved (Maverick); the MoE layer list is derived again. The NoPE
+    # layers' attention temperature changes every floor_scale tokens (8,192 in released configs).
+    return {
+        **_without(kwargs, "moe_layers"),
+        "interleave_moe_layer_step": 2,
+        "attn_temperature_tuning": True,
+        "floor_scale": POSITION_THRESHOLD,
+    }
+
+
+def _longrope(default, kwargs: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """Phi-3-style long-context RoPE (long or short factors by the longest position against
+    ``original_max_position_embeddings``), its threshold at POSITION_THRESHOLD."""
+    width = kwargs.get("hidden_size", default.hidden_size)
+    heads = kwargs.get("num_attention_heads", default.num_attention_heads)
+    rope = kwargs.get("rope_parameters", getattr(default, "rope_parameters", None)) or {}
+    pairs = int(width // heads * rope.get("partial_rotary_factor", 1.0)) // 2
+    rope = {
+        **rope,
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(pairs)],
+        "long_factor": [2.0 + 0.5 * i for i in range(pairs)],
+        "original_max_position_embeddings": POSITION_THRESHOLD,
+        **extra,
+    }
+    return {**kwargs, "rope_parameters": rope, "original_max_position_embeddings": POSITION_THRESHOLD}
+
+
+@_override("phi3", "phi4_multimodal")
+def _phi3(default, kwargs):
+    return _longrope(default, kwargs)  # the 128k configs (Phi-3 / 3.5 / 4-mini)
+
+
+@_override("phimoe")
+def _phimoe(default, kwargs):
+    return _longrope(default, kwargs, short_mscale=1.0, long_mscale=1.2)  # Phi-3.5-MoE
+
+
+@_override("ministral3")
+def _ministral3(default, kwargs):
+    # Llama-4-style query scaling, 1 + beta * log(1 + floor(position / original_max_position_embeddings)).
+    rope = {
+        **kwargs.get("rope_parameters", default.rope_parameters),
+        "original_max_position_embeddings": POSITION_THRESHOLD,
+    }
+    return {**kwargs, "rope_parameters": rope}
 
 
 @_override("mamba2")

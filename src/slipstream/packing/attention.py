@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from .batch import PackedBatch
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
+from .rowpos import document_temperature
 
 # The packed-attention backends, defined once (Speedups and the CLIs read them).
 AttentionBackend = Literal["auto", "sdpa", "varlen", "flex"]
@@ -168,8 +169,12 @@ def _refuse_config_window(module) -> None:
 
 
 def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window):
+    """Check the call; returns (query, batch, scaling, dropout, window, sinks), the query scaled by
+    document position where the module's temperature tuning asks for it (:mod:`.rowpos`)."""
     _check_supported(module, kwargs)
     batch = check_attention_call(module, query, key, attention_mask, kwargs)
+    if batch is not None:
+        query = document_temperature(module, query, batch)
     if sliding_window is _NOT_GIVEN:
         # A window kept on the module and applied by its mask function (not passed to the
         # attention call): the packed backends have no mask function, so they apply it here.
@@ -192,7 +197,7 @@ def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, s
     sinks = kwargs.get("s_aux")
     if sinks is None:
         sinks = getattr(module, "sinks", None)
-    return batch, scaling, dropout, sliding_window, sinks
+    return query, batch, scaling, dropout, sliding_window, sinks
 
 
 def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks):
@@ -210,10 +215,22 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout
         )
-    if sinks is not None:
-        out = _sinks_one(module, query, key, value, scaling, dropout, window, sinks, None)
+
+    def one(q, k, v):
+        if sinks is not None:
+            return _sinks_one(module, q, k, v, scaling, dropout, window, sinks, None)
+        return _sdpa_one(q, k, v, scaling, dropout, window, None)
+
+    chunk = chunked_attention_size(module)
+    length = query.shape[-2]
+    if chunk and length == key.shape[-2] and length > chunk:
+        # A chunked-attention layer (Llama 4) over a whole row: the model's mask builder, which
+        # would cut it into chunks, does not run for slipstream's attention, so cut it here.
+        pieces = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
+        parts = zip(query.split(pieces, 2), key.split(pieces, 2), value.split(pieces, 2), strict=True)
+        out = torch.cat([one(q, k, v) for q, k, v in parts], dim=2)
     else:
-        out = _sdpa_one(query, key, value, scaling, dropout, window, None)
+        out = one(query, key, value)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -232,7 +249,7 @@ def packed_sdpa_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Per-document SDPA. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
-    batch, scaling, dropout, window, sinks = _unpack_args(
+    query, batch, scaling, dropout, window, sinks = _unpack_args(
         module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None:
@@ -286,7 +303,7 @@ def packed_varlen_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """One varlen flash-attention call over the whole packed row, reading the batch's cu_seqlens."""
-    batch, scaling, dropout, window, sinks = _unpack_args(
+    query, batch, scaling, dropout, window, sinks = _unpack_args(
         module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None or sinks is not None or query.device.type != "cuda":
@@ -388,7 +405,7 @@ def packed_flex_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """flex_attention with a BlockMask memoised on the batch (built once, used by every layer)."""
-    batch, scaling, dropout, window, sinks = _unpack_args(
+    query, batch, scaling, dropout, window, sinks = _unpack_args(
         module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None or sinks is not None:

@@ -23,6 +23,9 @@ packed attention. The verdict reads the model's structure and config only (no fo
     document alone would, by attending each piece as a document;
   - *RoBERTa-style learned positions* start at ``padding_idx + 1``: the packed position ids
     (0 at every document start) are shifted by that offset before the embeddings read them;
+  - *values read off the row* rather than position_ids (Llama 4's attention temperature
+    tuning, longrope's choice of factors, dynamic RoPE's growth): :mod:`.rowpos`, which also
+    records what an audit of the registry found;
 
 * **on** otherwise. What the verdict cannot see statically is guarded at run time
   (:mod:`.guards`): an attention call that loses the batch, a mask of the model's own,
@@ -44,6 +47,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .batch import PACKED_BATCH_KWARG, PackedBatch
 from .guards import ATTENTION_CALL_LISTENERS, UnsupportedArchitecture, active_batch, running_unpacked
+from .rowpos import RowPositionFeature, row_position_features
 
 TRAIN_UNPACKED = "Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
 
@@ -70,6 +74,7 @@ class ArchitectureVerdict:
     attention_to_verify: list[torch.nn.Module] = field(
         default_factory=list
     )  # checked on the first packed forward
+    row_features: list[RowPositionFeature] = field(default_factory=list)  # values read off the row (.rowpos)
 
     def adaptations(self) -> list[str]:
         notes = []
@@ -94,6 +99,7 @@ class ArchitectureVerdict:
                 f"adapted: packed position ids shifted by {self.position_offset} (learned positions start at "
                 "padding_idx + 1, as the embeddings count them for a document alone)"
             )
+        notes += [feature.note for feature in self.row_features]
         return notes
 
 
@@ -272,6 +278,7 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
         position_offset=_position_offset(model),
         attention_chunk=chunk if chunk else None,
         attention_to_verify=attention_modules,
+        row_features=row_position_features(model),
     )
 
 
@@ -374,6 +381,8 @@ def apply_adaptations(model: torch.nn.Module, verdict: ArchitectureVerdict) -> C
 
         handle = model.register_forward_pre_hook(shift_positions, with_kwargs=True)
         undo.append(handle.remove)
+    for feature in verdict.row_features:
+        undo.append(feature.install())
 
     def remove() -> None:
         for step in reversed(undo):
