@@ -28,6 +28,7 @@ class Noise:
 
     origin: str
     message: str  # a regular expression matched at the start of the message
+    example: str  # the line as it reads (the tests issue it)
     why: str
     category: type[Warning] | None = None  # None: a logging record of the logger ``origin``
 
@@ -36,6 +37,8 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise(
         origin="bitsandbytes.backends.cpu.ops",
         message=r"Failed to load CPU gemm_4bit_forward from kernels-community",
+        example="Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
+        "Please make sure you already `pip install kernels` and the kernels >= 0.11.1",
         why="logged when bitsandbytes is imported (PEFT imports it in every LoRA run), on a CPU with "
         "AVX512-BF16 and without the optional `kernels` package (which fetches a kernel from the Hugging "
         "Face Hub); bitsandbytes falls back to its own CPU kernel, and most runs have no 4-bit layer",
@@ -43,6 +46,8 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise(
         origin="transformers.modeling_utils",
         message=r"`is_gradient_checkpointing` is deprecated",
+        example="`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+        "`is_activation_checkpointing` instead.",
         category=FutureWarning,
         why="PEFT's get_peft_model reads model.is_gradient_checkpointing, deprecated in recent "
         "transformers; slipstream's own code reads neither that nor its new name",
@@ -50,6 +55,9 @@ KNOWN_NOISE: tuple[Noise, ...] = (
     Noise(
         origin="trl.trainer.sft_trainer",
         message=r"(\[RANK \d+\] )?You are using a per_device_train_batch_size of 1 with padding-free training",
+        example="[RANK 0] You are using a per_device_train_batch_size of 1 with padding-free training. Using a "
+        "batch size of 1 annihilate the benefits of padding-free training. Please consider increasing the "
+        "batch size to at least 2.",
         why="the trl arm of `slipstream ab` hands TRL's SFTTrainer each micro-batch itself, already one "
         "packed row of many documents, so TRL's advice to raise the batch size does not apply",
     ),
