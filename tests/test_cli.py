@@ -1,8 +1,12 @@
 """The command line: version, help, errors that name the file and line, exit codes."""
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 import slipstream
 from slipstream.cli import main
@@ -76,3 +80,39 @@ def test_unknown_preset_missing_tokenizer_and_absent_cuda_fail_cleanly(tmp_path,
     if not torch.cuda.is_available():
         assert main(["ab", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
+
+
+def train_tiny(tmp_path, *flags) -> str:
+    """`slipstream [flags] train examples/tiny.yaml`, one step on a few rows, in a subprocess; its stderr."""
+    root = Path(__file__).resolve().parents[1]
+    sets = ["training.steps=1", "data.demo_rows=40", "data.max_seq_len=128", f"output_dir={tmp_path / 'out'}"]
+    command = [sys.executable, "-m", "slipstream", *flags, "train", str(root / "examples" / "tiny.yaml")]
+    done = subprocess.run(
+        [*command, *(arg for item in sets for arg in ("--set", item))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "finished 1 steps" in done.stdout
+    return done.stderr
+
+
+def test_train_prints_none_of_the_known_third_party_noise(tmp_path):
+    """On this CPU (AVX512-BF16, transformers 5.24) it printed bitsandbytes' kernels line and transformers'
+    is_gradient_checkpointing FutureWarning (from PEFT) before anything of ours."""
+    from slipstream.noise import KNOWN_NOISE
+
+    stderr = train_tiny(tmp_path)
+    for noise in KNOWN_NOISE:
+        assert not re.search(noise.message, stderr), noise.example
+
+
+@pytest.mark.slow
+def test_debug_shows_the_known_third_party_noise(tmp_path):
+    """With --debug the lines are back: those this machine prints (the test above is not vacuous here)."""
+    from slipstream.noise import KNOWN_NOISE
+
+    stderr = train_tiny(tmp_path, "--debug")
+    if not any(re.search(noise.message, stderr) for noise in KNOWN_NOISE):
+        pytest.skip("none of the known third-party lines is printed on this machine")

@@ -18,6 +18,7 @@ from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .doctor import first_use_hint
 from .fields import choices, field_types, is_kind
 from .models import model_names
+from .noise import known_noise_hidden
 from .train.config import ConfigError, load_config
 
 DESCRIPTION = """\
@@ -268,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each policy decision")
     parser.add_argument(
-        "--debug", action="store_true", help="show the Python traceback of an unexpected error"
+        "--debug",
+        action="store_true",
+        help="show the Python traceback of an unexpected error, and the known third-party warnings "
+        "slipstream hides (listed in slipstream/noise.py)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(sub)
@@ -289,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with known_noise_hidden(not args.debug):  # before the commands import bitsandbytes, PEFT, TRL
+            return args.func(args)
     except KeyboardInterrupt:
         print(f"slipstream {args.command}: interrupted", file=sys.stderr)
         return 130

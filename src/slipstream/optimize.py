@@ -116,8 +116,10 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         "stock" leaves transformers' choice; default: sorted where the experts allow it exactly.
     checkpointing: "off", "recompute", "offload", "offload-double" or "auto"; ``None`` leaves it.
     chunked_loss: the LM head + cross-entropy a chunk of labelled tokens at a time, so the
-        [tokens, vocab] logits never exist (training forwards with labels only); ``None``: on
-        where the model supports it, else logged and off.
+        [tokens, vocab] logits never exist (training forwards with labels only: their
+        ``out.logits`` is a ``loss.LogitsNotComputed`` placeholder that raises, naming this
+        option, if used as a tensor; eval / ``no_grad`` forwards keep their logits); ``None``:
+        on where the model supports it, else logged and off.
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.

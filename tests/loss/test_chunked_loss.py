@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import slipstream
 from slipstream.bench.counters import HostSyncCounter, LargeTensorWatch
-from slipstream.loss import UnsupportedLoss
+from slipstream.loss import LogitsNotComputed, UnsupportedLoss
 from slipstream.models import build_model
 from slipstream.packing import collate_padded
 from tests.conftest import random_docs
@@ -226,7 +226,7 @@ def test_training_returns_no_logits_but_eval_and_no_grad_do():
     batch = slipstream.collate_packed(prompt_masked_docs())
     model.train()
     out = model(**batch.model_inputs())
-    assert out.logits is None and out.loss.requires_grad
+    assert isinstance(out.logits, LogitsNotComputed) and out.loss.requires_grad
     with torch.no_grad():
         assert model(**batch.model_inputs()).logits.shape == (1, batch.num_tokens, VOCAB)
     model.eval()
@@ -237,6 +237,32 @@ def test_training_returns_no_logits_but_eval_and_no_grad_do():
     model.train()
     assert model(**batch.model_inputs()).logits is not None  # the toggle restores the stock loss
     assert "chunked loss: off (stock loss)" in model.slipstream.policies
+
+
+def test_using_the_training_logits_says_why_and_names_the_fix():
+    """Not "'NoneType' object has no attribute 'shape'": the message names chunked_loss=False."""
+    model = build_model("qwen3", vocab_size=VOCAB)
+    slipstream.optimize(model)
+    batch = slipstream.collate_packed(prompt_masked_docs())
+    model.train()
+    for _ in range(2):  # the first forward (the probe row) and a later one alike
+        out = model(**batch.model_inputs())
+        fix = r"chunked_loss=False.*speedups\.chunked_loss: false"
+        with pytest.raises(AttributeError, match=fix):
+            out.logits.shape  # noqa: B018
+        with pytest.raises(TypeError, match=fix):
+            out.logits[:, -1]
+        with pytest.raises(TypeError, match=fix):
+            torch.softmax(out.logits, dim=-1)
+        with pytest.raises(TypeError, match=fix):
+            out.logits.float() * 2
+        # Passed along, it is harmless: the stock layout, no stale tensor behind it, no tensor-like look.
+        assert list(out.keys()) == ["loss", "logits"]
+        assert out["logits"] is out.logits and out.to_tuple()[1] is out.logits
+        assert not hasattr(out.logits, "dtype") and getattr(out.logits, "shape", None) is None
+        assert "chunked loss" in repr(out)
+        assert torch.equal(out.to_tuple()[0], out.loss)
+        out.loss.backward()
 
 
 class _ExtraTransformLlama(LlamaForCausalLM):

@@ -25,6 +25,7 @@ from .. import speedups as speedups_module  # read at call time, so a new field 
 from ..data import demo_samples, demo_tokenizer, pack_samples
 from ..fields import Precision, check_fields
 from ..models import preset_vocab_size
+from ..noise import hide_known_noise, known_noise_hidden_here
 from ..offload import device_activation_bytes
 from ..offload.policy import Checkpointing
 from ..optimize import base_model
@@ -253,9 +254,14 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
 
 
 def run_in_fresh_process(fn, *args):
-    """``fn(*args)`` in a new process (spawned: fresh allocator, no state shared between arms)."""
+    """``fn(*args)`` in a new process (spawned: fresh allocator, no state shared between arms).
+
+    It hides the known third-party noise (``slipstream.noise``) when this process does."""
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    initializer = hide_known_noise if known_noise_hidden_here() else None
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=1, mp_context=context, initializer=initializer
+    ) as pool:
         return pool.submit(fn, *args).result()
 
 

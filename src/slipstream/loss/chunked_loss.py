@@ -10,9 +10,19 @@ given, no ``logits_to_keep``):
    of them, so the head computes no logits (and every transform runs on an empty tensor);
 2. ``model.loss_function`` is replaced by this object, which computes the loss from the kept
    hidden states a chunk at a time (:mod:`.linear_ce`), over the labelled positions only;
-3. a forward hook on the model clears the state and sets ``logits`` to ``None``: a training
-   forward returns ``loss`` only. Evaluation, ``no_grad`` forwards and generation take the
-   stock path and get their logits.
+3. a forward hook on the model clears the state and sets ``logits`` to a :class:`LogitsNotComputed`
+   placeholder: a training forward returns ``loss`` only. Evaluation, ``no_grad`` forwards and
+   generation take the stock path and get their logits.
+
+The placeholder stands where the logits would be (``out.logits``, ``out["logits"]``, the same
+position of ``out.to_tuple()``), so the output keeps the stock layout, and code that only
+passes it along (``ModelOutput`` iteration, ``to_tuple``, accelerate's and DDP's walks over an
+output, ``hasattr(x, "dtype")`` tests, ``repr``) works. Using it as a tensor (an attribute such
+as ``.shape``, indexing, ``len``, iteration, arithmetic, a ``torch`` function) raises
+:class:`LogitsNotComputedError`, which names the fix: ``slipstream.optimize(model,
+chunked_loss=False)`` (``speedups.chunked_loss: false`` in a training config), or an eval /
+``no_grad`` forward. The error is an ``AttributeError`` and a ``TypeError``, the errors ``None``
+would have raised, so code that caught those still does. ``out.logits is None`` is False.
 
 What the model does between its head and its loss is not read from its source: on the
 first training forward, the head's output is replaced by a probe row of known logits
@@ -52,6 +62,64 @@ class UnsupportedLoss(NotImplementedError):
     """The chunked loss cannot compute this model's loss exactly; the message says why and what to do."""
 
 
+class LogitsNotComputedError(AttributeError, TypeError):
+    """The logits of a training forward under the chunked loss were used; the message names the fix.
+
+    Both an ``AttributeError`` (so ``hasattr`` / ``getattr(x, name, default)`` answer "no") and a
+    ``TypeError``: what ``None`` raised in the same place before, so existing handlers still catch it.
+    """
+
+
+class LogitsNotComputed:
+    """What ``out.logits`` holds after a training forward under slipstream's chunked loss.
+
+    The loss was computed from the hidden states a chunk at a time, so no ``[tokens, vocab]``
+    logits exist. Passing the placeholder along is fine; using it as a tensor raises
+    :class:`LogitsNotComputedError` naming the fix (see the module docstring).
+    """
+
+    __slots__ = ("_model_name",)
+
+    def __init__(self, model_name: str):
+        object.__setattr__(self, "_model_name", model_name)
+
+    def message(self) -> str:
+        return (
+            f"{self._model_name}'s logits were not computed: slipstream's chunked loss computes a training "
+            "forward's loss (training mode, autograd on, labels given) from the hidden states a chunk at a "
+            "time and returns out.loss only. Evaluation (model.eval()), torch.no_grad() forwards and "
+            "generate() keep their logits. To get logits from training forwards too, turn the chunked loss "
+            "off: slipstream.optimize(model, chunked_loss=False), or speedups.chunked_loss: false in a "
+            "slipstream training config."
+        )
+
+    def _refuse(self, *args, **kwargs):
+        raise LogitsNotComputedError(self.message())
+
+    def __getattr__(self, name: str):
+        raise LogitsNotComputedError(f"{self.message()} (reading .{name})")
+
+    def __setattr__(self, name: str, value) -> None:
+        self._refuse()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls)]
+        placeholder = found[0] if found else cls("the model")  # nested in a list: the name is not at hand
+        raise LogitsNotComputedError(f"{placeholder.message()} (calling {getattr(func, '__name__', func)})")
+
+    def __repr__(self) -> str:
+        return f"<logits not computed: {self._model_name} ran slipstream's chunked loss; see its .message()>"
+
+    def __reduce__(self):
+        return (type(self), (self._model_name,))
+
+    # Every tensor-like use raises the message (not "'NoneType' object is not subscriptable").
+    __getitem__ = __setitem__ = __len__ = __iter__ = __bool__ = __array__ = __float__ = __int__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __matmul__ = __rmatmul__ = __pow__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+
 @dataclass
 class _Call:
     """One training forward in flight: where it stands and what the hooks handed over."""
@@ -77,6 +145,7 @@ class ChunkedLoss:
     _head: torch.nn.Module | None = None
     _head_handles: list = field(default_factory=list)
     _stock_loss: Any = None
+    _no_logits: LogitsNotComputed | None = None  # made once: the hook only hands it out
     _had_loss_function: bool = False
     _previous_loss_function: Any = None
 
@@ -91,6 +160,7 @@ class ChunkedLoss:
         self._had_loss_function = "_loss_function" in vars(model)
         self._previous_loss_function = vars(model).get("_loss_function")
         self._stock_loss = model.loss_function
+        self._no_logits = LogitsNotComputed(type(model).__name__)
         model.loss_function = self
         self._handles = [
             model.register_forward_pre_hook(self._arm, with_kwargs=True),
@@ -195,7 +265,7 @@ class ChunkedLoss:
                 "Use slipstream.optimize(model, chunked_loss=False)."
             )
         if hasattr(output, "logits"):
-            output.logits = None
+            output.logits = self._no_logits  # a ModelOutput also stores it as its "logits" item
         return output
 
     # ------------------------------------------------------------------ the loss itself

@@ -17,6 +17,7 @@ default would autocast on a bf16-capable device. Checkpointing is the stock arms
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import time
@@ -36,6 +37,13 @@ class TrlStep:
 
         self.device = device
         self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-")
+        # The run's checkpointing is installed like the stock arms', so TRL's own is off. transformers
+        # renamed the argument (activation_checkpointing; the old name warns a FutureWarning); 5.17
+        # knows only gradient_checkpointing.
+        fields = {f.name for f in dataclasses.fields(SFTConfig)}
+        checkpointing = (
+            "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+        )
         args = SFTConfig(
             output_dir=self._output_dir,
             per_device_train_batch_size=1,
@@ -49,7 +57,7 @@ class TrlStep:
             optim="adamw_torch",
             bf16=False,
             fp16=False,
-            gradient_checkpointing=False,  # the run's checkpointing is installed like the stock arms'
+            **{checkpointing: False},
             padding_free=True,
             packing=False,
             max_length=None,

@@ -84,7 +84,15 @@ def _write_workload(config, plan: list, vocab_size: int, work: Path) -> None:
     )
     tokenizer = demo_tokenizer()
     model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(work / "model")
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a temporary copy, inside ab's own bar
+    try:
+        model.save_pretrained(work / "model")
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(work / "model")
     peft_model = attach_lora(model, config)
     adapter = {}

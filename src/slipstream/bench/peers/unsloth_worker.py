@@ -100,6 +100,13 @@ def chunked_ce_owner(model):
     return None
 
 
+def checkpointing_on(model) -> bool:
+    """Whether any layer of ``model`` recomputes: what transformers' ``is_activation_checkpointing``
+    (``is_gradient_checkpointing`` in older releases such as 5.17, deprecated in later ones) reads,
+    without either name."""
+    return any(bool(getattr(module, "gradient_checkpointing", False)) for module in model.modules())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", required=True)
@@ -225,7 +232,7 @@ def main() -> int:
             "dtype_requested": args.dtype,
             "bf16_autocast": autocast,
             "cpu_bf16_supported": cpu_bf16_supported(),
-            "gradient_checkpointing": bool(getattr(base, "is_gradient_checkpointing", False)),
+            "gradient_checkpointing": checkpointing_on(base),
             "checkpointing_requested": args.checkpointing,
             "chunked_cross_entropy": owner is not None and chunked_used,
             "layout": "padded (right), attention mask; Unsloth's CPU trainer turns packing / padding_free off",
