@@ -103,3 +103,21 @@ def test_a_sliding_window_only_the_config_names_is_refused():
     # passed explicitly by the call (Mistral, Qwen3): no ambiguity
     module.config = SimpleNamespace(sliding_window=4)
     packed_sdpa_attention(module, q, k, v, None, sliding_window=None, **{PACKED_BATCH_KWARG: batch})
+
+
+def test_a_config_only_window_on_an_unpacked_row_is_exact_or_refused():
+    """No PackedBatch (an evaluation row, a prompt): the model's mask builder, which would apply the
+    window, does not run for slipstream's attention. A row within the window is exact; a longer one is
+    refused rather than attended in full."""
+    from types import SimpleNamespace
+
+    _, q, k, v = attention_inputs()
+    row = k.shape[-2]
+    module = Attention()
+    module.config = SimpleNamespace(sliding_window=row)  # the whole row fits: the window cuts nothing
+    out, _ = packed_sdpa_attention(module, q, k, v, None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, expected)
+    module.config = SimpleNamespace(sliding_window=row - 1)
+    with pytest.raises(UnsupportedArchitecture, match=f"sliding_window={row - 1}.*own mask builder"):
+        packed_sdpa_attention(module, q, k, v, None)

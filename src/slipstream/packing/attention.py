@@ -168,6 +168,12 @@ def _refuse_config_window(module) -> None:
         )
 
 
+def _config_window_reaches(module, key: torch.Tensor) -> bool:
+    """An unpacked row longer than a config-only window: the window would cut it (else it is exact)."""
+    window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return isinstance(window, int) and window > 0 and key.shape[-2] > window
+
+
 def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window):
     """Check the call; returns (query, batch, scaling, dropout, window, sinks), the query scaled by
     document position where the module's temperature tuning asks for it (:mod:`.rowpos`)."""
@@ -181,7 +187,7 @@ def _unpack_args(module, query, key, attention_mask, kwargs, scaling, dropout, s
         sliding_window = getattr(module, "sliding_window", None)
         if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window <= 0:
             sliding_window = None
-        if sliding_window is None and batch is not None:
+        if sliding_window is None and (batch is not None or _config_window_reaches(module, key)):
             _refuse_config_window(module)
     if batch is not None:
         chunk = chunked_attention_size(module)
