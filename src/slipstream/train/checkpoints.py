@@ -101,24 +101,32 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().contiguous() for n, p in unwrap(model).named_parameters() if p.requires_grad}
 
 
-def first_nonfinite(tensors: Any, prefix: str = "") -> str | None:
-    """The name of the first floating tensor in ``tensors`` (nested dicts / lists) with a NaN or inf."""
+def _floating(tensors: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every floating tensor in ``tensors`` (nested dicts / lists / tuples), with its dotted name."""
     if isinstance(tensors, torch.Tensor):
-        if tensors.is_floating_point() and not bool(torch.isfinite(tensors).all()):
-            return prefix or "a tensor"
-        return None
-    items = (
-        tensors.items()
-        if isinstance(tensors, dict)
-        else enumerate(tensors)
-        if isinstance(tensors, (list, tuple))
-        else ()
-    )
-    for key, value in items:
-        found = first_nonfinite(value, f"{prefix}.{key}" if prefix else str(key))
-        if found is not None:
-            return found
-    return None
+        return [(prefix or "a tensor", tensors)] if tensors.is_floating_point() else []
+    if isinstance(tensors, dict):
+        items = tensors.items()
+    elif isinstance(tensors, (list, tuple)):
+        items = enumerate(tensors)
+    else:
+        return []
+    return [
+        found for key, value in items for found in _floating(value, f"{prefix}.{key}" if prefix else str(key))
+    ]
+
+
+def first_nonfinite(tensors: Any) -> str | None:
+    """The name of the first floating tensor in ``tensors`` with a NaN or an inf (one host read per device)."""
+    named = _floating(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for index, (_, tensor) in enumerate(named):
+        by_device.setdefault(tensor.device, []).append(index)
+    bad = []
+    for indices in by_device.values():
+        finite = torch.stack([torch.isfinite(named[i][1]).all() for i in indices]).tolist()
+        bad += [i for i, ok in zip(indices, finite, strict=True) if not ok]
+    return named[min(bad)][0] if bad else None
 
 
 def _refuse_nonfinite(where: Path, what: str, tensors: Any) -> None:
