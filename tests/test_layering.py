@@ -78,3 +78,66 @@ def test_the_walk_sees_relative_absolute_and_function_level_imports(tmp_path):
     assert {"speedups", "packing", "moe", "offload", "loss"} <= components
     components = {c for c, _ in _imported_components(ROOT / "train" / "loop.py")}
     assert "models" in components  # a function-level import (the QLoRA loader)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The slipstream modules ``path`` imports (module level or inside functions), as dotted names
+    under ``slipstream`` ("bench.runner"); ``from .x import name`` counts ``x.name`` when that is a module."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = list(path.relative_to(ROOT).parent.parts)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+            elif node.module and node.module.split(".")[0] == "slipstream":
+                base = []
+            else:
+                continue
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            if node.module and node.module.split(".")[0] == "slipstream":
+                module = ".".join(node.module.split(".")[1:])
+            for alias in node.names:
+                child = f"{module}.{alias.name}" if module else alias.name
+                found.add(child if child in known else module)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "slipstream":
+                    found.add(".".join(alias.name.split(".")[1:]))
+    return {name for name in found if name in known}
+
+
+def test_no_import_circles_between_modules():
+    """No module reaches itself through the modules it imports. A package's ``__init__`` counts as a
+    module (``bench.peers``), except as seen from inside that package (a module importing from its
+    own package's public face); the top-level ``slipstream/__init__`` gathers everything and is left out."""
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py") if p != ROOT / "__init__.py"}
+    known = set(paths)
+
+    def inside(module: str, package: str) -> bool:
+        return module.startswith(package + ".")
+
+    graph = {
+        name: {target for target in _imported_modules(p, known) if not inside(name, target)}
+        for name, p in paths.items()
+    }
+    circles, state = [], {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                circles.append(" -> ".join([*trail[trail.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, "\n".join(circles)

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from slipstream.bench.ceiling import ceiling_docs, fresh_probe, max_tokens_within, parse_bytes
+from slipstream.bench.ab_config import parse_bytes
+from slipstream.bench.ceiling import ceiling_docs, fresh_probe, max_tokens_within
 from slipstream.bench.runner import ABConfig, run_in_fresh_process
 
 

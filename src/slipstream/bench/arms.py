@@ -23,6 +23,7 @@ from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
+from .adapter import attach_lora
 from .peers import Peer, prepare_base_model
 
 
@@ -147,18 +148,3 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
     if spec.peer:
         state.policies.extend(prepare_base_model(spec.peer, model))
     return attach_lora(model, config), state
-
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def attach_lora(model, config):
-    """The run's PEFT LoRA (rank ``config.lora_rank``, alpha 2r, no dropout, q/k/v/o), initialised
-    from ``config.seed``: the same adapter in every arm, peers included. Rank 0: the model as is."""
-    if not config.lora_rank:
-        return model
-    from peft import LoraConfig, get_peft_model  # heavy: only LoRA runs import it
-
-    torch.manual_seed(config.seed)  # the same adapter initialisation in every arm
-    lora = LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, lora)

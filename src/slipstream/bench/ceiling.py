@@ -26,22 +26,11 @@ from tqdm import tqdm
 
 from ..data import demo_samples, demo_tokenizer
 from ..train.step import train_step
+from .ab_config import ABConfig, parse_bytes, resolve_device
 from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 _OVER_BUDGET_EXIT = 86  # the watchdog's exit status
 _MIN_TOKENS = 128
-
-
-def parse_bytes(text: str) -> int:
-    """'8GB' -> 8e9, '8GiB' -> 8 * 2**30, '512MB', '1.5GB'; ValueError naming the text otherwise."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*", text.upper())
-    if not match:
-        raise ValueError(f"max_tokens_within: {text!r} is not a memory size (e.g. 8GB, 512MiB)")
-    value = float(match.group(1)) * _UNITS[match.group(2) or ""]
-    if value <= 0:
-        raise ValueError(f"max_tokens_within: {text!r} must be positive")
-    return int(value)
 
 
 def proc_status_kib(field: str) -> int:
@@ -58,8 +47,6 @@ def _watch_rss(budget: int, stop: threading.Event) -> None:
 
 def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, budget: int) -> dict:
     """One optimizer step of ``arm`` on ``docs`` packed into one row; its peak memory and whether it fit."""
-    from .runner import ABConfig, resolve_device  # here, not above: the runner imports this module
-
     config = ABConfig.from_dict(config_dict)
     device = resolve_device(config.device)
     model, _ = build_arm_model(config, arm, vocab_size, device)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
+from .ab_config import ABConfig
 from .arms import ARM_PRESETS
 from .render import print_tables, write_record
-from .runner import ABConfig, parity_failures, run_ab
+from .runner import parity_failures, run_ab
 
 
 def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = None) -> None:

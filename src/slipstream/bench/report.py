@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from ..atomic import write_text_atomically
+from .ab_config import ABConfig
 from .arms import ARM_SPECS
-from .runner import ABConfig
 from .stats import format_speedup, speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them

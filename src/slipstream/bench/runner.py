@@ -16,93 +16,23 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from .. import speedups as speedups_module  # read at call time, so a new field is known here
 from ..data import demo_samples, demo_tokenizer, pack_samples
-from ..fields import Precision, check_fields
 from ..models import preset_vocab_size
 from ..noise import hide_known_noise, known_noise_hidden_here
 from ..offload import device_activation_bytes
-from ..offload.policy import Checkpointing
 from ..optimize import base_model
 from ..train.step import train_step
-from .arms import ARM_PRESETS, ARM_SPECS, ARMS, build_arm_model, micro_batch_inputs
-from .ceiling import parse_bytes, proc_status_kib, search_all
+from .ab_config import ABConfig, resolve_device
+from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
+from .ceiling import proc_status_kib, search_all
 from .counters import HostSyncCounter
 from .fingerprint import fingerprint
 from .stats import loss_parity, speedup
-
-
-def _option(
-    default: Any, help: str | None, flag: str | None = None, cli: bool = True, metavar: str | None = None
-):
-    """An ABConfig field and its ``slipstream ab`` option (generated in bench/command.py)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli, "metavar": metavar})
-
-
-@dataclass
-class ABConfig:
-    """One A/B workload. Every arm sees exactly this."""
-
-    model: str = _option("demo", "model shape (tiny config or real-model preset, random init)")
-    layers: int | None = _option(None, "shorten the model to N layers")
-    max_seq_len: int = _option(1024, "tokens per packed micro-batch")
-    steps: int = _option(40, "optimizer steps per arm (warm-up included)")
-    warmup: int = _option(2, "untimed warm-up steps")
-    grad_accum: int = _option(1, "micro-batches per step")
-    lr: float = _option(2e-3, None)
-    seed: int = _option(0, None)
-    num_rows: int = _option(1500, "built-in demo rows to draw from", flag="--rows")
-    # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
-    # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
-    # to the token budget, the batches padded training usually sees. Every arm gets the same.
-    batching: Literal["bfd", "sequential"] = _option(
-        "bfd",
-        "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
-        "(sequential: the batches padded training usually sees)",
-    )
-    dtype: Precision = _option("float32", None)
-    device: str = _option("auto", "auto, cpu or cuda")
-    arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
-    # Speedups for the slipstream arms: every Speedups field is an `ab` option (generated in
-    # bench/command.py). checkpointing also makes the stock arms recompute when not "off"; the
-    # others are collected here, and an arm's own ablation wins over them.
-    checkpointing: Checkpointing = _option("off", None, cli=False)
-    speedups: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
-    lora_rank: int = _option(0, "train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)")
-    repeats: int = _option(1, "run every arm this many times, interleaved")
-    threads: int | None = _option(None, "torch CPU threads per arm")
-    out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
-    # The memory ceiling: for each arm, the most packed tokens one step trains within this
-    # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.
-    max_tokens_within: str | None = _option(
-        None,
-        "also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
-        "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
-        metavar="SIZE",
-    )
-
-    def __post_init__(self):
-        unknown = [arm for arm in self.arms if arm not in ARMS]
-        if unknown:
-            raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
-        if self.steps <= self.warmup:
-            raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
-        check_fields(self)  # the typed fields' rules (choices, ranges), as everywhere
-        speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
-        if self.max_tokens_within is not None:
-            parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
-
-    @classmethod
-    def from_dict(cls, config_dict: dict) -> ABConfig:
-        """Back from ``dataclasses.asdict`` (how a config reaches an arm's process)."""
-        return cls(**{**config_dict, "arms": tuple(config_dict["arms"])})
 
 
 @dataclass
@@ -123,12 +53,6 @@ class ArmResult:
     # kept on the device at the end of forward (hardware-independent); None: not measured
     activation_bytes: int | None = 0
     dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
-
-
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
 
 
 def model_vocab_size(config: ABConfig, tokenizer) -> int:

@@ -73,7 +73,7 @@ def _write_workload(config, plan: list, vocab_size: int, work: Path) -> None:
 
     from ...data import demo_tokenizer
     from ...models import build_model
-    from ..arms import attach_lora
+    from ..adapter import attach_lora
 
     model = build_model(
         config.model,
