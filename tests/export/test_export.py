@@ -345,3 +345,33 @@ def test_expert_lora_merges_into_the_expert_weights(tmp_path):
     load_expert_lora(reference, run / "adapter" / "experts")
     expected = _logits(reference.eval())
     assert (_logits(merged) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    ("targets", "tied_after"),
+    [(["q_proj", "embed_tokens", "lm_head"], False), (["q_proj"], True)],
+    ids=["lora-on-embeddings-and-head", "head-untouched"],
+)
+def test_tied_embeddings_are_untied_only_where_the_adapter_changed_one_side(tmp_path, targets, tied_after):
+    from transformers import AutoModelForCausalLM
+
+    from slipstream.data import demo_tokenizer
+    from slipstream.models import build_model
+
+    tokenizer = demo_tokenizer()
+    build_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True).save_pretrained(
+        tmp_path / "base"
+    )
+    tokenizer.save_pretrained(tmp_path / "base")
+    data = {
+        **RUN,
+        "model": {"path": str(tmp_path / "base"), "dtype": "float32"},
+        "lora": {"rank": 4, "alpha": 8, "target_modules": targets},
+        "training": {"steps": 2},
+    }
+    run = _train(tmp_path, "tied", data)
+    report = export_merged(run, tmp_path / "merged")
+    assert report.check.relative <= 1e-4
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    assert merged.config.tie_word_embeddings is tied_after
+    assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is tied_after

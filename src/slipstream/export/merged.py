@@ -384,7 +384,9 @@ def export_merged(
         raise ExportError(f"the run's tokenizer: {error}") from None
 
     model, tied = _attached(config, tokenizer, run_dtype, source)
-    probe = probe_batch(tokenizer, model.get_input_embeddings().num_embeddings)
+    probe = probe_batch(
+        tokenizer, min(len(tokenizer), model.get_base_model().config.get_text_config().vocab_size)
+    )
     reference = _logits(model, probe)
     if config.quantization.four_bit:  # PEFT would merge into 4-bit weights and quantize again: start dense
         del model
