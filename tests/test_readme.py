@@ -109,7 +109,15 @@ def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, caps
     exports = [shlex.split(c)[1:] for c in COMMANDS if c.startswith("slipstream export ")]
     assert exports and all(words[1] == "runs/tiny" for words in exports)
     monkeypatch.chdir(tmp_path)
-    shortened = ["training.steps=20", "data.demo_rows=40", "data.max_seq_len=64", "output_dir=runs/tiny"]
+    shortened = [  # the smallest preset, short rows: the export lines are what is tested here
+        "model.preset=qwen3",
+        "model.dtype=float32",
+        "lora.rank=4",
+        "training.steps=20",
+        "data.demo_rows=20",
+        "data.max_seq_len=32",
+        "output_dir=runs/tiny",
+    ]
     assert main(["train", str(ROOT / "examples" / "tiny.yaml"), *(f"--set={s}" for s in shortened)]) == 0
     for words in exports:
         assert main(words) == 0, capsys.readouterr().err

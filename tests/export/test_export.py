@@ -335,6 +335,7 @@ def test_expert_lora_merges_into_the_expert_weights(tmp_path):
     run = _train(tmp_path, "moe", data)
     report = export_merged(run, tmp_path / "merged")
     assert report.check.relative <= 1e-4
+    assert "slipstream" not in (tmp_path / "merged" / "config.json").read_text()  # stock experts
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
     untouched = build_model("qwen3-moe", vocab_size=len(demo_tokenizer()), seed=0)
     before = untouched.model.layers[0].mlp.experts.down_proj

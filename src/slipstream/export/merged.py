@@ -425,4 +425,5 @@ def export_merged(
             "merge_check": asdict(merge_check) if merge_check is not None else None,
         }
         (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        _check_out(out, run_dir, overwrite)  # again, just before the rename: what is there now may go
     return ExportReport(out=str(out), run_dir=str(run_dir), source=str(where), dtype=dtype_name, check=check)
