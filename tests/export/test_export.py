@@ -179,6 +179,8 @@ def test_checkpoint_n_in_bfloat16(dense_run, tmp_path):
     error = (_logits(merged) - at_step_2).abs().max()
     assert error <= 5e-2 * at_step_2.abs().max()
     assert error < (final - at_step_2).abs().max()  # it is step 2's weights, not the final ones
+    half = export_merged(dense_run, tmp_path / "fp16", dtype="float16")
+    assert half.check.ok and half.check.tolerance == 1e-2
 
 
 def test_a_wrong_merge_is_caught_and_nothing_is_written(dense_run, tmp_path, monkeypatch):
@@ -250,6 +252,18 @@ def test_bad_inputs_are_one_line_naming_the_path(dense_run, tmp_path, capsys):
     err = _one_line_error([str(dense_run), "--merged", out, "--checkpoint", "7"], capsys)
     assert err == f"{dense_run / 'checkpoints' / 'step-000007'}: no such checkpoint (checkpoints: 2)"
     assert main(["export", str(unfinished), "--merged", out, "--checkpoint", "2"]) == 0  # what it should do
+    capsys.readouterr()
+    damaged = unfinished / "checkpoints" / "step-000002" / "trainable.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    err = _one_line_error([str(unfinished), "--merged", str(tmp_path / "o2"), "--checkpoint", "2"], capsys)
+    assert err.startswith(f"{damaged.parent}: damaged checkpoint (trainable.safetensors is unreadable")
+    full = tmp_path / "full-finetune"
+    shutil.copytree(dense_run, full)
+    saved = json.loads((full / "config.json").read_text())
+    saved["lora"]["enabled"] = False
+    (full / "config.json").write_text(json.dumps(saved))
+    err = _one_line_error([str(full), "--merged", str(tmp_path / "o3")], capsys)
+    assert err.startswith(f"{full}: lora.enabled is false") and "no adapter to merge" in err
     assert not (tmp_path / "out" / "adapter").exists()
 
 
