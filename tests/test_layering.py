@@ -14,6 +14,7 @@ LAYERS = [
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     {"models"},  # model builders and loaders
     {"train"},  # the training loop
+    {"export"},  # slipstream export: a run's adapter merged into its base model
     {"bench"},  # the A/B harness, the compatibility sweep
     {"doctor"},  # slipstream doctor: the machine, each fast path's choice and its check
     {"cli", "__main__"},  # the command line

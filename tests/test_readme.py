@@ -102,3 +102,24 @@ def test_the_default_ab_runs_shortened(tmp_path, capsys):
         == 0
     )
     assert (tmp_path / "ab" / "ab.json").exists()
+
+
+def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, capsys):
+    """Each README `slipstream export` line, in order, on a shortened run of examples/tiny.yaml."""
+    exports = [shlex.split(c)[1:] for c in COMMANDS if c.startswith("slipstream export ")]
+    assert exports and all(words[1] == "runs/tiny" for words in exports)
+    monkeypatch.chdir(tmp_path)
+    shortened = [  # the smallest preset, short rows: the export lines are what is tested here
+        "model.preset=qwen3",
+        "model.dtype=float32",
+        "lora.rank=4",
+        "training.steps=20",
+        "data.demo_rows=20",
+        "data.max_seq_len=32",
+        "output_dir=runs/tiny",
+    ]
+    assert main(["train", str(ROOT / "examples" / "tiny.yaml"), *(f"--set={s}" for s in shortened)]) == 0
+    for words in exports:
+        assert main(words) == 0, capsys.readouterr().err
+        out = tmp_path / words[words.index("--merged") + 1]
+        assert (out / "config.json").exists() and (out / ".slipstream-export").exists()

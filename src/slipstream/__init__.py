@@ -16,9 +16,12 @@ The public API::
 - ``PackedCollator``: the same packing as a data collator for the HF Trainer and TRL's
   SFTTrainer (the loss stays token-weighted under their gradient accumulation).
 - ``load_for_qlora``: a local model with NF4 linear layers and, for MoE models, NF4 experts.
+- ``export_merged(run_dir, out, dtype=None, checkpoint=None)``: a run's adapter merged into its
+  base, written as a plain transformers directory and checked against base + adapter first.
 """
 
 from ._version import __version__
+from .export import export_merged
 from .models.qlora import load_for_qlora
 from .optimize import optimize, state_of
 from .packing import PackedBatch, PackedCollator, collate_packed
@@ -30,6 +33,7 @@ __all__ = [
     "Speedups",
     "__version__",
     "collate_packed",
+    "export_merged",
     "load_for_qlora",
     "optimize",
     "state_of",

@@ -36,6 +36,8 @@ commands:
   doctor this machine's device and versions, which backend each fast path picks here and
          why, and a run of each against its stock arm on a tiny model (parity, host syncs);
          exit 1 if any is wrong (under a minute, on any machine)
+  export merge a run's adapter into its base model and write a plain transformers directory
+         (slipstream export runs/train --merged merged/), checked against base + adapter
 """
 
 
@@ -262,6 +264,56 @@ def _cmd_doctor(args) -> int:
     return status
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="merge a run's adapter into its base model: a plain transformers directory",
+        description="Merge RUN_DIR's final adapter (or checkpoint N) into the base weights the run trained "
+        "on (4-bit bases dequantized, per-expert LoRA included) and write a transformers directory that "
+        "AutoModelForCausalLM.from_pretrained loads alone; checked against base + adapter on a probe batch "
+        "before anything is written.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a slipstream train output directory")
+    p.add_argument("--merged", required=True, metavar="OUT", help="the directory to write (outside RUN_DIR)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="dtype of the written weights (default: the dtype the run trained in)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        type=int,
+        default=None,
+        metavar="N",
+        help="export checkpoints/step-N instead of adapter/",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace OUT if it holds a previous export (never anything else)",
+    )
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_export(args) -> int:
+    from .export import ExportError, export_merged  # pulls in peft / bitsandbytes: only `export` pays
+
+    try:
+        report = export_merged(
+            args.run_dir, args.merged, dtype=args.dtype, checkpoint=args.checkpoint, overwrite=args.overwrite
+        )
+    except ExportError as error:
+        print(f"slipstream export: {error}", file=sys.stderr)
+        return 1
+    print(
+        f"merged {report.source} into its base model ({report.dtype}); probe of {report.check.tokens} tokens: "
+        f"max |logit difference| {report.check.max_abs:.3g}, relative {report.check.relative:.3g} "
+        f"(tolerance {report.check.tolerance:g}); wrote {report.out}"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slipstream", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -280,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(sub)
     _add_pack(sub)
     _add_doctor(sub)
+    _add_export(sub)
     return parser
 
 

@@ -167,3 +167,36 @@ def load_expert_lora(model: torch.nn.Module, directory: str | os.PathLike) -> to
         for name, tensor in saved.items():
             params[name].copy_(tensor)
     return model
+
+
+def merge_expert_lora(model: torch.nn.Module) -> int:
+    """Fold every expert LoRA into its dense expert weights (``W_e += scale * B_e A_e``) and drop it.
+
+    The adapter computes ``x_e A_e B_e * scale`` beside ``x_e W_e`` (``ExpertLoRAAdapter``), so the
+    merged weight is ``W + scale * B @ A`` in the [E, out, in] layout and ``W + scale * A @ B`` in
+    the transposed [E, in, out] one; the product is formed in fp32 and rounded once into W's
+    dtype. 4-bit experts must be dequantized first. Returns how many experts modules were merged.
+    """
+    merged = 0
+    for module in experts_modules(model):
+        lora = getattr(module, "slipstream_lora", None)
+        if lora is None:
+            continue
+        if getattr(module, "slipstream_nf4", None) is not None:
+            raise ValueError(
+                f"{type(module).__name__}: dequantize its 4-bit experts before merging expert LoRA"
+            )
+        with torch.no_grad():
+            for name, adapter in lora.adapters.items():
+                weight = getattr(module, name)
+                a, b = adapter.lora_A.float(), adapter.lora_B.float()
+                delta = (a @ b if module.is_transposed else b @ a) * adapter.scale
+                if delta.shape != weight.shape:
+                    raise ValueError(
+                        f"{type(module).__name__}.{name}: expert LoRA delta {tuple(delta.shape)} "
+                        f"does not fit the weight {tuple(weight.shape)}"
+                    )
+                weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
+        del module.slipstream_lora
+        merged += 1
+    return merged

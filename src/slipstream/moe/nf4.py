@@ -184,6 +184,26 @@ def dequantized_reference(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def dequantize_experts(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Undo ``quantize_experts``: each 4-bit expert weight becomes a dense frozen parameter again.
+
+    The values are exactly those the sorted routing computes with (``NF4ExpertStore.dense``),
+    in ``dtype`` (default: the store's compute dtype). Returns how many experts modules changed.
+    """
+    changed = 0
+    for module in experts_modules(model):
+        holder = getattr(module, "slipstream_nf4", None)
+        if holder is None:
+            continue
+        target = dtype or getattr(torch, holder.settings.compute_dtype)
+        for name, store in holder.stores.items():
+            dense = store.dense().to(target)
+            module.register_parameter(name, torch.nn.Parameter(dense, requires_grad=False))
+        del module.slipstream_nf4
+        changed += 1
+    return changed
+
+
 def _manifest(model) -> dict:
     layers = {}
     for path, module in model.named_modules():
