@@ -104,6 +104,8 @@ def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: 
                 if counts:
                     total += out.loss.float()
     finally:
+        model.train(modes[0][1])  # through each module's own train(), as model.eval() went
         for module, training in modes:
-            module.training = training
+            if module.training != training:  # a module that was not in the model's mode stays as it was
+                module.train(training)
     return float(read_to_host(info.sum_tensor(total)))

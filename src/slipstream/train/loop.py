@@ -246,9 +246,8 @@ class _Run:
     lock: RunLock | None  # the output directory's, held by rank 0 until the run ends
     evals: EvalSet | None = None  # data.eval_path / data.eval_fraction
     start: int = 0  # the step resumed from
-    eval_losses: list[tuple[int, float | None]] = field(
-        default_factory=list
-    )  # (step, loss), resumed ones too
+    # (step, eval loss or None where not finite), the resumed run's earlier ones too
+    eval_losses: list[tuple[int, float | None]] = field(default_factory=list)
 
 
 def _data(config: TrainConfig, tokenizer, info: Distributed):
@@ -261,9 +260,13 @@ def _data(config: TrainConfig, tokenizer, info: Distributed):
         evals = _eval_set(config, held_out, f"data.eval_fraction {config.data.eval_fraction:g} of {source}")
     elif config.data.eval_path is not None:
         try:
-            held_out, _ = _samples(config, tokenizer, config.data.eval_path)
+            held_out, eval_report = _samples(config, tokenizer, config.data.eval_path)
         except DataError as error:
             raise TrainError(f"{error} (data.eval_path)") from None
+        if info.is_main and eval_report.skipped:
+            tqdm.write(
+                f"slipstream train: eval data: {eval_report.summary()}"
+            )  # skipped rows are always said
         evals = _eval_set(config, held_out, config.data.eval_path)
     bins, packing = pack_samples(
         samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
