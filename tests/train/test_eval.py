@@ -13,7 +13,7 @@ from slipstream.train import loop
 from slipstream.train.config import ConfigError, load_config
 from slipstream.train.distributed import Distributed
 from slipstream.train.errors import TrainError, TrainInterrupted
-from slipstream.train.evaluation import rank_share, split_rows
+from slipstream.train.evaluation import eval_set, evaluate, rank_share, split_rows
 from slipstream.train.loop import train
 from tests.train.test_train import TINY, write_config
 
@@ -106,6 +106,33 @@ def test_the_eval_split_is_by_row_disjoint_and_seeded(tmp_path):
     assert len(trained) + len(evaluated) == len(
         {tuple(s["input_ids"][:256]) for s in demo_samples(tokenizer, 120)}
     )
+
+
+def test_evaluate_builds_no_tokens_by_vocab_tensor_and_restores_the_modes():
+    import slipstream
+    from slipstream.bench.counters import LargeTensorWatch
+    from slipstream.models import build_model
+    from tests.conftest import random_docs
+
+    vocab = 5000  # [100+ tokens, V] logits dwarf every other tensor of the forward (the head: [V, 64])
+    model = build_model("qwen3", vocab_size=vocab)
+    slipstream.optimize(model, loss_chunk_tokens=16)
+    model.train()
+    docs = [
+        {**doc, "labels": doc["input_ids"]} for doc in random_docs([40, 100, 25, 77, 60], vocab_size=vocab)
+    ]
+    evals = eval_set(docs, "docs", max_seq_len=128, seed=0, overflow="truncate")
+    evaluate(model, evals, Distributed(), torch.device("cpu"))  # the first forward probes the logit transform
+    with LargeTensorWatch(min_numel=100 * vocab) as big:  # the bins hold 125, 117 and 60 tokens
+        loss = evaluate(model, evals, Distributed(), torch.device("cpu"))
+    assert big.seen == [], big.seen
+    assert all(module.training for module in model.modules())
+    expected = stock_eval_loss(model, docs, 128)
+    assert abs(loss - expected) <= 1e-5 * expected
+    slipstream.optimize(model, chunked_loss=False)  # the stock loss: the watch does see its logits
+    with LargeTensorWatch(min_numel=100 * vocab) as big:
+        assert abs(evaluate(model, evals, Distributed(), torch.device("cpu")) - expected) <= 1e-5 * expected
+    assert big.seen
 
 
 def test_rank_shares_cover_every_bin_once_with_equal_forwards():
