@@ -167,9 +167,19 @@ def _cmd_train(args) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 speaks
         print(
             f"finished {summary['steps']} steps, final loss {_number(summary['final_loss'])}; "
-            f"adapter in {Path(config.output_dir) / 'adapter'}"
+            + _eval_words(summary.get("eval"))
+            + f"adapter in {Path(config.output_dir) / 'adapter'}"
         )
     return 0
+
+
+def _eval_words(evals: dict | None) -> str:
+    """``eval loss 1.23 (best 1.20 at step 40); `` for a run with an eval set, else nothing."""
+    if not evals or evals["last"] is None:
+        return ""
+    best = evals["best"]
+    best_words = f" (best {_number(best['loss'])} at step {best['step']})" if best else ""
+    return f"eval loss {_number(evals['last']['loss'])}{best_words}; "
 
 
 def _number(value: float | None) -> str:

@@ -21,7 +21,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import slipstream
 from slipstream.bench.counters import HostSyncCounter, LargeTensorWatch
-from slipstream.loss import LogitsNotComputed, UnsupportedLoss
+from slipstream.loss import LogitsNotComputed, UnsupportedLoss, chunked_evaluation
 from slipstream.models import build_model
 from slipstream.packing import collate_padded
 from tests.conftest import random_docs
@@ -237,6 +237,63 @@ def test_training_returns_no_logits_but_eval_and_no_grad_do():
     model.train()
     assert model(**batch.model_inputs()).logits is not None  # the toggle restores the stock loss
     assert "chunked loss: off (stock loss)" in model.slipstream.policies
+
+
+@pytest.mark.parametrize("head", ["frozen", "lora", "modules_to_save"])
+def test_a_chunked_evaluation_matches_the_stock_loss_and_keeps_no_gradient(head):
+    """model.eval() + no_grad with labels inside chunked_evaluation: the stock full-logits loss, no graph."""
+    from peft import LoraConfig
+
+    targets = ["q_proj", "v_proj"] + (["lm_head"] if head == "lora" else [])
+    saved = ["lm_head"] if head == "modules_to_save" else None
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, modules_to_save=saved)
+    stock, chunked = pair(build_model("qwen3", vocab_size=VOCAB), lora=lora, loss_chunk_tokens=16)
+    for m in (stock, chunked):  # give the adapters values, then evaluate
+        step(m, [slipstream.collate_packed(prompt_masked_docs(seed=9))])
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p -= 0.5 * p.grad
+        m.zero_grad(set_to_none=True)
+        m.eval()
+    batch = slipstream.collate_packed(prompt_masked_docs())
+    with torch.no_grad():
+        expected = stock(**batch.model_inputs())
+        with chunked_evaluation(chunked) as served:
+            got = chunked(**batch.model_inputs())
+        outside = chunked(**batch.model_inputs())
+    assert served and isinstance(got.logits, LogitsNotComputed)
+    assert abs(got.loss.item() - expected.loss.item()) <= 1e-5 * abs(expected.loss.item())
+    assert not got.loss.requires_grad and got.loss.grad_fn is None
+    assert all(p.grad is None for p in chunked.parameters())
+    assert outside.logits.shape == expected.logits.shape  # outside the block: the stock path, logits
+
+
+def test_a_chunked_evaluation_builds_no_tokens_by_vocab_tensor():
+    vocab = 5000
+    model = build_model("qwen3", vocab_size=vocab)
+    slipstream.optimize(model, loss_chunk_tokens=16)
+    batch = slipstream.collate_packed(random_docs([40, 100, 25, 77], vocab_size=vocab))
+    model.eval()
+    with torch.no_grad(), chunked_evaluation(model):
+        model(**batch.model_inputs())  # the first forward verifies the logit transform once
+        with HostSyncCounter() as syncs, LargeTensorWatch(min_numel=batch.num_tokens * vocab // 2) as big:
+            loss = model(**batch.model_inputs()).loss
+        inputs = {k: v for k, v in batch.model_inputs().items() if k != "labels"}
+        assert model(**inputs).logits.shape == (1, batch.num_tokens, vocab)  # no labels: logits
+    assert syncs.total == 0, dict(syncs.by_op)
+    assert big.seen == [], big.seen
+    stock = build_model("qwen3", vocab_size=vocab)
+    slipstream.optimize(stock, chunked_loss=False)
+    stock.eval()
+    with (
+        torch.no_grad(),
+        chunked_evaluation(stock) as served,
+        LargeTensorWatch(batch.num_tokens * vocab // 2) as big,
+    ):
+        expected = stock(**batch.model_inputs()).loss
+    assert not served and big.seen  # no chunked loss: the stock loss, whose [T, V] logits the watch sees
+    assert rel(loss, expected) <= 1e-5
 
 
 def test_using_the_training_logits_says_why_and_names_the_fix():

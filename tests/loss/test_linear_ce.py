@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slipstream.bench.counters import LargeTensorWatch
 from slipstream.loss import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 N, H, V = 45, 16, 70
@@ -87,6 +88,24 @@ def test_frozen_head_and_no_grad_forward(path):
     with torch.no_grad():
         value = linear_cross_entropy(x, targets, as_given(head, path), [], chunk_tokens=10)
     assert rel(value, loss.detach()) <= 1e-7
+
+
+@pytest.mark.parametrize("path", ["module", "linear"])
+def test_a_no_grad_loss_of_a_trainable_head_computes_no_gradient(path):
+    """Under no_grad (evaluation) a trainable head's gradient is neither computed nor kept."""
+    torch.manual_seed(5)
+    x = torch.randn(N, H)
+    head = torch.nn.Linear(H, V)
+    targets = torch.randint(0, V, (N,))
+    expected = reference(x, targets, head, LogitTransform(), N).detach()
+    with torch.no_grad(), LargeTensorWatch(min_numel=H * V) as big:
+        value = linear_cross_entropy(
+            x, targets, as_given(head, path), [head.weight, head.bias], chunk_tokens=10
+        )
+    assert value.grad_fn is None and head.weight.grad is None
+    made = [seen for seen in big.seen if seen[0] != "t"]  # the head's weight.t() is a view
+    assert made == [], made  # no [V, H] gradient accumulator, no full logits
+    assert rel(value, expected) <= 1e-6
 
 
 @pytest.mark.parametrize("path", ["module", "linear"])

@@ -1,7 +1,8 @@
 """torchrun with 2 processes (gloo): DDP and FSDP2 follow the single-process run with the same global batch.
 
 The ranks train with slipstream's chunked loss (the default), the single process with the
-stock loss: the comparison covers the distributed split and the chunked loss at once.
+stock loss: the comparison covers the distributed split and the chunked loss at once, for the
+training loss and the eval loss.
 """
 
 import json
@@ -20,16 +21,21 @@ pytestmark = [
 
 CONFIG = {
     "model": {"preset": "qwen3", "dtype": "float32"},
-    "data": {"demo_rows": 120, "max_seq_len": 256},
+    "data": {"demo_rows": 120, "max_seq_len": 256, "eval_fraction": 0.1},
     "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
     "optimizer": {"lr": 1e-2, "schedule": "constant"},
-    "training": {"steps": 4},
+    "training": {"steps": 4, "eval_every": 2},
     "seed": 0,
 }
 
 
 def losses(out):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def eval_losses(out):
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
 
 
 def run(args, **env):
@@ -84,6 +90,10 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, strate
     assert len(single) == len(ranks) == 4
     assert max(abs(a - b) / abs(a) for a, b in zip(single, ranks, strict=True)) <= 1e-5
     assert single[1] != single[0]  # it trained
+    # the eval loss: each rank evaluates its share of the bins (FSDP2: as many forwards on each), summed
+    single_eval, ranks_eval = eval_losses(tmp_path / "single"), eval_losses(tmp_path / "ranks")
+    assert [step for step, _ in ranks_eval] == [step for step, _ in single_eval] == [2, 4]
+    assert max(abs(a - b) / a for (_, a), (_, b) in zip(single_eval, ranks_eval, strict=True)) <= 1e-5
     assert (tmp_path / "ranks" / "adapter" / "adapter_model.safetensors").exists()
     ranks_run = json.loads((tmp_path / "ranks" / "run.json").read_text())
     assert ranks_run["world_size"] == 2

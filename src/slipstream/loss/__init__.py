@@ -1,7 +1,8 @@
 """The LM head and its cross-entropy a chunk of labelled tokens at a time: no [tokens, vocab] logits.
 
 ``ChunkedLoss.install(model)`` plugs it into a transformers causal LM (``slipstream.optimize``
-does this by default); ``linear_cross_entropy`` is the computation itself, usable on its own.
+does this by default); ``chunked_evaluation(model)`` makes evaluation forwards with labels use
+it too (the loss only, no logits); ``linear_cross_entropy`` is the computation itself, usable on its own.
 """
 
 from .chunked_loss import (
@@ -10,6 +11,7 @@ from .chunked_loss import (
     LogitsNotComputedError,
     UnsupportedLoss,
     check_supported,
+    chunked_evaluation,
     transform_candidates,
 )
 from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
@@ -22,6 +24,7 @@ __all__ = [
     "LogitsNotComputedError",
     "UnsupportedLoss",
     "check_supported",
+    "chunked_evaluation",
     "choose_chunk_tokens",
     "linear_cross_entropy",
     "transform_candidates",

@@ -12,7 +12,15 @@ given, no ``logits_to_keep``):
    hidden states a chunk at a time (:mod:`.linear_ce`), over the labelled positions only;
 3. a forward hook on the model clears the state and sets ``logits`` to a :class:`LogitsNotComputed`
    placeholder: a training forward returns ``loss`` only. Evaluation, ``no_grad`` forwards and
-   generation take the stock path and get their logits.
+   generation take the stock path and get their logits,
+
+unless they run inside :func:`chunked_evaluation` (``with chunked_evaluation(model): ...``):
+there a forward given ``labels`` in eval mode or under ``torch.no_grad()`` is armed too, its
+loss is computed by the same chunks without computing or keeping any gradient
+(:mod:`.linear_ce`'s loss-only path), and its ``out.logits`` is the same placeholder - the
+point of evaluating this way is that the ``[tokens, vocab]`` logits never exist. It is opt-in
+because code that evaluates with labels usually wants the logits too (metrics, transformers'
+``Trainer.evaluate``); ``slipstream train``'s evaluation wants only the loss.
 
 The placeholder stands where the logits would be (``out.logits``, ``out["logits"]``, the same
 position of ``out.to_tuple()``), so the output keeps the stock layout, and code that only
@@ -39,8 +47,10 @@ on CUDA (all positions are projected; the ignored ones weigh zero), so no sync e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +97,8 @@ class LogitsNotComputed:
         return (
             f"{self._model_name}'s logits were not computed: slipstream's chunked loss computes a training "
             "forward's loss (training mode, autograd on, labels given) from the hidden states a chunk at a "
-            "time and returns out.loss only. Evaluation (model.eval()), torch.no_grad() forwards and "
+            "time and returns out.loss only (so does an evaluation forward inside "
+            "slipstream.loss.chunked_evaluation). Evaluation (model.eval()), torch.no_grad() forwards and "
             "generate() keep their logits. To get logits from training forwards too, turn the chunked loss "
             "off: slipstream.optimize(model, chunked_loss=False), or speedups.chunked_loss: false in a "
             "slipstream training config."
@@ -148,6 +159,7 @@ class ChunkedLoss:
     _no_logits: LogitsNotComputed | None = None  # made once: the hook only hands it out
     _had_loss_function: bool = False
     _previous_loss_function: Any = None
+    evaluating: int = 0  # > 0 inside chunked_evaluation(): eval / no_grad forwards with labels arm too
 
     # ------------------------------------------------------------------ install / remove
     @classmethod
@@ -195,10 +207,10 @@ class ChunkedLoss:
         self._call = None
         labels = kwargs.get("labels")
         keep = kwargs.get("logits_to_keep")
+        training = module.training and torch.is_grad_enabled()
         if (
             labels is None
-            or not module.training
-            or not torch.is_grad_enabled()
+            or not (training or self.evaluating)
             or not (keep is None or (isinstance(keep, int) and keep == 0))
         ):
             return None
@@ -363,6 +375,32 @@ class ChunkedLoss:
     def _log(self, policy: str) -> None:
         self.policies.append(policy)
         logger.info(policy)
+
+
+@contextlib.contextmanager
+def chunked_evaluation(model: torch.nn.Module) -> Iterator[bool]:
+    """Inside it, forwards of ``model`` given labels return a chunked loss and no logits, in eval too.
+
+    For an evaluation loss that never builds the ``[tokens, vocab]`` logits: run the forwards
+    under ``torch.no_grad()`` (and ``model.eval()``) inside this block; each returns ``out.loss``
+    (the stock loss, computed a chunk of labelled rows at a time, no gradient kept) and a
+    :class:`LogitsNotComputed` placeholder for ``out.logits``. Forwards without labels keep
+    their logits. ``model`` may be wrapped (PEFT, DDP, FSDP2); a model without the chunked loss
+    (``chunked_loss=False``, or refused) computes its stock loss, full logits and all. Yields
+    whether the chunked loss serves the block.
+    """
+    losses = [
+        loss
+        for module in model.modules()
+        if isinstance(loss := vars(module).get("_loss_function"), ChunkedLoss)
+    ]
+    for loss in losses:
+        loss.evaluating += 1
+    try:
+        yield bool(losses)
+    finally:
+        for loss in losses:
+            loss.evaluating -= 1
 
 
 def transform_candidates(model: torch.nn.Module) -> list[LogitTransform]:

@@ -219,7 +219,7 @@ def _module_chunk(
     head, transform, rows, targets, ignore_index, divisor, buffers, hidden_grad, trainable, param_grads, want
 ):
     """One chunk through the head module under autograd: any head trains as it would in stock."""
-    with torch.enable_grad():
+    with torch.set_grad_enabled(want):  # a loss-only chunk (no_grad) builds no graph
         rows = rows.detach().requires_grad_(hidden_grad is not None)
         logits = transform(head(rows))
     n = logits.shape[0]
@@ -278,6 +278,24 @@ def _linear_chunk(
     return loss
 
 
+def _loss_only(hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index) -> torch.Tensor:
+    """The loss of a ``no_grad`` forward (evaluation): the same chunks, no gradient computed or kept.
+
+    The autograd Function would compute (and keep) the gradients of every input that requires
+    them - trainable head parameters still do under ``no_grad`` - and a module head would run
+    under ``enable_grad``; here each chunk's logits live only while its loss is summed.
+    """
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
+    num_rows = hidden_NH.shape[0]
+    buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
+    step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
+    for start in range(0, num_rows, chunk_tokens):
+        end = min(start + chunk_tokens, num_rows)
+        rows, targets = hidden_NH[start:end], targets_N[start:end]
+        loss_sum += step(head, transform, rows, targets, ignore_index, divisor, buffers, None, [], [], False)
+    return loss_sum / divisor
+
+
 def linear_cross_entropy(
     hidden_NH: torch.Tensor,
     targets_N: torch.Tensor,
@@ -295,7 +313,8 @@ def linear_cross_entropy(
     trainable parameters); they must be the ones ``head`` uses, since their gradients are
     returned to autograd as gradients of these very tensors. ``divisor`` defaults to the number of
     non-ignored targets (at least 1, so an all-masked batch gives a zero loss, not NaN).
-    The loss is fp32, like transformers' (which upcasts the logits).
+    The loss is fp32, like transformers' (which upcasts the logits). Under ``torch.no_grad()``
+    (evaluation) the same chunks compute the loss only: no gradient is computed or kept.
     """
     if hidden_NH.dim() != 2:
         raise ValueError(f"hidden rows must be [N, H], got {tuple(hidden_NH.shape)}")
@@ -306,6 +325,10 @@ def linear_cross_entropy(
             raise ValueError(f"the loss divisor must be positive, got {divisor}")
         divisor = torch.tensor(float(divisor))
     divisor = divisor.to(device=hidden_NH.device, dtype=torch.float32)
+    if not torch.is_grad_enabled():
+        return _loss_only(
+            hidden_NH, targets_N, divisor, head, transform or LogitTransform(), chunk_tokens, ignore_index
+        )
     return _LinearCrossEntropy.apply(
         hidden_NH,
         targets_N,

@@ -57,6 +57,10 @@ class DataConfig:
     max_seq_len: Annotated[int, Range(ge=2)] = 1024
     overflow: Literal["truncate", "split"] = "truncate"
     cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
+    # validation: a second data file, tokenized and packed like the training data; or
+    eval_path: str | None = None
+    # a seeded share of the training rows, split off by row before packing (never trained on)
+    eval_fraction: Annotated[float, Range(gt=0, lt=1)] | None = None
 
 
 @dataclass
@@ -104,6 +108,9 @@ class TrainingConfig:
     # the run (exit non-zero, naming the last finite checkpoint) or skip the step and go on
     on_nonfinite: Literal["stop", "skip"] = "stop"
     max_consecutive_skips: Positive = 5  # with on_nonfinite: skip, stop after this many in a row
+    # with data.eval_path or data.eval_fraction: the eval loss every this many steps and at the
+    # end; 0 = only at the end
+    eval_every: NonNegative = 0
 
 
 @dataclass
@@ -132,6 +139,12 @@ class TrainConfig:
             fail(
                 "training.distributed",
                 "training.distributed 'fsdp2' does not support training.checkpoint_every or lora.experts yet",
+            )
+        if self.data.eval_path is not None and self.data.eval_fraction is not None:
+            fail(
+                "data.eval_path",
+                "give one of 'data.eval_path' (a second data file) or 'data.eval_fraction' "
+                "(a share of the training rows), not both",
             )
         if self.quantization.four_bit and not self.lora.enabled:
             fail("quantization.four_bit", "quantization.four_bit trains adapters only: set lora.enabled true")
@@ -244,7 +257,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         _apply_override(data, override, source, lines)
     config = _build(TrainConfig, data, "", source, lines)
     base = path.parent
-    for section, key in (("model", "path"), ("data", "path")):
+    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
         value = getattr(getattr(config, section), key)
         if value is not None and not Path(value).is_absolute():
             setattr(

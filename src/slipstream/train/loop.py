@@ -23,7 +23,7 @@ import random
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from .checkpoints import (
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_trainable_state, setup, shutdown, wrap
 from .errors import TrainError, TrainInterrupted
+from .evaluation import EvalSet, eval_set, evaluate, split_rows
 from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
 from .lock import RunLock
@@ -101,8 +102,9 @@ def _tokenizer(config: TrainConfig):
         ) from None
 
 
-def _samples(config: TrainConfig, tokenizer):
-    if config.data.path is None:
+def _samples(config: TrainConfig, tokenizer, path: str | None = None):
+    """The samples of the training data (``path`` None), or of another file read the same way."""
+    if path is None and config.data.path is None:
         samples = demo_samples(
             tokenizer,
             num_rows=config.data.demo_rows,
@@ -110,9 +112,10 @@ def _samples(config: TrainConfig, tokenizer):
             response_only=config.data.response_only,
         )
         return samples, None
+    path = config.data.path if path is None else path
     try:
         samples, report = load_samples(
-            config.data.path,
+            path,
             tokenizer,
             response_only=config.data.response_only,
             on_bad_row="skip" if config.data.skip_bad_rows else "error",
@@ -122,9 +125,9 @@ def _samples(config: TrainConfig, tokenizer):
         if isinstance(error, DataError):
             raise
         where = config.model.path or f"model.preset {config.model.preset}"
-        raise TrainError(f"{config.data.path}: {error} (the tokenizer of {where})") from None
+        raise TrainError(f"{path}: {error} (the tokenizer of {where})") from None
     if not samples:
-        raise TrainError(f"{config.data.path}: no usable rows ({report.summary()})")
+        raise TrainError(f"{path}: no usable rows ({report.summary()})")
     return samples, report
 
 
@@ -241,12 +244,30 @@ class _Run:
     total: int
     bins_for: Callable[[int], list[int]]
     lock: RunLock | None  # the output directory's, held by rank 0 until the run ends
+    evals: EvalSet | None = None  # data.eval_path / data.eval_fraction
     start: int = 0  # the step resumed from
+    # (step, eval loss or None where not finite), the resumed run's earlier ones too
+    eval_losses: list[tuple[int, float | None]] = field(default_factory=list)
 
 
 def _data(config: TrainConfig, tokenizer, info: Distributed):
-    """Samples and their bins; the rows skipped and the samples cut are always said."""
+    """Samples and their bins, and the eval set; the rows skipped and the samples cut are always said."""
     samples, data_report = _samples(config, tokenizer)
+    evals = None
+    if config.data.eval_fraction is not None:
+        source = config.data.path or "the demo data"
+        samples, held_out = split_rows(samples, config.data.eval_fraction, config.seed, source)
+        evals = _eval_set(config, held_out, f"data.eval_fraction {config.data.eval_fraction:g} of {source}")
+    elif config.data.eval_path is not None:
+        try:
+            held_out, eval_report = _samples(config, tokenizer, config.data.eval_path)
+        except DataError as error:
+            raise TrainError(f"{error} (data.eval_path)") from None
+        if info.is_main and eval_report.skipped:
+            tqdm.write(
+                f"slipstream train: eval data: {eval_report.summary()}"
+            )  # skipped rows are always said
+        evals = _eval_set(config, held_out, config.data.eval_path)
     bins, packing = pack_samples(
         samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
     )
@@ -260,14 +281,26 @@ def _data(config: TrainConfig, tokenizer, info: Distributed):
     if info.is_main and (packing.no_labels or packing.truncated):
         tqdm.write(f"slipstream train: {packing.summary()}")
     logger.info("%s", packing.summary())
-    return samples, bins, packing, data_report
+    if evals is not None:
+        logger.info("eval set: %s", evals.summary())
+    return samples, bins, packing, data_report, evals
 
 
-def _trainable_model(config: TrainConfig, tokenizer, samples, device, dtype, dtype_policy: str, info):
+def _eval_set(config: TrainConfig, samples: list[dict], source: str) -> EvalSet:
+    return eval_set(
+        samples, source, max_seq_len=config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
+    )
+
+
+def _trainable_model(
+    config: TrainConfig, tokenizer, samples, device, dtype, dtype_policy: str, info, evals: EvalSet | None
+):
     """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
     model = _model(config, len(tokenizer), dtype)
     check_lora_targets(model, config)
     check_token_ids(samples, model, config.data.path or "the demo data")
+    if evals is not None and config.data.eval_path is not None:
+        check_token_ids([d for b in evals.bins for d in b], model, config.data.eval_path)
     if not config.quantization.four_bit:
         model.to(device)
     try:
@@ -325,7 +358,7 @@ def _set_up_locked(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     tokenizer = _tokenizer(config)
-    samples, bins, packing, data_report = _data(config, tokenizer, info)
+    samples, bins, packing, data_report, evals = _data(config, tokenizer, info)
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
     fingerprint = (
@@ -341,7 +374,7 @@ def _set_up_locked(
     )
     if info.is_main:
         tqdm.write(f"slipstream train: {dtype_policy}")
-    model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info)
+    model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info, evals)
     optimizer = _optimizer(config, model, device, info)
     total, bins_for = _step_plan(len(bins), config, info.world_size)
     scheduler = get_scheduler(
@@ -370,6 +403,7 @@ def _set_up_locked(
         total=total,
         bins_for=bins_for,
         lock=lock,
+        evals=evals,
     )
     run.start = _restore(run, checkpoint, resume=resume)
     del checkpoint  # its tensors are in the model now
@@ -396,6 +430,7 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
         )
     if info.is_main:
         kept = rewind_metrics(run.out, start)
+        run.eval_losses = [(r["step"], r["eval_loss"]) for r in kept if "eval_loss" in r]
         if point.loss is None and kept:  # a checkpoint from before state.json held the loss
             point.loss = kept[-1]["loss"]
     logger.info("resumed from %s (step %d)", point.path, start)
@@ -456,9 +491,9 @@ class _Metrics:
         self.stream = (run.out / METRICS).open("a") if main else None
 
     def log(self, record: dict) -> None:
-        """Every ``log_every`` steps, the last, and every non-finite step (an event, always kept)."""
+        """Every ``log_every`` steps, the last, every non-finite step and every evaluated one (always kept)."""
         step = record["step"]
-        event = "nonfinite" in record
+        event = "nonfinite" in record or "eval_loss" in record
         if self.stream is None or (step % self.every != 0 and step != self.total and not event):
             return
         self.stream.write(json.dumps(record, allow_nan=False) + "\n")
@@ -467,6 +502,8 @@ class _Metrics:
             for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
                 if record[key] is not None:
                     self.writer.add_scalar(f"train/{key}", record[key], step)
+            if record.get("eval_loss") is not None:
+                self.writer.add_scalar("eval/loss", record["eval_loss"], step)
 
     def close(self) -> None:
         if self.stream is not None:
@@ -481,6 +518,21 @@ def _tensorboard(out: Path):
     except ImportError as error:
         raise ConfigError(f"training.tensorboard needs the tensorboard package ({error})") from None
     return SummaryWriter(str(out / TENSORBOARD))
+
+
+def _evaluate(run: _Run, step: int) -> float | None:
+    """The eval loss after step ``step`` (every rank), kept in ``run.eval_losses``; a non-finite one is None, and said."""
+    loss = finite_or_none(evaluate(run.model, run.evals, run.info, run.device))
+    if loss is None and run.info.is_main:
+        tqdm.write(f"slipstream train: the eval loss after step {step} is not finite: recorded as null")
+    run.eval_losses.append((step, loss))
+    return loss
+
+
+def _due_for_eval(run: _Run, step: int) -> bool:
+    """``training.eval_every`` steps and the last, when there is an eval set."""
+    every = run.config.training.eval_every
+    return run.evals is not None and (step == run.total or (every > 0 and step % every == 0))
 
 
 def _checkpoint(run: _Run, step: int, loss: float | None) -> None:
@@ -526,6 +578,7 @@ def _run_steps(
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
+    eval_seconds = 0.0
     bar = tqdm(
         range(run.start, total),
         initial=run.start,
@@ -535,6 +588,7 @@ def _run_steps(
         unit="step",
     )
     step, stop = run.start, GracefulStop()
+    postfix: dict[str, str] = {}  # the last eval loss, shown until the next
     try:
         stop.install()
         for step in bar:
@@ -546,9 +600,14 @@ def _run_steps(
                 "loss": finite_or_none(loss),
                 "grad_norm": finite_or_none(grad_norm),
                 "lr": run.scheduler.get_last_lr()[0],
-                "tokens_per_s": tokens_seen / elapsed,
+                "tokens_per_s": tokens_seen / max(elapsed - eval_seconds, 1e-9),  # training time only
                 "elapsed_s": elapsed,
             }
+            if _due_for_eval(run, step + 1):
+                evaluated = time.perf_counter()
+                record["eval_loss"] = _evaluate(run, step + 1)
+                eval_seconds += time.perf_counter() - evaluated
+                postfix["eval_loss"] = "null" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
             if finite:
                 nonfinite.finite()
                 losses.append(loss)
@@ -559,7 +618,7 @@ def _run_steps(
                 line = nonfinite.record(step + 1, loss, grad_norm)  # raises to stop the run
                 if info.is_main:
                     tqdm.write(line)
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **postfix)
             saved = False
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
                 nonfinite.check_weights(step + 1)
@@ -604,6 +663,8 @@ def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
         "distributed": run.info.strategy,
         "skipped_nonfinite_steps": nonfinite.skipped,
     }
+    if run.evals is not None:
+        summary["eval"] = _eval_summary(run)
     if run.point.path is not None:
         summary["resumed"] = {
             "from": str(run.point.path),
@@ -612,6 +673,18 @@ def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
             "forced": run.point.forced,
         }
     return summary
+
+
+def _eval_summary(run: _Run) -> dict:
+    """``run.json``'s ``eval``: the best and the last eval loss with their steps, and the eval set."""
+    finite = [(step, loss) for step, loss in run.eval_losses if loss is not None]
+    best = min(finite, key=lambda item: item[1]) if finite else None
+    last = run.eval_losses[-1] if run.eval_losses else None
+    return {
+        "best": {"step": best[0], "loss": best[1]} if best else None,
+        "last": {"step": last[0], "loss": last[1]} if last else None,
+        **run.evals.summary(),
+    }
 
 
 def train(

@@ -1,0 +1,111 @@
+"""Validation: the eval set (a second data file, or a seeded share of the training rows) and its loss.
+
+``data.eval_path`` is read and tokenized like the training data (the same ``response_only``,
+``max_seq_len``, ``overflow`` and tokenized cache); ``data.eval_fraction`` takes a seeded share
+of the training rows out of training. The split is by row (one row is one sample before
+packing; a long row's ``overflow: split`` pieces are cut after the split, so they all stay on
+its side), never overlaps, and depends only on ``seed`` and the rows. Both sets are then packed
+with best-fit-decreasing bins, as training is.
+
+The eval loss is the token-weighted mean over every label token of the eval set (the labels
+training uses: response-only when training is), computed under ``torch.no_grad()`` with the
+model in eval mode (each module's mode is restored after) through the chunked loss
+(``loss.chunked_evaluation``): no ``[tokens, vocab]`` logits. Under torchrun each rank takes
+every ``world_size``-th bin, the per-rank sums are added on the device and read once; a rank
+with fewer bins runs a bin again at weight zero, so every rank runs the same number of
+forwards (FSDP2 gathers parameters in each).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ..data import pack_samples
+from ..data.labels import count_label_tokens
+from ..host_reads import read_to_host
+from ..loss import chunked_evaluation
+from ..packing import collate_packed
+from .distributed import Distributed
+from .errors import TrainError
+
+
+@dataclass
+class EvalSet:
+    """The packed eval set and what ``run.json`` says of it."""
+
+    bins: list[list[dict]]
+    source: str  # the file, or "eval_fraction 0.1 of <the training data>"
+    rows: int
+    tokens: int  # after truncation, as evaluated
+    label_tokens: int
+
+    def summary(self) -> dict:
+        return {
+            "source": self.source,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "label_tokens": self.label_tokens,
+        }
+
+
+def split_rows(samples: list[dict], fraction: float, seed: int, source: str) -> tuple[list[dict], list[dict]]:
+    """``(train, eval)``: a seeded ``fraction`` of the rows for evaluation, the rest, in order, for training."""
+    count = len(samples)
+    share = min(count - 1, max(1, round(fraction * count)))
+    if share < 1:
+        raise TrainError(
+            f"{source}: data.eval_fraction {fraction:g} needs at least 2 usable rows, got {count}"
+        )
+    order = list(range(count))
+    random.Random(f"slipstream eval split {seed}").shuffle(order)
+    chosen = set(order[:share])
+    train = [sample for index, sample in enumerate(samples) if index not in chosen]
+    held_out = [sample for index, sample in enumerate(samples) if index in chosen]
+    return train, held_out
+
+
+def eval_set(samples: list[dict], source: str, *, max_seq_len: int, seed: int, overflow: str) -> EvalSet:
+    """Pack the eval samples as training packs its own; an eval set without a label token is an error."""
+    bins, packing = pack_samples(samples, max_seq_len, seed=seed, overflow=overflow)
+    label_tokens = sum(count_label_tokens(b) for b in bins)
+    if not label_tokens:
+        raise TrainError(
+            f"{source}: no usable eval row (no label token left to evaluate; {packing.summary()})"
+        )
+    tokens = sum(len(sample["input_ids"]) for b in bins for sample in b)
+    return EvalSet(bins=bins, source=source, rows=len(samples), tokens=tokens, label_tokens=label_tokens)
+
+
+def rank_share(num_bins: int, rank: int, world_size: int) -> list[tuple[int, bool]]:
+    """``(bin index, counts)`` for this rank: every ``world_size``-th bin, padded (not counted) to an
+    equal number of forwards on every rank."""
+    per_rank = -(-num_bins // world_size)
+    share = []
+    for j in range(per_rank):
+        index = rank + j * world_size
+        share.append((index, True) if index < num_bins else (index % num_bins, False))
+    return share
+
+
+def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: torch.device) -> float:
+    """The token-weighted eval loss of ``model`` over every rank's share (one host read)."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    try:
+        with torch.no_grad(), chunked_evaluation(model):
+            for index, counts in rank_share(len(evals.bins), info.rank, info.world_size):
+                batch = collate_packed(evals.bins[index], device=device)
+                # each bin's loss over the whole set's label tokens: the sum is the token-weighted mean
+                out = model(**batch.model_inputs(num_items_in_batch=evals.label_tokens))
+                if counts:
+                    total += out.loss.float()
+    finally:
+        model.train(modes[0][1])  # through each module's own train(), as model.eval() went
+        for module, training in modes:
+            if module.training != training:  # a module that was not in the model's mode stays as it was
+                module.train(training)
+    return float(read_to_host(info.sum_tensor(total)))
