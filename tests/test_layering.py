@@ -15,6 +15,7 @@ LAYERS = [
     {"models"},  # model builders and loaders
     {"train"},  # the training loop
     {"export"},  # slipstream export: a run's adapter merged into its base model
+    {"generation"},  # slipstream generate: text from a run's base model + adapter
     {"bench"},  # the A/B harness, the compatibility sweep
     {"doctor"},  # slipstream doctor: the machine, each fast path's choice and its check
     {"cli", "__main__"},  # the command line

@@ -18,10 +18,13 @@ The public API::
 - ``load_for_qlora``: a local model with NF4 linear layers and, for MoE models, NF4 experts.
 - ``export_merged(run_dir, out, dtype=None, checkpoint=None)``: a run's adapter merged into its
   base, written as a plain transformers directory and checked against base + adapter first.
+- ``generate(run_dir, prompts)``: the answers of a trained run's model (base + adapter), greedy
+  by default (``slipstream generate`` on the command line).
 """
 
 from ._version import __version__
 from .export import export_merged
+from .generation import generate
 from .models.qlora import load_for_qlora
 from .optimize import optimize, state_of
 from .packing import PackedBatch, PackedCollator, collate_packed
@@ -34,6 +37,7 @@ __all__ = [
     "__version__",
     "collate_packed",
     "export_merged",
+    "generate",
     "load_for_qlora",
     "optimize",
     "state_of",

@@ -38,6 +38,7 @@ commands:
          exit 1 if any is wrong (under a minute, on any machine)
   export merge a run's adapter into its base model and write a plain transformers directory
          (slipstream export runs/train --merged merged/), checked against base + adapter
+  generate  text from a trained run (base model + adapter): --prompt, --file, or a prompt loop
 """
 
 
@@ -324,6 +325,84 @@ def _cmd_export(args) -> int:
     return 0
 
 
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="text from a trained run (its base model + adapter), streamed to the terminal",
+        description="Load a run's base model (model.path, or model.preset rebuilt as training built it) and "
+        "its adapter, put each prompt through the tokenizer's chat template (when it has one) and stream the "
+        "answer. Greedy unless --sample. With neither --prompt nor --file: a prompt loop on a terminal "
+        "(an empty line or Ctrl-D ends it), else one prompt per line of stdin.",
+    )
+    p.add_argument(
+        "path",
+        metavar="RUN_DIR_OR_ADAPTER",
+        help="a slipstream run directory, a PEFT adapter directory, or a model directory (the base alone)",
+    )
+    given = p.add_mutually_exclusive_group()
+    given.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    given.add_argument("--file", default=None, metavar="PROMPTS.txt", help="prompts, one per line")
+    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=None, help="with --sample (default 1.0)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed, set before each prompt")
+    p.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default=None,
+        help="default: the run's model.dtype (auto for an adapter or model directory)",
+    )
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from .generation import GenerateError, check_options, load_generator, prompt_lines, read_prompt_file
+
+    try:
+        if not args.sample and (args.temperature is not None or args.top_p is not None):
+            raise GenerateError("--temperature and --top-p apply to sampling: add --sample")
+        options = {
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0 if args.temperature is None else args.temperature,
+            "top_p": 1.0 if args.top_p is None else args.top_p,
+        }
+        check_options(**options)
+        prompts = read_prompt_file(args.file) if args.file else list(args.prompt)
+        generator = load_generator(args.path, dtype=args.dtype)  # a bad path is said before stdin is read
+        interactive = not prompts and sys.stdin.isatty()
+        if not prompts and not interactive:
+            prompts = prompt_lines(sys.stdin)
+            if not prompts:
+                raise GenerateError("no prompt: give --prompt, --file, or prompts on stdin (one per line)")
+    except GenerateError as error:
+        print(f"slipstream generate: {error}", file=sys.stderr)
+        return 1
+    from transformers import TextStreamer
+
+    print(f"slipstream generate: {generator.source}", file=sys.stderr)
+    streamer = TextStreamer(generator.tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+    def answer(prompt: str) -> None:
+        generator.generate(prompt, sample=args.sample, seed=args.seed, streamer=streamer, **options)
+
+    if not interactive:
+        for index, prompt in enumerate(prompts):
+            if len(prompts) > 1:
+                print(f"{'' if index == 0 else chr(10)}> {prompt}", flush=True)
+            answer(prompt)
+        return 0
+    while True:
+        try:
+            prompt = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not prompt.strip():
+            return 0
+        answer(prompt)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slipstream", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -343,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pack(sub)
     _add_doctor(sub)
     _add_export(sub)
+    _add_generate(sub)
     return parser
 
 

@@ -1,0 +1,321 @@
+"""``slipstream generate``: text from a trained run (or a bare PEFT adapter) and its base model.
+
+A run directory (what ``slipstream train`` wrote) names its base model in ``config.json``:
+``model.path`` is loaded from disk, ``model.preset`` is rebuilt as training built it (same
+seed, layers and vocabulary), ``quantization.four_bit`` loads it in NF4 again, and the
+adapter (with expert LoRA, where the run trained one) goes on top; a run trained without LoRA
+saved the whole model in ``adapter/``. A plain model directory is used as it is (the base
+model alone, to compare with). A bare adapter directory names its base in
+``adapter_config.json`` (``base_model_name_or_path``), which must be a local directory:
+nothing is downloaded.
+
+The model is fresh: no ``slipstream.optimize`` (packed attention is for training batches;
+generation runs transformers' stock attention with its KV cache). A prompt goes through the
+tokenizer's chat template (one user turn, ``add_generation_prompt``) when it has one, as is;
+decoding is greedy unless sampling is asked for, seeded per prompt so each answer is
+reproducible on its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .train.config import ConfigError, TrainConfig
+from .train.config import _build as _build_config
+from .train.errors import TrainError
+from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
+from .train.precision import resolve_dtype
+
+
+class GenerateError(RuntimeError):
+    """A run, adapter or prompt that cannot be used; the message is one line naming the path."""
+
+
+@dataclass
+class Generator:
+    """A loaded model and tokenizer, ready for ``generate`` (load once, ask many times)."""
+
+    model: Any
+    tokenizer: Any
+    source: str  # what was loaded, in words
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def inputs(self, prompt: str) -> dict[str, torch.Tensor]:
+        """The prompt's token ids: one user turn of the chat template (when there is one), else the text."""
+        if self.tokenizer.chat_template:
+            encoded = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                return_dict=True,
+                return_tensors="pt",
+            )
+        else:
+            encoded = self.tokenizer(prompt, return_tensors="pt")
+        return {
+            key: encoded[key].to(self.device) for key in ("input_ids", "attention_mask") if key in encoded
+        }
+
+    def generate(
+        self,
+        prompt: str,
+        *,
+        max_new_tokens: int = 256,
+        sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        streamer=None,
+    ) -> str:
+        """The answer to one prompt (special tokens removed); ``streamer`` gets the tokens as they come."""
+        inputs = self.inputs(prompt)
+        options: dict[str, Any] = {"do_sample": sample}
+        if sample:
+            options.update(temperature=temperature, top_p=top_p, top_k=0)
+        else:  # a model's own sampling defaults would only draw warnings under greedy decoding
+            options.update(temperature=None, top_p=None, top_k=None)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self._stop_ids(),
+                pad_token_id=self._pad_id(),
+                streamer=streamer,
+                **options,
+            )
+        return self.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+    def _stop_ids(self) -> list[int]:
+        configured = self.model.generation_config.eos_token_id
+        ids = configured if isinstance(configured, list) else [configured]
+        ids = [i for i in [*ids, self.tokenizer.eos_token_id] if i is not None]
+        return list(dict.fromkeys(ids))
+
+    def _pad_id(self) -> int | None:
+        if self.tokenizer.pad_token_id is not None:
+            return self.tokenizer.pad_token_id
+        stops = self._stop_ids()
+        return stops[0] if stops else None
+
+
+def generate(
+    path: str | Path,
+    prompts: str | Sequence[str],
+    *,
+    max_new_tokens: int = 256,
+    sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    device: str | torch.device | None = None,
+    dtype: str | None = None,
+) -> list[str]:
+    """The answers of a run directory's (or an adapter directory's) model to ``prompts``, one per prompt.
+
+    Greedy by default; ``sample=True`` draws with ``temperature`` and ``top_p``, seeded by
+    ``seed`` per prompt. ``dtype`` ("auto", "float32", "bfloat16", ...): default the run's
+    ``model.dtype`` (``auto`` for an adapter or model directory). Raises ``GenerateError`` (one line, naming the path) on bad input.
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    generator = load_generator(path, device=device, dtype=dtype)
+    return [
+        generator.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sample=sample,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+        )
+        for prompt in prompts
+    ]
+
+
+def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if max_new_tokens < 1:
+        raise GenerateError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not temperature > 0:
+        raise GenerateError(f"temperature must be > 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise GenerateError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """One prompt per non-blank line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GenerateError(f"{path}: no such prompt file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise GenerateError(f"{path}: cannot read the prompt file ({error})") from None
+    prompts = prompt_lines(text.splitlines())
+    if not prompts:
+        raise GenerateError(f"{path}: no prompts in the file (one prompt per line)")
+    return prompts
+
+
+def prompt_lines(lines: Iterable[str]) -> list[str]:
+    return [line.rstrip("\r\n") for line in lines if line.strip()]
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def load_generator(
+    path: str | Path, *, device: str | torch.device | None = None, dtype: str | None = None
+) -> Generator:
+    """Load a run directory's (or a bare adapter directory's) base model, adapter and tokenizer,
+    or a plain model directory's model and tokenizer."""
+    path = Path(path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not path.exists():
+        raise GenerateError(f"{path}: no such run or adapter directory")
+    if not path.is_dir():
+        raise GenerateError(f"{path}: not a directory (give a run directory or its adapter/)")
+    if path.name == ADAPTER and _is_run(path.parent):
+        path = path.parent  # the run's adapter: the run's config knows the base
+    if _is_run(path):
+        generator = _from_run(path, device, dtype)
+    elif (path / "adapter_config.json").is_file():
+        generator = _from_adapter(path, device, dtype)
+    elif (path / "config.json").is_file():  # a plain model directory: the base model alone
+        tokenizer = _tokenizer(path, f"{path}: no usable tokenizer saved beside the model")
+        model = _full_model(path, _dtype(dtype or "auto", device), device)
+        generator = Generator(model, tokenizer, f"the model in {path}")
+    else:
+        raise GenerateError(
+            f"{path}: neither a slipstream run directory, an adapter directory (adapter_config.json) "
+            "nor a model directory (config.json)"
+        )
+    generator.model.eval()
+    return generator
+
+
+def _is_run(path: Path) -> bool:
+    if (path / MARKER).exists():
+        return True
+    try:
+        data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"model", "lora", "training"} <= set(data)
+
+
+def _run_config(run: Path) -> TrainConfig:
+    source = str(run / CONFIG)
+    try:
+        data = json.loads((run / CONFIG).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GenerateError(f"{run}: no {CONFIG} (the run never started)") from None
+    except (OSError, ValueError) as error:
+        raise GenerateError(f"{source}: cannot read the run's config ({error})") from None
+    try:
+        return _build_config(TrainConfig, data, "", source, {}).validate(source)
+    except ConfigError as error:
+        raise GenerateError(str(error)) from None
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    try:
+        return resolve_dtype(name, device)[0]
+    except AttributeError:
+        raise GenerateError(f"unknown dtype {name!r} (auto, float32, bfloat16, float16)") from None
+
+
+def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Generator:
+    from .train.loop import _model as train_model
+
+    adapter = run / ADAPTER
+    if not adapter.is_dir():
+        checkpoints = sorted((run / CHECKPOINTS).glob("step-*")) if (run / CHECKPOINTS).is_dir() else []
+        hint = (
+            f"; its newest checkpoint is {checkpoints[-1].name}: finish the run with "
+            "slipstream train CONFIG.yaml --resume"
+            if checkpoints
+            else ""
+        )
+        raise GenerateError(f"{run}: no {ADAPTER}/ (the run has not finished{hint})")
+    config = _run_config(run)
+    dtype = _dtype(dtype_name or config.model.dtype, device)
+    if not (adapter / "adapter_config.json").is_file():  # trained without LoRA: the whole model
+        tokenizer = _tokenizer(adapter, f"{adapter}: no tokenizer saved with the model")
+        return Generator(_full_model(adapter, dtype, device), tokenizer, f"the fine-tuned model in {adapter}")
+    if config.model.path is not None and not Path(config.model.path).is_dir():
+        raise GenerateError(
+            f"{run}: the run's base model {config.model.path} is not a local directory any more"
+        )
+    tokenizer = _tokenizer(adapter, f"{adapter}: no tokenizer saved with the adapter")
+    try:
+        base = train_model(config, len(tokenizer), dtype)
+    except (TrainError, ConfigError) as error:
+        raise GenerateError(f"{run}: cannot load the base model ({error})") from None
+    where = config.model.path or f"model.preset {config.model.preset} (seed {config.seed})"
+    model = _with_adapter(base.to(device) if not config.quantization.four_bit else base, adapter)
+    return Generator(model, tokenizer, f"{where} + the adapter in {adapter}")
+
+
+def _from_adapter(adapter: Path, device: torch.device, dtype_name: str | None) -> Generator:
+    try:
+        spec = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise GenerateError(f"{adapter / 'adapter_config.json'}: cannot read it ({error})") from None
+    base = spec.get("base_model_name_or_path") if isinstance(spec, dict) else None
+    if not base or not Path(base).is_dir():
+        raise GenerateError(
+            f"{adapter}: the adapter's base model {base!r} is not a local directory (slipstream generate "
+            "downloads nothing; give the run directory, or a base saved on this machine)"
+        )
+    has_tokenizer = any((adapter / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = _tokenizer(Path(base) if not has_tokenizer else adapter, f"{base}: no usable tokenizer")
+    model = _with_adapter(_full_model(Path(base), _dtype(dtype_name or "auto", device), device), adapter)
+    return Generator(model, tokenizer, f"{base} + the adapter in {adapter}")
+
+
+def _tokenizer(path: Path, failure: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise GenerateError(f"{failure} ({' '.join(str(error).split())})") from None
+
+
+def _full_model(path: Path, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise GenerateError(f"{path}: not a model directory (no config.json)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as error:  # safetensors, torch and transformers each raise their own kinds
+        raise GenerateError(f"{path}: cannot load the model ({' '.join(str(error).split())})") from None
+    return model.to(device)
+
+
+def _with_adapter(base, adapter: Path):
+    from peft import PeftModel
+
+    try:
+        model = PeftModel.from_pretrained(base, adapter)
+    except Exception as error:  # PEFT raises ValueError, KeyError, RuntimeError (shape mismatch)...
+        raise GenerateError(f"{adapter}: cannot load the adapter ({' '.join(str(error).split())})") from None
+    experts = adapter / "experts"
+    if experts.is_dir():
+        from .moe.lora import load_expert_lora
+
+        try:
+            load_expert_lora(model, experts)
+        except (KeyError, OSError, ValueError) as error:
+            raise GenerateError(f"{experts}: cannot load the expert LoRA ({error})") from None
+    return model
