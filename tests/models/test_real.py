@@ -65,7 +65,7 @@ def test_lora_trains_the_real_model_through_our_loop(smollm2, tmp_path):
     ]
     assert summary["steps"] == 5 and len(curve) == 5 and all(math.isfinite(loss) for loss in curve)
     assert curve[-1] < curve[0]  # it learns the two answers
-    (answer,) = slipstream.generate(tmp_path / "out", "What do bees make?", max_new_tokens=8)
+    (answer,) = slipstream.generate(tmp_path / "out", "What do bees make?", max_new_tokens=4)
     assert answer.strip()  # the adapter loads on the real base and the model still speaks
 
 
