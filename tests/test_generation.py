@@ -75,6 +75,20 @@ def test_generate_matches_peft_greedy_by_hand(run_dir):
     assert slipstream.generate(run_dir / "adapter", prompts[0], max_new_tokens=12) == texts[:1]
 
 
+def test_a_run_without_lora_generates_from_its_saved_model(tmp_path):
+    from slipstream.generation import load_generator
+    from slipstream.train.config import load_config
+    from slipstream.train.loop import train
+
+    data = {**RUN, "lora": {"enabled": False}, "training": {"steps": 1}, "output_dir": str(tmp_path / "out")}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    train(load_config(tmp_path / "config.yaml"), progress=False)
+    generator = load_generator(tmp_path / "out")
+    assert "fine-tuned model" in generator.source and not hasattr(generator.model, "peft_config")
+    assert generator.model.config._attn_implementation in ("sdpa", "eager")  # not the packed training one
+    assert isinstance(generator.generate("hello", max_new_tokens=6), str)
+
+
 def test_sampling_is_reproducible_by_seed(run_dir):
     first = slipstream.generate(run_dir, "hello", max_new_tokens=10, sample=True, temperature=1.5, seed=3)
     again = slipstream.generate(run_dir, "hello", max_new_tokens=10, sample=True, temperature=1.5, seed=3)

@@ -357,8 +357,11 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_generate(args) -> int:
+    from transformers.utils import logging as transformers_logging
+
     from .generation import GenerateError, check_options, load_generator, prompt_lines, read_prompt_file
 
+    transformers_logging.disable_progress_bar()  # no loading bars between the streamed answers
     try:
         if not args.sample and (args.temperature is not None or args.top_p is not None):
             raise GenerateError("--temperature and --top-p apply to sampling: add --sample")
