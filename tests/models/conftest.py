@@ -6,13 +6,17 @@ the per-test ``$SLIPSTREAM_CACHE`` (empty for every test), never the user's. Des
 tests with ``-m "not realmodel"`` on a machine without the index.
 """
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Path:
+def smollm2(tmp_path_factory) -> Iterator[Path]:
     from slipstream.models.real import smollm2_dir
 
-    return smollm2_dir(tmp_path_factory.mktemp("realmodel-cache"))
+    cache = tmp_path_factory.mktemp("realmodel-cache")
+    yield smollm2_dir(cache)
+    shutil.rmtree(cache, ignore_errors=True)  # 540 MB: pytest keeps its last few sessions' temp dirs
