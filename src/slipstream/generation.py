@@ -10,7 +10,8 @@ model alone, to compare with). A bare adapter directory names its base in
 nothing is downloaded.
 
 The model is fresh: no ``slipstream.optimize`` (packed attention is for training batches;
-generation runs transformers' stock attention with its KV cache). A prompt goes through the
+generation runs transformers' stock attention with its KV cache); only expert LoRA switches the
+experts to slipstream's sorted routing, the one place those adapters run. A prompt goes through the
 tokenizer's chat template (one user turn, ``add_generation_prompt``) when it has one, as is;
 decoding is greedy unless sampling is asked for, seeded per prompt so each answer is
 reproducible on its own.
@@ -312,10 +313,12 @@ def _with_adapter(base, adapter: Path):
         raise GenerateError(f"{adapter}: cannot load the adapter ({' '.join(str(error).split())})") from None
     experts = adapter / "experts"
     if experts.is_dir():
+        from .moe.experts import use_sorted_experts
         from .moe.lora import load_expert_lora
 
+        use_sorted_experts(model)  # expert LoRA runs inside slipstream's sorted routing, as in training
         try:
             load_expert_lora(model, experts)
-        except (KeyError, OSError, ValueError) as error:
+        except (KeyError, OSError, RuntimeError, ValueError) as error:
             raise GenerateError(f"{experts}: cannot load the expert LoRA ({error})") from None
     return model
