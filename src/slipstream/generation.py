@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from .train.config import ConfigError, TrainConfig
-from .train.config import _build as _build_config
+from .train.config import ConfigError, TrainConfig, run_config
 from .train.errors import TrainError
 from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
 from .train.precision import resolve_dtype
@@ -214,15 +213,8 @@ def _is_run(path: Path) -> bool:
 
 
 def _run_config(run: Path) -> TrainConfig:
-    source = str(run / CONFIG)
     try:
-        data = json.loads((run / CONFIG).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise GenerateError(f"{run}: no {CONFIG} (the run never started)") from None
-    except (OSError, ValueError) as error:
-        raise GenerateError(f"{source}: cannot read the run's config ({error})") from None
-    try:
-        return _build_config(TrainConfig, data, "", source, {}).validate(source)
+        return run_config(run / CONFIG)
     except ConfigError as error:
         raise GenerateError(str(error)) from None
 
@@ -235,7 +227,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Generator:
-    from .train.loop import _model as train_model
+    from .train.loop import load_model as train_model
 
     adapter = run / ADAPTER
     if not adapter.is_dir():

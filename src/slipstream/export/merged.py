@@ -42,7 +42,7 @@ import torch
 from .._version import __version__
 from ..atomic import atomic_directory
 from ..train.checkpoints import DamagedCheckpoint, read_checkpoint
-from ..train.config import ConfigError, TrainConfig, load_config
+from ..train.config import ConfigError, TrainConfig, run_config
 from ..train.errors import TrainError
 from ..train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, FINISHED, MARKER
 
@@ -103,7 +103,7 @@ def _run_config(run_dir: Path) -> TrainConfig:
     if not (run_dir / CONFIG).is_file():
         raise ExportError(f"{run_dir}: the run holds no {CONFIG} (it never got past its set-up)")
     try:
-        config = load_config(run_dir / CONFIG)
+        config = run_config(run_dir / CONFIG)
     except ConfigError as error:
         raise ExportError(f"{run_dir / CONFIG}: not a usable run config ({error})") from None
     if not config.lora.enabled:
@@ -219,10 +219,10 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
     from ..models.qlora import dequantize_model
     from ..moe.experts import use_sorted_experts
     from ..moe.lora import load_expert_lora
-    from ..train.loop import _apply_lora, _model  # the run's own builders: the same base, the same adapter
+    from ..train.loop import apply_lora, load_model  # the run's own builders: the same base, the same adapter
 
     try:
-        base = _model(config, len(tokenizer), dtype)
+        base = load_model(config, len(tokenizer), dtype)
     except (TrainError, ConfigError) as error:
         raise ExportError(f"the run's base model: {error}") from None
     if dequantize:
@@ -240,7 +240,7 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
             except (RuntimeError, ValueError, KeyError) as error:
                 raise _does_not_fit(source / EXPERTS, config, error) from None
     else:
-        model = _apply_lora(base, config)
+        model = apply_lora(base, config)
         if config.lora.experts:
             use_sorted_experts(model)
         _load_checkpoint_weights(model, source, config)
@@ -364,7 +364,7 @@ def export_merged(
     """
     from transformers import AutoModelForCausalLM
 
-    from ..train.loop import _tokenizer
+    from ..train.loop import load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype is not None and dtype not in DTYPES:
@@ -379,7 +379,7 @@ def export_merged(
     # merge in the run's dtype when the export keeps it, else in fp32 (one rounding, at the end)
     merge_dtype = run_dtype if export_dtype == run_dtype else torch.float32
     try:
-        tokenizer = _tokenizer(config)
+        tokenizer = load_tokenizer(config)
     except TrainError as error:
         raise ExportError(f"the run's tokenizer: {error}") from None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -266,3 +267,19 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                 str((base / value).resolve()) if (base / value).exists() else value,
             )
     return config.validate(source, lines)
+
+
+def run_config(path: str | Path) -> TrainConfig:
+    """The config a run wrote to its ``config.json`` (``TrainConfig.to_dict``), read back and validated.
+
+    One reader for everything that works from a finished run (``generate``, ``export``); an error
+    is a ``ConfigError`` naming the file."""
+    path = Path(path)
+    source = str(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file (the run never got past its set-up)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{source}: cannot read the run's config ({error})") from None
+    return _build(TrainConfig, data, "", source, {}).validate(source)

@@ -86,7 +86,7 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- set-up
-def _tokenizer(config: TrainConfig):
+def load_tokenizer(config: TrainConfig):
     if config.model.preset is not None:
         return demo_tokenizer()
     check_model_dir(
@@ -144,7 +144,7 @@ def config_advice(message: str) -> str:
     return f" (in the config: speedups.{key}: {value})"
 
 
-def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
+def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
     if config.model.preset is not None:
         if config.quantization.four_bit:
             raise ConfigError(
@@ -176,7 +176,7 @@ def _model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
         raise weights_error(path, error) from None
 
 
-def _apply_lora(model, config: TrainConfig):
+def apply_lora(model, config: TrainConfig):
     if not config.lora.enabled:
         return model
     lora = LoraConfig(
@@ -296,7 +296,7 @@ def _trainable_model(
     config: TrainConfig, tokenizer, samples, device, dtype, dtype_policy: str, info, evals: EvalSet | None
 ):
     """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
-    model = _model(config, len(tokenizer), dtype)
+    model = load_model(config, len(tokenizer), dtype)
     check_lora_targets(model, config)
     check_token_ids(samples, model, config.data.path or "the demo data")
     if evals is not None and config.data.eval_path is not None:
@@ -310,7 +310,7 @@ def _trainable_model(
             f"{config.model.path or config.model.preset}: {error}{config_advice(str(error))}"
         ) from error
     torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
-    model = _apply_lora(model, config)
+    model = apply_lora(model, config)
     model.train()
     # The model's own list: decisions made on the first step (loss chunk size) join it there.
     policies = state_of(model).policies
@@ -357,7 +357,7 @@ def _set_up_locked(
     info.barrier()
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    tokenizer = _tokenizer(config)
+    tokenizer = load_tokenizer(config)
     samples, bins, packing, data_report, evals = _data(config, tokenizer, info)
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
