@@ -154,6 +154,44 @@ def _loss_and_grad_in_place(z, targets, ignore_index, divisor, want_grad):
     return loss
 
 
+def _chunks_loss_sum(
+    hidden_NH,
+    targets_N,
+    divisor,
+    head,
+    transform,
+    chunk_tokens,
+    ignore_index,
+    hidden_grad,
+    trainable,
+    param_grads,
+    want_grads,
+) -> torch.Tensor:
+    """The summed fp32 loss over ``hidden_NH``, ``chunk_tokens`` rows at a time (one set of reused
+    buffers); with ``want_grads`` each chunk also writes its rows of ``hidden_grad`` and adds to
+    ``param_grads``. The training Function and the loss-only evaluation path share it."""
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
+    num_rows = hidden_NH.shape[0]
+    buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
+    step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
+    for start in range(0, num_rows, chunk_tokens):
+        end = min(start + chunk_tokens, num_rows)
+        loss_sum += step(
+            head,
+            transform,
+            hidden_NH[start:end],
+            targets_N[start:end],
+            ignore_index,
+            divisor,
+            buffers,
+            hidden_grad[start:end] if hidden_grad is not None else None,
+            trainable,
+            param_grads,
+            want_grads,
+        )
+    return loss_sum
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Loss of ``head`` over ``hidden_NH`` rows, with the gradients computed chunk by chunk in forward."""
 
@@ -168,26 +206,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
             torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in trainable
         ]
         hidden_grad = torch.empty_like(hidden_NH) if need_hidden else None
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
-        num_rows = hidden_NH.shape[0]
-        buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
-        step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
-        for start in range(0, num_rows, chunk_tokens):
-            end = min(start + chunk_tokens, num_rows)
-            rows, targets = hidden_NH[start:end], targets_N[start:end]
-            loss_sum += step(
-                head,
-                transform,
-                rows,
-                targets,
-                ignore_index,
-                divisor,
-                buffers,
-                hidden_grad[start:end] if need_hidden else None,
-                trainable,
-                param_grads,
-                want_grads,
-            )
+        loss_sum = _chunks_loss_sum(
+            hidden_NH,
+            targets_N,
+            divisor,
+            head,
+            transform,
+            chunk_tokens,
+            ignore_index,
+            hidden_grad,
+            trainable,
+            param_grads,
+            want_grads,
+        )
         ctx.need_params = need_params
         ctx.save_for_backward(*([hidden_grad] if need_hidden else []), *param_grads)
         ctx.param_dtypes = [p.dtype for p in trainable]
@@ -285,14 +316,9 @@ def _loss_only(hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ign
     them - trainable head parameters still do under ``no_grad`` - and a module head would run
     under ``enable_grad``; here each chunk's logits live only while its loss is summed.
     """
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
-    num_rows = hidden_NH.shape[0]
-    buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
-    step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
-    for start in range(0, num_rows, chunk_tokens):
-        end = min(start + chunk_tokens, num_rows)
-        rows, targets = hidden_NH[start:end], targets_N[start:end]
-        loss_sum += step(head, transform, rows, targets, ignore_index, divisor, buffers, None, [], [], False)
+    loss_sum = _chunks_loss_sum(
+        hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index, None, [], [], False
+    )
     return loss_sum / divisor
 
 
