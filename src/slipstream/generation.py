@@ -14,19 +14,19 @@ generation runs transformers' stock attention with its KV cache); only expert Lo
 experts to slipstream's sorted routing, the one place those adapters run. A prompt goes through the
 tokenizer's chat template (one user turn, ``add_generation_prompt``) when it has one, as is;
 decoding is greedy unless sampling is asked for, seeded per prompt so each answer is
-reproducible on its own.
+reproducible on its own (``models.answer.Generator``, which a training run's
+``training.sample_prompts`` uses too).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from .models.answer import Generator
 from .train.config import ConfigError, TrainConfig, run_config
 from .train.errors import TrainError
 from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
@@ -35,76 +35,6 @@ from .train.precision import resolve_dtype
 
 class GenerateError(RuntimeError):
     """A run, adapter or prompt that cannot be used; the message is one line naming the path."""
-
-
-@dataclass
-class Generator:
-    """A loaded model and tokenizer, ready for ``generate`` (load once, ask many times)."""
-
-    model: Any
-    tokenizer: Any
-    source: str  # what was loaded, in words
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    def inputs(self, prompt: str) -> dict[str, torch.Tensor]:
-        """The prompt's token ids: one user turn of the chat template (when there is one), else the text."""
-        if self.tokenizer.chat_template:
-            encoded = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                return_dict=True,
-                return_tensors="pt",
-            )
-        else:
-            encoded = self.tokenizer(prompt, return_tensors="pt")
-        return {
-            key: encoded[key].to(self.device) for key in ("input_ids", "attention_mask") if key in encoded
-        }
-
-    def generate(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int = 256,
-        sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        streamer=None,
-    ) -> str:
-        """The answer to one prompt (special tokens removed); ``streamer`` gets the tokens as they come."""
-        inputs = self.inputs(prompt)
-        options: dict[str, Any] = {"do_sample": sample}
-        if sample:
-            options.update(temperature=temperature, top_p=top_p, top_k=0)
-        else:  # a model's own sampling defaults would only draw warnings under greedy decoding
-            options.update(temperature=None, top_p=None, top_k=None)
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out = self.model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=self._stop_ids(),
-                pad_token_id=self._pad_id(),
-                streamer=streamer,
-                **options,
-            )
-        return self.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-
-    def _stop_ids(self) -> list[int]:
-        configured = self.model.generation_config.eos_token_id
-        ids = configured if isinstance(configured, list) else [configured]
-        ids = [i for i in [*ids, self.tokenizer.eos_token_id] if i is not None]
-        return list(dict.fromkeys(ids))
-
-    def _pad_id(self) -> int | None:
-        if self.tokenizer.pad_token_id is not None:
-            return self.tokenizer.pad_token_id
-        stops = self._stop_ids()
-        return stops[0] if stops else None
 
 
 def generate(

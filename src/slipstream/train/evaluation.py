@@ -19,6 +19,7 @@ forwards (FSDP2 gathers parameters in each).
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -90,22 +91,28 @@ def rank_share(num_bins: int, rank: int, world_size: int) -> list[tuple[int, boo
     return share
 
 
-def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: torch.device) -> float:
-    """The token-weighted eval loss of ``model`` over every rank's share (one host read)."""
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Inside, ``model`` is in eval mode; after, each module is back in the mode it was in."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
-    total = torch.zeros((), dtype=torch.float32, device=device)
     try:
-        with torch.no_grad(), chunked_evaluation(model):
-            for index, counts in rank_share(len(evals.bins), info.rank, info.world_size):
-                batch = collate_packed(evals.bins[index], device=device)
-                # each bin's loss over the whole set's label tokens: the sum is the token-weighted mean
-                out = model(**batch.model_inputs(num_items_in_batch=evals.label_tokens))
-                if counts:
-                    total += out.loss.float()
+        yield model
     finally:
         model.train(modes[0][1])  # through each module's own train(), as model.eval() went
         for module, training in modes:
             if module.training != training:  # a module that was not in the model's mode stays as it was
                 module.train(training)
+
+
+def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: torch.device) -> float:
+    """The token-weighted eval loss of ``model`` over every rank's share (one host read)."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    with eval_mode(model), torch.no_grad(), chunked_evaluation(model):
+        for index, counts in rank_share(len(evals.bins), info.rank, info.world_size):
+            batch = collate_packed(evals.bins[index], device=device)
+            # each bin's loss over the whole set's label tokens: the sum is the token-weighted mean
+            out = model(**batch.model_inputs(num_items_in_batch=evals.label_tokens))
+            if counts:
+                total += out.loss.float()
     return float(read_to_host(info.sum_tensor(total)))
