@@ -48,6 +48,13 @@ def with_(section, **values):
         (with_("speedups", loss_chunk_tokens=0), "'speedups.loss_chunk_tokens' must be >= 1, got 0"),
         ({**BASE, "seed": -3}, "'seed' must be >= 0, got -3"),
         ({**BASE, "output_dir": " "}, "'output_dir' is empty"),
+        (with_("training", sample_prompts=3), "'training.sample_prompts' must be a list, got int"),
+        (
+            with_("training", sample_prompts=["hi", 7]),
+            "'training.sample_prompts\\[1\\]' must be a string, got 7",
+        ),
+        (with_("training", sample_prompts=["hi", " "]), "'training.sample_prompts\\[1\\]' is empty"),
+        (with_("training", sample_max_new_tokens=0), "'training.sample_max_new_tokens' must be >= 1, got 0"),
     ],
 )
 def test_each_bad_value_is_one_line_naming_file_line_and_key(tmp_path, data, message):

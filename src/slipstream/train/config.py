@@ -112,6 +112,10 @@ class TrainingConfig:
     # with data.eval_path or data.eval_fraction: the eval loss every this many steps and at the
     # end; 0 = only at the end
     eval_every: NonNegative = 0
+    # prompts answered greedily (chat template, no_grad) into samples.jsonl at every
+    # evaluation: every eval_every steps and at the end, with or without an eval set
+    sample_prompts: list[str] = field(default_factory=list)
+    sample_max_new_tokens: Positive = 64  # the most tokens each answer may take
 
 
 @dataclass
@@ -140,6 +144,16 @@ class TrainConfig:
             fail(
                 "training.distributed",
                 "training.distributed 'fsdp2' does not support training.checkpoint_every or lora.experts yet",
+            )
+        for index, prompt in enumerate(self.training.sample_prompts):
+            if not prompt.strip():
+                fail(
+                    "training.sample_prompts", f"'training.sample_prompts[{index}]' is empty: write a prompt"
+                )
+        if self.training.sample_prompts and self.training.distributed == "fsdp2":
+            fail(
+                "training.sample_prompts",
+                "training.sample_prompts is not supported with training.distributed 'fsdp2' yet",
             )
         if self.data.eval_path is not None and self.data.eval_fraction is not None:
             fail(

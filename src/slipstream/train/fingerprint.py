@@ -10,8 +10,9 @@ Every checkpoint's ``state.json`` holds a fingerprint of three things:
   ``training.log_every``, ``training.tensorboard``, ``training.distributed``,
   ``training.on_nonfinite`` and ``training.max_consecutive_skips`` (a finite step is computed
   the same under either; a non-finite one is never applied), every
-  ``speedups.*`` key and ``data.cache``; ``data.eval_path`` and ``training.eval_every``
-  (evaluation reads the model, never changes it or any RNG; ``data.eval_fraction`` is
+  ``speedups.*`` key and ``data.cache``; ``data.eval_path``, ``training.eval_every``,
+  ``training.sample_prompts`` and ``training.sample_max_new_tokens`` (evaluation and greedy
+  answers read the model, never change it or any RNG; ``data.eval_fraction`` is
   fingerprinted, since it takes rows out of training); ``data.path`` too, since the data's content is
   hashed instead (a moved file resumes, an edited one does not). A key added to the config
   later is fingerprinted unless it is added here;
@@ -56,6 +57,8 @@ NOT_FINGERPRINTED = (
     "training.on_nonfinite",
     "training.max_consecutive_skips",
     "training.eval_every",
+    "training.sample_prompts",
+    "training.sample_max_new_tokens",
 )
 NOT_FINGERPRINTED_SECTIONS = ("speedups.",)
 WORLD_SIZE = "torchrun world size"

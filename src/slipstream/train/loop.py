@@ -67,9 +67,19 @@ from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
 from .lock import RunLock
 from .nonfinite import NonFiniteSteps, finite_or_none
-from .output_dir import CHECKPOINTS, CONFIG, FINISHED, METRICS, TENSORBOARD, prepare_output, rewind_metrics
+from .output_dir import (
+    CHECKPOINTS,
+    CONFIG,
+    FINISHED,
+    METRICS,
+    SAMPLES,
+    TENSORBOARD,
+    prepare_output,
+    rewind_metrics,
+)
 from .precision import resolve_dtype
 from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
+from .samples import Samples
 from .step import train_step
 
 logger = logging.getLogger("slipstream")
@@ -421,6 +431,7 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
             logger.warning("%s: no checkpoint to resume from: starting at step 0", run.out)
         if info.is_main:
             rewind_metrics(run.out, 0)
+            rewind_metrics(run.out, 0, SAMPLES)
         return 0
     start = apply_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
     _config_hyperparameters(run)
@@ -430,6 +441,8 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
         )
     if info.is_main:
         kept = rewind_metrics(run.out, start)
+        if (run.out / SAMPLES).exists():
+            rewind_metrics(run.out, start, SAMPLES)  # the answers after it are given again
         run.eval_losses = [(r["step"], r["eval_loss"]) for r in kept if "eval_loss" in r]
         if point.loss is None and kept:  # a checkpoint from before state.json held the loss
             point.loss = kept[-1]["loss"]
@@ -529,10 +542,21 @@ def _evaluate(run: _Run, step: int) -> float | None:
     return loss
 
 
+def _evaluation_point(run: _Run, step: int) -> bool:
+    """Every ``training.eval_every`` steps (0: none) and the last."""
+    every = run.config.training.eval_every
+    return step == run.total or (every > 0 and step % every == 0)
+
+
 def _due_for_eval(run: _Run, step: int) -> bool:
     """``training.eval_every`` steps and the last, when there is an eval set."""
-    every = run.config.training.eval_every
-    return run.evals is not None and (step == run.total or (every > 0 and step % every == 0))
+    return run.evals is not None and _evaluation_point(run, step)
+
+
+def _write_samples(run: _Run, samples: Samples, step: int) -> None:
+    """``training.sample_prompts``' answers after step ``step`` into ``samples.jsonl`` (rank 0), and said."""
+    samples.write(run.model, run.tokenizer, step)
+    tqdm.write(f"slipstream train: samples at step {step} -> {samples.path}")
 
 
 def _checkpoint(run: _Run, step: int, loss: float | None) -> None:
@@ -574,11 +598,17 @@ def _run_steps(
     (``nonfinite.NonFiniteSteps``)."""
     config, info, total = run.config, run.info, run.total
     metrics = _Metrics(run)
+    samples = Samples(
+        run.out,
+        config.training.sample_prompts,
+        config.training.sample_max_new_tokens,
+        main=info.is_main,
+    )
     nonfinite = NonFiniteSteps(run.config, run.info, run.out, run.total, run.model)
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = 0
-    eval_seconds = 0.0
+    eval_seconds = 0.0  # evaluations and samples: not training time
     bar = tqdm(
         range(run.start, total),
         initial=run.start,
@@ -618,6 +648,10 @@ def _run_steps(
                 line = nonfinite.record(step + 1, loss, grad_norm)  # raises to stop the run
                 if info.is_main:
                     tqdm.write(line)
+            if samples.enabled and _evaluation_point(run, step + 1):
+                answered = time.perf_counter()
+                _write_samples(run, samples, step + 1)
+                eval_seconds += time.perf_counter() - answered
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **postfix)
             saved = False
             if config.training.checkpoint_every and (step + 1) % config.training.checkpoint_every == 0:
@@ -645,6 +679,7 @@ def _run_steps(
     finally:
         stop.restore()
         metrics.close()
+        samples.close()
     return losses, nonfinite
 
 

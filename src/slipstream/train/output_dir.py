@@ -9,8 +9,8 @@ time, slipstream version) before it writes anything else. The rules:
 - a marked directory holding a finished run (``run.json``) needs ``--overwrite``; one holding
   an unfinished run needs ``--resume`` (continue) or ``--overwrite`` (start over);
 - ``--overwrite`` deletes only the entries slipstream writes there (``adapter/``,
-  ``checkpoints/``, ``metrics.jsonl``, ``run.json``, ``config.json``, ``tensorboard/``, the
-  marker and temporary leftovers) and keeps anything else, naming it in a warning;
+  ``checkpoints/``, ``metrics.jsonl``, ``samples.jsonl``, ``run.json``, ``config.json``,
+  ``tensorboard/``, the marker and temporary leftovers) and keeps anything else, naming it in a warning;
 - the temporary files and folders a killed run leaves (``.step-*.tmp-*`` checkpoints caught
   mid-write, ``.adapter.tmp-*``, ``.run.tmp-*.json`` ...) are removed when a run starts or resumes.
 
@@ -40,10 +40,11 @@ MARKER_FORMAT = 1
 FINISHED = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
+SAMPLES = "samples.jsonl"  # training.sample_prompts' answers
 CONFIG = "config.json"
 ADAPTER = "adapter"
 TENSORBOARD = "tensorboard"
-OWN_ENTRIES = frozenset({MARKER, ADAPTER, CHECKPOINTS, METRICS, FINISHED, CONFIG, TENSORBOARD})
+OWN_ENTRIES = frozenset({MARKER, ADAPTER, CHECKPOINTS, METRICS, SAMPLES, FINISHED, CONFIG, TENSORBOARD})
 
 # What an interrupted write leaves (see ``atomic``): files (".run.tmp-123.json"), the adapter
 # (".adapter.tmp-123.9f3a0c2e") and checkpoints (".step-000008.tmp-123.9f3a0c2e", and
@@ -119,9 +120,10 @@ def _clear(out: Path, entries: list[str], overwrite: bool) -> None:
         )
 
 
-def rewind_metrics(out: Path, step: int) -> list[dict]:
-    """Keep the records of ``metrics.jsonl`` up to ``step`` (a resumed run redoes the rest); 0 deletes it."""
-    path = Path(out) / METRICS
+def rewind_metrics(out: Path, step: int, name: str = METRICS) -> list[dict]:
+    """Keep the records of ``metrics.jsonl`` (or ``name``, another JSON-lines file of records with a
+    ``step``) up to ``step`` (a resumed run redoes the rest); 0 deletes it."""
+    path = Path(out) / name
     if step == 0:
         path.unlink(missing_ok=True)
         return []
