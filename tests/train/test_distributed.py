@@ -100,3 +100,39 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, strate
     assert any(p.startswith("chunked loss: on") for p in ranks_run["policies"])
     single_run = json.loads((tmp_path / "single" / "run.json").read_text())
     assert not any(p.startswith("chunked loss: on") for p in single_run["policies"])
+
+
+def test_ddp_answers_the_sample_prompts_once_from_rank_0_without_changing_the_losses(tmp_path):
+    """The answers come from the model under DDP's wrapper, on rank 0 alone (no collective), once per prompt."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    common = [str(config), "--set", "speedups.chunked_loss=false"]
+    single_run = ["--set", f"output_dir={tmp_path / 'single'}", "--set", "training.grad_accum=2"]
+    run(["-m", "slipstream", "train", *common, *single_run])
+    run(
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(29500 + (os.getpid() + 1) % 1000),
+            "-m",
+            "slipstream",
+            "train",
+            *common,
+            "--set",
+            f"output_dir={tmp_path / 'ranks'}",
+            "--set",
+            "training.sample_prompts=[Hello, Tell me a story]",
+            "--set",
+            "training.sample_max_new_tokens=4",
+        ]
+    )
+    records = [json.loads(line) for line in (tmp_path / "ranks" / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["prompt"]) for r in records] == [
+        (step, prompt) for step in (2, 4) for prompt in ("Hello", "Tell me a story")
+    ]
+    assert all(1 <= r["new_tokens"] <= 4 for r in records)
+    single, ranks = losses(tmp_path / "single"), losses(tmp_path / "ranks")
+    assert max(abs(a - b) / abs(a) for a, b in zip(single, ranks, strict=True)) <= 1e-5
