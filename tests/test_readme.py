@@ -4,8 +4,13 @@ reader has not downloaded fails with the one-line error a user would get, not a 
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,7 +111,7 @@ def test_the_default_ab_runs_shortened(tmp_path, capsys):
 
 def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, capsys):
     """Each README `slipstream export` line, in order, on a shortened run of examples/tiny.yaml."""
-    exports = [shlex.split(c)[1:] for c in COMMANDS if c.startswith("slipstream export ")]
+    exports = [shlex.split(c)[1:] for c in COMMANDS if c.startswith("slipstream export runs/tiny ")]
     assert exports and all(words[1] == "runs/tiny" for words in exports)
     monkeypatch.chdir(tmp_path)
     shortened = [  # the smallest preset, short rows: the export lines are what is tested here
@@ -123,3 +128,76 @@ def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, caps
         assert main(words) == 0, capsys.readouterr().err
         out = tmp_path / words[words.index("--merged") + 1]
         assert (out / "config.json").exists() and (out / ".slipstream-export").exists()
+
+
+def walkthrough() -> tuple[list[str], str, list[str]]:
+    """The "From data to a deployable model" section: its command lines, its Python snippet and the
+    chat lines it shows."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## From data to a deployable model\n", 1)[1].split("\n## ", 1)[0]
+    (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    (python,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    (shown,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
+    return [line for line in lines if line], python, shown.splitlines()
+
+
+def test_the_walkthrough_shows_lines_of_its_data_file():
+    _, _, shown = walkthrough()
+    rows = (ROOT / "examples" / "data" / "chats.jsonl").read_text().splitlines()
+    assert shown and all(line in rows for line in shown)
+    assert all(json.loads(row)["messages"][-1]["role"] == "assistant" for row in rows)
+
+
+@pytest.mark.realmodel
+def test_the_walkthrough_runs_from_data_to_a_merged_model(smollm2, tmp_path, monkeypatch, capsys):
+    """Every line of the walk-through, in order, as written, on SmolLM2 and examples/data/chats.jsonl:
+    from a directory holding only the examples (the reader's checkout), training shortened to a few
+    steps and answers to a few tokens. MODEL_DIR is what `python benchmarks/real_model.py` prints."""
+    commands, snippet, _ = walkthrough()
+    assert [c.split()[:2] for c in commands] == [
+        ["python", "benchmarks/real_model.py"],
+        ["slipstream", "train"],
+        ["grep", "eval_loss"],
+        ["slipstream", "generate"],
+        ["slipstream", "export"],
+    ]
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    shortened = {
+        "train": ["--set", "training.steps=4", "--set", "training.eval_every=2"],
+        "generate": ["--max-new-tokens", "8"],
+    }
+    model_dir = None
+    for command in commands:
+        if command.startswith("slipstream "):
+            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
+            assert main([*words, *shortened.get(words[0], [])]) == 0, capsys.readouterr().err
+            out = capsys.readouterr().out
+            if words[0] == "generate":
+                assert out.strip()  # the streamed answer
+            continue
+        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
+        words = shlex.split(command)
+        if words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        if words[1] == "benchmarks/real_model.py":
+            model_dir = Path(done.stdout.strip().splitlines()[-1])
+            assert model_dir == smollm2  # built already: printed at once
+        else:  # grep: the eval loss at steps 2 and 4
+            records = [json.loads(line) for line in done.stdout.splitlines()]
+            assert [r["step"] for r in records] == [2, 4]
+            assert all(math.isfinite(r["eval_loss"]) for r in records)
+    run = json.loads((tmp_path / "runs" / "from-data" / "run.json").read_text())
+    assert run["eval"]["last"]["step"] == 4 and run["eval"]["rows"] == 4
+    merged = tmp_path / "merged" / "from-data"
+    assert json.loads((merged / "config.json").read_text())["dtype"] == "bfloat16"
+
+    printed = []
+    namespace = {"print": lambda *args: printed.append(" ".join(map(str, args)))}
+    exec(snippet.replace("max_new_tokens=32", "max_new_tokens=8"), namespace)  # plain transformers
+    assert printed and printed[0].strip()
+    assert namespace["model"].config.model_type == "llama" and "lora" not in str(namespace["model"]).lower()
