@@ -13,6 +13,7 @@ from pathlib import Path
 from . import __version__
 from . import speedups as speedups_module  # read at call time: a new field shows in the help
 from .bench.command import ab_grid, add_ab_arguments, run_grid
+from .bench.inputs import ABInputError
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .doctor import first_use_hint
@@ -69,7 +70,11 @@ def _cmd_ab(args) -> int:
         return 2
     first_use_hint()  # once the options are valid: a mistake stays the one line that names it
     out_root = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
-    diverged = run_grid(grid, out_root)
+    try:
+        diverged = run_grid(grid, out_root)
+    except ABInputError as error:  # the model or data, found unusable before any arm ran
+        print(f"slipstream ab: {error}", file=sys.stderr)
+        return 2
     if len(grid) > 1:
         print(f"sweep of {len(grid)} workloads done; merge them with: slipstream report {out_root}")
     if diverged:

@@ -71,7 +71,7 @@ def test_cross_table_of_two_machines_and_two_batch_sizes(tmp_path, capsys):
     assert len(lines) == 2  # one row per workload (sequence length), one column per machine
     assert "seq 2048" in lines[0] and "seq 4096" in lines[1]
     assert "NVIDIA H100" in table.splitlines()[0] and "RTX 4090" in table.splitlines()[0]
-    by = {(r["hardware"], r["workload"].split(" · ")[1]): r for r in rows}
+    by = {(r["hardware"], r["workload"].split(" · ")[2]): r for r in rows}
     assert by[("NVIDIA H100", "seq 4096")]["low"] <= 1.30 <= by[("NVIDIA H100", "seq 4096")]["high"]
     assert all(r["verdict"] == "faster" for r in rows)
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -15,7 +16,9 @@ import torch
 from .. import speedups as speedups_module  # read at call time, so a new field is known here
 from ..fields import Precision, check_fields
 from ..offload.policy import Checkpointing
+from .adapter import LORA_TARGETS
 from .arms import ARM_PRESETS, ARMS
+from .inputs import check_model, is_model_dir
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -42,14 +45,33 @@ def _option(
 class ABConfig:
     """One A/B workload. Every arm sees exactly this."""
 
-    model: str = _option("demo", "model shape (tiny config or real-model preset, random init)")
-    layers: int | None = _option(None, "shorten the model to N layers")
+    model: str = _option(
+        "demo",
+        "a built-in shape (tiny config or real-model preset, seeded random weights) or a local model "
+        "directory (real weights, with its tokenizer and chat template)",
+        metavar="SHAPE_OR_DIR",
+    )
+    layers: int | None = _option(None, "shorten a built-in shape to N layers")
+    # The documents: the user's file read as `slipstream train` reads it, or the demo rows.
+    data: str | None = _option(
+        None,
+        "a data file in any shape slipstream train reads (JSONL, JSON, Parquet, a datasets directory); "
+        "default: the built-in demo rows",
+        metavar="FILE",
+    )
+    response_only: bool = _option(
+        False, "labels on the assistant's turns only (as train's data.response_only)"
+    )
     max_seq_len: int = _option(1024, "tokens per packed micro-batch")
+    overflow: Literal["truncate", "split"] = _option(
+        "truncate",
+        "a sample longer than --max-seq-len: cut it, or split it in pieces (as train's data.overflow)",
+    )
     steps: int = _option(40, "optimizer steps per arm (warm-up included)")
     warmup: int = _option(2, "untimed warm-up steps")
     grad_accum: int = _option(1, "micro-batches per step")
-    lr: float = _option(2e-3, None)
-    seed: int = _option(0, None)
+    lr: float = _option(2e-3, "learning rate (constant)")
+    seed: int = _option(0, "seeds the preset's weights, the demo rows, the bin order and the adapter")
     num_rows: int = _option(1500, "built-in demo rows to draw from", flag="--rows")
     # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
     # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
@@ -59,7 +81,7 @@ class ABConfig:
         "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
         "(sequential: the batches padded training usually sees)",
     )
-    dtype: Precision = _option("float32", None)
+    dtype: Precision = _option("float32", "the parameters' dtype in every arm")
     device: str = _option("auto", "auto, cpu or cuda")
     arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
     # Speedups for the slipstream arms: every Speedups field is an `ab` option (generated in
@@ -67,7 +89,10 @@ class ABConfig:
     # others are collected here, and an arm's own ablation wins over them.
     checkpointing: Checkpointing = _option("off", None, cli=False)
     speedups: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
-    lora_rank: int = _option(0, "train a PEFT LoRA of this rank on q/k/v/o in every arm (0: full fine-tune)")
+    lora_rank: int = _option(0, "train a PEFT LoRA of this rank in every arm (0: full fine-tune)")
+    lora_alpha: float | None = _option(None, "the LoRA's alpha (default: 2 x rank)")
+    lora_targets: tuple[str, ...] = _option(LORA_TARGETS, "comma-separated modules the LoRA wraps")
+    lora_modules_to_save: tuple[str, ...] = _option((), None, cli=False)  # from --config's lora section
     repeats: int = _option(1, "run every arm this many times, interleaved")
     threads: int | None = _option(None, "torch CPU threads per arm")
     out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
@@ -79,6 +104,14 @@ class ABConfig:
         "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
         metavar="SIZE",
     )
+    # The `slipstream train` config the workload was read from (--config RUN.yaml), for the record.
+    train_config: str | None = _option(
+        None,
+        "A/B the run a slipstream train config describes: its model, data (path, response_only, "
+        "max_seq_len, overflow), LoRA, dtype, lr, seed, grad_accum and speedups; options given here win",
+        flag="--config",
+        metavar="RUN.yaml",
+    )
 
     def __post_init__(self):
         unknown = [arm for arm in self.arms if arm not in ARMS]
@@ -87,6 +120,15 @@ class ABConfig:
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         check_fields(self)  # the typed fields' rules (choices, ranges), as everywhere
+        check_model(self.model)  # raises ValueError naming a model that is neither shape nor directory
+        if self.layers is not None and is_model_dir(self.model):
+            raise ValueError(
+                f"layers: a model directory ({self.model}) runs as saved; --layers shortens a built-in shape"
+            )
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(f"data {self.data}: no such file or directory")
+        if self.lora_rank and not self.lora_targets:
+            raise ValueError("lora_targets is empty: name the modules the LoRA wraps")
         speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
@@ -96,7 +138,12 @@ class ABConfig:
     @classmethod
     def from_dict(cls, config_dict: dict) -> ABConfig:
         """Back from ``dataclasses.asdict`` (how a config reaches an arm's process)."""
-        return cls(**{**config_dict, "arms": tuple(config_dict["arms"])})
+        tuples = {
+            k: tuple(config_dict[k])
+            for k in ("arms", "lora_targets", "lora_modules_to_save")
+            if k in config_dict
+        }
+        return cls(**{**config_dict, **tuples})
 
 
 def resolve_device(name: str) -> str:

@@ -19,11 +19,11 @@ from typing import Literal
 import torch
 
 from ..data.labels import count_label_tokens
-from ..models import build_model
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
 from .adapter import attach_lora
+from .inputs import load_arm_model
 from .peers import Peer, prepare_base_model
 
 
@@ -126,15 +126,12 @@ def arm_speedups(config, arm: str) -> Speedups:
 def build_arm_model(config, arm: str, vocab_size: int, device: str):
     """The model an arm trains, set up as the arm says; returns ``(model, slipstream state)``.
 
-    Every arm starts from the same weights (``config.seed``) and, with ``lora_rank``, the same
-    adapter initialisation.
+    Every arm starts from the same weights (the model directory's, or a preset's seeded by
+    ``config.seed``) and, with ``lora_rank``, the same adapter initialisation.
     """
     if config.threads:
         torch.set_num_threads(config.threads)
-    dtype = getattr(torch, config.dtype)
-    model = build_model(
-        config.model, vocab_size=vocab_size, layers=config.layers, seed=config.seed, dtype=dtype
-    )
+    model = load_arm_model(config, vocab_size, getattr(torch, config.dtype))
     model.to(device).train()
     spec = ARM_SPECS[arm]
     optimize(model, arm_speedups(config, arm))

@@ -8,28 +8,41 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import sys
 from pathlib import Path
+
+import torch
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
-from .ab_config import ABConfig
+from .ab_config import ABConfig, resolve_device
 from .arms import ARM_PRESETS
 from .render import print_tables, write_record
 from .runner import parity_failures, run_ab
 
+_LISTS = ("arms", "lora_targets")  # comma-separated on the command line
+
 
 def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = None) -> None:
     """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts), generated
-    from ABConfig's fields and Speedups' fields: a new field is a new option, no edit here."""
+    from ABConfig's fields and Speedups' fields: a new field is a new option, no edit here.
+
+    Every option parses to None when not given, so ``--config RUN.yaml`` can fill what the
+    command line leaves out; ``ab_config_from_args`` then falls back to ``defaults``."""
     defaults = defaults or ABConfig()
+    p.set_defaults(ab_defaults=defaults)
     types_ = field_types(ABConfig)
     for spec in dataclasses.fields(ABConfig):
         if not spec.metadata.get("cli", True):
             continue
         expected, value = types_[spec.name], getattr(defaults, spec.name)
-        options: dict = {"default": value, "help": spec.metadata.get("help")}
-        if spec.name == "arms":  # a comma-separated list on the command line
-            options["default"] = ",".join(value)
+        shown = ",".join(value) if spec.name in _LISTS else value
+        help_text = spec.metadata.get("help")
+        options: dict = {"default": None, "help": help_text}
+        if help_text is not None and shown not in (None, False, ""):
+            options["help"] = f"{help_text} (default: {shown})"
+        if is_kind(expected, bool):
+            options["action"] = argparse.BooleanOptionalAction
         elif choices(expected):
             options["choices"] = choices(expected)
         elif is_kind(expected, int) or is_kind(expected, float):
@@ -47,7 +60,7 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
                 "stock-packed, stock-offload, unsloth, unsloth-same-settings, liger, slipstream; a peer "
                 "that cannot run here is skipped with the reason)",
             )
-    add_speedup_arguments(p, defaults)
+    add_speedup_arguments(p)
 
 
 def _dest(spec: dataclasses.Field) -> str:
@@ -61,7 +74,7 @@ def _bool(text: str) -> bool:
     return lowered in ("true", "on", "1", "yes")
 
 
-def add_speedup_arguments(p: argparse.ArgumentParser, defaults: ABConfig) -> None:
+def add_speedup_arguments(p: argparse.ArgumentParser) -> None:
     """One option per ``Speedups`` field, generated: a new speedup is a new option, no edit here.
 
     ``checkpointing`` is ABConfig's own (it also sets the stock arms' recompute); every other
@@ -72,13 +85,12 @@ def add_speedup_arguments(p: argparse.ArgumentParser, defaults: ABConfig) -> Non
         expected = field_types(speedups_module.Speedups)[spec.name]
         allowed = choices(expected)
         kind = _bool if is_kind(expected, bool) else int if is_kind(expected, int) else str
-        default = defaults.checkpointing if spec.name == "checkpointing" else None
         p.add_argument(
             flag,
             dest=f"speedup_{spec.name}",
             type=kind,
             choices=allowed,
-            default=default,
+            default=None,
             metavar=None if allowed else spec.name.upper(),
             help=spec.metadata.get("help", "") + " (slipstream arms)",
         )
@@ -93,18 +105,84 @@ def _speedup_options(args: argparse.Namespace) -> dict:
 
 
 def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
-    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one)."""
-    values = {
+    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one): the
+    options given, then ``--config RUN.yaml``'s workload, then the defaults."""
+    defaults: ABConfig = getattr(args, "ab_defaults", None) or ABConfig()
+    given = {
         spec.name: getattr(args, _dest(spec))
         for spec in dataclasses.fields(ABConfig)
-        if spec.metadata.get("cli", True)
+        if spec.metadata.get("cli", True) and getattr(args, _dest(spec), None) is not None
     }
-    values["arms"] = (
-        ARM_PRESETS[args.preset]
-        if args.preset
-        else tuple(a.strip() for a in args.arms.split(",") if a.strip())
-    )
-    return ABConfig(**values, checkpointing=args.speedup_checkpointing, speedups=_speedup_options(args))
+    for name in _LISTS:
+        if name in given:
+            given[name] = tuple(item.strip() for item in given[name].split(",") if item.strip())
+    if getattr(args, "preset", None):
+        given["arms"] = ARM_PRESETS[args.preset]
+    speedups = _speedup_options(args)
+    if getattr(args, "speedup_checkpointing", None) is not None:
+        given["checkpointing"] = args.speedup_checkpointing
+    from_file: dict = {}
+    if given.get("train_config"):
+        from_file = workload_of_train_config(given["train_config"])
+        speedups = {**from_file.pop("speedups"), **speedups}
+    values = {
+        spec.name: getattr(defaults, spec.name)
+        for spec in dataclasses.fields(ABConfig)
+        if spec.name != "speedups"
+    }
+    return ABConfig(**{**values, **from_file, **given, "speedups": {**defaults.speedups, **speedups}})
+
+
+def workload_of_train_config(path: str) -> dict:
+    """The ABConfig fields a ``slipstream train`` config sets (its model, data, LoRA, dtype, lr,
+    seed, grad_accum and speedups); ValueError naming the file's key for what an A/B cannot run."""
+    from ..train.config import load_config  # the train config's reader, errors naming file:line
+    from ..train.precision import resolve_dtype
+
+    config = load_config(path, [])
+    unsupported = {
+        "quantization.four_bit": config.quantization.four_bit,
+        "lora.experts": config.lora.experts,
+        "model.trust_remote_code": config.model.trust_remote_code,
+    }
+    for key, value in unsupported.items():
+        if value:
+            raise ValueError(
+                f"{path}: '{key}' is not supported by slipstream ab yet (A/B the run without it)"
+            )
+    if config.data.skip_bad_rows:
+        raise ValueError(
+            f"{path}: 'data.skip_bad_rows': slipstream ab reads every row or stops; fix or drop the bad rows"
+        )
+    device = resolve_device("auto")
+    dtype, _ = resolve_dtype(config.model.dtype, torch.device(device))
+    if config.lora.enabled and config.lora.dropout:
+        print(
+            f"slipstream ab: {path}: lora.dropout {config.lora.dropout:g} runs as 0 here: each arm would "
+            "draw its own dropout masks, and the loss curves could not be compared",
+            file=sys.stderr,
+        )
+    speedups = dataclasses.asdict(config.speedups)
+    checkpointing = speedups.pop("checkpointing") or "off"  # None: the model as it is, not checkpointed
+    return {
+        "model": config.model.path or config.model.preset,
+        "layers": config.model.layers,
+        "data": config.data.path,
+        "num_rows": config.data.demo_rows,
+        "response_only": config.data.response_only,
+        "max_seq_len": config.data.max_seq_len,
+        "overflow": config.data.overflow,
+        "dtype": str(dtype).removeprefix("torch."),
+        "grad_accum": config.training.grad_accum,
+        "lr": config.optimizer.lr,
+        "seed": config.seed,
+        "lora_rank": config.lora.rank if config.lora.enabled else 0,
+        "lora_alpha": config.lora.alpha,
+        "lora_targets": tuple(config.lora.target_modules),
+        "lora_modules_to_save": tuple(config.lora.modules_to_save),
+        "checkpointing": checkpointing,
+        "speedups": speedups,
+    }
 
 
 SWEEP_ALIASES = {"batch_tokens": "max_seq_len", "tokens": "max_seq_len"}

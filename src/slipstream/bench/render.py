@@ -11,6 +11,7 @@ from rich.table import Table
 from ..atomic import write_text_atomically
 from .arms import ARM_SPECS
 from .fingerprint import describe
+from .inputs import short_name
 from .stats import format_speedup
 
 
@@ -38,16 +39,57 @@ def ran_arms(record: dict) -> list[str]:
     return [arm for arm, s in record["summary"].items() if "skipped" not in s]
 
 
+def lora_words(config: dict) -> str:
+    """'LoRA rank 8 (alpha 16, on q_proj,v_proj)' or 'LoRA rank - (full fine-tune)'."""
+    rank = config.get("lora_rank", 0)
+    if not rank:
+        return "LoRA rank - (full fine-tune)"
+    alpha = config.get("lora_alpha") or 2 * rank
+    targets = ",".join(config.get("lora_targets") or ("q_proj", "k_proj", "v_proj", "o_proj"))
+    saved = config.get("lora_modules_to_save") or ()
+    return (
+        f"LoRA rank {rank} (alpha {alpha:g}, on {targets}"
+        + (f"; in full: {','.join(saved)}" if saved else "")
+        + ")"
+    )
+
+
+def inputs_title(record: dict) -> str:
+    """'SmolLM2-135M@1a2b3c4d on chats.jsonl@5e6f7a8b' (a preset on the demo rows: just its name)."""
+    inputs = record.get("inputs")
+    if not inputs:
+        return record["config"]["model"]
+    model, data = short_name(inputs["model"]), inputs["data"]
+    return model if data["kind"] == "demo" else f"{model} on {short_name(data)}"
+
+
+def inputs_lines(record: dict) -> list[str]:
+    """The model directory and data file the arms trained, with their fingerprints."""
+    lines = []
+    for key, found in record.get("inputs", {}).items():
+        if found["kind"] in ("model directory", "data file"):
+            lines.append(f"{key.capitalize()}: {found['path']} (sha256 {found['sha256'][:16]}…)")
+    config = record["config"]
+    if config.get("data") or config.get("response_only"):
+        lines.append(
+            f"Data: response_only {config.get('response_only', False)}, overflow {config.get('overflow', 'truncate')}"
+        )
+    if config.get("train_config"):
+        lines.append(f"Read from: {config['train_config']}")
+    return lines
+
+
 def markdown_report(record: dict) -> str:
     config, summary = record["config"], record["summary"]
     lines = [
-        f"# slipstream A/B: {config['model']} @ max_seq_len {config['max_seq_len']}",
+        f"# slipstream A/B: {inputs_title(record)} @ max_seq_len {config['max_seq_len']}",
         "",
         f"Machine: {describe(record['fingerprint'])}",
+        *inputs_lines(record),
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
         f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
-        f"vocabulary {record.get('vocab_size', '?')}; LoRA rank {config.get('lora_rank', 0) or '- (full fine-tune)'}",
+        f"vocabulary {record.get('vocab_size', '?')}; {lora_words(config)}",
         "",
         "| arm | attention | dtype | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) "
         "| activation bytes | host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
@@ -131,7 +173,7 @@ def print_tables(record: dict) -> None:
     console = Console(width=max(Console().width, 140))
     config, summary = record["config"], record["summary"]
     table = Table(
-        title=f"slipstream ab: {config['model']}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
+        title=f"slipstream ab: {inputs_title(record)}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
         f"batching {config['batching']}"
     )
     for column in (

@@ -17,14 +17,28 @@ from pathlib import Path
 from ..atomic import write_text_atomically
 from .ab_config import ABConfig
 from .arms import ARM_SPECS
+from .inputs import short_name
 from .stats import format_speedup, speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them
 # are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr), which
 # arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
 # (out_dir), and the machine (device, threads), which is the hardware column, not the workload.
+# ``train_config`` is where the workload was read from; its values are the fields themselves.
 RUN_OPTIONS = frozenset(
-    ("steps", "warmup", "lr", "seed", "arms", "repeats", "max_tokens_within", "out_dir", "device", "threads")
+    (
+        "steps",
+        "warmup",
+        "lr",
+        "seed",
+        "arms",
+        "repeats",
+        "max_tokens_within",
+        "out_dir",
+        "device",
+        "threads",
+        "train_config",
+    )
 )
 # Every other field is workload: a field added to ABConfig separates records unless listed above.
 _DEFAULTS = {
@@ -33,7 +47,9 @@ _DEFAULTS = {
 }
 WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
 # The workload keys its label spells out; any other one shows as "key value" when not its default.
-_LABELLED = frozenset(("model", "layers", "max_seq_len", "grad_accum", "batching", "dtype", "checkpointing"))
+_LABELLED = frozenset(
+    ("model", "data", "layers", "max_seq_len", "grad_accum", "batching", "dtype", "checkpointing")
+)
 
 
 class ReportError(ValueError):
@@ -41,14 +57,32 @@ class ReportError(ValueError):
 
 
 def _setting(record: dict, key: str):
-    """A workload setting of a record; a record older than the field ran its default."""
+    """A workload setting of a record; a record older than the field ran its default.
+
+    A model directory or data file is its fingerprint, not its path: the same weights or rows
+    at another path (another machine) are the same workload; other bytes at the same path are not."""
+    if key in ("model", "data"):
+        found = record.get("inputs", {}).get(key)
+        if found and found["kind"] in ("model directory", "data file"):
+            return short_name(found) + ":" + found["sha256"]
     value = record["config"].get(key, _DEFAULTS[key])
-    return tuple(sorted(value.items())) if isinstance(value, dict) else value  # comparable and hashable
+    if isinstance(value, dict):
+        return tuple(sorted(value.items()))  # comparable and hashable
+    return tuple(value) if isinstance(value, list) else value  # JSON gave back a tuple as a list
+
+
+def _name(record: dict, key: str) -> str:
+    """The model or data as a label: a preset's name, or a directory's or file's name and hash prefix."""
+    found = record.get("inputs", {}).get(key)
+    if found:
+        return short_name(found)
+    return record["config"].get(key) or "demo rows"
 
 
 def workload(record: dict) -> str:
     config = record["config"]
-    shape = config["model"] + (f" x{config['layers']}L" if config.get("layers") else "")
+    shape = _name(record, "model") + (f" x{config['layers']}L" if config.get("layers") else "")
+    data = _name(record, "data")
     backends = "/".join(
         sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s})
     )
@@ -58,7 +92,7 @@ def workload(record: dict) -> str:
         if key not in _LABELLED and _setting(record, key) not in (_DEFAULTS[key], ())
     )
     return (
-        f"{shape} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
+        f"{shape} · {data} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
         f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {others}{backends} · "
         f"vocab {record.get('vocab_size', '?')}"
     )

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..data import demo_samples, demo_tokenizer, pack_samples
-from ..models import preset_vocab_size
+from ..data import pack_samples
 from ..noise import hide_known_noise, known_noise_hidden_here
 from ..offload import device_activation_bytes
 from ..optimize import base_model
@@ -32,6 +31,7 @@ from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 from .ceiling import proc_status_kib, search_all
 from .counters import HostSyncCounter
 from .fingerprint import fingerprint
+from .inputs import ABInputError, ab_samples, ab_tokenizer, check_token_ids, inputs_record, vocab_size
 from .stats import loss_parity, speedup
 
 
@@ -55,27 +55,28 @@ class ArmResult:
     dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
 
 
-def model_vocab_size(config: ABConfig, tokenizer) -> int:
-    """A preset's real vocabulary (the demo tokenizer's ids are valid ids of it); tiny models take the tokenizer's."""
-    return preset_vocab_size(config.model) or len(tokenizer)
-
-
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
-    tokenizer = demo_tokenizer()
-    samples = demo_samples(tokenizer, num_rows=config.num_rows, seed=config.seed)
+    tokenizer = ab_tokenizer(config)
+    samples = ab_samples(config, tokenizer)
+    vocab = vocab_size(config, tokenizer)
+    source = config.data or "the demo rows"
+    check_token_ids(samples, vocab, source)
     bins, report = pack_samples(
-        samples, config.max_seq_len, seed=config.seed, overflow="truncate", strategy=config.batching
+        samples, config.max_seq_len, seed=config.seed, overflow=config.overflow, strategy=config.batching
     )
     needed = config.steps * config.grad_accum
     if len(bins) < needed:
-        raise ValueError(f"the data packs into {len(bins)} bins, fewer than steps x grad_accum = {needed}")
+        raise ABInputError(
+            f"{source} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
+            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
+        )
     bins = bins[:needed]
     plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
-    return slim, model_vocab_size(config, tokenizer), dataclasses.asdict(report)
+    return slim, vocab, dataclasses.asdict(report)
 
 
 def peak_memory_mb(device: str) -> float:
@@ -111,7 +112,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     if spec.peer == "trl":
         from .peers.trl_step import TrlStep
 
-        trl_step = TrlStep(model, config, demo_tokenizer(), device)
+        trl_step = TrlStep(model, config, ab_tokenizer(config), device)
         state.policies.extend(trl_step.policies)
 
     def inputs_of(docs):
@@ -271,6 +272,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     record = {
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),
+        "inputs": inputs_record(config),  # the model and data, named and fingerprinted
         "vocab_size": vocab_size,
         # The arms' own thread count (--threads), not this parent process's.
         "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},

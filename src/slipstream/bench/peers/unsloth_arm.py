@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..adapter import lora_alpha
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "unsloth_worker.py"
 MAKE_VENV = HERE / "make_unsloth_venv.sh"
@@ -48,6 +50,8 @@ def unsloth_unavailable(config, device: str) -> str | None:
         )
     if not config.lora_rank:
         return "the unsloth arms train a LoRA: set --lora-rank"
+    if config.lora_modules_to_save:
+        return "this harness's Unsloth worker trains LoRA only, not lora.modules_to_save"
     python = unsloth_venv() / "bin" / "python"
     if python.exists():
         return None
@@ -67,33 +71,31 @@ def unsloth_unavailable(config, device: str) -> str | None:
     return None
 
 
-def _write_workload(config, plan: list, vocab_size: int, work: Path) -> None:
-    """The model (same seeded weights), tokenizer, documents per step and initial adapter."""
+def _write_workload(config, plan: list, vocab_size: int, work: Path) -> Path:
+    """The model (the same weights as every arm), tokenizer, documents per step and initial adapter;
+    returns the model directory the worker loads (the user's own, for ``ab --model DIR``)."""
     from safetensors.torch import save_file
 
-    from ...data import demo_tokenizer
-    from ...models import build_model
     from ..adapter import attach_lora
+    from ..inputs import ab_tokenizer, is_model_dir, load_arm_model
 
-    model = build_model(
-        config.model,
-        vocab_size=vocab_size,
-        layers=config.layers,
-        seed=config.seed,
-        dtype=getattr(torch, config.dtype),
-    )
-    tokenizer = demo_tokenizer()
-    model.config.pad_token_id = tokenizer.pad_token_id
-    from transformers.utils import logging as hf_logging
+    model = load_arm_model(config, vocab_size, getattr(torch, config.dtype))
+    if is_model_dir(config.model):
+        model_dir = Path(config.model)  # its weights, tokenizer and chat template, as every arm loads them
+    else:
+        model_dir = work / "model"
+        tokenizer = ab_tokenizer(config)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        from transformers.utils import logging as hf_logging
 
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a temporary copy, inside ab's own bar
-    try:
-        model.save_pretrained(work / "model")
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(work / "model")
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a temporary copy, inside ab's own bar
+        try:
+            model.save_pretrained(model_dir)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+        tokenizer.save_pretrained(model_dir)
     peft_model = attach_lora(model, config)
     adapter = {}
     for name, module in peft_model.named_modules():
@@ -104,6 +106,7 @@ def _write_workload(config, plan: list, vocab_size: int, work: Path) -> None:
     save_file(adapter, work / "adapter_init.safetensors")
     steps = [[doc for micro in step for doc in micro] for step in plan]  # one padded batch per step
     (work / "batches.json").write_text(json.dumps(steps))
+    return model_dir
 
 
 def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
@@ -111,18 +114,20 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
     same_settings = arm == "unsloth-same-settings"
     with tempfile.TemporaryDirectory(prefix="slipstream-ab-unsloth-") as tmp:
         work = Path(tmp)
-        _write_workload(config, plan, vocab_size, work)
+        model_dir = _write_workload(config, plan, vocab_size, work)
         threads = config.threads or torch.get_num_threads()
         checkpointing = ("off" if config.checkpointing == "off" else "on") if same_settings else "default"
         command = [
             str(unsloth_venv() / "bin" / "python"),
             str(WORKER),
-            "--model-dir", str(work / "model"),
+            "--model-dir", str(model_dir),
             "--batches", str(work / "batches.json"),
             "--adapter-init", str(work / "adapter_init.safetensors"),
             "--dtype", config.dtype if same_settings else "default",
             "--checkpointing", checkpointing,
             "--lora-rank", str(config.lora_rank),
+            "--lora-alpha", str(lora_alpha(config)),
+            "--lora-targets", ",".join(config.lora_targets),
             "--threads", str(threads),
             "--lr", str(config.lr),
             "--max-seq-len", str(config.max_seq_len * config.grad_accum),

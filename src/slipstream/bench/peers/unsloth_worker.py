@@ -115,12 +115,16 @@ def main() -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float32", "default"), default="default")
     p.add_argument("--checkpointing", choices=("default", "on", "off"), default="default")
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-alpha", type=float, default=None, help="default: 2 x rank")
+    p.add_argument("--lora-targets", default=",".join(TARGETS), help="comma-separated module names")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-seq-len", type=int, default=4096, help="Unsloth's max_seq_length")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing summary")
     p.add_argument("--out", help="write the JSON here instead of stdout")
     args = p.parse_args()
+    alpha = args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank
+    targets = [t for t in args.lora_targets.split(",") if t]
 
     # Unsloth prints its banners on stdout: keep stdout for the JSON alone.
     with contextlib.redirect_stdout(sys.stderr):
@@ -156,10 +160,10 @@ def main() -> int:
         model = FastLanguageModel.get_peft_model(
             model,
             r=args.lora_rank,
-            lora_alpha=2 * args.lora_rank,
+            lora_alpha=alpha,
             lora_dropout=0.0,
             bias="none",
-            target_modules=TARGETS,
+            target_modules=targets,
             **gc[args.checkpointing],
         )
         n_adapters = load_adapter(model, args.adapter_init)
@@ -175,10 +179,13 @@ def main() -> int:
     with open(args.batches) as f:
         batches = json.load(f)
 
+    # Any id pads: padded slots are masked out of attention and labels. A tokenizer without a pad
+    # token (many base models) pads with its end-of-text id, as TRL does.
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     steps = []
     for docs in batches:
         start = time.perf_counter()
-        inputs = pad(docs, tokenizer.pad_token_id)
+        inputs = pad(docs, pad_id)
         # Label tokens of the step after the causal shift, as transformers' Trainer counts them.
         count = int((inputs["labels"][:, 1:] != IGNORE_INDEX).sum())
         if owner is not None:
@@ -238,7 +245,7 @@ def main() -> int:
             "layout": "padded (right), attention mask; Unsloth's CPU trainer turns packing / padding_free off",
             "attn_implementation": base.config._attn_implementation,
             "optimizer": "torch.optim.AdamW(fused=True, weight_decay=0), max_grad_norm 1.0",
-            "lora": f"r={args.lora_rank} alpha={2 * args.lora_rank} dropout=0 {','.join(TARGETS)}",
+            "lora": f"r={args.lora_rank} alpha={alpha:g} dropout=0 {','.join(targets)}",
             "lora_param_dtype": str(params[0].dtype).removeprefix("torch."),
             "adapter_tensors_loaded": n_adapters,
             "threads": torch.get_num_threads(),

@@ -1,0 +1,201 @@
+"""What an A/B trains on: a built-in shape or the user's model directory, the demo rows or the
+user's data file; and the fingerprints that name them in the record.
+
+``ab --model DIR`` loads real weights (every arm the same file, so the same weights) with the
+directory's tokenizer and chat template; ``ab --data FILE`` reads any file ``slipstream train``
+reads, the same way (``--response-only``, ``--max-seq-len``, ``--overflow``). A preset keeps
+its seeded random weights and the demo tokenizer; the demo rows stay the default data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from ..data import demo_samples, demo_tokenizer, load_samples
+from ..data.samples import hash_path
+from ..models import build_model, model_names, preset_vocab_size
+
+# Weights up to this size are hashed whole; above it, each weight file's size, its safetensors
+# header and evenly spaced samples of its bytes (a 70B checkpoint would take minutes to hash).
+FULL_HASH_BYTES = 4 * 2**30
+SAMPLES_PER_FILE = 64
+SAMPLE_BYTES = 1 << 20
+
+
+class ABInputError(ValueError):
+    """The model or data an A/B was pointed at cannot be used (a one-line error naming it)."""
+
+
+def is_model_dir(model: str) -> bool:
+    """``ab --model`` names a local directory (real weights) rather than a built-in shape."""
+    return model not in model_names() and Path(model).is_dir()
+
+
+def check_model(model: str) -> None:
+    """A preset name, or a directory save_pretrained wrote; ValueError naming it otherwise."""
+    if model in model_names():
+        return
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(
+            f"model {model!r}: neither a built-in shape ({', '.join(model_names())}) nor a directory "
+            "(models are read from disk, never downloaded)"
+        )
+    if not path.is_dir():
+        raise ValueError(f"model {model}: is a file; give the directory save_pretrained wrote")
+    if not (path / "config.json").exists():
+        raise ValueError(f"model {model}: not a model directory (no config.json)")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(f"model {model}: no weights (*.safetensors or *.bin) in the directory")
+
+
+def ab_tokenizer(config):
+    """The model directory's own tokenizer (and chat template), or the demo tokenizer for a preset."""
+    if not is_model_dir(config.model):
+        return demo_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"model {config.model}: no usable tokenizer saved beside the model ({error})"
+        ) from None
+
+
+def vocab_size(config, tokenizer) -> int:
+    """The embedding rows the arms' model has: the directory's config, a preset's real vocabulary,
+    or a tiny model's tokenizer."""
+    if is_model_dir(config.model):
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        text = getattr(model_config, "get_text_config", lambda: model_config)()
+        return int(text.vocab_size)
+    return preset_vocab_size(config.model) or len(tokenizer)
+
+
+def ab_samples(config, tokenizer) -> list[dict]:
+    """The documents every arm trains on: the user's data file read as ``slipstream train`` reads
+    it, or the built-in demo rows; ValueError naming the file when it has no usable row."""
+    if config.data is None:
+        return demo_samples(
+            tokenizer, num_rows=config.num_rows, seed=config.seed, response_only=config.response_only
+        )
+    try:
+        samples, report = load_samples(config.data, tokenizer, response_only=config.response_only, cache=True)
+    except ValueError as error:  # DataError names the file and line; the tokenizer's own errors do not
+        message = str(error)
+        raise ABInputError(message if config.data in message else f"{config.data}: {message}") from None
+    if not samples:
+        raise ABInputError(f"{config.data}: no usable rows ({report.summary()})")
+    return samples
+
+
+def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
+    """Every id exists in the model's embedding (the tokenizer belongs to the model)."""
+    for index, sample in enumerate(samples):
+        highest = max(sample["input_ids"], default=0)
+        if highest >= vocab:
+            raise ABInputError(
+                f"{source}: sample {index} has token id {highest}, beyond the model's {vocab} embeddings: "
+                "the tokenizer does not belong to this model"
+            )
+
+
+def load_arm_model(config, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
+    """The base model every arm starts from: the directory's weights, or a preset seeded by ``config.seed``."""
+    if not is_model_dir(config.model):
+        return build_model(
+            config.model, vocab_size=vocab, layers=config.layers, seed=config.seed, dtype=dtype
+        )
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar per arm inside ab's own bar
+    try:
+        return AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=dtype)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _sampled_digest(files: list[Path]) -> str:
+    """SHA-256 over each file's name, size, safetensors header and evenly spaced 1 MiB samples."""
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with open(file, "rb") as stream:
+            if file.suffix == ".safetensors":  # the header: every tensor's name, dtype, shape, offsets
+                header_length = int.from_bytes(stream.read(8), "little")
+                digest.update(stream.read(min(header_length, 100 << 20)))
+            for index in range(SAMPLES_PER_FILE):
+                stream.seek(index * max(size - SAMPLE_BYTES, 0) // max(SAMPLES_PER_FILE - 1, 1))
+                digest.update(stream.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: str) -> dict:
+    """What names the model in a record: a preset's name, or a directory's path and a hash of its
+    config and weights (whole up to FULL_HASH_BYTES, sampled above)."""
+    if not is_model_dir(model):
+        return {"kind": "preset", "name": model}
+    path = Path(model)
+    weights = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+    total = sum(p.stat().st_size for p in weights)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    if total <= FULL_HASH_BYTES:
+        for file in weights:
+            digest.update(file.name.encode() + b"\0" + hash_path(file)[0].encode())
+        method = "config.json and every weight byte"
+    else:
+        digest.update(_sampled_digest(weights).encode())
+        method = (
+            f"config.json, each weight file's size and header, {SAMPLES_PER_FILE} x 1 MiB samples per file"
+        )
+    return {
+        "kind": "model directory",
+        "path": str(path.resolve()),
+        "sha256": digest.hexdigest(),
+        "weight_bytes": total,
+        "hashed": method,
+    }
+
+
+def data_fingerprint(config) -> dict:
+    """What names the data in a record: the demo rows (count, seed), or the file's path and SHA-256."""
+    if config.data is None:
+        return {"kind": "demo", "rows": config.num_rows, "seed": config.seed}
+    sha, size = hash_path(config.data)
+    return {"kind": "data file", "path": str(Path(config.data).resolve()), "sha256": sha, "bytes": size}
+
+
+def inputs_record(config) -> dict:
+    """The record's ``inputs``: the model and the data, each with its fingerprint."""
+    return {"model": model_fingerprint(config.model), "data": data_fingerprint(config)}
+
+
+def short_name(fingerprint: dict) -> str:
+    """'SmolLM2-135M@1a2b3c4d' for a directory or file, the preset's name, or 'demo rows'."""
+    if fingerprint["kind"] == "preset":
+        return fingerprint["name"]
+    if fingerprint["kind"] == "demo":
+        return "demo rows"
+    return f"{Path(fingerprint['path']).name}@{fingerprint['sha256'][:8]}"
+
+
+def inputs_key(record: dict) -> str:
+    """The inputs as one comparable string (records older than ``inputs`` ran a preset on demo rows)."""
+    inputs = record.get("inputs")
+    if not inputs:
+        return ""
+    return json.dumps(
+        {k: {f: v for f, v in fp.items() if f not in ("path", "hashed")} for k, fp in inputs.items()},
+        sort_keys=True,
+    )

@@ -1,0 +1,200 @@
+"""`slipstream ab --model DIR --data FILE [--config RUN.yaml]`: the user's model and data in every
+arm, named and fingerprinted in the record, kept apart by `slipstream report`; bad input refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+from slipstream.bench.inputs import model_fingerprint
+from slipstream.bench.report import load_records, report_rows, workload
+from slipstream.bench.runner import ABConfig, parity_failures, prepare_bins, run_ab
+from slipstream.cli import build_parser, main
+from slipstream.data import demo_tokenizer
+from slipstream.models import build_model
+
+CHATS = [
+    {
+        "messages": [
+            {"role": "user", "content": f"What is the colour of lantern number {i}?"},
+            {"role": "assistant", "content": f"Lantern {i} glows {'amber' if i % 2 else 'teal'} at night."},
+        ]
+    }
+    for i in range(60)
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny model saved as a user's directory: weights, config, tokenizer with a chat template."""
+    out = tmp_path_factory.mktemp("my-model")
+    tokenizer = demo_tokenizer()
+    model = build_model("llama", vocab_size=len(tokenizer), seed=3, dtype=torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture
+def chats(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in CHATS))
+    return path
+
+
+def _config(model_dir, chats, **overrides) -> ABConfig:
+    values = dict(
+        model=str(model_dir),
+        data=str(chats),
+        response_only=True,
+        max_seq_len=128,
+        steps=3,
+        warmup=1,
+        threads=1,
+        lora_rank=4,
+        arms=("stock-packed", "slipstream"),
+    )
+    return ABConfig(**{**values, **overrides})
+
+
+def test_every_arm_trains_the_directory_weights_on_the_file_rows_and_the_record_names_both(
+    model_dir, chats, tmp_path
+):
+    record = run_ab(_config(model_dir, chats), progress=False)
+    assert parity_failures(record) == []
+    model, data = record["inputs"]["model"], record["inputs"]["data"]
+    assert model["kind"] == "model directory" and model["path"] == str(model_dir.resolve())
+    assert model["sha256"] == model_fingerprint(str(model_dir))["sha256"]
+    assert data["kind"] == "data file" and data["path"] == str(chats.resolve()) and len(data["sha256"]) == 64
+    assert record["config"]["model"] == str(model_dir)
+    # response-only: the labels are the assistant turns of the file's rows
+    plan, _, _ = prepare_bins(_config(model_dir, chats))
+    tokenizer = demo_tokenizer()
+    labelled = [t for d in plan[0][0] for t in d["labels"] if t != -100]
+    assert "glows" in tokenizer.decode(labelled) and "What is" not in tokenizer.decode(labelled)
+
+
+def test_report_keeps_different_models_and_data_apart_and_pools_the_same_bytes(model_dir, chats, tmp_path):
+    base = {
+        "kind": "slipstream-ab",
+        "fingerprint": {"device": "cpu", "cpu": "x", "torch_threads": 2},
+        "summary": {
+            "stock-packed": {"attn_implementation": "sdpa"},
+            "slipstream": {"attn_implementation": "d"},
+        },
+        "runs": {
+            "stock-packed": [{"step_s": [1.0, 1.0, 1.0], "loss": [2.0] * 3}],
+            "slipstream": [{"step_s": [0.5, 0.5, 0.5], "loss": [2.0] * 3}],
+        },
+    }
+
+    def record(data_sha: str, path: str) -> dict:
+        config = _config(model_dir, chats)
+        return {
+            **base,
+            "config": {**config.__dict__, "data": path},
+            "inputs": {
+                "model": model_fingerprint(str(model_dir)),
+                "data": {"kind": "data file", "path": path, "sha256": data_sha, "bytes": 1},
+            },
+        }
+
+    for name, (sha, path) in {
+        "a": ("1" * 64, "/home/me/chats.jsonl"),
+        "b": ("1" * 64, "/mnt/other/chats.jsonl"),  # the same bytes elsewhere: the same workload
+        "c": ("2" * 64, "/home/me/chats.jsonl"),  # other bytes at the same path: not
+    }.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ab.json").write_text(json.dumps(record(sha, path)))
+    rows = report_rows(load_records([tmp_path]))
+    assert sorted(r["records"] for r in rows) == [1, 2]
+    labels = {r["workload"] for r in rows}
+    assert any("chats.jsonl@11111111" in w for w in labels) and any(
+        "chats.jsonl@22222222" in w for w in labels
+    )
+    assert all(model_dir.name in w for w in labels)
+    old = {**base, "config": {**record("1" * 64, "x")["config"], "model": "qwen3", "data": None}}
+    assert workload(old).startswith("qwen3 · demo rows")  # a record from before `inputs`
+
+
+def test_config_file_gives_the_workload_and_options_on_the_command_line_win(model_dir, chats, tmp_path):
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        f"model:\n  path: {model_dir}\n  dtype: bfloat16\n"
+        f"data:\n  path: {chats}\n  response_only: true\n  max_seq_len: 96\n  overflow: split\n"
+        "lora:\n  rank: 4\n  alpha: 8\n  target_modules: [q_proj, v_proj]\n"
+        "optimizer:\n  lr: 0.001\ntraining:\n  steps: 500\n  grad_accum: 2\n"
+        "speedups:\n  chunked_loss: false\nseed: 7\n"
+    )
+    parser = build_parser()
+    config = ab_config_from_args(parser.parse_args(["ab", "--config", str(run), "--max-seq-len", "128"]))
+    assert config.model == str(model_dir) and config.data == str(chats) and config.response_only
+    assert (config.max_seq_len, config.overflow, config.dtype) == (128, "split", "bfloat16")
+    assert (config.lora_rank, config.lora_alpha, config.lora_targets) == (4, 8.0, ("q_proj", "v_proj"))
+    assert (config.lr, config.seed, config.grad_accum, config.steps) == (1e-3, 7, 2, 40)  # ab's own steps
+    assert config.speedups["chunked_loss"] is False
+    assert config.train_config == str(run)
+    # the command line's explicit value wins even where it equals ab's default
+    explicit = ab_config_from_args(parser.parse_args(["ab", "--config", str(run), "--dtype", "float32"]))
+    assert explicit.dtype == "float32"
+    # without --config nothing changes: the defaults, as the benchmark scripts pass them
+    import argparse
+
+    script = argparse.ArgumentParser()
+    add_ab_arguments(script, ABConfig(model="qwen3", max_seq_len=512))
+    assert (
+        ab_config_from_args(script.parse_args([])).model,
+        ab_config_from_args(script.parse_args([])).max_seq_len,
+    ) == (
+        "qwen3",
+        512,
+    )
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("quantization:\n  four_bit: true\n", "'quantization.four_bit' is not supported by slipstream ab"),
+        ("lora:\n  experts: true\n", "'lora.experts' is not supported"),
+        ("data:\n  skip_bad_rows: true\n", "'data.skip_bad_rows'"),
+        ("optimizer:\n  lr: -1\n", "optimizer.lr"),
+    ],
+)
+def test_a_config_file_an_ab_cannot_run_exactly_is_refused_naming_the_key(
+    yaml_text, message, model_dir, tmp_path, capsys
+):
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model:\n  path: {model_dir}\ntraining:\n  steps: 2\n{yaml_text}")
+    assert main(["ab", "--config", str(run), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_models_and_data_are_one_line_errors(model_dir, chats, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    other = tmp_path / "other-model"  # another tokenizer's ids beyond this model's embeddings
+    build_model("llama", vocab_size=64, seed=0, dtype=torch.float32).save_pretrained(other)
+    demo_tokenizer().save_pretrained(other)
+    cases = [
+        (["--model", str(tmp_path / "nowhere")], "neither a built-in shape"),
+        (["--model", str(not_a_model)], "no config.json"),
+        (["--model", str(model_dir), "--layers", "1"], "runs as saved"),
+        (["--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl")], "no such file"),
+        (["--model", str(model_dir), "--data", str(empty)], str(empty)),
+        (["--model", str(other), "--data", str(chats)], "beyond the model's 64 embeddings"),
+        (["--model", str(model_dir), "--data", str(chats), "--steps", "400"], "fewer than steps"),
+    ]
+    capsys.readouterr()  # the set-up's own output (transformers' progress bars)
+    for options, message in cases:
+        code = main(["ab", *options, "--arms", "stock-packed", "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert code == 2, (options, err)
+        assert message in err and len(err.strip().splitlines()) == 1, (options, err)
+    assert not (tmp_path / "out").exists()
