@@ -52,7 +52,39 @@ def test_every_readme_command_parses_and_builds_its_config(command, tmp_path):
             config_path = ROOT / args.config
         load_config(config_path, args.set)
     elif args.command == "ab":
+        if "MODEL_DIR" in command:  # the reader's own model: a tiny saved one
+            args = build_parser().parse_args(
+                shlex.split(command.replace("MODEL_DIR", str(_tiny_model_dir(tmp_path))))[1:]
+            )
         ab_config_from_args(args)
+
+
+def _tiny_model_dir(tmp_path: Path) -> Path:
+    import torch
+
+    from slipstream.data import demo_tokenizer
+    from slipstream.models import build_model
+
+    out = tmp_path / "my-model"
+    tokenizer = demo_tokenizer()
+    build_model("llama", vocab_size=len(tokenizer), seed=0, dtype=torch.float32).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.mark.realmodel
+def test_the_ab_on_your_model_and_data_runs_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
+    """The first "Your model, your data" command, as written but for fewer steps and two arms, on
+    SmolLM2 and examples/data/chats.jsonl: the loss curves agree and the record names both."""
+    (line,) = [c for c in COMMANDS if c.startswith("slipstream ab --model MODEL_DIR --data")]
+    monkeypatch.chdir(ROOT)
+    words = shlex.split(line.replace("MODEL_DIR", str(smollm2)))[1:]
+    shortened = ["--steps", "3", "--warmup", "1", "--arms", "stock-packed,slipstream", "--out", str(tmp_path)]
+    assert main([*words, *shortened]) == 0, capsys.readouterr().err
+    record = json.loads((tmp_path / "ab.json").read_text())
+    assert record["inputs"]["model"]["path"] == str(smollm2.resolve())
+    assert record["inputs"]["data"]["path"].endswith("examples/data/chats.jsonl")
+    assert record["summary"]["slipstream"]["loss_vs_stock-packed"] in ("identical", "within tolerance")
 
 
 def test_the_tiny_example_trains(tmp_path, capsys):
