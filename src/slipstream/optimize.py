@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import lora as lora_compute
 from .loss import ChunkedLoss, UnsupportedLoss
 from .moe.experts import (
     COMPUTE_CHOICE,
@@ -54,11 +55,14 @@ class OptimizeState:
     hook: object | None = field(default=None, repr=False)
     guard_hooks: list = field(default_factory=list, repr=False)
     undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
+    lora_hook: object | None = field(default=None, repr=False)  # installs lora.compute on the next forward
 
     def undo(self) -> None:
         """Every speedup back to its stock arm, the hooks removed, and this state detached."""
         model = self.model
-        stock = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False)
+        stock = Speedups(
+            packed_attention=False, moe_routing="stock", chunked_loss=False, lora_in_compute_dtype=False
+        )
         optimize(model, stock.replace(checkpointing="off") if self.checkpointing is not None else stock)
         if getattr(model, _STATE_ATTR, None) is self:
             delattr(model, _STATE_ATTR)
@@ -201,6 +205,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)
     _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
+    _set_lora_compute(base, state, speedups.lora_in_compute_dtype)
     if checkpointing is not None:
         if environment_note:
             state.policies.append(f"checkpointing: {environment_note}")
@@ -210,6 +215,35 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
         state.policies.append(f"checkpointing: {policy.mode}")
     return model
+
+
+def _set_lora_compute(base: torch.nn.Module, state: OptimizeState, wanted: bool) -> None:
+    """LoRA in the activations' dtype (``slipstream.lora``). Adapters are attached after
+    ``optimize`` (PEFT wraps the optimized model), so the layers are adapted on the next forward,
+    by a pre-hook that then removes itself; the decision joins the policy log there."""
+    if not wanted:
+        if state.lora_hook is not None:
+            state.lora_hook.remove()
+            state.lora_hook = None
+        if lora_compute.uninstall(base):
+            state.policies.append("lora compute: PEFT's forward (stock)")
+            logger.info("lora compute: PEFT's forward (stock)")
+        return
+    if state.lora_hook is not None:
+        return
+
+    def adapt_on_first_forward(module, args, kwargs):
+        state.lora_hook.remove()
+        state.lora_hook = None
+        installed, kept = lora_compute.install(base)
+        if not installed and not kept:
+            return  # no LoRA on this model: nothing to say
+        policy = f"lora compute: activations' dtype, one fused addmm per layer ({installed} layers)"
+        policy += "".join(f"; {count} keep PEFT's forward: {why}" for why, count in kept.items())
+        state.policies.append(policy)
+        logger.info(policy)
+
+    state.lora_hook = base.register_forward_pre_hook(adapt_on_first_forward, with_kwargs=True)
 
 
 def _set_chunked_loss(

@@ -70,6 +70,13 @@ class Speedups:
     loss_chunk_tokens: Annotated[int, Range(ge=1)] | None = field(
         default=None, metadata=_help("tokens per loss chunk (default: from a memory budget)")
     )
+    lora_in_compute_dtype: bool = field(
+        default=True,
+        metadata=_help(
+            "PEFT LoRA linears computed in the activations' dtype, the update added in one GEMM (fp32 "
+            "adapters stay the optimizer's master copy): no activation casts per call (false: PEFT's forward)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)  # every rule, once: raises ConfigError naming the field

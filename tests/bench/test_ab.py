@@ -111,6 +111,10 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
     assert arm_speedups(config, "slipstream-no-offload").checkpointing == "recompute"
     stock = arm_speedups(config, "stock-packed")
     assert stock == Speedups(
-        packed_attention=False, moe_routing="stock", chunked_loss=False, checkpointing="recompute"
+        packed_attention=False,
+        moe_routing="stock",
+        chunked_loss=False,
+        lora_in_compute_dtype=False,
+        checkpointing="recompute",
     )
     assert arm_speedups(ABConfig(), "stock-padded").checkpointing == "off"

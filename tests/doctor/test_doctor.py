@@ -34,7 +34,13 @@ def verdicts(report) -> dict[str, str]:
     return {check["path"]: check["verdict"] for check in report["checks"]}
 
 
-ALL_OK = {"packed attention": "ok", "sorted MoE routing": "ok", "offload-double": "ok", "chunked loss": "ok"}
+ALL_OK = {
+    "packed attention": "ok",
+    "sorted MoE routing": "ok",
+    "offload-double": "ok",
+    "chunked loss": "ok",
+    "LoRA in compute dtype": "ok",
+}
 
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])

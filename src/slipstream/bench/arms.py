@@ -48,7 +48,7 @@ class Arm:
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
 # for memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
-STOCK = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False)
+STOCK = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False, lora_in_compute_dtype=False)
 SLIPSTREAM = Speedups()
 ARM_SPECS: dict[str, Arm] = {
     "stock-padded": Arm("padded", STOCK, stock=True),
@@ -60,6 +60,7 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
+    "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -78,6 +79,7 @@ ARM_PRESETS = {
         "slipstream-no-packed-attention",
         "slipstream-no-moe-routing",
         "slipstream-no-chunked-loss",
+        "slipstream-no-lora-compute",
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),

@@ -378,13 +378,17 @@ def run_arm(
     dtype: torch.dtype,
     offload: bool = False,
     count: bool = True,
+    lora: bool = False,
 ) -> ArmRun:
     """One training step of a copy of ``base`` under ``speedups`` (parity), then another that is
-    counted (host syncs; on CUDA the sync-debug warnings too)."""
+    counted (host syncs; on CUDA the sync-debug warnings too). ``lora``: a PEFT LoRA on every linear
+    layer trains instead of the whole model (the same adapter in every arm)."""
     model = copy.deepcopy(base).to(device=device, dtype=dtype)
     engine = None
     with _captured_log() as log:
         optimize(model, speedups)
+        if lora:
+            model = _with_lora(model)
         if offload:
             if device.type == "cuda":  # the real engine, under the real device policy
                 engine = _CountingEngine(CudaEngine(device))
@@ -417,6 +421,20 @@ def run_arm(
     run.policies = list(getattr(state, "policies", []) or [])
     run.log = log
     return run
+
+
+def _with_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """PEFT LoRA (rank 4) on every linear layer but the head, seeded, with B drawn (not PEFT's zeros)
+    so the adapters' own gradients and outputs are compared too."""
+    from peft import LoraConfig, get_peft_model  # only the LoRA check imports it
+
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            parameter.data.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
 
 
 # --------------------------------------------------------------------------- comparing
@@ -563,13 +581,14 @@ def run_check(
     offload: bool = False,
     arms: str = "",
     model: str = "",
+    lora: bool = False,
 ) -> Check:
     """Run ``fast`` and ``stock`` on ``subject_`` and judge the fast arm (see the module docstring)."""
     started = time.perf_counter()
     check = Check(path, "ok", model=model or subject_.label, arms=arms, layout=subject_.layout)
     stock_layout = stock_layout or subject_.layout
     try:
-        stock_run = run_arm(subject_.base, subject_.docs, stock, stock_layout, device, dtype)
+        stock_run = run_arm(subject_.base, subject_.docs, stock, stock_layout, device, dtype, lora=lora)
         reference = None
         if subject_.rounded is not None:
             reference = run_arm(
@@ -580,6 +599,7 @@ def run_check(
                 device,
                 torch.float32,
                 count=False,
+                lora=lora,
             )
     except Exception as error:  # noqa: BLE001 - the stock arm failing leaves nothing to compare with
         check.verdict, check.reason = "skipped", f"the stock arm cannot run here: {_one_line(error)}"
@@ -587,7 +607,7 @@ def run_check(
         return check
     try:
         fast_run = run_arm(
-            subject_.base, subject_.docs, fast, subject_.layout, device, dtype, offload=offload
+            subject_.base, subject_.docs, fast, subject_.layout, device, dtype, offload=offload, lora=lora
         )
     except REFUSALS as error:
         check.verdict, check.reason = "refused", _one_line(error)
@@ -724,6 +744,20 @@ def _check_paths(
             device,
             dtype,
             arms="LM head + loss a chunk at a time vs transformers' loss",
+        )
+    )
+
+    say("LoRA in compute dtype")
+    checks.append(
+        run_check(
+            "LoRA in compute dtype",
+            main,
+            main.speedups.replace(lora_in_compute_dtype=True),
+            main.speedups.replace(lora_in_compute_dtype=False),
+            device,
+            dtype,
+            lora=True,
+            arms="LoRA on every linear: in the activations' dtype, one addmm, vs PEFT's forward",
         )
     )
     return checks, {"main": main, "moe": moe}
