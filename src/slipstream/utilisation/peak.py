@@ -87,9 +87,10 @@ def measure_matmul_peak(
     """Measure now (no cache): ``{"flops_per_s", "tflops", "size", "seconds", "how"}``."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    began, best, best_size, best_s = time.perf_counter(), 0.0, 0, 0.0
+    began, best, best_size, best_s, tried = time.perf_counter(), 0.0, 0, 0.0, []
     with torch.no_grad():
         for size in sizes:
+            tried.append(size)
             a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
             b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
             seconds = _time_matmul(a, b, repeats)
@@ -107,8 +108,8 @@ def measure_matmul_peak(
         "tflops": best / 1e12,
         "size": best_size,
         "seconds": best_s,
-        "how": f"square matmuls {sizes[0]}..{best_size} (stopping at {LONG_ENOUGH_S * 1000:.0f} ms or "
-        f"{budget_s:g} s), best of {repeats} by {timer}; best at {best_size}x{best_size}",
+        "how": f"square matmuls of {', '.join(map(str, tried))} (growing until one takes {LONG_ENOUGH_S * 1000:.0f} ms "
+        f"or {budget_s:g} s are spent), best of {repeats} by {timer}; fastest at {best_size}",
     }
 
 
