@@ -2,7 +2,7 @@
 
 MFU needs a peak. A datasheet's figure says nothing about a CPU at 2 threads or a clocked-down
 GPU, so the peak is measured: square matmuls of growing size (256, 512, ... up to 8192, each
-the best of a few timed repeats after one untimed call), stopping once one matmul takes long
+the best of up to 5 timed repeats after one untimed call), stopping once one matmul takes long
 enough to time well or the probe has spent its budget (about a second); the peak is the best
 FLOP/s of any size. On CUDA each repeat is timed with CUDA events. The result is cached under
 ``$SLIPSTREAM_CACHE/matmul_peak/`` per device name, dtype, thread count and torch version, so a
@@ -23,7 +23,8 @@ from ..atomic import write_text_atomically
 from ..data.cache import cache_root
 
 SIZES = (256, 512, 1024, 2048, 4096, 8192)
-REPEATS = 5
+REPEATS = 5  # timed calls per size, at most: fewer (but 2) once a size has taken SIZE_BUDGET_S
+SIZE_BUDGET_S = 0.3
 BUDGET_S = 1.0  # the probe stops growing the matrices past this
 LONG_ENOUGH_S = 0.05  # one matmul this long times well: no need for a bigger one
 
@@ -58,11 +59,15 @@ def _cache_path(key: dict) -> Path:
 
 
 def _time_matmul(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
-    """The best of ``repeats`` timed ``a @ b`` (after one untimed call), in seconds."""
+    """The best of ``repeats`` timed ``a @ b`` (after one untimed call; at least 2 timed but none
+    started past ``SIZE_BUDGET_S``), in seconds."""
     cuda = a.device.type == "cuda"
+    began = time.perf_counter()
     torch.matmul(a, b)
     best = float("inf")
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        if repeat >= 2 and time.perf_counter() - began > SIZE_BUDGET_S:
+            break
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -109,7 +114,7 @@ def measure_matmul_peak(
         "size": best_size,
         "seconds": best_s,
         "how": f"square matmuls of {', '.join(map(str, tried))} (growing until one takes {LONG_ENOUGH_S * 1000:.0f} ms "
-        f"or {budget_s:g} s are spent), best of {repeats} by {timer}; fastest at {best_size}",
+        f"or {budget_s:g} s are spent), best of up to {repeats} by {timer}; fastest at {best_size}",
     }
 
 
