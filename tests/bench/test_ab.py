@@ -121,6 +121,8 @@ def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
         assert summary[arm]["loss_vs_stock-packed"] in ("identical", "within tolerance"), arm
         if arm != "stock-packed":
             assert "interval_vs_stock-packed" in summary[arm]
+    # sorted or stock routing, the same top-k experts per token: the same model FLOPs in every arm
+    assert len({tuple(record["runs"][arm][0]["model_flops"]) for arm in config.arms}) == 1
     # only the packed attention removes the stock path's sync (MoE routing here is grouped_mm: 0 either way)
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["slipstream-no-packed-attention"]["host_syncs_per_step"] >= 1
