@@ -9,7 +9,15 @@ import slipstream
 
 # Lowest first. A module may import from its own layer and the layers below it.
 LAYERS = [
-    {"_version", "atomic", "fields", "host_reads", "noise", "data"},  # shared helpers, data
+    {
+        "_version",
+        "atomic",
+        "fields",
+        "host_reads",
+        "noise",
+        "data",
+        "utilisation",
+    },  # shared helpers, data, FLOPs
     {"packing", "moe", "offload", "loss", "lora"},  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     {"models"},  # model builders and loaders

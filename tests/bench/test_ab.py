@@ -33,6 +33,24 @@ def test_summary_speedup_is_a_tokens_per_second_ratio_without_warmup():
     assert summary["slipstream"]["speedup_vs_stock-packed"] == pytest.approx(2.0)
     assert summary["stock-packed"]["tokens_per_s"] == pytest.approx(50.0)
     assert summary["slipstream"]["loss_vs_stock-packed"] == "identical"
+    assert "mfu" not in summary["slipstream"]  # runs without a FLOP count (an older record's) have no MFU
+
+
+def test_every_arm_gets_the_reference_arms_model_flops_over_its_own_time():
+    config = ABConfig(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
+    runs = {
+        "stock-packed": [
+            {**_run("stock-packed", [9.0, 2.0, 2.0], [100] * 3, [3.0] * 3), "model_flops": [5, 4e9, 2e9]}
+        ],
+        "slipstream": [
+            _run("slipstream", [9.0, 1.0, 1.0], [100] * 3, [3.0] * 3)
+        ],  # (a peer that counted none)
+    }
+    summary = summarize(config, runs, peak={"flops_per_s": 1e10})
+    assert summary["stock-packed"]["model_flops_per_step"] == pytest.approx(3e9)  # the timed steps' mean
+    assert summary["stock-packed"]["achieved_tflops"] == pytest.approx(6e9 / 4.0 / 1e12)
+    assert summary["stock-packed"]["mfu"] == pytest.approx(0.15)
+    assert summary["slipstream"]["mfu"] == pytest.approx(0.30)  # the same FLOPs in half the time
 
 
 def test_bad_configs_are_refused():
@@ -55,14 +73,29 @@ def test_a_short_real_run_of_every_arm(tmp_path):
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["stock-packed"]["host_syncs_per_step"] >= 1
     assert summary["slipstream"]["attn_implementation"] == "slipstream_docwise"
+    # the same documents, model and LoRA: every arm counts the same model FLOPs, and each has an MFU
+    counts = {arm: tuple(record["runs"][arm][0]["model_flops"]) for arm in summary}
+    assert len(set(counts.values())) == 1 and min(counts["slipstream"]) > 0
+    peak = record["matmul_peak"]
+    assert peak["flops_per_s"] > 0 and peak["dtype"] == config.dtype and peak["threads"] == 1 and peak["how"]
+    for arm in summary:
+        assert 0 < summary[arm]["mfu"] < 1.5, arm  # (a noisy 2-core probe: not strictly under 1)
+        assert summary[arm]["achieved_tflops"] * 1e12 == pytest.approx(
+            summary[arm]["mfu"] * peak["flops_per_s"]
+        )
     json_path, md_path = write_record(record, tmp_path)
     assert json.loads(json_path.read_text())["config"]["model"] == "qwen3"
     assert md_path.read_text() == markdown_report(json.loads(json_path.read_text()))  # the record read back
     assert "Per-step loss" in md_path.read_text()
+    assert (
+        "| MFU (model FLOP/s) |" in md_path.read_text()
+        and "GFLOP of model FLOPs per step" in md_path.read_text()
+    )
+    assert f"{summary['slipstream']['mfu']:.1%}" in md_path.read_text()
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically, nothing left behind
     from PIL import Image
 
-    for name in ("loss.png", "step_time.png", "memory.png"):
+    for name in ("loss.png", "step_time.png", "memory.png", "mfu.png"):
         with Image.open(tmp_path / name) as image:
             assert image.size[0] > 300 and image.size[1] > 200
     assert parity_failures(record) == []
@@ -88,6 +121,8 @@ def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
         assert summary[arm]["loss_vs_stock-packed"] in ("identical", "within tolerance"), arm
         if arm != "stock-packed":
             assert "interval_vs_stock-packed" in summary[arm]
+    # sorted or stock routing, the same top-k experts per token: the same model FLOPs in every arm
+    assert len({tuple(record["runs"][arm][0]["model_flops"]) for arm in config.arms}) == 1
     # only the packed attention removes the stock path's sync (MoE routing here is grouped_mm: 0 either way)
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["slipstream-no-packed-attention"]["host_syncs_per_step"] >= 1

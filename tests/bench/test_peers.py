@@ -40,6 +40,9 @@ def test_trl_trains_our_bins_and_its_loss_curve_matches_ours_step_for_step(tmp_p
     assert any("TRL SFTTrainer" in line for line in trl_run["policies"])
     assert trl_run["host_syncs_per_step"] >= 2  # its metrics are read to the host every micro-batch
     assert summary["slipstream"]["host_syncs_per_step"] == 0
+    # the same docs, model and LoRA: TRL's model counts the same model FLOPs, and gets its own MFU
+    assert trl_run["model_flops"] == record["runs"]["slipstream"][0]["model_flops"]
+    assert summary["trl"]["mfu"] > 0 and "mfu" not in summary["liger"]
     assert parity_failures(record) == []
     # CUDA-only peers are skipped on a CPU, with the reason in the summary, the report and the tables
     assert "CUDA" in summary["stock-offload"]["skipped"]

@@ -168,3 +168,25 @@ def test_a_lora_run_and_a_full_fine_tune_are_different_workloads(tmp_path):
 def test_the_run_options_are_config_fields():
     """A renamed run option would otherwise turn into workload and split repeats of one workload."""
     assert RUN_OPTIONS.issubset(f.name for f in dataclasses.fields(ABConfig))
+
+
+def test_report_shows_each_sides_mfu_where_the_records_have_it_and_loads_older_ones(tmp_path):
+    old = record("NVIDIA H100", 2048, 1.20, 1)  # a record from before MFU: no model FLOPs, no peak
+    new = record("NVIDIA H100", 4096, 1.30, 2)
+    new["summary"]["stock-packed"]["mfu"] = 0.2
+    new["summary"]["slipstream"]["mfu"] = 0.3
+    write(tmp_path, "old", old)
+    write(tmp_path, "new", new)
+    rows = report_rows(load_records([tmp_path]))
+    by_seq = {r["workload"].split(" · ")[2]: r for r in rows}
+    assert by_seq["seq 2048"]["mfu"] is None
+    assert by_seq["seq 4096"]["mfu"] == pytest.approx(0.3) and by_seq["seq 4096"][
+        "base_mfu"
+    ] == pytest.approx(0.2)
+    table = cross_table(rows)
+    line_2k, line_4k = (line for line in table.splitlines() if line.startswith("| qwen3-8b"))
+    assert "MFU" not in line_2k and "; MFU 30.0% vs 20.0%" in line_4k
+    # pooled with an older record of the same workload, the MFU is left out rather than half-known
+    write(tmp_path, "old-4k", record("NVIDIA H100", 4096, 1.30, 3))
+    pooled = [r for r in report_rows(load_records([tmp_path])) if "seq 4096" in r["workload"]]
+    assert pooled[0]["records"] == 2 and pooled[0]["mfu"] is None

@@ -69,6 +69,10 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
     assert has_passed() and report["marker"] and report["marker"].endswith(".json")
     for title in ("Device", "Versions", "Fast paths on this device", "Checks"):
         assert title in text
+    # the matmul peak MFU is measured against, in the dtype doctor checks (cached for ab and train)
+    peak = report["device"]["matmul_peak"]
+    assert peak["flops_per_s"] > 0 and peak["dtype"] == report["model"]["dtype"]
+    assert "matmul peak" in text and "TFLOP/s" in text
 
 
 def leak_across_documents(monkeypatch):

@@ -53,7 +53,21 @@ def test_trains_and_the_adapter_reproduces_the_trained_logits(tmp_path):
     loaded = PeftModel.from_pretrained(base, tmp_path / "out" / "adapter").eval()
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - trained).abs().max().item() <= 1e-5
-    assert json.loads((tmp_path / "out" / "run.json").read_text())["status"] == "finished"
+    written = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert written["status"] == "finished"
+    # utilisation: model FLOPs per token (linears and LoRA, plus the head's and attention's share),
+    # MFU over steps 2..12 (the first is warm-up) against the peak measured in the run's dtype
+    from slipstream.utilisation import flop_profile
+
+    profile = flop_profile(model)
+    per_token = written["model_flops_per_token"]
+    # at most what a whole labelled 256-token document costs per token (the longest attention)
+    assert profile.token_flops < per_token <= profile.micro_batch_flops([256], 256) / 256
+    assert written["mfu_steps"] == 11 and 0 < written["mfu"] < 1.5
+    assert written["matmul_peak"]["dtype"] == "float32" and written["matmul_peak"]["flops_per_s"] > 0
+    assert written["achieved_tflops"] * 1e12 == pytest.approx(
+        written["mfu"] * written["matmul_peak"]["flops_per_s"]
+    )
 
 
 @pytest.mark.parametrize("four_bit", [False, True])

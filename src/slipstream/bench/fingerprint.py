@@ -11,17 +11,7 @@ import torch
 import transformers
 
 from .._version import __version__
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from ..utilisation.peak import cpu_name  # noqa: F401 - where doctor and callers find it
 
 
 def _git_revision() -> str | None:

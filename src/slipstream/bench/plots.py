@@ -22,7 +22,8 @@ def _save(fig, path: Path) -> Path:
 
 
 def ab_plots(record: dict, out_dir: Path) -> list[Path]:
-    """loss.png (curves overlaid), step_time.png (distribution per arm), memory.png (peak per arm)."""
+    """loss.png (curves overlaid), step_time.png (distribution per arm), memory.png (peak per arm),
+    and mfu.png (MFU per arm) where the record has it."""
     config = record["config"]
     summary = {arm: s for arm, s in record["summary"].items() if "skipped" not in s}  # arms that trained
     runs = {arm: record["runs"][arm] for arm in summary}
@@ -49,6 +50,17 @@ def ab_plots(record: dict, out_dir: Path) -> list[Path]:
     kind = next(iter(summary.values()))["memory_kind"]
     ax.set(title=f"Peak memory per arm ({kind})\n{title}", ylabel="MB")
     paths.append(_save(fig, out_dir / "memory.png"))
+
+    if any(s.get("mfu") is not None for s in summary.values()):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar(arms, [100 * (summary[a].get("mfu") or 0) for a in arms], color="tab:green")
+        peak = record.get("matmul_peak") or {}
+        ax.set(
+            title=f"MFU per arm (model FLOPs / step time / measured matmul peak {peak.get('tflops', 0):.3g} TFLOP/s)\n"
+            f"{title}",
+            ylabel="% of peak",
+        )
+        paths.append(_save(fig, out_dir / "mfu.png"))
     return paths
 
 

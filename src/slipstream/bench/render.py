@@ -34,6 +34,34 @@ def _count(value) -> str:
     return "-" if value is None else f"{value:,}"
 
 
+def mfu_cell(s: dict) -> str:
+    """'12.3% (0.45 TFLOP/s)': an arm's MFU and achieved model FLOP/s; '-' in a record without them."""
+    if "achieved_tflops" not in s:
+        return "-"
+    mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "-"
+    return f"{mfu} ({s['achieved_tflops']:.3g} TFLOP/s)"
+
+
+def utilisation_line(record: dict) -> str | None:
+    """How MFU was computed: the model FLOPs per step and the measured peak (None in older records)."""
+    flops = next(
+        (s["model_flops_per_step"] for s in record["summary"].values() if "model_flops_per_step" in s), None
+    )
+    if flops is None:
+        return None
+    peak = record.get("matmul_peak") or {}
+    measured = (
+        f"matmul peak {peak['tflops']:.3g} TFLOP/s ({peak['dtype']}, {peak['threads']} threads; {peak['how']})"
+        if peak
+        else "no matmul peak measured"
+    )
+    return (
+        f"Utilisation: {flops / 1e9:.4g} GFLOP of model FLOPs per step (forward + backward matmuls of the real "
+        "tokens: linears, LoRA, routed experts, causal per-document attention, the LM head on labelled rows; "
+        f"the same for every arm, padding and recompute not counted); MFU = those FLOPs / step time / {measured}"
+    )
+
+
 def ran_arms(record: dict) -> list[str]:
     """The arms that trained (a skipped peer has only its reason)."""
     return [arm for arm, s in record["summary"].items() if "skipped" not in s]
@@ -90,19 +118,20 @@ def markdown_report(record: dict) -> str:
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
         f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
         f"vocabulary {record.get('vocab_size', '?')}; {lora_words(config)}",
+        *([line] if (line := utilisation_line(record)) else []),
         "",
-        "| arm | attention | dtype | median step (s) | forward / backward (s) | tokens/s | peak memory (MB) "
-        "| activation bytes | host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| arm | attention | dtype | median step (s) | forward / backward (s) | tokens/s | MFU (model FLOP/s) "
+        "| peak memory (MB) | activation bytes | host syncs/step | speedup (tokens/s, 95% interval) | loss parity |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for arm, s in summary.items():
         if "skipped" in s:
-            lines.append(f"| {arm} | skipped: {s['skipped']} |" + " - |" * 9)
+            lines.append(f"| {arm} | skipped: {s['skipped']} |" + " - |" * 10)
             continue
         lines.append(
             f"| {arm} | {s['attn_implementation']} | {s.get('dtype', config['dtype'])} | {s['median_step_s']:.4f} | "
             f"{s.get('median_forward_s', 0):.4f} / {s.get('median_backward_s', 0):.4f} | {s['tokens_per_s']:.0f} | "
-            f"{s['peak_memory_mb']:.0f} | {_count(s.get('activation_bytes', 0))} | {_count(s['host_syncs_per_step'])} | "
+            f"{mfu_cell(s)} | {s['peak_memory_mb']:.0f} | {_count(s.get('activation_bytes', 0))} | {_count(s['host_syncs_per_step'])} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += ceiling_lines(record)
@@ -111,7 +140,8 @@ def markdown_report(record: dict) -> str:
     lines += [f"- **{arm}**: " + "; ".join(record["runs"][arm][0].get("policies") or ["-"]) for arm in arms]
     lines += [
         "",
-        "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)",
+        "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)"
+        + (" ![MFU](mfu.png)" if any(s.get("mfu") is not None for s in summary.values()) else ""),
         "",
         "Per-step loss (first repeat):",
         "",
@@ -180,6 +210,7 @@ def print_tables(record: dict) -> None:
         "arm",
         "median step (s)",
         "tokens/s",
+        "MFU",
         "peak mem (MB)",
         "host syncs/step",
         "speedup [95%]",
@@ -188,12 +219,13 @@ def print_tables(record: dict) -> None:
         table.add_column(column, justify="left" if column in ("arm", "loss", "speedup [95%]") else "right")
     for arm, s in summary.items():
         if "skipped" in s:
-            table.add_row(arm, "-", "-", "-", "-", "skipped", s["skipped"])
+            table.add_row(arm, "-", "-", "-", "-", "-", "skipped", s["skipped"])
             continue
         table.add_row(
             arm,
             f"{s['median_step_s']:.4f}",
             f"{s['tokens_per_s']:.0f}",
+            f"{s['mfu']:.1%}" if s.get("mfu") is not None else "-",
             f"{s['peak_memory_mb']:.0f}",
             _count(s["host_syncs_per_step"]),
             "\n".join(_speedup_cells(s)) or "-",
@@ -211,3 +243,5 @@ def print_tables(record: dict) -> None:
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
     console.print(f"measured on {describe(record['fingerprint'])}")
+    if line := utilisation_line(record):
+        console.print(line)

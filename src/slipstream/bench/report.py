@@ -148,8 +148,15 @@ def _timed(record: dict, arm: str) -> list[float]:
     return [s for run in record["runs"][arm] for s in run["step_s"][warmup:]]
 
 
+def pooled_mfu(group: list[dict], arm: str) -> float | None:
+    """An arm's MFU over a group of records (their mean); None if any record predates MFU."""
+    found = [r["summary"].get(arm, {}).get("mfu") for r in group]
+    return sum(found) / len(found) if found and None not in found else None
+
+
 def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
-    """One row per (workload, hardware, arm vs stock arm), repeated runs pooled."""
+    """One row per (workload, hardware, arm vs stock arm), repeated runs pooled; each side's MFU
+    where every pooled record has one (older records load without it)."""
     groups: dict[tuple, list[dict]] = {}
     for _, record in records:
         groups.setdefault((_key(record), hardware(record)), []).append(record)
@@ -177,6 +184,8 @@ def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
                         "high": interval.high,
                         "verdict": interval.verdict,
                         "records": len(group),
+                        "mfu": pooled_mfu(group, arm),
+                        "base_mfu": pooled_mfu(group, base),
                     }
                 )
     return sorted(rows, key=lambda r: (r["workload"], r["arm"], r["hardware"]))
@@ -187,8 +196,14 @@ def cross_table(rows: list[dict]) -> str:
     machines = sorted({r["hardware"] for r in rows})
     cells: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
-        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = format_speedup(r["ratio"], r) + (
-            f" ({r['records']} runs)" if r["records"] > 1 else ""
+        cells.setdefault((r["workload"], r["arm"]), {})[r["hardware"]] = (
+            format_speedup(r["ratio"], r)
+            + (f" ({r['records']} runs)" if r["records"] > 1 else "")
+            + (
+                f"; MFU {r['mfu']:.1%} vs {r['base_mfu']:.1%}"
+                if r.get("mfu") is not None and r.get("base_mfu") is not None
+                else ""
+            )
         )
     lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
     for (load, arm), by_machine in cells.items():
@@ -242,7 +257,8 @@ def skipped_lines(records: list[tuple[Path, dict]]) -> list[str]:
 
 def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
     """What ``slipstream report`` shows: the speedup table (slipstream against every stock and peer
-    arm), any memory ceilings, then the arms that were skipped and why."""
+    arm, with both sides' MFU where the records have it), any memory ceilings, then the arms that
+    were skipped and why."""
     table = cross_table(rows)
     ceilings = ceiling_table(records)
     if ceilings:

@@ -4,6 +4,13 @@ Each arm runs in its own process (fresh allocator, no state leaking between arms
 interleave over repeats, warm-up steps are excluded from timing, and every arm trains on
 the very same packed bins from the same initial weights. The loss curves must agree: if they
 move, something other than scheduling changed. The arms themselves are in ``arms.py``.
+
+Utilisation: every step's model FLOPs are counted from the arm's model and the step's documents
+(``slipstream.utilisation.flops``), and the device's matmul peak is measured once (cached) in the
+run's dtype at the arms' thread count; each arm's MFU is the reference arm's model FLOPs over its
+own timed steps over that peak. Every arm trains the same documents, model and LoRA, so the same
+model FLOPs apply to all of them, peers included: a padded arm's padding and a stock arm's LM head
+on unlabelled rows are work the model does not need, and MFU does not count them.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from ..noise import hide_known_noise, known_noise_hidden_here
 from ..offload import device_activation_bytes
 from ..optimize import base_model
 from ..train.step import train_step
+from ..utilisation import docs_micro_batch, flop_profile, matmul_peak
 from .ab_config import ABConfig, resolve_device
 from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 from .ceiling import proc_status_kib, search_all
@@ -53,6 +61,8 @@ class ArmResult:
     # kept on the device at the end of forward (hardware-independent); None: not measured
     activation_bytes: int | None = 0
     dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
+    # model FLOPs of each step (forward + backward, utilisation.flops), from this arm's model; None: not counted
+    model_flops: list[int] | None = None
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -118,6 +128,8 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     def inputs_of(docs):
         return trl_step.collate(docs) if trl_step else micro_batch_inputs(arm, docs, device)
 
+    profile = flop_profile(model)
+    model_flops = [profile.step_flops(docs_micro_batch(docs) for docs in micro_docs) for micro_docs in plan]
     first_inputs, _ = inputs_of(plan[0][0])
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
     if trl_step:
@@ -152,6 +164,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         policies=state.policies if state else [],  # the model's own list: first-step decisions join it
         activation_bytes=activation_bytes,
         dtype=dtype,
+        model_flops=model_flops,
     )
     for step, micro_docs in enumerate(plan):
         micro = [inputs_of(docs) for docs in micro_docs]
@@ -205,12 +218,38 @@ def _looser(dtype: str, other: str) -> str:
     return "bfloat16" if "bfloat16" in (dtype, other) else "float16" if "float16" in (dtype, other) else dtype
 
 
-def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
+def reference_model_flops(arms: dict[str, list[dict]]) -> list[int] | None:
+    """Each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)."""
+    for runs in arms.values():
+        for run in runs:
+            if run.get("model_flops"):
+                return run["model_flops"]
+    return None
+
+
+def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, peak: dict | None) -> dict:
+    """``model_flops_per_step`` (the mean over timed steps), ``achieved_tflops`` (model FLOPs over the
+    timed steps' time, all repeats) and ``mfu`` (that over the measured peak); {} without a count."""
+    if not flops:
+        return {}
+    timed_flops = sum(sum(flops[config.warmup : len(run["step_s"])]) for run in runs)
+    seconds = sum(sum(run["step_s"][config.warmup :]) for run in runs)
+    steps = sum(len(run["step_s"][config.warmup :]) for run in runs)
+    achieved = timed_flops / seconds if seconds > 0 else 0.0
+    found = {"model_flops_per_step": timed_flops / max(steps, 1), "achieved_tflops": achieved / 1e12}
+    if peak and peak.get("flops_per_s"):
+        found["mfu"] = achieved / peak["flops_per_s"]
+    return found
+
+
+def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None = None) -> dict:
     """Per-arm medians and throughput; speedups (with 95% intervals) against each baseline arm
-    (stock and peers); loss parity against the first arm that ran. Skipped arms keep their reason."""
+    (stock and peers); loss parity against the first arm that ran; model FLOPs and MFU against
+    ``peak`` (``utilisation.matmul_peak``). Skipped arms keep their reason."""
     summary: dict[str, Any] = {}
     timed: dict[str, list[float]] = {}
     ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
+    flops = reference_model_flops(ran)
     for arm, runs in arms.items():
         if arm not in ran:
             summary[arm] = {"skipped": skipped_reason(runs)}
@@ -233,6 +272,7 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]]) -> dict:
             "attn_implementation": first["attn_implementation"],
             "dtype": first.get("dtype") or config.dtype,
             "final_loss": first["loss"][-1],
+            **utilisation(config, runs, flops, peak),
         }
     if not ran:
         return summary
@@ -265,6 +305,8 @@ def parity_failures(record: dict) -> list[str]:
 def run_ab(config: ABConfig, progress: bool = True) -> dict:
     """Run every arm ``config.repeats`` times (interleaved) and return the full record."""
     plan, vocab_size, packing = prepare_bins(config)
+    # the peak the arms could reach: their device, dtype and threads (measured once per machine, cached)
+    peak = matmul_peak(resolve_device(config.device), getattr(torch, config.dtype), config.threads)
     runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
     jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
     for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
@@ -277,7 +319,8 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         # The arms' own thread count (--threads), not this parent process's.
         "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},
         "packing": packing,
-        "summary": summarize(config, runs),
+        "summary": summarize(config, runs, peak),
+        "matmul_peak": peak,
         "runs": runs,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -176,6 +176,15 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     if facts.get("ram_bytes"):
         rows.append(("RAM", gib(facts["ram_bytes"])))
     rows.append(("pinned memory", facts["pinned_probe"]["text"]))
+    peak = facts.get("matmul_peak")
+    if peak:
+        rows.append(
+            (
+                "matmul peak",
+                f"{peak['tflops']:.3g} TFLOP/s in {peak['dtype']} at {peak['threads']} threads (measured "
+                f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against)",
+            )
+        )
     return rows
 
 

@@ -18,6 +18,7 @@ from rich.table import Table
 from ..atomic import write_text_atomically
 from ..bench.fingerprint import fingerprint
 from ..train.precision import resolve_dtype
+from ..utilisation import matmul_peak
 from .machine import describe_device, device_rows, training_device, versions
 from .marker import marker_key, write_marker
 from .paths import VERDICTS, check_paths, decisions, resolve_model, shape_of
@@ -41,6 +42,7 @@ def run_doctor(
 
     info = fingerprint()
     device_facts = describe_device(device, info, probe_pinned_memory=probe_pinned_memory)
+    device_facts["matmul_peak"] = matmul_peak(device, torch_dtype)  # cached: measured once per machine
     found_versions = versions(info)
     console.print(_key_value_table("Device", device_rows(device_facts)))
     console.print(

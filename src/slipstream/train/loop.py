@@ -49,6 +49,7 @@ from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..optimize import optimize, state_of
 from ..packing import collate_packed
+from ..utilisation import FlopProfile, docs_micro_batch, flop_profile, matmul_peak
 from .checkpoints import (
     Checkpoint,
     ResumePoint,
@@ -60,7 +61,7 @@ from .checkpoints import (
     save_final,
 )
 from .config import ConfigError, TrainConfig
-from .distributed import Distributed, full_trainable_state, setup, shutdown, wrap
+from .distributed import Distributed, full_trainable_state, setup, shutdown, unwrap, wrap
 from .errors import TrainError, TrainInterrupted
 from .evaluation import EvalSet, eval_set, evaluate, split_rows
 from .fingerprint import fingerprint as run_fingerprint
@@ -258,6 +259,10 @@ class _Run:
     start: int = 0  # the step resumed from
     # (step, eval loss or None where not finite), the resumed run's earlier ones too
     eval_losses: list[tuple[int, float | None]] = field(default_factory=list)
+    flops: FlopProfile | None = None  # the model's FLOPs per token, head row and attention pair
+    matmul_peak: dict | None = None  # the device's measured peak (rank 0), utilisation.matmul_peak
+    # this invocation's steps: (model FLOPs of the whole step, every rank's bins; seconds; tokens)
+    step_work: list[tuple[int, float, int]] = field(default_factory=list)
 
 
 def _data(config: TrainConfig, tokenizer, info: Distributed):
@@ -384,6 +389,8 @@ def _set_up_locked(
     )
     if info.is_main:
         tqdm.write(f"slipstream train: {dtype_policy}")
+    # measured once per device, dtype, threads and torch (cached), before the model takes the memory
+    peak = matmul_peak(device, dtype) if info.is_main else None
     model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info, evals)
     optimizer = _optimizer(config, model, device, info)
     total, bins_for = _step_plan(len(bins), config, info.world_size)
@@ -414,6 +421,8 @@ def _set_up_locked(
         bins_for=bins_for,
         lock=lock,
         evals=evals,
+        flops=flop_profile(unwrap(model)),
+        matmul_peak=peak,
     )
     run.start = _restore(run, checkpoint, resume=resume)
     del checkpoint  # its tensors are in the model now
@@ -492,6 +501,32 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
     run.scheduler.step()  # a skipped step keeps the plan: the lr stays a function of the step
     tokens = sum(len(d["input_ids"]) for index in step_bins for d in run.bins[index])
     return result["loss"], result["grad_norm"], tokens, result["finite"]
+
+
+def _step_flops(run: _Run, step: int) -> int:
+    """Model FLOPs of step ``step`` on every rank: each bin's documents, the LM head on its labelled rows."""
+    return run.flops.step_flops(docs_micro_batch(run.bins[index]) for index in run.bins_for(step))
+
+
+def _utilisation(run: _Run) -> dict:
+    """``run.json``'s model FLOPs and MFU: the total model FLOPs over the total step time of this
+    invocation's steps, the first left out as warm-up when there are more (evaluation, samples and
+    checkpoints are outside the step time), over the measured peak of every rank's device."""
+    work = run.step_work[1:] if len(run.step_work) > 1 else run.step_work
+    flops, seconds, tokens = (sum(item[i] for item in work) for i in range(3))
+    if not work or seconds <= 0 or not tokens:
+        return {}
+    achieved = flops / seconds
+    found = {
+        "model_flops_per_token": flops / tokens,
+        "model_flops_per_step": flops / len(work),
+        "achieved_tflops": achieved / 1e12,
+        "mfu_steps": len(work),
+    }
+    if run.matmul_peak:
+        found["mfu"] = achieved / (run.matmul_peak["flops_per_s"] * run.info.world_size)
+        found["matmul_peak"] = run.matmul_peak
+    return found
 
 
 class _Metrics:
@@ -622,7 +657,9 @@ def _run_steps(
     try:
         stop.install()
         for step in bar:
-            loss, grad_norm, tokens, finite = _train_step(run, step)
+            stepped = time.perf_counter()
+            loss, grad_norm, tokens, finite = _train_step(run, step)  # (its loss is read: the step is done)
+            run.step_work.append((_step_flops(run, step), time.perf_counter() - stepped, tokens))
             tokens_seen += tokens
             elapsed = time.perf_counter() - begin
             record = {
@@ -697,6 +734,7 @@ def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
         "world_size": run.info.world_size,
         "distributed": run.info.strategy,
         "skipped_nonfinite_steps": nonfinite.skipped,
+        **_utilisation(run),
     }
     if run.evals is not None:
         summary["eval"] = _eval_summary(run)

@@ -1,0 +1,150 @@
+"""The device's dense-matmul peak, measured on the device in the run's dtype, cached.
+
+MFU needs a peak. A datasheet's figure says nothing about a CPU at 2 threads or a clocked-down
+GPU, so the peak is measured: square matmuls of growing size (256, 512, ... up to 8192, each
+the best of up to 5 timed repeats after one untimed call), stopping once one matmul takes long
+enough to time well or the probe has spent its budget (about a second); the peak is the best
+FLOP/s of any size. On CUDA each repeat is timed with CUDA events. The result is cached under
+``$SLIPSTREAM_CACHE/matmul_peak/`` per device name, dtype, thread count and torch version, so a
+machine measures it once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from ..atomic import write_text_atomically
+from ..data.cache import cache_root
+
+SIZES = (256, 512, 1024, 2048, 4096, 8192)
+REPEATS = 5  # timed calls per size, at most: fewer (but 2) once a size has taken SIZE_BUDGET_S
+SIZE_BUDGET_S = 0.3
+BUDGET_S = 1.0  # the probe stops growing the matrices past this
+LONG_ENOUGH_S = 0.05  # one matmul this long times well: no need for a bigger one
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+
+
+def _cache_key(device: torch.device, dtype: torch.dtype, threads: int) -> dict:
+    return {
+        "device": _device_name(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": threads,
+        "torch": torch.__version__,
+    }
+
+
+def _cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "matmul_peak" / f"{digest}.json"
+
+
+def _time_matmul(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
+    """The best of ``repeats`` timed ``a @ b`` (after one untimed call; at least 2 timed but none
+    started past ``SIZE_BUDGET_S``), in seconds."""
+    cuda = a.device.type == "cuda"
+    began = time.perf_counter()
+    torch.matmul(a, b)
+    best = float("inf")
+    for repeat in range(repeats):
+        if repeat >= 2 and time.perf_counter() - began > SIZE_BUDGET_S:
+            break
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1000)
+        else:
+            begin = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - begin)
+    return best
+
+
+def measure_matmul_peak(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    sizes=SIZES,
+    repeats: int = REPEATS,
+    budget_s: float = BUDGET_S,
+) -> dict:
+    """Measure now (no cache): ``{"flops_per_s", "tflops", "size", "seconds", "how"}``."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    began, best, best_size, best_s, tried = time.perf_counter(), 0.0, 0, 0.0, []
+    with torch.no_grad():
+        for size in sizes:
+            tried.append(size)
+            a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+            b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+            seconds = _time_matmul(a, b, repeats)
+            rate = 2 * size**3 / seconds  # a multiply-add is 2 FLOPs
+            if rate > best:
+                best, best_size, best_s = rate, size, seconds
+            del a, b
+            if seconds >= LONG_ENOUGH_S or time.perf_counter() - began > budget_s:
+                break
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # give the probe's matrices back before the model needs the memory
+    timer = "CUDA events" if device.type == "cuda" else "perf_counter"
+    return {
+        "flops_per_s": best,
+        "tflops": best / 1e12,
+        "size": best_size,
+        "seconds": best_s,
+        "how": f"square matmuls of {', '.join(map(str, tried))} (growing until one takes {LONG_ENOUGH_S * 1000:.0f} ms "
+        f"or {budget_s:g} s are spent), best of up to {repeats} by {timer}; fastest at {best_size}",
+    }
+
+
+def matmul_peak(device: torch.device | str, dtype: torch.dtype, threads: int | None = None) -> dict:
+    """The device's dense-matmul peak in ``dtype``: from the cache, else measured once and cached.
+
+    ``threads`` (CPU): the torch thread count to measure at (set for the probe, then restored);
+    None: this process's. The result names what it was keyed by and whether it came from the cache."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    previous = torch.get_num_threads()
+    threads = threads or previous
+    key = _cache_key(device, dtype, threads)
+    path = _cache_path(key)
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return {**key, **cached["peak"], "measured": cached["measured"], "cached": True}
+    except (OSError, ValueError, KeyError):
+        pass
+    torch.set_num_threads(threads)
+    try:
+        peak = measure_matmul_peak(device, dtype)
+    finally:
+        torch.set_num_threads(previous)
+    measured = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, json.dumps({"key": key, "peak": peak, "measured": measured}, indent=1))
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return {**key, **peak, "measured": measured, "cached": False}
