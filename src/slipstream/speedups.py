@@ -50,8 +50,8 @@ class Speedups:
         default="auto",
         metadata=_help(
             "per-document SDPA path: documents of similar length share one batched call, right-padded "
-            "(grouped), or one call each (per_document); auto: grouped when that at least halves the "
-            "calls with at most a quarter more score FLOPs from padding"
+            "(grouped), or one call each (per_document); auto: grouped where a cost model measured on a "
+            "CPU (calls, padded score FLOPs, the gather) says it is cheaper"
         ),
     )
     moe_routing: MoeRouting | None = field(

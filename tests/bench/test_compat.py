@@ -58,6 +58,7 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
     import torch
 
     from slipstream.packing import attention as attention_module
+    from slipstream.packing import grouping
 
     original = attention_module.run_grouped
 
@@ -70,9 +71,13 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
         return original(full, groups, query, key, value, **kw)
 
     monkeypatch.setattr(attention_module, "run_grouped", leaking)
+    monkeypatch.setattr(grouping, "CALL_SECONDS", 0.0)  # free calls: "auto" runs one per document
     verdict = check_architecture("llama")
     assert verdict.status == "WRONG" and verdict.detail.startswith("grouped attention"), verdict.detail
     assert verdict.speedups["grouped attention"] == "WRONG"
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_module, "run_grouped", leaking)  # tiny heads: "auto" groups these
+    assert check_architecture("llama").status == "WRONG"
 
 
 def test_advice_is_read_from_the_refusal():

@@ -63,7 +63,7 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
             "why": why,
         } in report["decisions"]
         grouping = next(row for row in report["decisions"] if row["path"] == "attention grouping")
-        assert grouping["choice"] == "auto" and "at most 8" in grouping["why"]
+        assert grouping["choice"] == "auto" and "cost model" in grouping["why"]
     assert report["model"]["asked"] == "demo" and report["model"]["family"] == "qwen3"
     assert (
         "qwen3-moe" in report["checks"][1]["model"]

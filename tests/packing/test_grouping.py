@@ -9,8 +9,8 @@ from slipstream.bench.counters import HostSyncCounter
 from slipstream.models import build_model
 from slipstream.models.tiny_any import tiny_model
 from slipstream.packing import attention as attention_module
-from slipstream.packing import collate_padded
-from slipstream.packing.grouping import MAX_GROUPS, MAX_PADDING, document_groups, plan_groups
+from slipstream.packing import collate_padded, grouping
+from slipstream.packing.grouping import document_groups, plan_groups
 from tests.conftest import random_docs
 
 # Very different lengths, length-1 documents among them, several past the tiny window (8).
@@ -22,28 +22,42 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-12)).item()
 
 
+QWEN3_06B = (16, 8, 128)  # heads, KV heads, head_dim
+DEMO = (4, 2, 32)
+
+
 @pytest.mark.parametrize(
     "lengths", [LENGTHS, CHAT_ROW, [1] * 50, [1000, 3, 4, 5, 6, 7], list(range(1, 60)), [7, 7, 7]]
 )
-def test_a_plan_covers_every_document_once_within_its_bounds(lengths):
-    groups = plan_groups(tuple(lengths))
-    assert groups is not None and len(groups) <= MAX_GROUPS
+@pytest.mark.parametrize("call_elements", [0.0, 300.0, 5000.0, 1e9])
+def test_a_plan_covers_every_document_once_at_the_least_modelled_cost(lengths, call_elements):
+    groups, cost = plan_groups(tuple(lengths), call_elements)
     assert sorted(d for group in groups for d in group) == list(range(len(lengths)))
-    real = sum(n * n for n in lengths)
     padded = sum(len(g) * max(lengths[d] for d in g) ** 2 for g in groups)
-    assert padded <= (1 + MAX_PADDING) * real
+    assert cost == pytest.approx(len(groups) * call_elements + padded)
+    per_length = len(set(lengths)) * call_elements + sum(n * n for n in lengths)  # one group a length
+    one_group = call_elements + len(lengths) * max(lengths) ** 2
+    assert cost <= min(per_length, one_group) + 1e-6
+    if call_elements == 0.0:
+        assert padded == sum(n * n for n in lengths)  # calls are free: no padding at all
+    if call_elements == 1e9:
+        assert len(groups) == 1
 
 
-def test_auto_groups_a_chat_row_and_leaves_a_few_long_documents_alone():
+def test_auto_follows_the_measured_cost_model():
+    """Qwen3-0.6B heads on ~90-token chat turns: the FLOPs dominate, one call each (measured faster);
+    the same row with the demo's small heads, or many short documents: grouped."""
     chat = slipstream.collate_packed(random_docs(CHAT_ROW))
-    groups = document_groups(chat, "auto")
-    assert groups is not None and len(groups.shapes) <= len(CHAT_ROW) / 2
-    assert groups.padded_elements <= (1 + MAX_PADDING) * groups.real_elements
-    assert document_groups(chat, "auto") is groups  # built once per batch
-    assert document_groups(chat, "per_document") is None
-    few = slipstream.collate_packed(random_docs([11, 21, 16]))
-    assert document_groups(few, "auto") is None  # two calls for three documents: not worth a gather
-    assert document_groups(few, "grouped") is not None
+    assert document_groups(chat, "auto", *QWEN3_06B) is None
+    assert document_groups(chat, "per_document", *DEMO) is None
+    short = slipstream.collate_packed(random_docs([8] * 128))
+    groups = document_groups(short, "auto", *DEMO)
+    assert groups is not None and groups.shapes == ((128, 8),)
+    assert document_groups(short, "auto", *DEMO) is groups  # built once per batch and shape
+    assert document_groups(chat, "grouped", *QWEN3_06B) is not None  # forced
+    mixed = slipstream.collate_packed(random_docs(LENGTHS))
+    groups = document_groups(mixed, "grouped", *DEMO)
+    assert groups.padded_elements > groups.real_elements  # padded, and still exact (below)
 
 
 def _pair(family: str, grouping: str):
@@ -58,8 +72,10 @@ def _grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("call_seconds", [grouping.CALL_SECONDS, 1e-7])  # one group; several
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-sliding", "gpt-oss"])
-def test_grouped_matches_per_document_and_stock_in_fp32(family, monkeypatch):
+def test_grouped_matches_per_document_and_stock_in_fp32(family, call_seconds, monkeypatch):
+    monkeypatch.setattr(grouping, "CALL_SECONDS", call_seconds)
     docs = random_docs(LENGTHS, seed=3)
     batch = slipstream.collate_packed(docs)
     stock, grouped = _pair(family, "grouped")
@@ -99,17 +115,17 @@ def test_grouped_bf16_stays_within_bf16_of_per_document():
     docs = random_docs(LENGTHS, seed=4)
     batch = slipstream.collate_packed(docs)
     models = {}
-    for grouping in ("grouped", "per_document"):
+    for mode in ("grouped", "per_document"):
         model = build_model("qwen3").to(torch.bfloat16)
         torch.manual_seed(0)
-        slipstream.optimize(model, attention_grouping=grouping, chunked_loss=False)
-        models[grouping] = model
+        slipstream.optimize(model, attention_grouping=mode, chunked_loss=False)
+        models[mode] = model
     models["per_document"].load_state_dict(models["grouped"].state_dict())
     results = {}
-    for grouping, model in models.items():
+    for mode, model in models.items():
         out = model(**batch.model_inputs())
         out.loss.backward()
-        results[grouping] = (out.logits.float(), _grads(model))
+        results[mode] = (out.logits.float(), _grads(model))
     assert relative_error(results["grouped"][0], results["per_document"][0]) <= 2e-2
     for name, grad in results["grouped"][1].items():
         assert relative_error(grad.float(), results["per_document"][1][name].float()) <= 5e-2, name
@@ -125,12 +141,14 @@ def test_chunked_attention_is_grouped_per_chunk_exactly():
     assert result.status == "pass", result.detail
 
 
-@pytest.mark.parametrize("grouping", ["auto", "grouped"])
-def test_grouped_forward_backward_has_no_host_sync(grouping):
+@pytest.mark.parametrize("mode", ["auto", "grouped"])
+def test_grouped_forward_backward_has_no_host_sync(mode):
     model = build_model("qwen3")
-    slipstream.optimize(model, attention_grouping=grouping)
-    batch = slipstream.collate_packed(random_docs(CHAT_ROW[:6] + [1, 1, 3]))
-    assert document_groups(batch, grouping) is not None
+    slipstream.optimize(model, attention_grouping=mode)
+    batch = slipstream.collate_packed(random_docs([8] * 40 + [1, 1, 3]))
+    config = model.config
+    shape = (config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    assert document_groups(batch, mode, *shape) is not None
     with HostSyncCounter() as syncs:
         model(**batch.model_inputs()).loss.backward()
     assert syncs.total == 0, dict(syncs.by_op)

@@ -355,7 +355,7 @@ def _run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[
 
 def _check_grouping(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
     """A packed verdict that passed, again with the documents grouped by length into batched SDPA
-    calls (``attention_grouping="grouped"``: "auto" would run these few documents one call each),
+    calls (``attention_grouping="grouped"``, whichever "auto" picked for the arm itself),
     without offload; the ``grouped attention`` column, and WRONG / CRASH if it differs."""
     if verdict.speedups.get("packed attention") != "on":
         verdict.speedups["grouped attention"] = "-"

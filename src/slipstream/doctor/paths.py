@@ -8,7 +8,8 @@ Each path is checked on its own: its fast arm is the model as ``slipstream.optim
 by default (every path on where the model allows it), its stock arm differs in that one path
 only, so a difference is that path's:
 
-- packed attention: the documents packed in one row vs each document alone (stock attention);
+- packed attention: the documents packed in one row, one SDPA call each (the other paths run on
+  top of it), vs each document alone (stock attention);
 - sorted MoE routing (``grouped_mm`` or the loop, whichever the device gets) vs transformers'
   own experts, on the requested family if it has experts, else on a tiny Qwen3-MoE;
 - offload-double: the offload schedule vs no checkpointing, on the real ``CudaEngine`` on a GPU
@@ -62,6 +63,7 @@ from ..packing.guards import UnsupportedArchitecture
 from ..speedups import Speedups
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
+PER_DOCUMENT = Speedups(attention_grouping="per_document")
 MOE_STAND_IN = "qwen3-moe"  # the MoE check's model when the requested family has no experts
 REFUSALS = (
     UnsupportedArchitecture,
@@ -492,7 +494,8 @@ class Subject:
 
     @property
     def speedups(self) -> Speedups:
-        return Speedups() if self.packs else Speedups(packed_attention=False)
+        # one SDPA call per document: the grouped path has its own check, so each check is one path's
+        return PER_DOCUMENT if self.packs else Speedups(packed_attention=False)
 
     @property
     def layout(self) -> str:
@@ -678,7 +681,7 @@ def _check_paths(
     packed = run_check(
         "packed attention",
         main,
-        Speedups(),
+        PER_DOCUMENT,
         Speedups(packed_attention=False),
         device,
         dtype,

@@ -267,7 +267,8 @@ def packed_sdpa_attention(
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
     fn = functools.partial(_sinks_one, module, sinks=sinks) if sinks is not None else _sdpa_one
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
-    groups = document_groups(batch, GROUPING_CHOICE.get(module, "auto"))
+    mode = GROUPING_CHOICE.get(module, "auto")
+    groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])
     if groups is not None:
         return run_grouped(fn, groups, query, key, value, batch=batch, **kw), None
     out = _per_document(fn, batch, query, key, value, **kw)
