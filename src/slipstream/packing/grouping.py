@@ -33,6 +33,12 @@ The groups are the cheapest split of the documents, taken in length order, under
 gather included, is below one call per document. So Qwen3-0.6B-shaped layers (16 heads of
 128) on ~90-token chat rows stay per document (grouped measured 0.78x fp32, 0.91x bf16 there:
 the FLOPs dominate, not the calls), while many short documents, or small heads, are grouped.
+
+Not modelled: a CPU shared with other processes. There every parallel region can wait for a
+descheduled thread, so each call costs far more (the same chat row: ~0.9 s at 2 threads against
+~50 ms at 1), and grouping measured 1.1-1.5x on the Qwen3-0.6B-shaped row and ~2x tokens/s on
+the demo model's A/B; one thread (``slipstream ab --threads 1``) is the better cure there.
+``attention_grouping="grouped"`` forces the groups.
 """
 
 from __future__ import annotations
