@@ -28,6 +28,7 @@ from .moe.experts import (
 from .offload import enable_checkpointing
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
+from .packing.grouping import GROUPING_CHOICE, grouping_policy
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
 from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
 from .speedups import Speedups
@@ -46,6 +47,7 @@ class OptimizeState:
     stock_use_cache: bool | None
     stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
+    attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)
@@ -137,6 +139,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
     speedups = (speedups or Speedups()).replace(**options) if options else (speedups or Speedups())
     speedups, environment_note = speedups.with_environment()
     packed_attention, attention_backend = speedups.packed_attention, speedups.attention_backend
+    attention_grouping = speedups.attention_grouping
     moe_routing, moe_compute = speedups.moe_routing, speedups.moe_compute
     checkpointing = speedups.checkpointing
     chunked_loss, loss_chunk_tokens = speedups.chunked_loss, speedups.loss_chunk_tokens
@@ -187,6 +190,14 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
                 for note in verdict.adaptations():
                     state.policies.append(f"packed attention: {note}")
                     logger.info("packed attention: %s", note)
+        if state.attention_grouping != attention_grouping:
+            for module in base.modules():  # whichever module the model passes to the attention
+                GROUPING_CHOICE[module] = attention_grouping
+            state.attention_grouping = attention_grouping
+            sinks = has_attention_sinks(base)
+            policy = f"packed attention grouping: {grouping_policy(attention_grouping, backend, sinks)}"
+            state.policies.append(policy)
+            logger.info(policy)
     elif state.packed_attention is not None:
         base.set_attn_implementation(state.stock_attn_implementation)
         if state.stock_use_cache is not None:
@@ -201,6 +212,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
             state.undo_adaptations()
             state.undo_adaptations = None
         state.packed_attention = None
+        state.attention_grouping = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)

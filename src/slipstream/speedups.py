@@ -21,6 +21,7 @@ from .fields import Range, check_fields
 from .moe.experts import MoeCompute, MoeRouting
 from .offload.policy import Checkpointing
 from .packing.attention import AttentionBackend
+from .packing.grouping import AttentionGrouping
 
 CHECKPOINTING_MODES: tuple[str, ...] = get_args(Checkpointing)
 ENV_CHECKPOINTING = "SLIPSTREAM_CHECKPOINTING"
@@ -44,6 +45,14 @@ class Speedups:
     attention_backend: AttentionBackend = field(
         default="auto",
         metadata=_help("packed attention kernel: auto (varlen flash on CUDA, per-document SDPA otherwise)"),
+    )
+    attention_grouping: AttentionGrouping = field(
+        default="auto",
+        metadata=_help(
+            "per-document SDPA path: documents of similar length share one batched call, right-padded "
+            "(grouped), or one call each (per_document); auto: grouped where a cost model measured on a "
+            "CPU (calls, padded score FLOPs, the gather) says it is cheaper"
+        ),
     )
     moe_routing: MoeRouting | None = field(
         default=None,
@@ -106,6 +115,7 @@ __all__ = [
     "CHECKPOINTING_MODES",
     "ENV_CHECKPOINTING",
     "AttentionBackend",
+    "AttentionGrouping",
     "Checkpointing",
     "MoeCompute",
     "MoeRouting",

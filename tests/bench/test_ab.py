@@ -117,6 +117,7 @@ def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
     summary = record["summary"]
     assert summary["slipstream-no-packed-attention"]["attn_implementation"] == "sdpa"
     assert summary["slipstream-no-moe-routing"]["attn_implementation"] == "slipstream_docwise"
+    assert summary["slipstream-no-attention-grouping"]["attn_implementation"] == "slipstream_docwise"
     for arm in config.arms:
         assert summary[arm]["loss_vs_stock-packed"] in ("identical", "within tolerance"), arm
         if arm != "stock-packed":

@@ -46,7 +46,38 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             "sorted MoE routing": "on",
             "chunked loss": "on",
             "offload": "on",
+            "grouped attention": "on",
         }
+    if verdict.speedups.get("packed attention") == "on":
+        assert verdict.speedups["grouped attention"] == "on"
+        assert verdict.ablations["grouped attention"].status == "pass"
+
+
+def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding(monkeypatch):
+    """A grouped SDPA without its causal mask: each document sees its later tokens and its padding."""
+    import torch
+
+    from slipstream.packing import attention as attention_module
+    from slipstream.packing import grouping
+
+    original = attention_module.run_grouped
+
+    def leaking(fn, groups, query, key, value, **kw):
+        def full(q, k, v, **kw):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=q.shape[1] != k.shape[1]
+            )
+
+        return original(full, groups, query, key, value, **kw)
+
+    monkeypatch.setattr(attention_module, "run_grouped", leaking)
+    monkeypatch.setattr(grouping, "CALL_SECONDS", 0.0)  # free calls: "auto" runs one per document
+    verdict = check_architecture("llama")
+    assert verdict.status == "WRONG" and verdict.detail.startswith("grouped attention"), verdict.detail
+    assert verdict.speedups["grouped attention"] == "WRONG"
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_module, "run_grouped", leaking)  # tiny heads: "auto" groups these
+    assert check_architecture("llama").status == "WRONG"
 
 
 def test_advice_is_read_from_the_refusal():

@@ -40,6 +40,7 @@ ALL_OK = {
     "offload-double": "ok",
     "chunked loss": "ok",
     "LoRA in compute dtype": "ok",
+    "grouped attention": "ok",
 }
 
 
@@ -62,6 +63,8 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
             "choice": f"{backend} (slipstream_docwise)",
             "why": why,
         } in report["decisions"]
+        grouping = next(row for row in report["decisions"] if row["path"] == "attention grouping")
+        assert grouping["choice"] == "auto" and "cost model" in grouping["why"]
     assert report["model"]["asked"] == "demo" and report["model"]["family"] == "qwen3"
     assert (
         "qwen3-moe" in report["checks"][1]["model"]
@@ -93,6 +96,25 @@ def sync_in_attention(monkeypatch):
     monkeypatch.setattr(attention_module, "_per_document", syncing)
 
 
+def leak_across_groups(monkeypatch):
+    """Grouped attention whose groups are not causal: a document's tokens see its later ones."""
+    original = attention_module.run_grouped
+
+    def leaking(fn, groups, query, key, value, **kw):
+        return original(
+            lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, enable_gqa=q.shape[1] != k.shape[1]
+            ),
+            groups,
+            query,
+            key,
+            value,
+            **kw,
+        )
+
+    monkeypatch.setattr(attention_module, "run_grouped", leaking)
+
+
 def loss_off_by_one_percent(monkeypatch):
     original = chunked_loss_module.linear_cross_entropy
     monkeypatch.setattr(chunked_loss_module, "linear_cross_entropy", lambda *a, **k: original(*a, **k) * 1.01)
@@ -105,6 +127,7 @@ def loss_off_by_one_percent(monkeypatch):
         (leak_across_documents, "float32", "packed attention", "loss off"),
         (sync_in_attention, "float32", "packed attention", "host syncs"),
         (loss_off_by_one_percent, "auto", "chunked loss", "loss off"),
+        (leak_across_groups, "float32", "grouped attention", "loss off"),
     ],
 )
 def test_a_broken_path_is_WRONG_alone_and_the_exit_status_is_1(breakage, dtype, wrong, why, monkeypatch):

@@ -12,6 +12,8 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
   one row: logits (a forward without labels), loss and every gradient (a forward with labels);
 * when slipstream refuses, the **advised fallback** the error names (``packed_attention=False``
   runs the documents as a right-padded batch; another option runs packed) must itself match;
+* a packed arm that passes runs again with its documents grouped by length into batched SDPA
+  calls (``attention_grouping="grouped"``), which must match too;
 * when the arm is wrong or crashes, ablations (one speedup at a time) name the culprit.
 
 Outcomes: ``pass`` (within :data:`TOLERANCE`), ``refused`` (a slipstream error naming the
@@ -351,6 +353,23 @@ def _run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[
     return result, ""
 
 
+def _check_grouping(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
+    """A packed verdict that passed, again with the documents grouped by length into batched SDPA
+    calls (``attention_grouping="grouped"``, whichever "auto" picked for the arm itself),
+    without offload; the ``grouped attention`` column, and WRONG / CRASH if it differs."""
+    if verdict.speedups.get("packed attention") != "on":
+        verdict.speedups["grouped attention"] = "-"
+        return
+    grouped = run_arm(stock, docs, ref, {**options, "attention_grouping": "grouped"}, offload=False)
+    verdict.ablations["grouped attention"] = grouped
+    if grouped.status == "pass":
+        verdict.speedups["grouped attention"] = "on"
+        return
+    verdict.speedups["grouped attention"] = grouped.status
+    verdict.status = "WRONG" if grouped.status == "WRONG" else "CRASH"
+    verdict.detail = f"grouped attention (attention_grouping='grouped'): {grouped.detail}"
+
+
 def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
     """The verdict for one registry ``model_type`` (never raises)."""
 
@@ -400,6 +419,9 @@ def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
             verdict.detail = (
                 f"refused ({detail}); the advised fallback {options} is {result.status}: {result.detail}"
             )
+    if verdict.status in ("pass", "refused") and verdict.speedups:
+        advised = (verdict.fallback or {}).get("advice") or {}
+        _check_grouping(verdict, stock, docs, ref, dict(advised))
     if verdict.status in ("WRONG", "CRASH"):
         for name, (options, packed, offload) in ABLATIONS.items():
             verdict.ablations[name] = run_arm(stock, docs, ref, options, packed=packed, offload=offload)
@@ -573,11 +595,13 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "",
         "Columns: *packed* = packed attention (documents never see each other; no host syncs, no T×T mask);",
         "*MoE* = sorted expert routing (`-`: not an MoE model); *loss* = the chunked LM head + loss;",
-        "*offload* = offloaded checkpointing of decoder-layer inputs. For a refused architecture the",
+        "*offload* = offloaded checkpointing of decoder-layer inputs; *grouped* = the packed row's documents",
+        "grouped by length into batched SDPA calls (`attention_grouping='grouped'`), checked the same way.",
+        "For a refused architecture the",
         "columns show what its verified fallback runs.",
         "",
-        "| model type | class | verdict | packed | MoE | loss | offload | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model type | class | verdict | packed | MoE | loss | offload | grouped | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -589,6 +613,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             speedups.get("sorted MoE routing", ""),
             (speedups.get("chunked loss", "") or "").split(" (")[0],
             speedups.get("offload", ""),
+            speedups.get("grouped attention", ""),
             _note(verdict),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -8,12 +8,16 @@ Each path is checked on its own: its fast arm is the model as ``slipstream.optim
 by default (every path on where the model allows it), its stock arm differs in that one path
 only, so a difference is that path's:
 
-- packed attention: the documents packed in one row vs each document alone (stock attention);
+- packed attention: the documents packed in one row, one SDPA call each (the other paths run on
+  top of it), vs each document alone (stock attention);
 - sorted MoE routing (``grouped_mm`` or the loop, whichever the device gets) vs transformers'
   own experts, on the requested family if it has experts, else on a tiny Qwen3-MoE;
 - offload-double: the offload schedule vs no checkpointing, on the real ``CudaEngine`` on a GPU
   and on the ``RecordingEngine`` (same schedule, copies at once) elsewhere;
-- the chunked loss vs transformers' loss.
+- the chunked loss vs transformers' loss;
+- grouped attention: the packed row's documents grouped by length into batched SDPA calls
+  (``attention_grouping="grouped"`` on the SDPA backend, whatever "auto" would pick for these
+  few documents) vs each document alone (stock attention).
 
 Both arms train one step from the same weights in the dtype training would use; the loss and
 every parameter gradient are compared. In fp32 the fast arm must match the stock arm within
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import re
 import time
@@ -53,10 +58,12 @@ from ..offload.policy import DeviceDescription, choose_policy
 from ..optimize import has_attention_sinks, optimize, state_of
 from ..packing import collate_packed
 from ..packing.attention import BACKEND_NAMES, UnsupportedAttentionFeature, choose_backend
+from ..packing.grouping import grouping_policy
 from ..packing.guards import UnsupportedArchitecture
 from ..speedups import Speedups
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
+PER_DOCUMENT = Speedups(attention_grouping="per_document")
 MOE_STAND_IN = "qwen3-moe"  # the MoE check's model when the requested family has no experts
 REFUSALS = (
     UnsupportedArchitecture,
@@ -223,6 +230,10 @@ def decisions(
         buffers = "pinned" if policy.pinned else "pageable"
         return f"{policy.mode}; {buffers} host buffers; engine {engine}", "; ".join(policy.reasons) or "-"
 
+    def grouping() -> tuple[str, str]:
+        backend, _ = choose_backend("auto", device, has_attention_sinks(model), dtype)
+        return "auto", grouping_policy("auto", backend, has_attention_sinks(model)).removeprefix("auto ")
+
     def loss() -> tuple[str, str]:
         tokens, why = choose_chunk_tokens(int(text.vocab_size), dtype, device)
         return f"{tokens} tokens per chunk", why
@@ -230,6 +241,7 @@ def decisions(
     deciders = {
         "dtype": lambda: (_dtype_name(dtype), dtype_why),
         "packed attention": attention,
+        "attention grouping": grouping,
         "MoE routing": lambda: _moe_decision(checked, model, moe_model, device, dtype),
         "offload (checkpointing: auto)": offload,
         "chunked loss": loss,
@@ -500,7 +512,8 @@ class Subject:
 
     @property
     def speedups(self) -> Speedups:
-        return Speedups() if self.packs else Speedups(packed_attention=False)
+        # one SDPA call per document: the grouped path has its own check, so each check is one path's
+        return PER_DOCUMENT if self.packs else Speedups(packed_attention=False)
 
     @property
     def layout(self) -> str:
@@ -688,7 +701,7 @@ def _check_paths(
     packed = run_check(
         "packed attention",
         main,
-        Speedups(),
+        PER_DOCUMENT,
         Speedups(packed_attention=False),
         device,
         dtype,
@@ -760,4 +773,18 @@ def _check_paths(
             arms="LoRA on every linear: in the activations' dtype, one addmm, vs PEFT's forward",
         )
     )
+
+    say("grouped attention")
+    # on the packed row even where per-document packed attention is WRONG: the grouped path is its own
+    grouped = run_check(
+        "grouped attention",
+        dataclasses.replace(main, packs=True),
+        Speedups(attention_grouping="grouped", attention_backend="sdpa"),
+        Speedups(packed_attention=False),
+        device,
+        dtype,
+        stock_layout="alone",
+        arms="documents grouped by length, one batched SDPA per group, vs each document alone (stock)",
+    )
+    checks.append(grouped)
     return checks, {"main": main, "moe": moe}

@@ -7,8 +7,10 @@ from them (small per-document masks, a flex BlockMask) is memoised on that batch
 
 Backends (``config._attn_implementation`` names):
 
-- ``slipstream_docwise`` (backend "sdpa"): one ``scaled_dot_product_attention`` call per document, so attention
-  costs O(sum Li^2) instead of O(T^2). Works everywhere (CPU included).
+- ``slipstream_docwise`` (backend "sdpa"): ``scaled_dot_product_attention`` within each document, so
+  attention costs O(sum Li^2) instead of O(T^2). Works everywhere (CPU included). Documents of
+  similar length share one batched call, right-padded (:mod:`.grouping`, the ``attention_grouping``
+  speedup), or take one call each.
 - ``slipstream_varlen``: one varlen flash-attention call for the whole row
   (``torch.nn.attention.varlen.varlen_attn``, or flash-attn's ``flash_attn_varlen_func``). CUDA.
 - ``slipstream_flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PackedBatch
+from .grouping import GROUPING_CHOICE, document_groups, run_grouped
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 from .rowpos import document_temperature
 
@@ -254,28 +257,21 @@ def packed_sdpa_attention(
     sliding_window: int | None = _NOT_GIVEN,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Per-document SDPA. query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
+    """SDPA within each document, documents grouped by length or one call each (:mod:`.grouping`).
+
+    query [1, H, T, D], key/value [1, Hkv, T, D] -> [1, T, H, D]."""
     query, batch, scaling, dropout, window, sinks = _unpack_args(
         module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
     if batch is None:
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
-    if sinks is not None:
-        out = _per_document(
-            lambda q, k, v, **kw: _sinks_one(module, q, k, v, **kw),
-            batch,
-            query,
-            key,
-            value,
-            scaling=scaling,
-            dropout=dropout,
-            window=window,
-            sinks=sinks,
-        )
-    else:
-        out = _per_document(
-            _sdpa_one, batch, query, key, value, scaling=scaling, dropout=dropout, window=window
-        )
+    fn = functools.partial(_sinks_one, module, sinks=sinks) if sinks is not None else _sdpa_one
+    kw = {"scaling": scaling, "dropout": dropout, "window": window}
+    mode = GROUPING_CHOICE.get(module, "auto")
+    groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])
+    if groups is not None:
+        return run_grouped(fn, groups, query, key, value, batch=batch, **kw), None
+    out = _per_document(fn, batch, query, key, value, **kw)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,0 +1,242 @@
+"""Documents of a packed row grouped by length, so the SDPA path makes a few calls, not one each.
+
+The per-document SDPA path (``slipstream_docwise``) calls ``scaled_dot_product_attention`` once
+per document per layer. Each call has a fixed cost (dispatch, a parallel region per kernel,
+autograd nodes in backward). Grouping puts documents of similar length side by side, each
+right-padded to its group's longest, and runs one batched SDPA per group ``[n, H, L, D]``,
+at the price of one gather of q / k / v and one scatter of the output (and their backwards)
+and of the padding's score FLOPs.
+
+Exact: with causal attention, a right-padded document's real queries never see the padding
+after them (``is_causal=True``, or the window mask, aligned at each document's start), and the
+padding queries' outputs are dropped by the scatter, so their gradient is exactly zero and
+adds nothing to the real positions' ``dq / dk / dv``. Sliding windows, sinks and chunked
+attention (a chunked row is its own batch of pieces, :meth:`PackedBatch.split_every`) are
+handled the same way as per document.
+
+The plan (which document goes where, the gather and scatter indices) is built once per batch
+(and attention shape) from the host lengths and memoised on the batch, so every layer reuses
+it and nothing is read back from the device.
+
+The rule ("auto") is a cost model measured with ``benchmarks/doc_attention.py`` on this
+project's 2-core CPU (fp32, 2 threads, best of the repeats; forward + backward):
+
+- a call costs :data:`CALL_SECONDS` (128 documents of 8 tokens, 4 / 2 heads of 32: 15.3 ms one
+  call each, 2.1 ms grouped, so ~0.1 ms a call);
+- a score element costs :data:`SCORE_SECONDS` per head and head dimension (12 documents of
+  ~85 tokens, 16 / 8 heads of 128: 29.2 ms one call each);
+- the gather and scatter cost :data:`GATHER_SECONDS` per element of q, k, v and the output
+  (the same row grouped in 2 calls with 12% padding: 35.1 ms, 3.6 ms of it moving data).
+
+The groups are the cheapest split of the documents, taken in length order, under that model
+(a dynamic program over the distinct lengths); "auto" groups when that plan's modelled cost,
+gather included, is below one call per document. So Qwen3-0.6B-shaped layers (16 heads of
+128) on ~90-token chat rows stay per document (grouped measured 0.78x fp32, 0.91x bf16 there:
+the FLOPs dominate, not the calls), while many short documents, or small heads, are grouped.
+
+Not modelled: a CPU shared with other processes. There every parallel region can wait for a
+descheduled thread, so each call costs far more (the same chat row: ~0.9 s at 2 threads against
+~50 ms at 1), and grouping measured 1.1-1.5x on the Qwen3-0.6B-shaped row and ~2x tokens/s on
+the demo model's A/B; one thread (``slipstream ab --threads 1``) is the better cure there.
+``attention_grouping="grouped"`` forces the groups.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from .batch import PackedBatch
+
+# The grouping choices, defined once (Speedups and the CLIs read them).
+AttentionGrouping = Literal["auto", "grouped", "per_document"]
+GROUPINGS: tuple[str, ...] = get_args(AttentionGrouping)
+CALL_SECONDS = 1.0e-4  # one SDPA call, forward + backward, beyond its FLOPs
+SCORE_SECONDS = 1.5e-10  # one score element, per head and head dimension, forward + backward
+GATHER_SECONDS = 6.0e-10  # one element of q, k, v or the output moved to / from the groups
+RULE = (
+    "documents grouped by length into batched SDPA calls where a measured cost model (a call "
+    f"{CALL_SECONDS * 1e3:g} ms; padded score FLOPs; the gather) says it is cheaper than one call per document"
+)
+
+# Per attention-module setting, kept beside the modules (weak keys: a module that goes away
+# takes its entry with it); a module without an entry runs "auto".
+GROUPING_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+def grouping_policy(mode: str, backend: str, has_sinks: bool) -> str:
+    """The policy line for ``mode`` on ``backend`` (what optimize logs)."""
+    if backend != "sdpa" and not has_sinks:
+        return f"{mode} (unused: the {backend} backend attends the whole row in one call)"
+    if mode == "per_document":
+        return "per_document (one SDPA call per document)"
+    if mode == "grouped":
+        return "grouped (documents grouped by length into batched SDPA calls, the cheapest split by the cost model)"
+    return f"auto ({RULE})"
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentGroups:
+    """A row's documents in groups of one padded length each.
+
+    ``shapes``: ``(documents, padded length)`` per group, in gather order. Indices (``[P]`` with
+    ``P = sum n * L`` slots, ``[T]`` for the row): ``gather_index`` ``[P]``, the row position each
+    slot reads (a padding slot reads its document's first token; its output is dropped);
+    ``scatter_index`` ``[T]``, the slot each row position's output comes from;
+    ``gather_or_zero`` ``[P]``, as ``gather_index`` but a padding slot reads row ``T`` (a zero row
+    appended to the gradient, so padding queries get a zero gradient).
+    """
+
+    shapes: tuple[tuple[int, int], ...]
+    gather_index: torch.Tensor
+    scatter_index: torch.Tensor
+    gather_or_zero: torch.Tensor
+    real_elements: int  # sum Li^2
+    padded_elements: int  # sum n * L^2
+
+    @property
+    def slots(self) -> list[int]:
+        return [n * length for n, length in self.shapes]
+
+
+def plan_groups(seq_lens: tuple[int, ...], call_elements: float) -> tuple[list[list[int]], float]:
+    """The cheapest grouping of ``seq_lens`` and its cost, in score elements.
+
+    A group costs ``call_elements`` (one call's fixed cost, in score elements) plus its padded
+    score elements (each document costs its group's longest length squared). Groups are ranges
+    of the distinct lengths in order (an optimal split never interleaves them): a dynamic
+    program over at most ~sqrt(2T) distinct lengths. Returns document indices per group,
+    longest group first.
+    """
+    distinct = sorted(set(seq_lens))
+    counts = {length: 0 for length in distinct}
+    for length in seq_lens:
+        counts[length] += 1
+    m = len(distinct)
+    before = [0]  # documents with the first i distinct lengths
+    for length in distinct:
+        before.append(before[-1] + counts[length])
+    best = [0.0] + [float("inf")] * m  # best[j]: the j shortest distinct lengths
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        square = distinct[j - 1] ** 2
+        for i in range(j):
+            cost = best[i] + call_elements + (before[j] - before[i]) * square
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], m
+    while j:
+        wanted = set(distinct[cut[j] : j])
+        groups.append([d for d, length in enumerate(seq_lens) if length in wanted])
+        j = cut[j]
+    return groups, best[m]
+
+
+def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type != "cpu":
+        pinned = index.pin_memory() if torch.cuda.is_available() else index
+        index = pinned.to(device, non_blocking=True)
+    return index
+
+
+def document_groups(
+    batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int
+) -> DocumentGroups | None:
+    """The batch's groups for ``mode`` ("auto", "grouped") and this attention shape, or None
+    for one call per document. Built once per batch and shape from the host lengths, memoised."""
+    if mode == "per_document" or batch.num_docs == 1:
+        return None
+    key = ("document_groups", mode, heads, kv_heads, head_dim)
+    return batch.memo(key, lambda: _build(batch, mode, heads, kv_heads, head_dim))
+
+
+def _build(batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int) -> DocumentGroups | None:
+    seq_lens = batch.seq_lens
+    element = SCORE_SECONDS * heads * head_dim  # seconds per score element
+    call_elements = CALL_SECONDS / element
+    plan, grouped_cost = plan_groups(seq_lens, call_elements)
+    gather_elements = GATHER_SECONDS * batch.num_tokens * (2 * heads + 2 * kv_heads) * head_dim / element
+    per_document_cost = len(seq_lens) * call_elements + sum(length * length for length in seq_lens)
+    if mode == "auto" and grouped_cost + gather_elements >= per_document_cost:
+        return None
+    starts = [start for start, _ in batch.doc_bounds()]
+    T = batch.num_tokens
+    gather: list[int] = []
+    gather_or_zero: list[int] = []
+    scatter = [0] * T
+    shapes = []
+    for docs in plan:
+        longest = max(seq_lens[d] for d in docs)
+        shapes.append((len(docs), longest))
+        for d in docs:
+            start, length = starts[d], seq_lens[d]
+            slot = len(gather)
+            scatter[start : start + length] = range(slot, slot + length)
+            gather += range(start, start + length)
+            gather += [start] * (longest - length)
+            gather_or_zero += range(start, start + length)
+            gather_or_zero += [T] * (longest - length)
+    return DocumentGroups(
+        shapes=tuple(shapes),
+        gather_index=_device_index(gather, batch.device),
+        scatter_index=_device_index(scatter, batch.device),
+        gather_or_zero=_device_index(gather_or_zero, batch.device),
+        real_elements=sum(length * length for length in seq_lens),
+        padded_elements=sum(n * length * length for n, length in shapes),
+    )
+
+
+class _ToSlots(torch.autograd.Function):
+    """``x_T`` ``[T, ...]`` -> ``x_P`` ``[P, ...]`` (each document's tokens then its padding).
+
+    Backward reads each position's gradient from its own slot (one index_select; no zero-filled
+    ``[T, ...]`` and no index_add): a padding slot's gradient is exactly zero (its query's output
+    is dropped, and no real query sees its key), so leaving it out changes nothing."""
+
+    @staticmethod
+    def forward(ctx, x_T, groups):
+        ctx.groups = groups
+        return x_T.index_select(0, groups.gather_index)
+
+    @staticmethod
+    def backward(ctx, grad_P):
+        return grad_P.index_select(0, ctx.groups.scatter_index), None
+
+
+class _FromSlots(torch.autograd.Function):
+    """``x_P`` ``[P, ...]`` -> ``x_T`` ``[T, ...]``: the real slots, in row order.
+
+    Backward: each slot's gradient from its row position, zero for padding slots (so padding
+    queries contribute nothing to any real position's gradient)."""
+
+    @staticmethod
+    def forward(ctx, x_P, groups):
+        ctx.groups = groups
+        return x_P.index_select(0, groups.scatter_index)
+
+    @staticmethod
+    def backward(ctx, grad_T):
+        padded = torch.cat([grad_T, grad_T.new_zeros((1, *grad_T.shape[1:]))])
+        return padded.index_select(0, ctx.groups.gather_or_zero), None
+
+
+def run_grouped(fn, groups: DocumentGroups, query, key, value, **kw) -> torch.Tensor:
+    """``fn`` (``[n, H, L, D]`` in and out) once per group; returns the row's output ``[1, T, H, D]``.
+
+    query ``[1, H, T, D]``, key / value ``[1, Hkv, T, D]``. One gather per input and one
+    scatter for the output (their backwards: one index_select each), whatever the group count.
+    """
+    slots = groups.slots
+    gathered = [_ToSlots.apply(t[0].transpose(0, 1), groups).split(slots) for t in (query, key, value)]
+    outputs = []
+    for (n, length), q, k, v in zip(groups.shapes, *gathered, strict=True):
+        q, k, v = (t.view(n, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        out = fn(q, k, v, **kw)  # [n, H, L, D]
+        heads, dim = out.shape[1], out.shape[3]
+        outputs.append(out.transpose(1, 2).reshape(n * length, heads, dim))
+    out_PHD = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    return _FromSlots.apply(out_PHD, groups).unsqueeze(0)
