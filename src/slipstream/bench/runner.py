@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import multiprocessing
 import resource
 import statistics
@@ -272,6 +273,9 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None =
             "attn_implementation": first["attn_implementation"],
             "dtype": first.get("dtype") or config.dtype,
             "final_loss": first["loss"][-1],
+            # what the warm-up steps took beyond as many timed steps (a compile's cold start shows here)
+            "warmup_extra_s": sum(first["step_s"][: config.warmup])
+            - config.warmup * statistics.median(first["step_s"][config.warmup :]),
             **utilisation(config, runs, flops, peak),
         }
     if not ran:
@@ -290,7 +294,25 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None =
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
+    _compile_break_even(summary, ran)
     return summary
+
+
+def _compile_break_even(summary: dict, ran: dict[str, list[dict]]) -> None:
+    """Beside ``slipstream-no-compile``, each arm that compiled its layers gets its measured cold
+    start (``compile_cold_start_s``: its warm-up's extra time over the eager arm's) and how many
+    steps after it pay that back (``compile_break_even_step``: cold start / time saved a step;
+    None where its steps are no faster)."""
+    eager = summary.get("slipstream-no-compile")
+    if eager is None or "median_step_s" not in eager:
+        return
+    for arm, runs in ran.items():
+        if not any(p.startswith("compile: decoder layers") for p in runs[0].get("policies", [])):
+            continue
+        cold = summary[arm]["warmup_extra_s"] - eager["warmup_extra_s"]
+        saved = eager["median_step_s"] - summary[arm]["median_step_s"]
+        summary[arm]["compile_cold_start_s"] = cold
+        summary[arm]["compile_break_even_step"] = math.ceil(max(cold, 0.0) / saved) if saved > 0 else None
 
 
 def parity_failures(record: dict) -> list[str]:
