@@ -180,16 +180,14 @@ def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eage
     config = ABConfig(steps=5, warmup=2, arms=("slipstream-no-compile", "slipstream"))
     compiled = _run("slipstream", [3.0, 40.0, 1.5, 1.5, 1.5], [100] * 5, [3.0, 2.0, 1.0, 1.0, 1.0])
     compiled["policies"] = ["compile: decoder layers (2 LlamaDecoderLayer), ... (requested)"]
-    runs = {
-        "slipstream-no-compile": [
-            _run("slipstream-no-compile", [3.0, 2.0, 2.0, 2.0, 2.0], [100] * 5, [3.0] * 5)
-        ],
-        "slipstream": [compiled],
-    }
+    compiled["probe_forward_s"] = 10.0  # the activation probe's forward: where the forward compiles
+    eager = _run("slipstream-no-compile", [3.0, 2.0, 2.0, 2.0, 2.0], [100] * 5, [3.0] * 5)
+    eager["probe_forward_s"] = 1.0
+    runs = {"slipstream-no-compile": [eager], "slipstream": [compiled]}
     summary = summarize(config, runs)
-    assert summary["slipstream"]["warmup_extra_s"] == pytest.approx(40.0)  # 43 - 2 x 1.5
-    assert summary["slipstream-no-compile"]["warmup_extra_s"] == pytest.approx(1.0)
-    assert summary["slipstream"]["compile_cold_start_s"] == pytest.approx(39.0)
-    assert summary["slipstream"]["compile_break_even_step"] == 78  # 39 s / 0.5 s saved a step
+    assert summary["slipstream"]["warmup_extra_s"] == pytest.approx(50.0)  # 43 + 10 - 2 x 1.5
+    assert summary["slipstream-no-compile"]["warmup_extra_s"] == pytest.approx(2.0)  # 5 + 1 - 2 x 2
+    assert summary["slipstream"]["compile_cold_start_s"] == pytest.approx(48.0)
+    assert summary["slipstream"]["compile_break_even_step"] == 96  # 48 s / 0.5 s saved a step
     compiled["step_s"] = [3.0, 40.0, 2.5, 2.5, 2.5]  # slower once compiled: never pays back
     assert summarize(config, runs)["slipstream"]["compile_break_even_step"] is None
