@@ -51,8 +51,11 @@ def should_compile(mode: str, expected_steps: int | None, device: torch.device |
     float32   36.3 s       2.665 s     2.748 s     440 steps
     ========  ===========  ==========  ==========  ===========
 
-    So CPU "auto" compiles from 500 steps (the larger figure, rounded up: a 3-7% gain per step is
-    near this shared host's noise). The cold start is one set of graphs whatever the depth, while
+    Two ``slipstream ab`` runs on the same workload (10 steps with AdamW, fresh inductor cache,
+    the host shared) scattered more: float32 2.44 s vs 3.07 s a step (cold start 66.7 s, paid back
+    in 106 steps), bfloat16 2.42 s vs 2.11 s (slower: never). So the gain is real but near this
+    host's noise; CPU "auto" compiles from 500 steps (the quiet measurement's larger figure,
+    rounded up). The cold start is one set of graphs whatever the depth, while
     the gain grows with the layers' width, so bigger models pay back sooner: the threshold is
     conservative for them. CUDA is not measured yet (no GPU in these runs): "auto" keeps it off
     there and says so; ``compile="on"`` runs it.
