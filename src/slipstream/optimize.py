@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from . import lora as lora_compute
+from .compile import compile_layers, should_compile, uncompile_layers
 from .loss import ChunkedLoss, UnsupportedLoss
 from .moe.experts import (
     COMPUTE_CHOICE,
@@ -58,12 +59,17 @@ class OptimizeState:
     guard_hooks: list = field(default_factory=list, repr=False)
     undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
     lora_hook: object | None = field(default=None, repr=False)  # installs lora.compute on the next forward
+    compiled: bool = False  # the decoder layers run compiled (slipstream.compile)
 
     def undo(self) -> None:
         """Every speedup back to its stock arm, the hooks removed, and this state detached."""
         model = self.model
         stock = Speedups(
-            packed_attention=False, moe_routing="stock", chunked_loss=False, lora_in_compute_dtype=False
+            packed_attention=False,
+            moe_routing="stock",
+            chunked_loss=False,
+            lora_in_compute_dtype=False,
+            compile="off",
         )
         optimize(model, stock.replace(checkpointing="off") if self.checkpointing is not None else stock)
         if getattr(model, _STATE_ATTR, None) is self:
@@ -105,7 +111,13 @@ def _padding_guard(module, args, kwargs):
     return None
 
 
-def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options: Any) -> torch.nn.Module:
+def optimize(
+    model: torch.nn.Module,
+    speedups: Speedups | None = None,
+    *,
+    expected_steps: int | None = None,
+    **options: Any,
+) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
     ``speedups``: a :class:`slipstream.Speedups` (every toggle, typed and validated once; see
@@ -126,6 +138,10 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         ``out.logits`` is a ``loss.LogitsNotComputed`` placeholder that raises, naming this
         option, if used as a tensor; eval / ``no_grad`` forwards keep their logits); ``None``:
         on where the model supports it, else logged and off.
+    compile: "on" compiles each decoder layer (``torch.compile``, dynamic shapes, the packed
+        attention eager between graphs); "auto" does so only when ``expected_steps`` (the run's
+        optimizer steps, which the trainer and ``slipstream ab`` pass) pays back the cold start
+        (``slipstream.compile.should_compile``); without ``expected_steps`` "auto" stays off.
 
     Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
     each other in stock transformers); ``optimize`` turns it off and restores it when undone.
@@ -218,6 +234,7 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
     _set_moe_routing(base, state, moe_routing, moe_compute)
     _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
     _set_lora_compute(base, state, speedups.lora_in_compute_dtype)
+    _set_compile(base, state, speedups.compile, expected_steps)
     if checkpointing is not None:
         if environment_note:
             state.policies.append(f"checkpointing: {environment_note}")
@@ -227,6 +244,28 @@ def optimize(model: torch.nn.Module, speedups: Speedups | None = None, **options
         state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
         state.policies.append(f"checkpointing: {policy.mode}")
     return model
+
+
+def _set_compile(base: torch.nn.Module, state: OptimizeState, mode: str, expected_steps: int | None) -> None:
+    device = next(base.parameters()).device
+    wanted, why = should_compile(mode, expected_steps, device)
+    if wanted:
+        register_attention_functions(outside_graphs=True)  # the per-document loop stays eager
+        classes = compile_layers(base)
+        if not classes:
+            policy = "compile: off (no decoder layers found to compile)"
+        else:
+            layers = ", ".join(f"{count} {name}" for name, count in classes.items())
+            policy = (
+                f"compile: decoder layers ({layers}), dynamic shapes, attention eager between graphs ({why})"
+            )
+            state.compiled = True
+    else:
+        if uncompile_layers(base):
+            state.compiled = False
+        policy = f"compile: {why}"
+    state.policies.append(policy)
+    logger.info(policy)
 
 
 def _set_lora_compute(base: torch.nn.Module, state: OptimizeState, wanted: bool) -> None:

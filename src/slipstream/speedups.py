@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Annotated, Any, get_args
 
+from .compile import CompileMode
 from .fields import Range, check_fields
 from .moe.experts import MoeCompute, MoeRouting
 from .offload.policy import Checkpointing
@@ -87,6 +88,14 @@ class Speedups:
         ),
     )
 
+    compile: CompileMode = field(
+        default="auto",
+        metadata=_help(
+            "torch.compile each decoder layer (dynamic shapes, the packed attention left eager between graphs): "
+            "on, off, or auto (on only when the run's steps pay back the compile's cold start)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)  # every rule, once: raises ConfigError naming the field
 
@@ -117,6 +126,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionGrouping",
     "Checkpointing",
+    "CompileMode",
     "MoeCompute",
     "MoeRouting",
     "Speedups",

@@ -1,5 +1,6 @@
 """The A/B harness: verdicts, summaries, the report, and one short real run of every arm."""
 
+import argparse
 import json
 
 import pytest
@@ -151,6 +152,43 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
         moe_routing="stock",
         chunked_loss=False,
         lora_in_compute_dtype=False,
+        compile="off",
         checkpointing="recompute",
     )
     assert arm_speedups(ABConfig(), "stock-padded").checkpointing == "off"
+
+
+def test_the_ablation_preset_leaves_compile_out_unless_the_slipstream_arm_compiles(monkeypatch):
+    from slipstream.bench.arms import preset_arms
+    from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+    from slipstream.compile import regional
+
+    def arms(*argv):
+        parser = argparse.ArgumentParser()
+        add_ab_arguments(parser)
+        return ab_config_from_args(parser.parse_args(["--device", "cpu", *argv])).arms
+
+    assert "slipstream-no-compile" in ARM_PRESETS["ablation"]
+    monkeypatch.setitem(regional.BREAK_EVEN_STEPS, "cpu", 100)
+    assert "slipstream-no-compile" not in arms("--preset", "ablation", "--steps", "99")
+    assert "slipstream-no-compile" in arms("--preset", "ablation", "--steps", "100")
+    assert "slipstream-no-compile" in arms("--preset", "ablation", "--steps", "5", "--compile", "on")
+    assert "slipstream-no-compile" not in arms("--preset", "ablation", "--steps", "500", "--compile", "off")
+    assert preset_arms("default", ABConfig(), "cpu") == ARM_PRESETS["default"]
+
+
+def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eager_one():
+    config = ABConfig(steps=5, warmup=2, arms=("slipstream-no-compile", "slipstream"))
+    compiled = _run("slipstream", [3.0, 40.0, 1.5, 1.5, 1.5], [100] * 5, [3.0, 2.0, 1.0, 1.0, 1.0])
+    compiled["policies"] = ["compile: decoder layers (2 LlamaDecoderLayer), ... (requested)"]
+    compiled["probe_forward_s"] = 10.0  # the activation probe's forward: where the forward compiles
+    eager = _run("slipstream-no-compile", [3.0, 2.0, 2.0, 2.0, 2.0], [100] * 5, [3.0] * 5)
+    eager["probe_forward_s"] = 1.0
+    runs = {"slipstream-no-compile": [eager], "slipstream": [compiled]}
+    summary = summarize(config, runs)
+    assert summary["slipstream"]["warmup_extra_s"] == pytest.approx(50.0)  # 43 + 10 - 2 x 1.5
+    assert summary["slipstream-no-compile"]["warmup_extra_s"] == pytest.approx(2.0)  # 5 + 1 - 2 x 2
+    assert summary["slipstream"]["compile_cold_start_s"] == pytest.approx(48.0)
+    assert summary["slipstream"]["compile_break_even_step"] == 96  # 48 s / 0.5 s saved a step
+    compiled["step_s"] = [3.0, 40.0, 2.5, 2.5, 2.5]  # slower once compiled: never pays back
+    assert summarize(config, runs)["slipstream"]["compile_break_even_step"] is None

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 
+from ..compile import should_compile
 from ..data.labels import count_label_tokens
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
@@ -48,7 +49,13 @@ class Arm:
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
 # for memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
-STOCK = Speedups(packed_attention=False, moe_routing="stock", chunked_loss=False, lora_in_compute_dtype=False)
+STOCK = Speedups(
+    packed_attention=False,
+    moe_routing="stock",
+    chunked_loss=False,
+    lora_in_compute_dtype=False,
+    compile="off",
+)
 SLIPSTREAM = Speedups()
 ARM_SPECS: dict[str, Arm] = {
     "stock-padded": Arm("padded", STOCK, stock=True),
@@ -62,6 +69,7 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
     "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
+    "slipstream-no-compile": Arm("packed", SLIPSTREAM.replace(compile="off")),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -82,6 +90,7 @@ ARM_PRESETS = {
         "slipstream-no-moe-routing",
         "slipstream-no-chunked-loss",
         "slipstream-no-lora-compute",
+        "slipstream-no-compile",  # dropped where the run would not compile (ablation_arms)
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
@@ -96,6 +105,17 @@ ARM_PRESETS = {
         "slipstream",
     ),
 }
+
+
+def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
+    """The arms of ``--preset``, less ``slipstream-no-compile`` where the run's ``slipstream`` arm
+    would not compile on ``device`` (its leave-one-out would then run the same thing twice)."""
+    arms = ARM_PRESETS[preset]
+    if "slipstream-no-compile" in arms:
+        mode = arm_speedups(config, "slipstream").compile
+        if not should_compile(mode, config.steps, device)[0]:
+            arms = tuple(arm for arm in arms if arm != "slipstream-no-compile")
+    return arms
 
 
 def micro_batch_inputs(arm: str, docs: list[dict], device: str):
@@ -138,7 +158,7 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
     model = load_arm_model(config, vocab_size, getattr(torch, config.dtype))
     model.to(device).train()
     spec = ARM_SPECS[arm]
-    optimize(model, arm_speedups(config, arm))
+    optimize(model, arm_speedups(config, arm), expected_steps=config.steps)
     state = state_of(model)
     if spec.peer_loss == "trl-fused":
         # TRL is optional and heavy: only this arm imports it

@@ -16,7 +16,7 @@ import torch
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
 from .ab_config import ABConfig, resolve_device
-from .arms import ARM_PRESETS
+from .arms import ARM_PRESETS, preset_arms
 from .render import print_tables, write_record
 from .runner import parity_failures, run_ab
 
@@ -130,7 +130,12 @@ def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
         for spec in dataclasses.fields(ABConfig)
         if spec.name != "speedups"
     }
-    return ABConfig(**{**values, **from_file, **given, "speedups": {**defaults.speedups, **speedups}})
+    config = ABConfig(**{**values, **from_file, **given, "speedups": {**defaults.speedups, **speedups}})
+    if getattr(args, "preset", None):
+        config = dataclasses.replace(
+            config, arms=preset_arms(args.preset, config, resolve_device(config.device))
+        )
+    return config
 
 
 def workload_of_train_config(path: str) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import multiprocessing
 import resource
 import statistics
@@ -63,6 +64,8 @@ class ArmResult:
     dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
     # model FLOPs of each step (forward + backward, utilisation.flops), from this arm's model; None: not counted
     model_flops: list[int] | None = None
+    # the untimed forward that measures activation_bytes (a compiled arm compiles its forward there)
+    probe_forward_s: float = 0.0
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -131,7 +134,9 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     profile = flop_profile(model)
     model_flops = [profile.step_flops(docs_micro_batch(docs) for docs in micro_docs) for micro_docs in plan]
     first_inputs, _ = inputs_of(plan[0][0])
+    probe_started = time.perf_counter()
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
+    probe_forward_s = time.perf_counter() - probe_started
     if trl_step:
         step_fn = trl_step  # TRL's trainer, with its own optimizer and clipping
     else:
@@ -165,6 +170,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         activation_bytes=activation_bytes,
         dtype=dtype,
         model_flops=model_flops,
+        probe_forward_s=probe_forward_s,
     )
     for step, micro_docs in enumerate(plan):
         micro = [inputs_of(docs) for docs in micro_docs]
@@ -272,6 +278,11 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None =
             "attn_implementation": first["attn_implementation"],
             "dtype": first.get("dtype") or config.dtype,
             "final_loss": first["loss"][-1],
+            # what the warm-up steps and the activation probe's forward took beyond as many timed
+            # steps (a compile's cold start shows here: its forward compiles in the probe)
+            "warmup_extra_s": sum(first["step_s"][: config.warmup])
+            + first.get("probe_forward_s", 0.0)
+            - config.warmup * statistics.median(first["step_s"][config.warmup :]),
             **utilisation(config, runs, flops, peak),
         }
     if not ran:
@@ -290,7 +301,25 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None =
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
+    _compile_break_even(summary, ran)
     return summary
+
+
+def _compile_break_even(summary: dict, ran: dict[str, list[dict]]) -> None:
+    """Beside ``slipstream-no-compile``, each arm that compiled its layers gets its measured cold
+    start (``compile_cold_start_s``: its warm-up's extra time over the eager arm's) and how many
+    steps after it pay that back (``compile_break_even_step``: cold start / time saved a step;
+    None where its steps are no faster)."""
+    eager = summary.get("slipstream-no-compile")
+    if eager is None or "median_step_s" not in eager:
+        return
+    for arm, runs in ran.items():
+        if not any(p.startswith("compile: decoder layers") for p in runs[0].get("policies", [])):
+            continue
+        cold = summary[arm]["warmup_extra_s"] - eager["warmup_extra_s"]
+        saved = eager["median_step_s"] - summary[arm]["median_step_s"]
+        summary[arm]["compile_cold_start_s"] = cold
+        summary[arm]["compile_break_even_step"] = math.ceil(max(cold, 0.0) / saved) if saved > 0 else None
 
 
 def parity_failures(record: dict) -> list[str]:

@@ -439,17 +439,32 @@ ATTENTION_FUNCTIONS: dict[str, Callable] = {
 BACKEND_NAMES = {"sdpa": "slipstream_docwise", "varlen": "slipstream_varlen", "flex": "slipstream_flex"}
 
 
-def register_attention_functions() -> None:
+def register_attention_functions(outside_graphs: bool = False) -> None:
     """Register the packed backends with transformers (idempotent).
 
     No mask function is registered on purpose: for an attention name without one,
     transformers' mask builders return ``None`` straight away, before they would inspect
     position_ids (a host sync) or build a dense [B, 1, T, T] mask.
+
+    ``outside_graphs``: register them wrapped in ``torch.compiler.disable``, for compiled decoder
+    layers (``slipstream.compile``): the per-document loop over the batch's host lengths then runs
+    eagerly between two graphs, so no graph specializes on a batch's document count. Once
+    registered so they stay so (the wrapper is the same function to an eager caller).
     """
     from transformers import AttentionInterface
 
+    global _OUTSIDE_GRAPHS
+    _OUTSIDE_GRAPHS = _OUTSIDE_GRAPHS or outside_graphs
     for name, fn in ATTENTION_FUNCTIONS.items():
-        AttentionInterface.register(name, fn)
+        AttentionInterface.register(name, _disabled(fn) if _OUTSIDE_GRAPHS else fn)
+
+
+_OUTSIDE_GRAPHS = False
+
+
+@functools.cache
+def _disabled(fn: Callable) -> Callable:
+    return torch.compiler.disable(fn)
 
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # the varlen kernels are flash attention's

@@ -308,7 +308,15 @@ def _eval_set(config: TrainConfig, samples: list[dict], source: str) -> EvalSet:
 
 
 def _trainable_model(
-    config: TrainConfig, tokenizer, samples, device, dtype, dtype_policy: str, info, evals: EvalSet | None
+    config: TrainConfig,
+    tokenizer,
+    samples,
+    device,
+    dtype,
+    dtype_policy: str,
+    info,
+    evals: EvalSet | None,
+    expected_steps: int | None = None,
 ):
     """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
     model = load_model(config, len(tokenizer), dtype)
@@ -319,7 +327,8 @@ def _trainable_model(
     if not config.quantization.four_bit:
         model.to(device)
     try:
-        optimize(model, config.speedups)  # the config's section is a Speedups
+        # the config's section is a Speedups; the step count decides compile "auto"
+        optimize(model, config.speedups, expected_steps=expected_steps)
     except NotImplementedError as error:  # a refusal (UnsupportedArchitecture, ...): say it in config terms
         raise TrainError(
             f"{config.model.path or config.model.preset}: {error}{config_advice(str(error))}"
@@ -391,9 +400,11 @@ def _set_up_locked(
         tqdm.write(f"slipstream train: {dtype_policy}")
     # measured once per device, dtype, threads and torch (cached), before the model takes the memory
     peak = matmul_peak(device, dtype) if info.is_main else None
-    model, policies = _trainable_model(config, tokenizer, samples, device, dtype, dtype_policy, info, evals)
-    optimizer = _optimizer(config, model, device, info)
     total, bins_for = _step_plan(len(bins), config, info.world_size)
+    model, policies = _trainable_model(
+        config, tokenizer, samples, device, dtype, dtype_policy, info, evals, expected_steps=total
+    )
+    optimizer = _optimizer(config, model, device, info)
     scheduler = get_scheduler(
         config.optimizer.schedule,
         optimizer,

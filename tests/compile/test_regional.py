@@ -1,0 +1,213 @@
+"""Regional compile (slipstream.compile): every decoder layer compiled once for all packed
+batches, the same losses and gradients as the eager layers, no host reads in a graph, the
+packed-attention guards still raising, and the "auto" decision."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from peft import LoraConfig, get_peft_model
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import make_boxed_func
+
+import slipstream
+from slipstream.bench.counters import HOST_SYNC_OPS
+from slipstream.compile import regional, should_compile
+from slipstream.compile.regional import compiled_layers
+from slipstream.models import build_model
+from slipstream.packing import PACKED_BATCH_KWARG, collate_packed
+from slipstream.packing.guards import UnsupportedArchitecture
+from tests.conftest import random_docs
+
+VOCAB = 256
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Total lengths 31, 42, 31, 40, 33 and 1 to 6 documents: each batch a new length or document count.
+BATCHES = [[5, 17, 9], [30, 12], [7, 7, 7, 7, 3], [40], [3, 4, 5, 6, 7, 8]]
+
+
+class RecordingBackend:
+    """A torch.compile backend (AOT autograd, eager kernels) that keeps every graph it is given:
+    ``compiles`` counts dynamo's graphs, ``ops`` every ATen op of their forwards and backwards."""
+
+    def __init__(self):
+        self.compiles = 0
+        self.ops: set[str] = set()
+
+        def keep(graph, example_inputs):
+            self.ops.update(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return make_boxed_func(graph.forward)
+
+        self._aot = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+    def __call__(self, graph, example_inputs):
+        self.compiles += 1
+        return self._aot(graph, example_inputs)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def lora_model(family: str, compile: str, layers: int = 2, dtype=torch.float32):
+    model = build_model(family, vocab_size=VOCAB, seed=0, layers=layers, dtype=dtype)
+    slipstream.optimize(model, compile=compile)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    torch.manual_seed(2)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero in PEFT: give the update a size, so it is tested
+            parameter.data.normal_(0, 0.05)
+    return model
+
+
+def step(model, lengths, seed=0):
+    model.zero_grad(set_to_none=True)
+    batch = collate_packed(random_docs(lengths, vocab_size=VOCAB, seed=seed))
+    loss = model(**batch.model_inputs()).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_compiled_layers_match_eager_and_compile_once_for_every_packed_batch(family):
+    """Inductor, fp32: each of five packed batches (new total length or document count every time)
+    gives the eager model's loss and LoRA gradients within 1e-5 relative; dynamo compiles its
+    frames on the first batch only (``counters["frames"]["ok"]`` and ``unique_graphs`` unchanged
+    after it, ``counters["recompiles"]`` empty): dynamic shapes from the first compile, so there
+    is no later dynamic recompile either."""
+    eager, compiled = lora_model(family, "off"), lora_model(family, "on")
+    assert len(compiled_layers(compiled.get_base_model())) == 2
+    first = None
+    for index, lengths in enumerate(BATCHES):
+        eager_loss, eager_grads = step(eager, lengths, seed=index)
+        loss, grads = step(compiled, lengths, seed=index)
+        assert torch.allclose(loss, eager_loss, rtol=1e-5, atol=0), (lengths, loss, eager_loss)
+        assert set(grads) == set(eager_grads) and len(grads) == 2 * len(TARGETS) * 2
+        for name, grad in eager_grads.items():
+            scale = grad.abs().max()
+            assert (grads[name] - grad).abs().max() <= 1e-5 * scale, (lengths, name)
+        seen = (counters["frames"]["ok"], counters["stats"]["unique_graphs"])
+        if first is None:
+            first = seen
+            assert first[1] > 0  # something was compiled
+        assert seen == first, f"recompiled for {lengths}: {seen} after {first}"
+    assert not counters["recompiles"]
+    policies = slipstream.state_of(compiled).policies
+    assert any(p.startswith("compile: decoder layers (2 ") and "(requested)" in p for p in policies)
+
+
+def test_one_graph_serves_every_layer_and_no_graph_reads_the_host(monkeypatch):
+    """With 2 or 5 layers dynamo compiles the same number of graphs (one per layer class and
+    region between graph breaks, not per layer), and none of their forward or backward graphs holds
+    a host-syncing op (``HOST_SYNC_OPS``). The step is also counted with HostSyncCounter: 0; dynamo
+    runs frames eagerly while a TorchDispatchMode is active, so that count covers the eager path
+    and the graphs' own ops are what prove the compiled one."""
+    from slipstream.bench.counters import HostSyncCounter
+
+    compiles = {}
+    for layers in (2, 5):
+        torch._dynamo.reset()
+        backend = RecordingBackend()
+        monkeypatch.setattr(regional, "BACKEND", backend)
+        model = lora_model("qwen3", "on", layers=layers)
+        for index, lengths in enumerate(BATCHES[:3]):
+            step(model, lengths, seed=index)
+        compiles[layers] = backend.compiles
+        host_ops = {op for op in backend.ops if op.split(".")[1:2] and op.split(".")[1] in HOST_SYNC_OPS}
+        assert not host_ops, host_ops
+        assert any("mm" in op for op in backend.ops)  # the graphs hold the layers' work
+        with HostSyncCounter() as syncs:
+            step(model, BATCHES[3], seed=3)
+        assert syncs.total == 0, syncs.by_op
+    assert compiles[2] == compiles[5] > 0
+
+
+def test_the_packed_attention_guards_still_raise_in_compiled_layers(monkeypatch):
+    monkeypatch.setattr(regional, "BACKEND", RecordingBackend())
+    model = build_model("llama", vocab_size=VOCAB)
+    slipstream.optimize(model, compile="on")
+    batch = collate_packed(random_docs([6, 9], vocab_size=VOCAB))
+    model(**batch.model_inputs()).loss.backward()  # compiled
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
+
+    def forward_without_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
+        kwargs.pop(PACKED_BATCH_KWARG)  # what a decoder layer that does not pass **kwargs on does
+        return original(hidden_states, position_embeddings, attention_mask, **kwargs)
+
+    attention.forward = forward_without_kwargs
+    with pytest.raises(UnsupportedArchitecture, match=r"LlamaAttention \(layer 1\) was called without"):
+        model(**collate_packed(random_docs([5, 8], vocab_size=VOCAB)).model_inputs())
+    del attention.forward
+    padded = {"input_ids": torch.tensor([[3, 4, 5, 0]]), "attention_mask": torch.tensor([[1, 1, 1, 0]])}
+    with pytest.raises(ValueError, match="PackedBatch"):
+        model(**padded)
+
+
+def test_compile_off_and_undo_put_the_eager_layers_back(monkeypatch):
+    monkeypatch.setattr(regional, "BACKEND", RecordingBackend())
+    model = build_model("qwen3", vocab_size=VOCAB)
+    slipstream.optimize(model, compile="on")
+    assert len(compiled_layers(model)) == 2 and slipstream.state_of(model).compiled
+    slipstream.optimize(model, compile="off")
+    assert not compiled_layers(model) and not slipstream.state_of(model).compiled
+    assert slipstream.state_of(model).policies[-1] == "compile: off (requested)"
+    slipstream.optimize(model, compile="on")
+    slipstream.state_of(model).undo()
+    assert not compiled_layers(model)
+
+
+def test_auto_compiles_only_a_run_long_enough_to_pay_back(monkeypatch):
+    model = build_model("qwen3", vocab_size=VOCAB)
+    slipstream.optimize(model)  # plain optimize: no step count, so "auto" stays off and says why
+    assert not compiled_layers(model)
+    assert any(
+        "compile: off (auto: the run's step count is unknown" in p
+        for p in slipstream.state_of(model).policies
+    )
+
+    # the measured thresholds (should_compile's docstring): 500 steps on CPU, CUDA not measured yet
+    assert [should_compile("auto", n, "cpu")[0] for n in (499, 500)] == [False, True]
+    assert should_compile("auto", 10**6, "cuda") == (
+        False,
+        "off (auto: no measured break-even on cuda yet; compile='on' to run it)",
+    )
+    monkeypatch.setitem(regional.BREAK_EVEN_STEPS, "cpu", 50)
+    assert should_compile("auto", 49, "cpu") == (
+        False,
+        "off (auto: 49 steps, fewer than the 50 that pay back the cold start on cpu)",
+    )
+    assert should_compile("auto", 50, "cpu")[0]
+    assert should_compile("on", 1, "cpu") == (True, "requested")
+    assert should_compile("off", 10**6, "cpu")[0] is False
+    monkeypatch.setitem(regional.BREAK_EVEN_STEPS, "cpu", None)
+    on, why = should_compile("auto", 10**6, "cpu")
+    assert not on and "no measured break-even on cpu" in why
+    monkeypatch.setattr(regional, "BACKEND", RecordingBackend())
+    monkeypatch.setitem(regional.BREAK_EVEN_STEPS, "cpu", 3)
+    slipstream.optimize(model, expected_steps=3)
+    assert len(compiled_layers(model)) == 2
+    assert "auto: 3 steps, at least the 3" in slipstream.state_of(model).policies[-1]
+
+
+def test_a_step_under_a_dispatch_mode_runs_eagerly_and_leaves_later_steps_compiled(monkeypatch):
+    """slipstream counts a step's host syncs under a TorchDispatchMode (ab's first step): dynamo
+    would skip the layers' frames there and remember it, leaving every later step eager. The
+    counted step runs the eager forward instead, and the next one compiles."""
+    from slipstream.bench.counters import HostSyncCounter
+
+    backend = RecordingBackend()
+    monkeypatch.setattr(regional, "BACKEND", backend)
+    model = lora_model("llama", "on")
+    with HostSyncCounter() as syncs:
+        step(model, BATCHES[0])
+    assert backend.compiles == 0 and syncs.total == 0
+    step(model, BATCHES[1], seed=1)
+    assert backend.compiles > 0
