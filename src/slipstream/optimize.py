@@ -64,13 +64,7 @@ class OptimizeState:
     def undo(self) -> None:
         """Every speedup back to its stock arm, the hooks removed, and this state detached."""
         model = self.model
-        stock = Speedups(
-            packed_attention=False,
-            moe_routing="stock",
-            chunked_loss=False,
-            lora_in_compute_dtype=False,
-            compile="off",
-        )
+        stock = Speedups.stock()
         optimize(model, stock.replace(checkpointing="off") if self.checkpointing is not None else stock)
         if getattr(model, _STATE_ATTR, None) is self:
             delattr(model, _STATE_ATTR)

@@ -102,6 +102,18 @@ class Speedups:
     def replace(self, **changes: Any) -> Speedups:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def stock(cls) -> Speedups:
+        """Every speedup at its stock arm: the model as transformers and PEFT run it
+        (checkpointing left as is). A new speedup adds its stock value here, once."""
+        return cls(
+            packed_attention=False,
+            moe_routing="stock",
+            chunked_loss=False,
+            lora_in_compute_dtype=False,
+            compile="off",
+        )
+
     def with_environment(self) -> tuple[Speedups, str | None]:
         """These speedups with ``SLIPSTREAM_CHECKPOINTING`` applied, and a note saying so (or None)."""
         override = os.environ.get(ENV_CHECKPOINTING)

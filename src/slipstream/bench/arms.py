@@ -49,13 +49,7 @@ class Arm:
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
 # for memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
-STOCK = Speedups(
-    packed_attention=False,
-    moe_routing="stock",
-    chunked_loss=False,
-    lora_in_compute_dtype=False,
-    compile="off",
-)
+STOCK = Speedups.stock()
 SLIPSTREAM = Speedups()
 ARM_SPECS: dict[str, Arm] = {
     "stock-padded": Arm("padded", STOCK, stock=True),
