@@ -208,18 +208,21 @@ class _ToSlots(torch.autograd.Function):
 
 
 class _FromSlots(torch.autograd.Function):
-    """``x_P`` ``[P, ...]`` -> ``x_T`` ``[T, ...]``: the real slots, in row order.
+    """``x_P`` ``[P, ...]`` -> ``x_T`` ``[1, T, ...]``: the real slots, in row order, as the row.
 
-    Backward: each slot's gradient from its row position, zero for padding slots (so padding
-    queries contribute nothing to any real position's gradient)."""
+    A fresh tensor, not a view (as the per-document path returns): a compiled layer's graph
+    after the attention then sees the same kind of input whichever path ran, and does not
+    recompile for it. Backward: each slot's gradient from its row position, zero for padding
+    slots (so padding queries contribute nothing to any real position's gradient)."""
 
     @staticmethod
     def forward(ctx, x_P, groups):
         ctx.groups = groups
-        return x_P.index_select(0, groups.scatter_index)
+        return x_P.unsqueeze(0).index_select(1, groups.scatter_index)
 
     @staticmethod
-    def backward(ctx, grad_T):
+    def backward(ctx, grad_row):
+        grad_T = grad_row[0]
         padded = torch.cat([grad_T, grad_T.new_zeros((1, *grad_T.shape[1:]))])
         return padded.index_select(0, ctx.groups.gather_or_zero), None
 
@@ -239,4 +242,4 @@ def run_grouped(fn, groups: DocumentGroups, query, key, value, **kw) -> torch.Te
         heads, dim = out.shape[1], out.shape[3]
         outputs.append(out.transpose(1, 2).reshape(n * length, heads, dim))
     out_PHD = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-    return _FromSlots.apply(out_PHD, groups).unsqueeze(0)
+    return _FromSlots.apply(out_PHD, groups)
