@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slipstream-installed
 
-.PHONY: demo test compat lint setup clean bench-packing
+.PHONY: demo test compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ test: $(STAMP)
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
+
+compile-check: $(STAMP)  # the regional compile's inductor parity and no-recompile test (slow)
+	$(BIN)/python -m pytest -q --runslow tests/compile/test_regional.py -k compile_once
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples

@@ -75,6 +75,7 @@ def step(model, lengths, seed=0):
     return loss.detach(), grads
 
 
+@pytest.mark.slow  # two inductor builds (about 2 min on 2 cores): run by .ci/run (make compile-check)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_compiled_layers_match_eager_and_compile_once_for_every_packed_batch(family):
     """Inductor, fp32: each of five packed batches (new total length or document count every time)
