@@ -49,27 +49,10 @@ class Generator:
             key: encoded[key].to(self.device) for key in ("input_ids", "attention_mask") if key in encoded
         }
 
-    def generate(
-        self,
-        prompt: str,
-        *,
-        max_new_tokens: int = 256,
-        sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        streamer=None,
-    ) -> str:
-        """The answer to one prompt (special tokens removed); ``streamer`` gets the tokens as they come."""
-        return self.answer(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            sample=sample,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            streamer=streamer,
-        ).text
+    def generate(self, prompt: str, **options: Any) -> str:
+        """The answer to one prompt (special tokens removed); ``answer``'s options (``streamer``
+        gets the tokens as they come)."""
+        return self.answer(prompt, **options).text
 
     def answer(
         self,
