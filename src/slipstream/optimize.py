@@ -31,6 +31,7 @@ from .packing.attention import BACKEND_NAMES, choose_backend, register_attention
 from .packing.batch import PACKED_BATCH_KWARG
 from .packing.grouping import GROUPING_CHOICE, grouping_policy
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
+from .packing.short_attention import SHORT_KERNEL_CHOICE, short_kernel_policy
 from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
 from .speedups import Speedups
 
@@ -49,6 +50,7 @@ class OptimizeState:
     stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
     attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
+    short_document_kernel: bool | None = None  # Speedups.short_document_kernel, None when stock
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)
@@ -208,6 +210,13 @@ def optimize(
             policy = f"packed attention grouping: {grouping_policy(attention_grouping, backend, sinks)}"
             state.policies.append(policy)
             logger.info(policy)
+        if state.short_document_kernel != speedups.short_document_kernel:
+            for module in base.modules():
+                SHORT_KERNEL_CHOICE[module] = speedups.short_document_kernel
+            state.short_document_kernel = speedups.short_document_kernel
+            policy = f"short-document kernel: {short_kernel_policy(speedups.short_document_kernel, backend)}"
+            state.policies.append(policy)
+            logger.info(policy)
     elif state.packed_attention is not None:
         base.set_attn_implementation(state.stock_attn_implementation)
         if state.stock_use_cache is not None:
@@ -223,6 +232,7 @@ def optimize(
             state.undo_adaptations = None
         state.packed_attention = None
         state.attention_grouping = None
+        state.short_document_kernel = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)

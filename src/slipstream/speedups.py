@@ -55,6 +55,14 @@ class Speedups:
             "CPU (calls, padded score FLOPs, the gather) says it is cheaper"
         ),
     )
+    short_document_kernel: bool = field(
+        default=True,
+        metadata=_help(
+            "per-document SDPA path on a CPU: documents (or length groups) of up to 256 tokens attend by "
+            "two GEMMs and an fp32 softmax recomputed in backward, measured 1.1-5x faster there than "
+            "SDPA's CPU flash kernel (false: SDPA for every document)"
+        ),
+    )
     moe_routing: MoeRouting | None = field(
         default=None,
         metadata=_help(
@@ -108,6 +116,7 @@ class Speedups:
         (checkpointing left as is). A new speedup adds its stock value here, once."""
         return cls(
             packed_attention=False,
+            short_document_kernel=False,
             moe_routing="stock",
             chunked_loss=False,
             lora_in_compute_dtype=False,

@@ -149,6 +149,7 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
     stock = arm_speedups(config, "stock-packed")
     assert stock == Speedups(
         packed_attention=False,
+        short_document_kernel=False,
         moe_routing="stock",
         chunked_loss=False,
         lora_in_compute_dtype=False,
@@ -175,6 +176,13 @@ def test_the_ablation_preset_leaves_compile_out_unless_the_slipstream_arm_compil
     assert "slipstream-no-compile" in arms("--preset", "ablation", "--steps", "5", "--compile", "on")
     assert "slipstream-no-compile" not in arms("--preset", "ablation", "--steps", "500", "--compile", "off")
     assert preset_arms("default", ABConfig(), "cpu") == ARM_PRESETS["default"]
+
+
+def test_the_ablation_preset_leaves_the_short_kernel_out_off_a_cpu():
+    from slipstream.bench.arms import preset_arms
+
+    assert "slipstream-no-short-kernel" in preset_arms("ablation", ABConfig(), "cpu")
+    assert "slipstream-no-short-kernel" not in preset_arms("ablation", ABConfig(), "cuda")
 
 
 def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eager_one():

@@ -59,6 +59,7 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
     "slipstream-no-packed-attention": Arm("packed", SLIPSTREAM.replace(packed_attention=False)),
     "slipstream-no-attention-grouping": Arm("packed", SLIPSTREAM.replace(attention_grouping="per_document")),
+    "slipstream-no-short-kernel": Arm("packed", SLIPSTREAM.replace(short_document_kernel=False)),
     "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
@@ -81,6 +82,7 @@ ARM_PRESETS = {
         "slipstream",
         "slipstream-no-packed-attention",
         "slipstream-no-attention-grouping",
+        "slipstream-no-short-kernel",
         "slipstream-no-moe-routing",
         "slipstream-no-chunked-loss",
         "slipstream-no-lora-compute",
@@ -102,9 +104,12 @@ ARM_PRESETS = {
 
 
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
-    """The arms of ``--preset``, less ``slipstream-no-compile`` where the run's ``slipstream`` arm
-    would not compile on ``device`` (its leave-one-out would then run the same thing twice)."""
+    """The arms of ``--preset``, less a leave-one-out that would run the same thing twice on
+    ``device``: ``slipstream-no-compile`` where the ``slipstream`` arm would not compile,
+    ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only)."""
     arms = ARM_PRESETS[preset]
+    if device != "cpu":
+        arms = tuple(arm for arm in arms if arm != "slipstream-no-short-kernel")
     if "slipstream-no-compile" in arms:
         mode = arm_speedups(config, "slipstream").compile
         if not should_compile(mode, config.steps, device)[0]:
