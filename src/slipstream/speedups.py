@@ -19,6 +19,7 @@ from typing import Annotated, Any, get_args
 
 from .compile import CompileMode
 from .fields import Range, check_fields
+from .fused import FusedKernels
 from .moe.experts import MoeCompute, MoeRouting
 from .offload.policy import Checkpointing
 from .packing.attention import AttentionBackend
@@ -104,6 +105,15 @@ class Speedups:
         ),
     )
 
+    fused_kernels: FusedKernels = field(
+        default="auto",
+        metadata=_help(
+            "Liger-Kernel's fused RMSNorm, SwiGLU and RoPE Triton kernels in place of the model's own (never "
+            "its loss): auto (on where the model is on CUDA, liger-kernel imports and supports the model "
+            "type), liger (insist: an error says why it cannot), off (the model's own modules)"
+        ),
+    )
+
     def __post_init__(self) -> None:
         check_fields(self)  # every rule, once: raises ConfigError naming the field
 
@@ -121,6 +131,7 @@ class Speedups:
             chunked_loss=False,
             lora_in_compute_dtype=False,
             compile="off",
+            fused_kernels="off",
         )
 
     def with_environment(self) -> tuple[Speedups, str | None]:
@@ -148,6 +159,7 @@ __all__ = [
     "AttentionGrouping",
     "Checkpointing",
     "CompileMode",
+    "FusedKernels",
     "MoeCompute",
     "MoeRouting",
     "Speedups",

@@ -65,6 +65,12 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
         } in report["decisions"]
         grouping = next(row for row in report["decisions"] if row["path"] == "attention grouping")
         assert grouping["choice"] == "auto" and "cost model" in grouping["why"]
+        fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (Liger)")
+        assert fused == {
+            "path": "fused kernels (Liger)",
+            "choice": "off",
+            "why": "auto: cpu — Liger-Kernel's kernels are Triton, CUDA only",
+        }
     assert report["model"]["asked"] == "demo" and report["model"]["family"] == "qwen3"
     assert (
         "qwen3-moe" in report["checks"][1]["model"]

@@ -20,6 +20,7 @@ import torch
 
 from ..compile import should_compile
 from ..data.labels import count_label_tokens
+from ..fused import liger_available
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
@@ -65,6 +66,7 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
     "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
     "slipstream-no-compile": Arm("packed", SLIPSTREAM.replace(compile="off")),
+    "slipstream-no-fused-kernels": Arm("packed", SLIPSTREAM.replace(fused_kernels="off")),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -86,7 +88,8 @@ ARM_PRESETS = {
         "slipstream-no-moe-routing",
         "slipstream-no-chunked-loss",
         "slipstream-no-lora-compute",
-        "slipstream-no-compile",  # dropped where the run would not compile (ablation_arms)
+        "slipstream-no-compile",  # dropped where the run would not compile (preset_arms)
+        "slipstream-no-fused-kernels",  # dropped where Liger cannot run here (preset_arms)
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
@@ -104,17 +107,19 @@ ARM_PRESETS = {
 
 
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
-    """The arms of ``--preset``, less a leave-one-out that would run the same thing twice on
-    ``device``: ``slipstream-no-compile`` where the ``slipstream`` arm would not compile,
-    ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only)."""
+    """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
+    not pull on ``device`` (it would run the same thing twice): ``slipstream-no-compile`` where it
+    would not compile, ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only),
+    ``slipstream-no-fused-kernels`` where Liger cannot run (not CUDA, not
+    installed; a model type Liger lacks is only found when the arm's model is built, and logged)."""
     arms = ARM_PRESETS[preset]
-    if device != "cpu":
-        arms = tuple(arm for arm in arms if arm != "slipstream-no-short-kernel")
-    if "slipstream-no-compile" in arms:
-        mode = arm_speedups(config, "slipstream").compile
-        if not should_compile(mode, config.steps, device)[0]:
-            arms = tuple(arm for arm in arms if arm != "slipstream-no-compile")
-    return arms
+    slipstream = arm_speedups(config, "slipstream")
+    dropped = set() if device == "cpu" else {"slipstream-no-short-kernel"}
+    if "slipstream-no-compile" in arms and not should_compile(slipstream.compile, config.steps, device)[0]:
+        dropped.add("slipstream-no-compile")
+    if not liger_available(device, slipstream.fused_kernels)[0]:  # "off" included
+        dropped.add("slipstream-no-fused-kernels")
+    return tuple(arm for arm in arms if arm not in dropped)
 
 
 def micro_batch_inputs(arm: str, docs: list[dict], device: str):
