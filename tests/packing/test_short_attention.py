@@ -89,15 +89,16 @@ def test_padding_queries_add_nothing_to_real_gradients():
 
 
 def test_where_it_applies():
-    q = torch.zeros(2, 4, 10, 8)
-    kv = torch.zeros(2, 2, 10, 8)
+    q = torch.zeros(2, 4, 10, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, 10, 8, dtype=torch.bfloat16)
     assert takes_short_kernel(q, kv, 0.0)
     assert not takes_short_kernel(q, kv, 0.1), "dropout keeps SDPA"
     assert not takes_short_kernel(q[:, :, :1], kv, 0.0), "a decoding step keeps SDPA"
-    long_q = torch.zeros(1, 4, SHORT_MAX_LEN + 1, 8)
-    long_kv = torch.zeros(1, 2, SHORT_MAX_LEN + 1, 8)
+    long_q = torch.zeros(1, 4, SHORT_MAX_LEN + 1, 8, dtype=torch.bfloat16)
+    long_kv = torch.zeros(1, 2, SHORT_MAX_LEN + 1, 8, dtype=torch.bfloat16)
     assert not takes_short_kernel(long_q, long_kv, 0.0), "long documents keep SDPA's flash kernel"
-    assert not takes_short_kernel(q.double(), kv.double(), 0.0)
+    assert takes_short_kernel(q.half(), kv.half(), 0.0)
+    assert not takes_short_kernel(q.float(), kv.float(), 0.0), "fp32 keeps SDPA (as fast there)"
     with torch._subclasses.fake_tensor.FakeTensorMode():
         assert not takes_short_kernel(
             torch.empty(2, 4, 10, 8, device="cuda"), torch.empty(2, 2, 10, 8, device="cuda"), 0.0

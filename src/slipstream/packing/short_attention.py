@@ -6,13 +6,16 @@ per (batch, head) block that short documents never amortise. Measured with
 ``benchmarks/doc_attention.py --kernels`` (forward + backward, 2 threads, one 1,024-token row cut
 into documents of L tokens), the flash kernel against this one:
 
-- SmolLM2-135M heads (9 / 3 x 64), bf16: L=32 4.8x, 64 4.2x, 96 2.9x, 128 2.1x, 160 1.7x,
-  192 1.1x, 256 1.2x, 384 0.7x (slower); fp32: 1.1-1.4x up to 256, 0.9x at 384;
-- Qwen3 heads (16 / 8 x 128), bf16: 5.0x at 32 down to 1.0x at 192-384; fp32 1.2-1.7x up to 384.
+- SmolLM2-135M heads (9 / 3 x 64), bf16: L=32 3.6x, 64 2.4x, 96 2.4x, 128 1.4x, 160 1.9x,
+  192 0.87x (slower), 256 0.57x; fp32: 0.96-1.18x up to 160 (a wash), 0.71x at 192;
+- Qwen3 heads (16 / 8 x 128), bf16: 2.3x at 32, 1.5x at 96, 1.2x at 160, 0.70x at 192.
 
-So documents (or length groups, :mod:`.grouping`) of at most :data:`SHORT_MAX_LEN` tokens take
-this path on a CPU; longer ones, CUDA (where the fused kernels win at every length), dropout,
-sinks and decoding steps keep SDPA.
+So in bf16 / fp16 documents (or length groups, :mod:`.grouping`) of at most
+:data:`SHORT_MAX_LEN` tokens take this path on a CPU; fp32 (where SDPA's CPU kernel is as fast),
+longer documents, CUDA (where the fused kernels win at every length), dropout, sinks and
+decoding steps keep SDPA. Keeping P from forward instead of recomputing it measured 1.1-1.4x
+faster on the kernel alone (~2% of a SmolLM2 step) for T x H x L fp32 more memory per layer: not
+taken.
 
 The math (nanoGPT-style, per document of L tokens, GQA with r query heads per key head):
 
@@ -41,11 +44,12 @@ import weakref
 import torch
 
 # The longest document (or padded group length) that takes this path on a CPU: the measured
-# crossover above (bf16 at 9 / 3 x 64 heads: 1.2x at 256, 0.7x at 384).
-SHORT_MAX_LEN = 256
+# crossover above (bf16: 1.2-1.9x at 160, 0.7-0.87x at 192).
+SHORT_MAX_LEN = 160
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 RULE = (
-    f"on a CPU, documents of up to {SHORT_MAX_LEN} tokens attend by two GEMMs and an fp32 softmax, "
-    "recomputed in backward (measured 1.1-5x faster than SDPA's CPU flash kernel there)"
+    f"on a CPU in bf16 / fp16, documents of up to {SHORT_MAX_LEN} tokens attend by fp32 GEMMs and "
+    "softmax, recomputed in backward (measured 1.2-3.6x faster than SDPA's CPU flash kernel there)"
 )
 
 # Per attention-module setting (weak keys, as GROUPING_CHOICE); a module without one runs the
@@ -70,7 +74,7 @@ def takes_short_kernel(query: torch.Tensor, key: torch.Tensor, dropout: float) -
         and dropout == 0.0
         and length == key.shape[-2]
         and length <= SHORT_MAX_LEN
-        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and query.dtype in HALF_DTYPES
         and query.shape[1] % key.shape[1] == 0
     )
 
