@@ -1,4 +1,5 @@
-"""One packed attention layer, forward + backward: one SDPA call per document vs documents grouped.
+"""One packed attention layer, forward + backward: one call per document vs documents grouped,
+and the short-document kernel against SDPA's flash kernel.
 
 The layer is ``packed_sdpa_attention`` itself (the ``slipstream_docwise`` backend) on a packed
 row, with Qwen3-0.6B's attention shape (16 query / 8 KV heads, head_dim 128) by default. Each
@@ -9,6 +10,14 @@ alike; the median and the best of the repeats are printed, and the ratio per doc
 
 ``--lengths``: ``LxN`` terms joined by commas (``90x11``, ``512x2``, ``900x1,10x12``); ``chat``
 draws 11 lengths of 70..100 tokens (seeded) and a padding document up to ``--row`` tokens.
+``--arms``: grouping modes (``per_document``, ``grouped``, ``auto``), each with ``+sdpa`` to turn
+the short-document kernel off (``packing/short_attention``), e.g. ``auto,auto+sdpa``.
+
+    python benchmarks/doc_attention.py --kernels [--heads 9 --kv-heads 3 --head-dim 64]
+
+``--kernels``: the kernels alone, no packing: a ``--row`` of documents of one length L
+(32..384) as one batched call, SDPA (the CPU flash kernel) against the short-document kernel,
+both dtypes; where their ratio crosses 1 sets ``SHORT_MAX_LEN``.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import torch
 from slipstream.packing import collate_packed
 from slipstream.packing.attention import packed_sdpa_attention
 from slipstream.packing.grouping import GROUPING_CHOICE, document_groups
+from slipstream.packing.short_attention import SHORT_KERNEL_CHOICE, short_causal_attention
 
 
 def lengths_of(spec: str, row: int) -> list[int]:
@@ -41,6 +51,46 @@ class Layer(torch.nn.Module):
     """What the attention function reads off its module: nothing but training mode."""
 
 
+def _best_ms(fn, inputs, grad, repeats: int) -> float:
+    for _ in range(2):
+        fn(*inputs).backward(grad)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn(*inputs).backward(grad)
+        best = min(best, time.perf_counter() - started)
+    return best * 1e3
+
+
+def kernels(args) -> int:
+    """SDPA against the short-document kernel on rows of equal-length documents."""
+
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def short(q, k, v):
+        return short_causal_attention(q, k, v, args.head_dim**-0.5, None)
+
+    print(
+        f"H {args.heads}/{args.kv_heads}, D {args.head_dim}, row {args.row}, {args.threads} threads, best of {args.repeats}"
+    )
+    for dtype in (torch.bfloat16, torch.float32):
+        for length in (32, 64, 96, 128, 160, 192, 256, 384):
+            n = max(1, args.row // length)
+            inputs = [
+                torch.randn(n, heads, length, args.head_dim, dtype=dtype).requires_grad_()
+                for heads in (args.heads, args.kv_heads, args.kv_heads)
+            ]
+            grad = torch.randn(n, args.heads, length, args.head_dim, dtype=dtype)
+            flash_ms = _best_ms(sdpa, inputs, grad, args.repeats)
+            short_ms = _best_ms(short, inputs, grad, args.repeats)
+            print(
+                f"  {str(dtype).removeprefix('torch.'):>8} L {length:3d} x {n:2d}: sdpa {flash_ms:7.2f} ms, "
+                f"short kernel {short_ms:7.2f} ms, {flash_ms / short_ms:5.2f}x"
+            )
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -54,10 +104,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--arms", default="per_document,grouped,auto")
+    parser.add_argument("--kernels", action="store_true", help="the kernels alone (see above)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.kernels:
+        return kernels(args)
     dtype = getattr(torch, args.dtype)
     lengths = lengths_of(args.lengths, args.row)
     batch = collate_packed([{"input_ids": [1] * n} for n in lengths])
@@ -70,7 +123,8 @@ def main() -> int:
     arms = args.arms.split(",")
     layers = {arm: Layer().train() for arm in arms}
     for arm, layer in layers.items():
-        GROUPING_CHOICE[layer] = arm
+        GROUPING_CHOICE[layer] = arm.removesuffix("+sdpa")
+        SHORT_KERNEL_CHOICE[layer] = not arm.endswith("+sdpa")
 
     def step(arm: str) -> float:
         started = time.perf_counter()
@@ -92,12 +146,12 @@ def main() -> int:
     )
     base = statistics.median(times[arms[0]])
     for arm in arms:
-        groups = document_groups(batch, arm, args.heads, args.kv_heads, args.head_dim)
+        groups = document_groups(batch, arm.removesuffix("+sdpa"), args.heads, args.kv_heads, args.head_dim)
         calls = len(lengths) if groups is None else len(groups.shapes)
         padding = 0.0 if groups is None else groups.padded_elements / groups.real_elements - 1
         median = statistics.median(times[arm])
         print(
-            f"  {arm:>13}: {calls:3d} calls, padding {padding:6.1%}, median {median * 1e3:8.2f} ms, "
+            f"  {arm:>18}: {calls:3d} calls, padding {padding:6.1%}, median {median * 1e3:8.2f} ms, "
             f"best {min(times[arm]) * 1e3:8.2f} ms, {base / median:5.2f}x vs {arms[0]}"
         )
     return 0

@@ -53,3 +53,18 @@ echo "offload bench exit: $?" >> "$OUT/bench_offload.txt"
 timeout 45 python benchmarks/chunked_loss.py --device cuda --model qwen3-8b --layers 4 --tokens 16384 \
   --dtypes bfloat16 --labelled 1.0 --steps 3 --warmup 1 --out "$OUT/bench-chunked-loss" > "$OUT/bench_chunked_loss.txt" 2>&1
 echo "chunked loss bench exit: $?" >> "$OUT/bench_chunked_loss.txt"
+
+# 6. Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (issue 20, 4b): parity against the stock modules on
+#    a packed batch and an exact undo (tests/fused/test_gpu.py), then the slipstream arm with and
+#    without them on a Qwen3-8B shape (2 layers, bf16, LoRA). Only where liger-kernel imports here.
+if python -c "import liger_kernel.transformers.monkey_patch" > /dev/null 2>&1; then
+  timeout 40 python -m pytest -q -m gpu tests/fused/test_gpu.py -p no:cacheprovider > "$OUT/fused_kernels_tests.txt" 2>&1
+  echo "fused kernels tests exit: $?" >> "$OUT/fused_kernels_tests.txt"
+  timeout 50 slipstream ab --model qwen3-8b --layers 2 --dtype bfloat16 --lora-rank 16 --max-seq-len 4096 \
+    --steps 6 --warmup 2 --fused-kernels liger --arms slipstream-no-fused-kernels,slipstream \
+    --out "$OUT/ab-fused-kernels" > "$OUT/ab_fused_kernels.txt" 2>&1
+  echo "ab fused kernels exit: $?" >> "$OUT/ab_fused_kernels.txt"
+else
+  echo "liger-kernel does not import on this machine: the fused-kernel checks were skipped" \
+    | tee "$OUT/fused_kernels_tests.txt"
+fi

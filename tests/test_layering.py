@@ -18,7 +18,15 @@ LAYERS = [
         "data",
         "utilisation",
     },  # shared helpers, data, FLOPs
-    {"packing", "moe", "offload", "loss", "lora", "compile"},  # the optimizations, each its own folder
+    {
+        "packing",
+        "moe",
+        "offload",
+        "loss",
+        "lora",
+        "compile",
+        "fused",
+    },  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     {"models"},  # model builders and loaders
     {"train"},  # the training loop

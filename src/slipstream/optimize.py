@@ -16,6 +16,7 @@ import torch
 
 from . import lora as lora_compute
 from .compile import compile_layers, should_compile, uncompile_layers
+from .fused import apply_liger, liger_plan
 from .loss import ChunkedLoss, UnsupportedLoss
 from .moe.experts import (
     COMPUTE_CHOICE,
@@ -31,6 +32,7 @@ from .packing.attention import BACKEND_NAMES, choose_backend, register_attention
 from .packing.batch import PACKED_BATCH_KWARG
 from .packing.grouping import GROUPING_CHOICE, GROUPING_COUNTS, GroupingCounts, grouping_policy
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
+from .packing.short_attention import SHORT_KERNEL_CHOICE, short_kernel_policy
 from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
 from .speedups import Speedups
 
@@ -49,6 +51,7 @@ class OptimizeState:
     stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
     attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
+    short_document_kernel: bool | None = None  # Speedups.short_document_kernel, None when stock
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)
@@ -62,6 +65,8 @@ class OptimizeState:
     compiled: bool = False  # the decoder layers run compiled (slipstream.compile)
     # batches and attention calls the packed SDPA path ran grouped / per document (packing.grouping)
     grouping_counts: GroupingCounts = field(default_factory=GroupingCounts)
+    fused_kernels: str | None = None  # "liger" when Liger-Kernel's kernels are on, None when stock
+    undo_fused_kernels: object | None = field(default=None, repr=False)  # puts the model's modules back
 
     def undo(self) -> None:
         """Every speedup back to its stock arm, the hooks removed, and this state detached."""
@@ -134,6 +139,9 @@ def optimize(
         ``out.logits`` is a ``loss.LogitsNotComputed`` placeholder that raises, naming this
         option, if used as a tensor; eval / ``no_grad`` forwards keep their logits); ``None``:
         on where the model supports it, else logged and off.
+    fused_kernels: "auto" swaps in Liger-Kernel's fused RMSNorm / SwiGLU / RoPE kernels where the
+        model is on CUDA, liger-kernel imports and knows the model type (never its loss);
+        "liger" insists (an error names the reason it cannot); "off" restores the model's own.
     compile: "on" compiles each decoder layer (``torch.compile``, dynamic shapes, the packed
         attention eager between graphs); "auto" does so only when ``expected_steps`` (the run's
         optimizer steps, which the trainer and ``slipstream ab`` pass) pays back the cold start
@@ -211,6 +219,13 @@ def optimize(
             policy = f"packed attention grouping: {grouping_policy(attention_grouping, backend, sinks)}"
             state.policies.append(policy)
             logger.info(policy)
+        if state.short_document_kernel != speedups.short_document_kernel:
+            for module in base.modules():
+                SHORT_KERNEL_CHOICE[module] = speedups.short_document_kernel
+            state.short_document_kernel = speedups.short_document_kernel
+            policy = f"short-document kernel: {short_kernel_policy(speedups.short_document_kernel, backend)}"
+            state.policies.append(policy)
+            logger.info(policy)
     elif state.packed_attention is not None:
         base.set_attn_implementation(state.stock_attn_implementation)
         if state.stock_use_cache is not None:
@@ -226,11 +241,13 @@ def optimize(
             state.undo_adaptations = None
         state.packed_attention = None
         state.attention_grouping = None
+        state.short_document_kernel = None
         state.policies.append("packed attention: off (stock)")
         logger.info("packed attention: off (stock %s)", state.stock_attn_implementation)
     _set_moe_routing(base, state, moe_routing, moe_compute)
     _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
     _set_lora_compute(base, state, speedups.lora_in_compute_dtype)
+    _set_fused_kernels(base, state, speedups.fused_kernels)  # before compile: the graphs trace them
     _set_compile(base, state, speedups.compile, expected_steps)
     if checkpointing is not None:
         if environment_note:
@@ -261,6 +278,26 @@ def _set_compile(base: torch.nn.Module, state: OptimizeState, mode: str, expecte
         if uncompile_layers(base):
             state.compiled = False
         policy = f"compile: {why}"
+    state.policies.append(policy)
+    logger.info(policy)
+
+
+def _set_fused_kernels(base: torch.nn.Module, state: OptimizeState, mode: str) -> None:
+    """Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (``slipstream.fused.liger``): decided by
+    ``liger_plan`` (which raises for "liger" where it cannot run), applied to the transformers
+    model under any PEFT wrapper, undone by putting back what Liger changed."""
+    device = next(base.parameters()).device
+    plan, why = liger_plan(base, device, mode)
+    if plan is None:
+        if state.undo_fused_kernels is not None:
+            state.undo_fused_kernels()
+            state.undo_fused_kernels = None
+            state.fused_kernels = None
+            why += "; the model's own modules restored"
+    elif state.fused_kernels is None:
+        state.undo_fused_kernels = apply_liger(base, plan)
+        state.fused_kernels = "liger"
+    policy = f"fused kernels: {why}"
     state.policies.append(policy)
     logger.info(policy)
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from slipstream.bench.arms import ARM_PRESETS
+from slipstream import Speedups
+from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS
 from slipstream.bench.render import markdown_report, write_record
 from slipstream.bench.runner import ABConfig, parity_failures, run_ab, summarize
 
@@ -158,10 +159,12 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
     stock = arm_speedups(config, "stock-packed")
     assert stock == Speedups(
         packed_attention=False,
+        short_document_kernel=False,
         moe_routing="stock",
         chunked_loss=False,
         lora_in_compute_dtype=False,
         compile="off",
+        fused_kernels="off",
         checkpointing="recompute",
     )
     assert arm_speedups(ABConfig(), "stock-padded").checkpointing == "off"
@@ -184,6 +187,28 @@ def test_the_ablation_preset_leaves_compile_out_unless_the_slipstream_arm_compil
     assert "slipstream-no-compile" in arms("--preset", "ablation", "--steps", "5", "--compile", "on")
     assert "slipstream-no-compile" not in arms("--preset", "ablation", "--steps", "500", "--compile", "off")
     assert preset_arms("default", ABConfig(), "cpu") == ARM_PRESETS["default"]
+
+
+def test_the_ablation_preset_leaves_the_short_kernel_out_off_a_cpu():
+    from slipstream.bench.arms import preset_arms
+
+    assert "slipstream-no-short-kernel" in preset_arms("ablation", ABConfig(), "cpu")
+    assert "slipstream-no-short-kernel" not in preset_arms("ablation", ABConfig(), "cuda")
+
+
+def test_the_ablation_preset_leaves_fused_kernels_out_where_liger_cannot_run(monkeypatch):
+    from slipstream.bench.arms import preset_arms
+    from slipstream.fused import liger
+
+    assert "slipstream-no-fused-kernels" in ARM_PRESETS["ablation"]
+    assert ARM_SPECS["slipstream-no-fused-kernels"].speedups == Speedups(fused_kernels="off")
+    assert "slipstream-no-fused-kernels" not in preset_arms("ablation", ABConfig(), "cpu")  # CPU
+    monkeypatch.setattr(liger.importlib.util, "find_spec", lambda name: None)
+    assert "slipstream-no-fused-kernels" not in preset_arms("ablation", ABConfig(), "cuda")  # not installed
+    monkeypatch.setattr(liger.importlib.util, "find_spec", lambda name: object())
+    assert "slipstream-no-fused-kernels" in preset_arms("ablation", ABConfig(), "cuda")
+    off = ABConfig(speedups={"fused_kernels": "off"})
+    assert "slipstream-no-fused-kernels" not in preset_arms("ablation", off, "cuda")
 
 
 def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eager_one():

@@ -92,6 +92,7 @@ def test_the_table_counts_every_outcome():
     assert "| packed, exact | 1 |" in text and "| refused | 1 |" in text and "| total | 2 |" in text
     assert "| `mamba` | MambaForCausalLM | refused |" in text
     assert "## Values computed from the packed row" in text
+    assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
 

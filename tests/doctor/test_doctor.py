@@ -70,6 +70,12 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
         compiled = next(row for row in report["decisions"] if row["path"] == "compile (auto)")
         assert compiled["choice"].startswith(f"on from {BREAK_EVEN_STEPS['cpu']} steps")
         assert "torch.compile: inductor" in compiled["why"]
+        fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (Liger)")
+        assert fused == {
+            "path": "fused kernels (Liger)",
+            "choice": "off",
+            "why": "auto: cpu — Liger-Kernel's kernels are Triton, CUDA only",
+        }
     assert report["model"]["asked"] == "demo" and report["model"]["family"] == "qwen3"
     assert (
         "qwen3-moe" in report["checks"][1]["model"]

@@ -20,6 +20,7 @@ import torch
 
 from ..compile import should_compile
 from ..data.labels import count_label_tokens
+from ..fused import liger_available
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
@@ -59,11 +60,13 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
     "slipstream-no-packed-attention": Arm("packed", SLIPSTREAM.replace(packed_attention=False)),
     "slipstream-no-attention-grouping": Arm("packed", SLIPSTREAM.replace(attention_grouping="per_document")),
+    "slipstream-no-short-kernel": Arm("packed", SLIPSTREAM.replace(short_document_kernel=False)),
     "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
     "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
     "slipstream-no-compile": Arm("packed", SLIPSTREAM.replace(compile="off")),
+    "slipstream-no-fused-kernels": Arm("packed", SLIPSTREAM.replace(fused_kernels="off")),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -81,10 +84,12 @@ ARM_PRESETS = {
         "slipstream",
         "slipstream-no-packed-attention",
         "slipstream-no-attention-grouping",
+        "slipstream-no-short-kernel",
         "slipstream-no-moe-routing",
         "slipstream-no-chunked-loss",
         "slipstream-no-lora-compute",
-        "slipstream-no-compile",  # dropped where the run would not compile (ablation_arms)
+        "slipstream-no-compile",  # dropped where the run would not compile (preset_arms)
+        "slipstream-no-fused-kernels",  # dropped where Liger cannot run here (preset_arms)
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
@@ -102,14 +107,19 @@ ARM_PRESETS = {
 
 
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
-    """The arms of ``--preset``, less ``slipstream-no-compile`` where the run's ``slipstream`` arm
-    would not compile on ``device`` (its leave-one-out would then run the same thing twice)."""
+    """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
+    not pull on ``device`` (it would run the same thing twice): ``slipstream-no-compile`` where it
+    would not compile, ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only),
+    ``slipstream-no-fused-kernels`` where Liger cannot run (not CUDA, not
+    installed; a model type Liger lacks is only found when the arm's model is built, and logged)."""
     arms = ARM_PRESETS[preset]
-    if "slipstream-no-compile" in arms:
-        mode = arm_speedups(config, "slipstream").compile
-        if not should_compile(mode, config.steps, device)[0]:
-            arms = tuple(arm for arm in arms if arm != "slipstream-no-compile")
-    return arms
+    slipstream = arm_speedups(config, "slipstream")
+    dropped = set() if device == "cpu" else {"slipstream-no-short-kernel"}
+    if "slipstream-no-compile" in arms and not should_compile(slipstream.compile, config.steps, device)[0]:
+        dropped.add("slipstream-no-compile")
+    if not liger_available(device, slipstream.fused_kernels)[0]:  # "off" included
+        dropped.add("slipstream-no-fused-kernels")
+    return tuple(arm for arm in arms if arm not in dropped)
 
 
 def micro_batch_inputs(arm: str, docs: list[dict], device: str):

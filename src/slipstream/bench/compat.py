@@ -635,6 +635,8 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         ),
         "For a refused architecture the",
         "columns show what its verified fallback runs.",
+        "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels`): this sweep runs on a",
+        "CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
         "| model type | class | verdict | packed | MoE | loss | offload | grouped | "
         + ("compiled | " if compiled else "")

@@ -51,6 +51,7 @@ import torch
 from ..bench.compat import LENGTHS, TOLERANCE, documents, gradient_errors
 from ..bench.counters import HostSyncCounter
 from ..compile import BREAK_EVEN_STEPS, inductor_available, should_compile
+from ..fused import liger_plan
 from ..loss import UnsupportedLoss, choose_chunk_tokens
 from ..models import TINY, build_config, build_model, model_names
 from ..models.tiny_any import causal_lm_class, random_model, shrink_config, tiny_config
@@ -241,6 +242,10 @@ def decisions(
         tokens, why = choose_chunk_tokens(int(text.vocab_size), dtype, device)
         return f"{tokens} tokens per chunk", why
 
+    def fused_kernels() -> tuple[str, str]:
+        plan, why = liger_plan(model, device, "auto")  # the tiny model: its config's model type
+        return ("liger", why) if plan else ("off", why.removeprefix("off (").removesuffix(")"))
+
     deciders = {
         "dtype": lambda: (_dtype_name(dtype), dtype_why),
         "compile (auto)": lambda: compile_decision(device),
@@ -249,6 +254,7 @@ def decisions(
         "MoE routing": lambda: _moe_decision(checked, model, moe_model, device, dtype),
         "offload (checkpointing: auto)": offload,
         "chunked loss": loss,
+        "fused kernels (Liger)": fused_kernels,
     }
     rows = []
     for path, decide in deciders.items():

@@ -19,6 +19,7 @@ does (merged, several or no active adapters, DoRA and other variants, a LoRA bia
 
 from __future__ import annotations
 
+import sys
 import types
 from typing import Any
 
@@ -29,9 +30,13 @@ _ATTR = "_slipstream_lora_compute"
 
 
 def _peft_linear_class():
+    """PEFT's LoRA Linear, or None when PEFT was never imported: then no model holds one, and
+    importing it here (inside a forward, maybe under a fake CUDA device) would only cost time."""
+    if "peft" not in sys.modules:
+        return None
     try:
         from peft.tuners.lora.layer import Linear
-    except ImportError:  # PEFT not installed: nothing to adapt
+    except ImportError:  # a broken PEFT install: nothing to adapt
         return None
     return Linear
 

@@ -10,7 +10,8 @@ Backends (``config._attn_implementation`` names):
 - ``slipstream_docwise`` (backend "sdpa"): ``scaled_dot_product_attention`` within each document, so
   attention costs O(sum Li^2) instead of O(T^2). Works everywhere (CPU included). Documents of
   similar length share one batched call, right-padded (:mod:`.grouping`, the ``attention_grouping``
-  speedup), or take one call each.
+  speedup), or take one call each. On a CPU a short document (or group) takes two GEMMs and an
+  fp32 softmax instead of SDPA's flash kernel (:mod:`.short_attention`, ``short_document_kernel``).
 - ``slipstream_varlen``: one varlen flash-attention call for the whole row
   (``torch.nn.attention.varlen.varlen_attn``, or flash-attn's ``flash_attn_varlen_func``). CUDA.
 - ``slipstream_flex``: ``flex_attention`` with a document-causal BlockMask built once per batch.
@@ -34,6 +35,7 @@ from .batch import PackedBatch
 from .grouping import GROUPING_CHOICE, GROUPING_COUNTS, document_groups, run_grouped
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 from .rowpos import document_temperature
+from .short_attention import SHORT_KERNEL_CHOICE, short_causal_attention, takes_short_kernel
 
 # The packed-attention backends, defined once (Speedups and the CLIs read them).
 AttentionBackend = Literal["auto", "sdpa", "varlen", "flex"]
@@ -80,8 +82,11 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-def _sdpa_one(query, key, value, scaling, dropout, window, batch):
-    """SDPA over one document (or one unpacked row): [B, H, L, D] in, [B, H, L, D] out."""
+def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel=False):
+    """SDPA over one document (or one unpacked row): [B, H, L, D] in, [B, H, L, D] out.
+    ``short_kernel``: a short document on a CPU takes :mod:`.short_attention` instead."""
+    if short_kernel and takes_short_kernel(query, key, dropout):
+        return short_causal_attention(query, key, value, scaling, window, batch)
     q_len, k_len = query.shape[-2], key.shape[-2]
     enable_gqa = query.shape[1] != key.shape[1]
     if window is None or k_len <= window:
@@ -265,7 +270,10 @@ def packed_sdpa_attention(
     )
     if batch is None:
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
-    fn = functools.partial(_sinks_one, module, sinks=sinks) if sinks is not None else _sdpa_one
+    if sinks is not None:
+        fn = functools.partial(_sinks_one, module, sinks=sinks)
+    else:
+        fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, True))
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
     mode = GROUPING_CHOICE.get(module, "auto")
     groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])

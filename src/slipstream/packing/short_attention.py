@@ -1,0 +1,141 @@
+"""Causal attention over short documents by two GEMMs and an fp32 softmax, on a CPU.
+
+PyTorch's CPU flash-attention kernel (what ``scaled_dot_product_attention`` runs there) is built
+for long sequences: it tiles queries and keys into blocks and, in backward, spends a fixed cost
+per (batch, head) block that short documents never amortise. Measured with
+``benchmarks/doc_attention.py --kernels`` (forward + backward, 2 threads, one 1,024-token row cut
+into documents of L tokens), the flash kernel against this one:
+
+- SmolLM2-135M heads (9 / 3 x 64), bf16: L=32 4.8x, 64 4.2x, 96 2.9x, 128 2.1x, 160 1.7x,
+  192 1.1x, 256 1.2x, 384 0.7x (slower); fp32: 1.1-1.4x up to 256, 0.9x at 384;
+- Qwen3 heads (16 / 8 x 128), bf16: 5.0x at 32 down to 1.0x at 192-384; fp32 1.2-1.7x up to 384.
+
+So documents (or length groups, :mod:`.grouping`) of at most :data:`SHORT_MAX_LEN` tokens take
+this path on a CPU; longer ones, CUDA (where the fused kernels win at every length), dropout,
+sinks and decoding steps keep SDPA.
+
+The math (nanoGPT-style, per document of L tokens, GQA with r query heads per key head):
+
+    S = Q K^T,  P = softmax(S * scale + M),  O = P V
+
+all in fp32 whatever the input dtype (M = 0 where causal, and in the window, -inf elsewhere;
+the inputs are upcast, the outputs and gradients cast back), so bf16 training is at least as
+close to exact as SDPA's own kernels, which keep fp32 scores too. At these lengths the fp32
+GEMMs cost about what bf16 ones do: the time is in the calls, not the FLOPs.
+
+Backward recomputes S and P from the saved Q, K, V (as flash attention does), so nothing of size
+L x L is kept between forward and backward: memory is that of SDPA's. With dO given,
+
+    dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(P * dP)) * scale,  dQ = dS K,  dK = dS^T Q
+
+(rowsum(P * dP) equals rowsum(dO * O), the flash form, without saving O). Query heads that
+share a key head are laid side by side as one [r * L, D] block, so the GQA sums over r fall out
+of the GEMMs. A right-padded group's padding queries get dO = 0 from the scatter, hence dS = 0:
+they add nothing to any real key's gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+# The longest document (or padded group length) that takes this path on a CPU: the measured
+# crossover above (bf16 at 9 / 3 x 64 heads: 1.2x at 256, 0.7x at 384).
+SHORT_MAX_LEN = 256
+RULE = (
+    f"on a CPU, documents of up to {SHORT_MAX_LEN} tokens attend by two GEMMs and an fp32 softmax, "
+    "recomputed in backward (measured 1.1-5x faster than SDPA's CPU flash kernel there)"
+)
+
+# Per attention-module setting (weak keys, as GROUPING_CHOICE); a module without one runs the
+# short kernel where it applies.
+SHORT_KERNEL_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def short_kernel_policy(wanted: bool, backend: str) -> str:
+    """The policy line ``optimize`` logs for the short-document kernel on ``backend``."""
+    if not wanted:
+        return "off (SDPA for every document)"
+    if backend != "sdpa":
+        return f"on (unused: the {backend} backend attends the whole row in one call)"
+    return f"on ({RULE})"
+
+
+def takes_short_kernel(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
+    """Whether one causal self-attention call (``[n, H, L, D]``) can take this path."""
+    length = query.shape[-2]
+    return (
+        query.device.type == "cpu"
+        and dropout == 0.0
+        and length == key.shape[-2]
+        and length <= SHORT_MAX_LEN
+        and query.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and query.shape[1] % key.shape[1] == 0
+    )
+
+
+def _additive_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """fp32 [L, L]: 0 where query i sees key j (j <= i, and j > i - window), -inf elsewhere."""
+    position = torch.arange(length, device=device)
+    hidden = position.unsqueeze(0) > position.unsqueeze(1)
+    if window is not None:
+        hidden |= position.unsqueeze(0) <= position.unsqueeze(1) - window
+    return torch.zeros(length, length, device=device).masked_fill_(hidden, float("-inf"))
+
+
+def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor, heads_per_key: int) -> torch.Tensor:
+    """P, ``[n, Hkv, r * L, L]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``."""
+    n, kv_heads, rows, _ = q_blocks.shape
+    length = key.shape[-2]
+    scores = torch.matmul(q_blocks, key.transpose(-1, -2)).view(n, kv_heads, heads_per_key, length, length)
+    logits = scores.mul_(scale).add_(mask)
+    return torch.softmax(logits, dim=-1).view(n, kv_heads, rows, length)
+
+
+class ShortCausalAttention(torch.autograd.Function):
+    """``q`` ``[n, H, L, D]``, ``k`` / ``v`` ``[n, Hkv, L, D]`` -> ``[n, H, L, D]`` (see the module doc)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale: float, mask: torch.Tensor):
+        n, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        r = heads // kv_heads
+        q_blocks = query.float().reshape(n, kv_heads, r * length, dim)
+        probs = _probabilities(q_blocks, key.float(), scale, mask, r)
+        out = torch.matmul(probs, value.float())
+        ctx.save_for_backward(query, key, value, mask)
+        ctx.scale = scale
+        return out.view(n, heads, length, dim).to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, mask = ctx.saved_tensors
+        n, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        r = heads // kv_heads
+        q_blocks = query.float().reshape(n, kv_heads, r * length, dim)
+        key32 = key.float()
+        probs = _probabilities(q_blocks, key32, ctx.scale, mask, r)
+        grad_blocks = grad_out.float().reshape(n, kv_heads, r * length, dim)
+        grad_value = torch.matmul(probs.transpose(-1, -2), grad_blocks)
+        grad_probs = torch.matmul(grad_blocks, value.float().transpose(-1, -2))
+        grad_scores = probs.mul_(grad_probs - (probs * grad_probs).sum(-1, keepdim=True)).mul_(ctx.scale)
+        grad_query = torch.matmul(grad_scores, key32).view(n, heads, length, dim)
+        grad_key = torch.matmul(grad_scores.transpose(-1, -2), q_blocks)
+        dtype = query.dtype
+        return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None
+
+
+def short_causal_attention(query, key, value, scale: float, window: int | None, batch=None) -> torch.Tensor:
+    """Causal (optionally windowed) attention of ``[n, H, L, D]`` by :class:`ShortCausalAttention`;
+    the mask is memoised on the batch (one build per length and window per batch)."""
+    length = query.shape[-2]
+    if batch is None:
+        mask = _additive_mask(length, window, query.device)
+    else:
+        mask = batch.memo(
+            ("short_mask", length, window, str(query.device)),
+            lambda: _additive_mask(length, window, query.device),
+        )
+    return ShortCausalAttention.apply(query, key, value, scale, mask)
