@@ -2,6 +2,8 @@
 
 python benchmarks/compat_sweep.py                      # every architecture, 2 workers
 python benchmarks/compat_sweep.py --types llama lfm2   # a few
+python benchmarks/compat_sweep.py --compile            # also each architecture's compiled layers
+                                                       # (inductor: ~50 s each on a 2-core CPU)
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--markdown", type=Path, default=Path("docs/compatibility.md"))
     parser.add_argument("--json", type=Path, default=Path("docs/compatibility.json"))
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also check each passing architecture with its decoder layers compiled (compile='on'); "
+        "a cold inductor compile costs ~50 s per architecture on a 2-core CPU",
+    )
     args = parser.parse_args(argv)
     types = args.types or causal_lm_model_types()
     started = time.perf_counter()
@@ -32,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     def progress(verdict: dict) -> None:
         print(f"{verdict['status']:8s} {verdict['model_type']:28s} {verdict['detail'][:150]}", flush=True)
 
-    verdicts = sweep(types, workers=args.workers, progress=progress)
+    verdicts = sweep(types, workers=args.workers, progress=progress, compile=args.compile)
     seconds = time.perf_counter() - started
     counts = Counter(v["status"] for v in verdicts)
     print(

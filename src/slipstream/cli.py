@@ -266,6 +266,12 @@ def _add_doctor(sub) -> None:
         default="auto",
         help="dtype of the checks (default auto: what model.dtype: auto trains in on this device)",
     )
+    p.add_argument(
+        "--remeasure-peak",
+        action="store_true",
+        help="measure the matmul peak (what MFU in ab and train is against) again and replace the cached "
+        "figure, e.g. one taken while the machine was busy",
+    )
     p.set_defaults(func=_cmd_doctor)
 
 
@@ -273,7 +279,9 @@ def _cmd_doctor(args) -> int:
     from .doctor import DoctorError, run_doctor
 
     try:
-        _, status = run_doctor(args.model, json_path=args.json, dtype=args.dtype)
+        _, status = run_doctor(
+            args.model, json_path=args.json, dtype=args.dtype, remeasure_peak=args.remeasure_peak
+        )
     except DoctorError as error:
         print(f"slipstream doctor: {error}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@ from .moe.experts import (
 from .offload import enable_checkpointing
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
-from .packing.grouping import GROUPING_CHOICE, grouping_policy
+from .packing.grouping import GROUPING_CHOICE, GROUPING_COUNTS, GroupingCounts, grouping_policy
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
 from .packing.short_attention import SHORT_KERNEL_CHOICE, short_kernel_policy
 from .packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
@@ -63,6 +63,8 @@ class OptimizeState:
     undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
     lora_hook: object | None = field(default=None, repr=False)  # installs lora.compute on the next forward
     compiled: bool = False  # the decoder layers run compiled (slipstream.compile)
+    # batches and attention calls the packed SDPA path ran grouped / per document (packing.grouping)
+    grouping_counts: GroupingCounts = field(default_factory=GroupingCounts)
     fused_kernels: str | None = None  # "liger" when Liger-Kernel's kernels are on, None when stock
     undo_fused_kernels: object | None = field(default=None, repr=False)  # puts the model's modules back
 
@@ -211,6 +213,7 @@ def optimize(
         if state.attention_grouping != attention_grouping:
             for module in base.modules():  # whichever module the model passes to the attention
                 GROUPING_CHOICE[module] = attention_grouping
+                GROUPING_COUNTS[module] = state.grouping_counts
             state.attention_grouping = attention_grouping
             sinks = has_attention_sinks(base)
             policy = f"packed attention grouping: {grouping_policy(attention_grouping, backend, sinks)}"

@@ -75,6 +75,12 @@ def test_a_short_real_run_of_every_arm(tmp_path):
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["stock-packed"]["host_syncs_per_step"] >= 1
     assert summary["slipstream"]["attn_implementation"] == "slipstream_docwise"
+    # every step's batch counted once, grouped or per document (the activation probe's is not)
+    grouping = record["runs"]["slipstream"][0]["attention_grouping_counts"]
+    assert grouping["batches_grouped"] + grouping["batches_per_document"] == config.steps
+    layers = 2  # the tiny qwen3's
+    assert grouping["calls_grouped"] + grouping["calls_per_document"] == config.steps * layers
+    assert record["runs"]["stock-packed"][0]["attention_grouping_counts"] is None
     # the same documents, model and LoRA: every arm counts the same model FLOPs, and each has an MFU
     counts = {arm: tuple(record["runs"][arm][0]["model_flops"]) for arm in summary}
     assert len(set(counts.values())) == 1 and min(counts["slipstream"]) > 0
@@ -89,6 +95,9 @@ def test_a_short_real_run_of_every_arm(tmp_path):
     assert json.loads(json_path.read_text())["config"]["model"] == "qwen3"
     assert md_path.read_text() == markdown_report(json.loads(json_path.read_text()))  # the record read back
     assert "Per-step loss" in md_path.read_text()
+    assert f"attention grouping ran: grouped {grouping['batches_grouped']} of {config.steps} batches" in (
+        md_path.read_text()
+    )
     assert (
         "| MFU (model FLOP/s) |" in md_path.read_text()
         and "GFLOP of model FLOPs per step" in md_path.read_text()

@@ -94,6 +94,20 @@ def test_the_table_counts_every_outcome():
     assert "## Values computed from the packed row" in text
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
+    assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
+
+
+def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
+    """``compile=True`` (the sweep's --compile) runs the passing arm again with compiled layers; here
+    through aot_eager (the same dynamo graphs, no inductor codegen: ~50 s cold on this CPU)."""
+    from slipstream.compile import regional
+
+    monkeypatch.setattr(regional, "BACKEND", "aot_eager")
+    verdict = check_architecture("llama", compile=True)
+    assert verdict.status == "pass" and verdict.speedups["compiled"] == "on", verdict.ablations
+    assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
+    text = render_markdown([verdict.to_dict()])
+    assert "| grouped | compiled | note |" in text and "| on | on |" in text
 
 
 def test_position_thresholds_sit_inside_the_test_documents():

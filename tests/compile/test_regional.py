@@ -212,3 +212,16 @@ def test_a_step_under_a_dispatch_mode_runs_eagerly_and_leaves_later_steps_compil
     assert backend.compiles == 0 and syncs.total == 0
     step(model, BATCHES[1], seed=1)
     assert backend.compiles > 0
+
+
+def test_inductor_availability_is_read_from_what_is_installed(monkeypatch):
+    import torch._inductor.cpp_builder as cpp_builder
+
+    works, how = regional.inductor_available("cpu")
+    assert works and how.startswith("inductor with the C++ compiler")
+
+    def no_compiler():
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
+    assert regional.inductor_available("cpu") == (False, "inductor finds no C++ compiler (RuntimeError)")

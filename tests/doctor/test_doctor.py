@@ -12,8 +12,10 @@ from rich.console import Console
 import slipstream.loss.chunked_loss as chunked_loss_module
 import slipstream.packing.attention as attention_module
 from slipstream.cli import main
+from slipstream.compile import BREAK_EVEN_STEPS
 from slipstream.doctor import first_use_hint, has_passed, run_doctor
 from slipstream.doctor.marker import marker_key, write_marker
+from slipstream.doctor.paths import compile_decision
 from slipstream.packing.attention import choose_backend
 
 
@@ -65,6 +67,9 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
         } in report["decisions"]
         grouping = next(row for row in report["decisions"] if row["path"] == "attention grouping")
         assert grouping["choice"] == "auto" and "cost model" in grouping["why"]
+        compiled = next(row for row in report["decisions"] if row["path"] == "compile (auto)")
+        assert compiled["choice"].startswith(f"on from {BREAK_EVEN_STEPS['cpu']} steps")
+        assert "torch.compile: inductor" in compiled["why"]
         fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (Liger)")
         assert fused == {
             "path": "fused kernels (Liger)",
@@ -300,3 +305,15 @@ def test_the_pinned_memory_probe_is_bounded(monkeypatch):
     capped = machine.probe_pinned(cap_bytes=128 << 20, start_bytes=64 << 20)
     assert capped.largest_bytes == 128 << 20 and capped.stopped == "cap"
     assert capped.describe().startswith(">= 0.1 GiB (probe stopped at its cap")
+
+
+def test_the_compile_row_says_what_auto_does_and_whether_inductor_can_run(monkeypatch):
+    import slipstream.doctor.paths as paths
+
+    choice, why = compile_decision(torch.device("cpu"))
+    assert choice == f"on from {BREAK_EVEN_STEPS['cpu']} steps, off below" and "cold start on cpu" in why
+    # CUDA has no measured break-even: auto stays off there, and says so
+    monkeypatch.setattr(paths, "inductor_available", lambda device: (False, "Triton is not installed"))
+    choice, why = compile_decision(torch.device("cuda"))
+    assert choice == "off, whatever the run's length; compile='on' cannot run here"
+    assert why.startswith("no measured break-even on cuda yet") and "Triton is not installed" in why

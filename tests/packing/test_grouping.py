@@ -152,3 +152,37 @@ def test_grouped_forward_backward_has_no_host_sync(mode):
     with HostSyncCounter() as syncs:
         model(**batch.model_inputs()).loss.backward()
     assert syncs.total == 0, dict(syncs.by_op)
+
+
+def test_the_policy_counts_batches_and_calls_grouped_or_per_document():
+    """ "auto" groups the many short documents and not the Qwen3-0.6B-sized chat row; each batch is
+    counted once however many layers (and forwards) read its plan, each attention call every time."""
+    model = build_model("qwen3")
+    slipstream.optimize(model, attention_grouping="auto")
+    counts = model.slipstream.grouping_counts
+    layers = model.config.num_hidden_layers
+    short = slipstream.collate_packed(random_docs([8] * 40))
+    one_doc = slipstream.collate_packed(random_docs([30]))
+    with torch.no_grad():
+        model(**short.model_inputs())
+        model(**short.model_inputs())  # the same batch again: its calls count, the batch does not
+        model(**one_doc.model_inputs())
+    assert counts.to_dict() == {
+        "batches_grouped": 1,
+        "batches_per_document": 1,
+        "calls_grouped": 2 * layers,
+        "calls_per_document": layers,
+    }
+    assert counts.describe() == f"grouped 1 of 2 batches ({2 * layers} of {3 * layers} attention calls)"
+
+    forced = build_model("qwen3")
+    slipstream.optimize(forced, attention_grouping="per_document")
+    with torch.no_grad():
+        forced(**short.model_inputs())  # a batch another model counted is counted again here
+    assert forced.slipstream.grouping_counts.to_dict() == {
+        "batches_grouped": 0,
+        "batches_per_document": 1,
+        "calls_grouped": 0,
+        "calls_per_document": layers,
+    }
+    assert counts.batches_grouped == 1  # the first model's counter untouched

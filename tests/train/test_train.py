@@ -68,6 +68,10 @@ def test_trains_and_the_adapter_reproduces_the_trained_logits(tmp_path):
     assert written["achieved_tflops"] * 1e12 == pytest.approx(
         written["mfu"] * written["matmul_peak"]["flops_per_s"]
     )
+    # every micro-batch's packed attention counted once, grouped or per document; each layer's call too
+    grouping = written["attention_grouping_counts"]
+    batches = grouping["batches_grouped"] + grouping["batches_per_document"]
+    assert batches >= 12 and grouping["calls_grouped"] + grouping["calls_per_document"] >= 2 * batches
 
 
 @pytest.mark.parametrize("four_bit", [False, True])

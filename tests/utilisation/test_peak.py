@@ -36,3 +36,40 @@ def test_the_peak_is_measured_once_and_a_fresh_cache_measures_again(tmp_path, mo
 def test_a_measurement_stops_growing_past_its_budget():
     found = peak.measure_matmul_peak("cpu", torch.float32, sizes=(32, 64, 4096), repeats=1, budget_s=0.0)
     assert found["size"] == 32  # the budget was spent after the first size
+
+
+def test_remeasure_replaces_a_cached_figure_atomically(tmp_path, monkeypatch):
+    """A figure taken under load sticks in the cache until ``remeasure=True`` (doctor --remeasure-peak)."""
+    figures = iter([1.0e9, 5.0e9])
+
+    def fake(device, dtype):
+        rate = next(figures)
+        return {"flops_per_s": rate, "tflops": rate / 1e12, "size": 64, "seconds": 0.1, "how": "fake"}
+
+    monkeypatch.setattr(peak, "measure_matmul_peak", fake)
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    loaded = peak.matmul_peak("cpu", torch.float32, threads=1)
+    assert loaded["flops_per_s"] == 1.0e9
+    assert peak.matmul_peak("cpu", torch.float32, threads=1)["cached"] is True  # the busy figure sticks
+    fresh = peak.matmul_peak("cpu", torch.float32, threads=1, remeasure=True)
+    assert fresh["cached"] is False and fresh["flops_per_s"] == 5.0e9
+    again = peak.matmul_peak("cpu", torch.float32, threads=1)
+    assert again["cached"] is True and again["flops_per_s"] == 5.0e9  # the new figure replaced it
+    files = list((tmp_path / "matmul_peak").iterdir())
+    assert len(files) == 1  # written in place of the old one, no temporary left behind
+
+
+def test_doctor_has_a_remeasure_peak_option(monkeypatch):
+    from slipstream import cli
+
+    seen = {}
+
+    def fake_doctor(model, json_path=None, dtype="auto", remeasure_peak=False):
+        seen["remeasure_peak"] = remeasure_peak
+        return {}, 0
+
+    monkeypatch.setattr("slipstream.doctor.run_doctor", fake_doctor)
+    assert cli.main(["doctor", "--remeasure-peak"]) == 0
+    assert seen == {"remeasure_peak": True}
+    assert cli.main(["doctor"]) == 0
+    assert seen == {"remeasure_peak": False}

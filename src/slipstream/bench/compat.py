@@ -14,6 +14,9 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
   runs the documents as a right-padded batch; another option runs packed) must itself match;
 * a packed arm that passes runs again with its documents grouped by length into batched SDPA
   calls (``attention_grouping="grouped"``), which must match too;
+* opt-in (``compile=True``, the sweep's ``--compile``: a cold inductor compile costs 45-55 s per
+  architecture on a 2-core CPU, hours for the registry), the passing arm runs again with its
+  decoder layers compiled (``compile="on"``), which must match too;
 * when the arm is wrong or crashes, ablations (one speedup at a time) name the culprit.
 
 Outcomes: ``pass`` (within :data:`TOLERANCE`), ``refused`` (a slipstream error naming the
@@ -370,8 +373,26 @@ def _check_grouping(verdict: Verdict, stock, docs, ref, options: dict[str, Any])
     verdict.detail = f"grouped attention (attention_grouping='grouped'): {grouped.detail}"
 
 
-def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
-    """The verdict for one registry ``model_type`` (never raises)."""
+def _check_compile(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
+    """A verdict that passed (or whose fallback did), again with its decoder layers compiled
+    (``compile="on"``, inductor), without offload; the ``compiled`` column, and WRONG / CRASH if
+    it differs."""
+    packed = options.get("packed_attention", True) is not False
+    compiled = run_arm(stock, docs, ref, {**options, "compile": "on"}, packed=packed, offload=False)
+    verdict.ablations["compiled"] = compiled
+    if compiled.status == "pass":
+        verdict.speedups["compiled"] = "on"
+        return
+    verdict.speedups["compiled"] = compiled.status
+    if compiled.status == "refused":
+        return
+    verdict.status = "WRONG" if compiled.status == "WRONG" else "CRASH"
+    verdict.detail = f"compiled (compile='on'): {compiled.detail}"
+
+
+def check_architecture(model_type: str, seed: int = SEED, compile: bool = False) -> Verdict:
+    """The verdict for one registry ``model_type`` (never raises); ``compile``: also the compiled
+    arm (see the module docstring)."""
 
     started = time.perf_counter()
     verdict = Verdict(model_type)
@@ -422,6 +443,8 @@ def check_architecture(model_type: str, seed: int = SEED) -> Verdict:
     if verdict.status in ("pass", "refused") and verdict.speedups:
         advised = (verdict.fallback or {}).get("advice") or {}
         _check_grouping(verdict, stock, docs, ref, dict(advised))
+        if compile and verdict.status in ("pass", "refused"):
+            _check_compile(verdict, stock, docs, ref, dict(advised))
     if verdict.status in ("WRONG", "CRASH"):
         for name, (options, packed, offload) in ABLATIONS.items():
             verdict.ablations[name] = run_arm(stock, docs, ref, options, packed=packed, offload=offload)
@@ -449,7 +472,7 @@ __all__ = [
 # --------------------------------------------------------------------------- the sweep, in worker processes
 
 
-def _worker(model_types: list[str]) -> None:
+def _worker(model_types: list[str], compile: bool = False) -> None:
     """Worker process: one ``START`` line, then one ``RESULT`` JSON line, per model type."""
 
     warnings.filterwarnings("ignore")
@@ -458,15 +481,16 @@ def _worker(model_types: list[str]) -> None:
     transformers.logging.set_verbosity_error()
     for model_type in model_types:
         print("START " + model_type, flush=True)
-        verdict = check_architecture(model_type)
+        verdict = check_architecture(model_type, compile=compile)
         print("RESULT " + json.dumps(verdict.to_dict(), default=str), flush=True)
 
 
 def sweep(
-    model_types: list[str], workers: int = 2, timeout_s: float = 300.0, progress=None
+    model_types: list[str], workers: int = 2, timeout_s: float = 300.0, progress=None, compile: bool = False
 ) -> list[dict[str, Any]]:
     """Check every model type, ``workers`` processes at a time; a worker that dies (an abort in
-    a native kernel) or hangs costs only the model type it was on, which is recorded as CRASH."""
+    a native kernel) or hangs costs only the model type it was on, which is recorded as CRASH.
+    ``compile``: also the compiled arm of each (slow: see the module docstring)."""
 
     pending = list(model_types)
     results: dict[str, dict[str, Any]] = {}
@@ -485,7 +509,7 @@ def sweep(
             command = [
                 sys.executable,
                 "-c",
-                f"from slipstream.bench.compat import _worker; _worker({batch!r})",
+                f"from slipstream.bench.compat import _worker; _worker({batch!r}, compile={compile!r})",
             ]
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             lines: queue.Queue[str | None] = queue.Queue()
@@ -569,6 +593,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
     """``docs/compatibility.md``: the per-architecture table and how it was made."""
 
     counts = Counter(v["status"] for v in verdicts)
+    compiled = any("compiled" in (v.get("speedups") or {}) for v in verdicts)  # the sweep's --compile
     lines = [
         "# Compatibility: which transformers causal LMs slipstream trains, and how",
         "",
@@ -597,13 +622,26 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "*MoE* = sorted expert routing (`-`: not an MoE model); *loss* = the chunked LM head + loss;",
         "*offload* = offloaded checkpointing of decoder-layer inputs; *grouped* = the packed row's documents",
         "grouped by length into batched SDPA calls (`attention_grouping='grouped'`), checked the same way.",
+        *(
+            [
+                "*compiled* = the decoder layers compiled (`compile='on'`, inductor, dynamic shapes), checked the",
+                "same way (the sweep's `--compile`).",
+            ]
+            if compiled
+            else [
+                "Compiled layers (`compile='on'`) are checked by `benchmarks/compat_sweep.py --compile` (a cold",
+                "compile costs 45-55 s per architecture here), not in this table.",
+            ]
+        ),
         "For a refused architecture the",
         "columns show what its verified fallback runs.",
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels`): this sweep runs on a",
         "CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
-        "| model type | class | verdict | packed | MoE | loss | offload | grouped | note |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model type | class | verdict | packed | MoE | loss | offload | grouped | "
+        + ("compiled | " if compiled else "")
+        + "note |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -616,6 +654,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             (speedups.get("chunked loss", "") or "").split(" (")[0],
             speedups.get("offload", ""),
             speedups.get("grouped attention", ""),
+            *([speedups.get("compiled", "")] if compiled else []),
             _note(verdict),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..atomic import write_text_atomically
+from ..packing.grouping import describe_counts
 from .arms import ARM_SPECS
 from .fingerprint import describe
 from .inputs import short_name
@@ -32,6 +33,15 @@ def _parity(s: dict) -> str:
 def _count(value) -> str:
     """A counter's cell: '-' where it was not measured (a peer run outside our counters)."""
     return "-" if value is None else f"{value:,}"
+
+
+def _ran(run: dict) -> list[str]:
+    """An arm's policies, then what its packed attention's grouping did over its steps."""
+    ran = list(run.get("policies") or ["-"])
+    counts = run.get("attention_grouping_counts")
+    if counts and counts["batches_grouped"] + counts["batches_per_document"]:
+        ran.append(f"attention grouping ran: {describe_counts(counts)}")
+    return ran
 
 
 def mfu_cell(s: dict) -> str:
@@ -137,7 +147,7 @@ def markdown_report(record: dict) -> str:
     lines += ceiling_lines(record)
     arms = ran_arms(record)
     lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
-    lines += [f"- **{arm}**: " + "; ".join(record["runs"][arm][0].get("policies") or ["-"]) for arm in arms]
+    lines += [f"- **{arm}**: " + "; ".join(_ran(record["runs"][arm][0])) for arm in arms]
     lines += [
         "",
         "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)"

@@ -66,6 +66,9 @@ class ArmResult:
     model_flops: list[int] | None = None
     # the untimed forward that measures activation_bytes (a compiled arm compiles its forward there)
     probe_forward_s: float = 0.0
+    # batches and attention calls its packed SDPA ran grouped / per document over all its steps
+    # (packing.grouping.GroupingCounts.to_dict); None: no packed attention in this arm
+    attention_grouping_counts: dict[str, int] | None = None
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -137,6 +140,8 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     probe_started = time.perf_counter()
     activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
     probe_forward_s = time.perf_counter() - probe_started
+    if state is not None:
+        state.grouping_counts.reset()  # the steps' batches only, not the probe's
     if trl_step:
         step_fn = trl_step  # TRL's trainer, with its own optimizer and clipping
     else:
@@ -192,6 +197,8 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
     result.peak_memory_mb = peak_memory_mb(device)
+    if state is not None and state.packed_attention is not None:
+        result.attention_grouping_counts = state.grouping_counts.to_dict()
     if trl_step:
         trl_step.close()
     return dataclasses.asdict(result)

@@ -6,6 +6,7 @@ from .regional import (
     compile_layers,
     compiled_layers,
     decoder_layers,
+    inductor_available,
     should_compile,
     uncompile_layers,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "compile_layers",
     "compiled_layers",
     "decoder_layers",
+    "inductor_available",
     "should_compile",
     "uncompile_layers",
 ]

@@ -20,6 +20,7 @@ long enough; see :data:`BREAK_EVEN_STEPS` for the measured basis.
 
 from __future__ import annotations
 
+import importlib
 from typing import Literal
 
 import torch
@@ -81,6 +82,33 @@ def should_compile(mode: str, expected_steps: int | None, device: torch.device |
         True,
         f"auto: {expected_steps} steps, at least the {break_even} that pay back the cold start on {kind}",
     )
+
+
+def inductor_available(device: torch.device | str) -> tuple[bool, str]:
+    """Could inductor compile for ``device`` here? ``(yes, how or why not)``, from what is installed
+    (a C++ compiler on a CPU, Triton on CUDA); nothing is compiled (a cold compile takes tens of
+    seconds on a CPU)."""
+    kind = torch.device(device).type
+    try:
+        importlib.import_module("torch._inductor")  # the import is the check
+    except Exception as error:  # noqa: BLE001 - any failure to import is the answer
+        return False, f"torch._inductor does not import: {type(error).__name__}: {error}"
+    if kind == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            return True, f"inductor with the C++ compiler {get_cpp_compiler()}"
+        except Exception as error:  # noqa: BLE001 - no compiler found, whatever the error
+            return False, f"inductor finds no C++ compiler ({type(error).__name__})"
+    if kind == "cuda":
+        from torch.utils._triton import has_triton
+
+        if has_triton():
+            import triton
+
+            return True, f"inductor with Triton {triton.__version__}"
+        return False, "Triton is not installed: inductor cannot build CUDA kernels"
+    return False, f"inductor is not checked on {kind}"
 
 
 def decoder_layers(base: torch.nn.Module) -> list[torch.nn.Module]:

@@ -182,7 +182,9 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "matmul peak",
                 f"{peak['tflops']:.3g} TFLOP/s in {peak['dtype']} at {peak['threads']} threads (measured "
-                f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against)",
+                f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against"
+                + ("; --remeasure-peak measures it again" if peak["cached"] else "")
+                + ")",
             )
         )
     return rows

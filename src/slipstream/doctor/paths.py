@@ -2,7 +2,9 @@
 against its stock arm on a tiny random model of the requested family.
 
 Every decision comes from the library's own decider (``choose_backend``, ``GroupedLinear``,
-``choose_policy``, ``choose_chunk_tokens``, ``resolve_dtype``); nothing is re-derived here.
+``choose_policy``, ``choose_chunk_tokens``, ``resolve_dtype``, ``should_compile``); nothing is
+re-derived here. Compile has a decision row only (what "auto" does here, and whether inductor is
+installed for the device): a cold compile takes tens of seconds on a CPU, too long for a check.
 
 Each path is checked on its own: its fast arm is the model as ``slipstream.optimize`` sets it up
 by default (every path on where the model allows it), its stock arm differs in that one path
@@ -48,6 +50,7 @@ import torch
 
 from ..bench.compat import LENGTHS, TOLERANCE, documents, gradient_errors
 from ..bench.counters import HostSyncCounter
+from ..compile import BREAK_EVEN_STEPS, inductor_available, should_compile
 from ..fused import liger_plan
 from ..loss import UnsupportedLoss, choose_chunk_tokens
 from ..models import TINY, build_config, build_model, model_names
@@ -245,6 +248,7 @@ def decisions(
 
     deciders = {
         "dtype": lambda: (_dtype_name(dtype), dtype_why),
+        "compile (auto)": lambda: compile_decision(device),
         "packed attention": attention,
         "attention grouping": grouping,
         "MoE routing": lambda: _moe_decision(checked, model, moe_model, device, dtype),
@@ -260,6 +264,25 @@ def decisions(
             choice, why = "undecided", f"the decider failed: {_one_line(error)}"
         rows.append({"path": path, "choice": choice, "why": why})
     return rows
+
+
+def compile_decision(device: torch.device) -> tuple[str, str]:
+    """What ``compile="auto"`` does on ``device`` (it depends on the run's length, which doctor does
+    not know) and whether inductor can compile here (what is installed; nothing is compiled)."""
+    break_even = BREAK_EVEN_STEPS.get(device.type)
+    if break_even is None:
+        choice = "off, whatever the run's length"
+        _, why = should_compile("auto", 2**31, device)
+        why = why.removeprefix("off (auto: ").removesuffix(")")
+    else:
+        choice = f"on from {break_even} steps, off below"
+        why = (
+            f"{break_even} steps pay back a compile's cold start on {device.type} (measured; "
+            "slipstream.compile.should_compile); without a step count (plain optimize) it stays off"
+        )
+    works, how = inductor_available(device)
+    choice += "" if works else "; compile='on' cannot run here"
+    return choice, f"{why}; torch.compile: {how} (not compiled here: a cold compile takes tens of seconds)"
 
 
 def _moe_decision(checked, model, moe_model, device, dtype) -> tuple[str, str]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PackedBatch
-from .grouping import GROUPING_CHOICE, document_groups, run_grouped
+from .grouping import GROUPING_CHOICE, GROUPING_COUNTS, document_groups, run_grouped
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 from .rowpos import document_temperature
 from .short_attention import SHORT_KERNEL_CHOICE, short_causal_attention, takes_short_kernel
@@ -277,6 +277,9 @@ def packed_sdpa_attention(
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
     mode = GROUPING_CHOICE.get(module, "auto")
     groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])
+    counts = GROUPING_COUNTS.get(module)
+    if counts is not None:
+        counts.count(batch, grouped=groups is not None)
     if groups is not None:
         return run_grouped(fn, groups, query, key, value, batch=batch, **kw), None
     out = _per_document(fn, batch, query, key, value, **kw)

@@ -18,6 +18,11 @@ The plan (which document goes where, the gather and scatter indices) is built on
 (and attention shape) from the host lengths and memoised on the batch, so every layer reuses
 it and nothing is read back from the device.
 
+What "auto" chose is counted (:class:`GroupingCounts`, one per optimized model, on
+``OptimizeState.grouping_counts``): batches and attention calls that ran grouped or one call per
+document. Plain Python integers, bumped where the plan is looked up: no device work, the same on
+every machine.
+
 The rule ("auto") is a cost model measured with ``benchmarks/doc_attention.py`` on this
 project's 2-core CPU (fp32, 2 threads, best of the repeats; forward + backward):
 
@@ -65,6 +70,61 @@ RULE = (
 # Per attention-module setting, kept beside the modules (weak keys: a module that goes away
 # takes its entry with it); a module without an entry runs "auto".
 GROUPING_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+
+
+@dataclass(eq=False)  # hashed by identity: a batch's memo key names the counter that counted it
+class GroupingCounts:
+    """How a model's packed SDPA attention ran: batches and attention calls, grouped or one call
+    per document.
+
+    ``calls_*``: attention calls (one per attention layer per forward; a recomputed forward in
+    backward counts again). ``batches_*``: packed batches (a chunked row's pieces are one batch
+    each), counted at the batch's first attention call. A batch of one document runs one call per
+    document, as "per_document" does."""
+
+    batches_grouped: int = 0
+    batches_per_document: int = 0
+    calls_grouped: int = 0
+    calls_per_document: int = 0
+
+    def count(self, batch: PackedBatch, grouped: bool) -> None:
+        """One attention call on ``batch``; the batch itself once (memoised on it)."""
+        if grouped:
+            self.calls_grouped += 1
+        else:
+            self.calls_per_document += 1
+        batch.memo(("grouping_counted", self), lambda: self._count_batch(grouped))
+
+    def _count_batch(self, grouped: bool) -> bool:
+        if grouped:
+            self.batches_grouped += 1
+        else:
+            self.batches_per_document += 1
+        return True
+
+    def reset(self) -> None:
+        self.batches_grouped = self.batches_per_document = self.calls_grouped = self.calls_per_document = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+    def describe(self) -> str:
+        """One line: "grouped 38 of 40 batches (456 of 480 attention calls)"."""
+        return describe_counts(self.to_dict())
+
+
+def describe_counts(counts: dict[str, int]) -> str:
+    """:meth:`GroupingCounts.describe` of a recorded ``to_dict()``."""
+    batches = counts["batches_grouped"] + counts["batches_per_document"]
+    calls = counts["calls_grouped"] + counts["calls_per_document"]
+    return (
+        f"grouped {counts['batches_grouped']} of {batches} batches "
+        f"({counts['calls_grouped']} of {calls} attention calls)"
+    )
+
+
+# The model's counter for each of its modules (set by optimize beside GROUPING_CHOICE).
+GROUPING_COUNTS: weakref.WeakKeyDictionary[torch.nn.Module, GroupingCounts] = weakref.WeakKeyDictionary()
 
 
 def grouping_policy(mode: str, backend: str, has_sinks: bool) -> str:

@@ -747,6 +747,10 @@ def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
         "skipped_nonfinite_steps": nonfinite.skipped,
         **_utilisation(run),
     }
+    state = state_of(run.model)
+    if state is not None and state.packed_attention is not None:
+        # this invocation's batches (train and eval) whose packed SDPA ran grouped / per document
+        summary["attention_grouping_counts"] = state.grouping_counts.to_dict()
     if run.evals is not None:
         summary["eval"] = _eval_summary(run)
     if run.point.path is not None:

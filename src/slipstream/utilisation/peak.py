@@ -6,7 +6,8 @@ the best of up to 5 timed repeats after one untimed call), stopping once one mat
 enough to time well or the probe has spent its budget (about a second); the peak is the best
 FLOP/s of any size. On CUDA each repeat is timed with CUDA events. The result is cached under
 ``$SLIPSTREAM_CACHE/matmul_peak/`` per device name, dtype, thread count and torch version, so a
-machine measures it once.
+machine measures it once. A figure taken while the machine was busy would stick: ``remeasure=True``
+(``slipstream doctor --remeasure-peak``) measures again and replaces the cached one atomically.
 """
 
 from __future__ import annotations
@@ -118,11 +119,15 @@ def measure_matmul_peak(
     }
 
 
-def matmul_peak(device: torch.device | str, dtype: torch.dtype, threads: int | None = None) -> dict:
+def matmul_peak(
+    device: torch.device | str, dtype: torch.dtype, threads: int | None = None, remeasure: bool = False
+) -> dict:
     """The device's dense-matmul peak in ``dtype``: from the cache, else measured once and cached.
 
     ``threads`` (CPU): the torch thread count to measure at (set for the probe, then restored);
-    None: this process's. The result names what it was keyed by and whether it came from the cache."""
+    None: this process's. ``remeasure``: measure now even where a figure is cached, and cache the
+    new one in its place (written atomically: a reader sees the old figure or the new, whole).
+    The result names what it was keyed by and whether it came from the cache."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -131,8 +136,8 @@ def matmul_peak(device: torch.device | str, dtype: torch.dtype, threads: int | N
     key = _cache_key(device, dtype, threads)
     path = _cache_path(key)
     try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
+        cached = json.loads(path.read_text()) if not remeasure else None
+        if cached is not None and cached.get("key") == key:
             return {**key, **cached["peak"], "measured": cached["measured"], "cached": True}
     except (OSError, ValueError, KeyError):
         pass
