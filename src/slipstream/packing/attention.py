@@ -134,7 +134,8 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
 
 
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
-    """Run ``fn`` on every document and put the row back together: [1, H, T, D].
+    """Run ``fn`` on every document and put the row back together: [1, H, T, D], a view of a
+    contiguous [1, T, H, D] (the caller's transpose back to the model's layout is then free).
 
     ``split`` rather than one slice per document: the backward of a split is a single
     concatenation, while each slice's backward would zero-fill and add a full [1, H, T, D]
@@ -144,12 +145,12 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
         return fn(query, key, value, batch=batch, **kw)
     lengths = list(batch.seq_lens)
     outputs = [
-        fn(q, k, v, batch=batch, **kw)
+        fn(q, k, v, batch=batch, **kw).transpose(1, 2)
         for q, k, v in zip(
             query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True
         )
     ]
-    return torch.cat(outputs, dim=2)
+    return torch.cat(outputs, dim=1).transpose(1, 2)
 
 
 def chunked_attention_size(module) -> int | None:

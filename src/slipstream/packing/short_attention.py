@@ -97,6 +97,20 @@ def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor, heads_per_ke
     return torch.softmax(logits, dim=-1).view(n, kv_heads, rows, length)
 
 
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, contiguous: one copy, whatever its layout (the blocks below are then views)."""
+    return x.to(torch.float32, memory_format=torch.contiguous_format).contiguous()
+
+
+def _model_layout(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``[n, H, L, D]`` -> ``dtype``, as a ``[n, H, L, D]`` view of a contiguous ``[n, L, H, D]``:
+    the layout the projections around attention use, so the transposes and reshapes there (and
+    in the grouping's gather and scatter) are views, not copies. One copy, as ``.to(dtype)`` is."""
+    n, heads, length, dim = x.shape
+    out = torch.empty((n, length, heads, dim), dtype=dtype, device=x.device)
+    return out.copy_(x.transpose(1, 2)).transpose(1, 2)
+
+
 class ShortCausalAttention(torch.autograd.Function):
     """``q`` ``[n, H, L, D]``, ``k`` / ``v`` ``[n, Hkv, L, D]`` -> ``[n, H, L, D]`` (see the module doc)."""
 
@@ -105,12 +119,12 @@ class ShortCausalAttention(torch.autograd.Function):
         n, heads, length, dim = query.shape
         kv_heads = key.shape[1]
         r = heads // kv_heads
-        q_blocks = query.float().reshape(n, kv_heads, r * length, dim)
-        probs = _probabilities(q_blocks, key.float(), scale, mask, r)
-        out = torch.matmul(probs, value.float())
+        q_blocks = _fp32(query).view(n, kv_heads, r * length, dim)
+        probs = _probabilities(q_blocks, _fp32(key), scale, mask, r)
+        out = torch.matmul(probs, _fp32(value))
         ctx.save_for_backward(query, key, value, mask)
         ctx.scale = scale
-        return out.view(n, heads, length, dim).to(query.dtype)
+        return _model_layout(out.view(n, heads, length, dim), query.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -118,17 +132,23 @@ class ShortCausalAttention(torch.autograd.Function):
         n, heads, length, dim = query.shape
         kv_heads = key.shape[1]
         r = heads // kv_heads
-        q_blocks = query.float().reshape(n, kv_heads, r * length, dim)
-        key32 = key.float()
+        q_blocks = _fp32(query).view(n, kv_heads, r * length, dim)
+        key32 = _fp32(key)
         probs = _probabilities(q_blocks, key32, ctx.scale, mask, r)
-        grad_blocks = grad_out.float().reshape(n, kv_heads, r * length, dim)
+        grad_blocks = _fp32(grad_out).view(n, kv_heads, r * length, dim)
         grad_value = torch.matmul(probs.transpose(-1, -2), grad_blocks)
-        grad_probs = torch.matmul(grad_blocks, value.float().transpose(-1, -2))
+        grad_probs = torch.matmul(grad_blocks, _fp32(value).transpose(-1, -2))
         grad_scores = probs.mul_(grad_probs - (probs * grad_probs).sum(-1, keepdim=True)).mul_(ctx.scale)
         grad_query = torch.matmul(grad_scores, key32).view(n, heads, length, dim)
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), q_blocks)
         dtype = query.dtype
-        return grad_query.to(dtype), grad_key.to(dtype), grad_value.to(dtype), None, None
+        return (
+            _model_layout(grad_query, dtype),
+            _model_layout(grad_key, dtype),
+            _model_layout(grad_value, dtype),
+            None,
+            None,
+        )
 
 
 def short_causal_attention(query, key, value, scale: float, window: int | None, batch=None) -> torch.Tensor:
