@@ -51,7 +51,7 @@ class OptimizeState:
     stock_experts_implementation: str | None = None
     packed_attention: str | None = None  # the backend name, None when stock
     attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
-    short_document_kernel: bool | None = None  # Speedups.short_document_kernel, None when stock
+    short_document_kernel: str | None = None  # Speedups.short_document_kernel, None when stock
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)

@@ -24,6 +24,7 @@ from .moe.experts import MoeCompute, MoeRouting
 from .offload.policy import Checkpointing
 from .packing.attention import AttentionBackend
 from .packing.grouping import AttentionGrouping
+from .packing.short_attention import ShortKernel
 
 CHECKPOINTING_MODES: tuple[str, ...] = get_args(Checkpointing)
 ENV_CHECKPOINTING = "SLIPSTREAM_CHECKPOINTING"
@@ -56,12 +57,12 @@ class Speedups:
             "CPU (calls, padded score FLOPs, the gather) says it is cheaper"
         ),
     )
-    short_document_kernel: bool = field(
-        default=True,
+    short_document_kernel: ShortKernel = field(
+        default="auto",
         metadata=_help(
-            "per-document SDPA path on a CPU in bf16 / fp16: documents (or length groups) of up to 160 "
-            "tokens attend by fp32 GEMMs and softmax recomputed in backward, measured 1.2-3.6x faster "
-            "there than SDPA's CPU flash kernel (false: SDPA for every document)"
+            "per-document SDPA path: documents (or length groups) of up to 160 tokens attend by fp32 GEMMs "
+            "and softmax recomputed in backward; auto: on a CPU in bf16 / fp16, measured 1.2-3.6x faster "
+            "there than SDPA's CPU flash kernel; on: every device and dtype; off: SDPA for every document"
         ),
     )
     moe_routing: MoeRouting | None = field(
@@ -126,7 +127,7 @@ class Speedups:
         (checkpointing left as is). A new speedup adds its stock value here, once."""
         return cls(
             packed_attention=False,
-            short_document_kernel=False,
+            short_document_kernel="off",
             moe_routing="stock",
             chunked_loss=False,
             lora_in_compute_dtype=False,

@@ -159,7 +159,7 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
     stock = arm_speedups(config, "stock-packed")
     assert stock == Speedups(
         packed_attention=False,
-        short_document_kernel=False,
+        short_document_kernel="off",
         moe_routing="stock",
         chunked_loss=False,
         lora_in_compute_dtype=False,

@@ -47,10 +47,28 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             "chunked loss": "on",
             "offload": "on",
             "grouped attention": "on",
+            "short kernel": "on",
         }
     if verdict.speedups.get("packed attention") == "on":
-        assert verdict.speedups["grouped attention"] == "on"
-        assert verdict.ablations["grouped attention"].status == "pass"
+        for column in ("grouped attention", "short kernel"):
+            assert verdict.speedups[column] == "on"
+            assert verdict.ablations[column].status == "pass"
+
+
+def test_the_sweep_reports_the_short_kernel_wrong_when_it_loses_its_causal_mask(monkeypatch):
+    import torch
+
+    from slipstream.packing import short_attention
+
+    monkeypatch.setattr(
+        short_attention, "_additive_mask", lambda length, window, device: torch.zeros(length, length)
+    )
+    verdict = check_architecture("llama")
+    assert verdict.status == "WRONG" and verdict.detail.startswith("short kernel"), verdict.detail
+    assert verdict.speedups["short kernel"] == "WRONG"
+    assert (
+        verdict.speedups["grouped attention"] == "on"
+    )  # fp32 "auto" keeps SDPA: only the forced column sees it
 
 
 def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding(monkeypatch):
@@ -107,7 +125,7 @@ def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     assert verdict.status == "pass" and verdict.speedups["compiled"] == "on", verdict.ablations
     assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
     text = render_markdown([verdict.to_dict()])
-    assert "| grouped | compiled | note |" in text and "| on | on |" in text
+    assert "| grouped | short | compiled | note |" in text and "| on | on | on |" in text
 
 
 def test_position_thresholds_sit_inside_the_test_documents():

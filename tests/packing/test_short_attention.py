@@ -99,6 +99,9 @@ def test_where_it_applies():
     assert not takes_short_kernel(long_q, long_kv, 0.0), "long documents keep SDPA's flash kernel"
     assert takes_short_kernel(q.half(), kv.half(), 0.0)
     assert not takes_short_kernel(q.float(), kv.float(), 0.0), "fp32 keeps SDPA (as fast there)"
+    assert takes_short_kernel(q.float(), kv.float(), 0.0, "on"), "unless asked"
+    assert not takes_short_kernel(q, kv, 0.0, "off")
+    assert not takes_short_kernel(long_q, long_kv, 0.0, "on")
     with torch._subclasses.fake_tensor.FakeTensorMode():
         assert not takes_short_kernel(
             torch.empty(2, 4, 10, 8, device="cuda"), torch.empty(2, 2, 10, 8, device="cuda"), 0.0
@@ -106,6 +109,7 @@ def test_where_it_applies():
 
 
 def test_policy_lines():
-    assert short_kernel_policy(False, "sdpa").startswith("off")
-    assert "unused" in short_kernel_policy(True, "varlen")
-    assert str(SHORT_MAX_LEN) in short_kernel_policy(True, "sdpa")
+    assert short_kernel_policy("off", "sdpa").startswith("off")
+    assert "unused" in short_kernel_policy("auto", "varlen")
+    assert str(SHORT_MAX_LEN) in short_kernel_policy("auto", "sdpa")
+    assert short_kernel_policy("on", "sdpa").startswith("on (")

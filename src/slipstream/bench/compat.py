@@ -356,21 +356,40 @@ def _run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[
     return result, ""
 
 
-def _check_grouping(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
-    """A packed verdict that passed, again with the documents grouped by length into batched SDPA
-    calls (``attention_grouping="grouped"``, whichever "auto" picked for the arm itself),
-    without offload; the ``grouped attention`` column, and WRONG / CRASH if it differs."""
+def _check_packed_variant(
+    verdict: Verdict, stock, docs, ref, options: dict[str, Any], column: str, change: dict
+) -> None:
+    """A packed verdict that passed, again with ``change`` on top of its options, without offload;
+    the ``column``, and WRONG / CRASH if it differs."""
     if verdict.speedups.get("packed attention") != "on":
-        verdict.speedups["grouped attention"] = "-"
+        verdict.speedups[column] = "-"
         return
-    grouped = run_arm(stock, docs, ref, {**options, "attention_grouping": "grouped"}, offload=False)
-    verdict.ablations["grouped attention"] = grouped
-    if grouped.status == "pass":
-        verdict.speedups["grouped attention"] = "on"
+    result = run_arm(stock, docs, ref, {**options, **change}, offload=False)
+    verdict.ablations[column] = result
+    if result.status == "pass":
+        verdict.speedups[column] = "on"
         return
-    verdict.speedups["grouped attention"] = grouped.status
-    verdict.status = "WRONG" if grouped.status == "WRONG" else "CRASH"
-    verdict.detail = f"grouped attention (attention_grouping='grouped'): {grouped.detail}"
+    verdict.speedups[column] = result.status
+    verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
+    settings = ", ".join(f"{key}={value!r}" for key, value in change.items())
+    verdict.detail = f"{column} ({settings}): {result.detail}"
+
+
+# The packed-attention variants every passing packed verdict is checked with: documents grouped by
+# length into batched calls (whichever "auto" picked for the arm itself), and the short-document
+# kernel forced on (fp32 here, where "auto" keeps SDPA) over right-padded groups.
+PACKED_VARIANTS = {
+    "grouped attention": {"attention_grouping": "grouped"},
+    "short kernel": {"attention_grouping": "grouped", "short_document_kernel": "on"},
+}
+
+
+def _check_grouping(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
+    """Every packed variant (:data:`PACKED_VARIANTS`), each its own column."""
+    for column, change in PACKED_VARIANTS.items():
+        if verdict.status not in ("pass", "refused"):
+            return
+        _check_packed_variant(verdict, stock, docs, ref, options, column, change)
 
 
 def _check_compile(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) -> None:
@@ -621,7 +640,9 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "Columns: *packed* = packed attention (documents never see each other; no host syncs, no T×T mask);",
         "*MoE* = sorted expert routing (`-`: not an MoE model); *loss* = the chunked LM head + loss;",
         "*offload* = offloaded checkpointing of decoder-layer inputs; *grouped* = the packed row's documents",
-        "grouped by length into batched SDPA calls (`attention_grouping='grouped'`), checked the same way.",
+        "grouped by length into batched SDPA calls (`attention_grouping='grouped'`), checked the same way;",
+        "*short* = the same groups attended by the short-document kernel (`short_document_kernel='on'`: fp32",
+        "GEMMs and softmax recomputed in backward; on by default only for bf16 / fp16 on a CPU).",
         *(
             [
                 "*compiled* = the decoder layers compiled (`compile='on'`, inductor, dynamic shapes), checked the",
@@ -638,10 +659,10 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels`): this sweep runs on a",
         "CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
-        "| model type | class | verdict | packed | MoE | loss | offload | grouped | "
+        "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | "
         + ("compiled | " if compiled else "")
         + "note |",
-        "|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -654,6 +675,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             (speedups.get("chunked loss", "") or "").split(" (")[0],
             speedups.get("offload", ""),
             speedups.get("grouped attention", ""),
+            speedups.get("short kernel", ""),
             *([speedups.get("compiled", "")] if compiled else []),
             _note(verdict),
         ]

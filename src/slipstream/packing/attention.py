@@ -82,10 +82,10 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel=False):
+def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel="off"):
     """SDPA over one document (or one unpacked row): [B, H, L, D] in, [B, H, L, D] out.
-    ``short_kernel``: a short document on a CPU takes :mod:`.short_attention` instead."""
-    if short_kernel and takes_short_kernel(query, key, dropout):
+    ``short_kernel``: the :mod:`.short_attention` mode; a short document it takes runs there."""
+    if takes_short_kernel(query, key, dropout, short_kernel):
         return short_causal_attention(query, key, value, scaling, window, batch)
     q_len, k_len = query.shape[-2], key.shape[-2]
     enable_gqa = query.shape[1] != key.shape[1]
@@ -274,7 +274,7 @@ def packed_sdpa_attention(
     if sinks is not None:
         fn = functools.partial(_sinks_one, module, sinks=sinks)
     else:
-        fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, True))
+        fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, "auto"))
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
     mode = GROUPING_CHOICE.get(module, "auto")
     groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])

@@ -40,8 +40,16 @@ they add nothing to any real key's gradient.
 from __future__ import annotations
 
 import weakref
+from typing import Literal, get_args
 
 import torch
+
+# The short-document kernel's choices, defined once (Speedups and the CLIs read them): "auto" takes
+# it where it was measured faster (a CPU, bf16 / fp16, up to SHORT_MAX_LEN tokens); "on" takes it
+# for every short document whatever the device and dtype (how the compatibility sweep checks it
+# in fp32 on every architecture); "off" keeps SDPA.
+ShortKernel = Literal["auto", "on", "off"]
+SHORT_KERNEL_MODES: tuple[str, ...] = get_args(ShortKernel)
 
 # The longest document (or padded group length) that takes this path on a CPU: the measured
 # crossover above (bf16: 1.2-1.9x at 160, 0.7-0.87x at 192).
@@ -52,29 +60,31 @@ RULE = (
     "softmax, recomputed in backward (measured 1.2-3.6x faster than SDPA's CPU flash kernel there)"
 )
 
-# Per attention-module setting (weak keys, as GROUPING_CHOICE); a module without one runs the
-# short kernel where it applies.
-SHORT_KERNEL_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+# Per attention-module setting (weak keys, as GROUPING_CHOICE); a module without one runs "auto".
+SHORT_KERNEL_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def short_kernel_policy(wanted: bool, backend: str) -> str:
+def short_kernel_policy(mode: str, backend: str) -> str:
     """The policy line ``optimize`` logs for the short-document kernel on ``backend``."""
-    if not wanted:
+    if mode == "off":
         return "off (SDPA for every document)"
     if backend != "sdpa":
-        return f"on (unused: the {backend} backend attends the whole row in one call)"
-    return f"on ({RULE})"
+        return f"{mode} (unused: the {backend} backend attends the whole row in one call)"
+    if mode == "on":
+        return f"on (every document of up to {SHORT_MAX_LEN} tokens, any device and dtype)"
+    return f"auto ({RULE})"
 
 
-def takes_short_kernel(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
-    """Whether one causal self-attention call (``[n, H, L, D]``) can take this path."""
+def takes_short_kernel(query: torch.Tensor, key: torch.Tensor, dropout: float, mode: str = "auto") -> bool:
+    """Whether one causal self-attention call (``[n, H, L, D]``) takes this path under ``mode``."""
     length = query.shape[-2]
     return (
-        query.device.type == "cpu"
+        mode != "off"
+        and (mode == "on" or (query.device.type == "cpu" and query.dtype in HALF_DTYPES))
+        and query.dtype.is_floating_point
         and dropout == 0.0
         and length == key.shape[-2]
         and length <= SHORT_MAX_LEN
-        and query.dtype in HALF_DTYPES
         and query.shape[1] % key.shape[1] == 0
     )
 
