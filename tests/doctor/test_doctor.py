@@ -17,6 +17,7 @@ from slipstream.doctor import first_use_hint, has_passed, run_doctor
 from slipstream.doctor.marker import marker_key, write_marker
 from slipstream.doctor.paths import compile_decision
 from slipstream.packing.attention import choose_backend
+from slipstream.packing.short_attention import RULE as SHORT_RULE
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +71,11 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
         compiled = next(row for row in report["decisions"] if row["path"] == "compile (auto)")
         assert compiled["choice"].startswith(f"on from {BREAK_EVEN_STEPS['cpu']} steps")
         assert "torch.compile: inductor" in compiled["why"]
+        short = next(row for row in report["decisions"] if row["path"] == "short-document kernel (auto)")
+        if dtype == "float32":
+            assert short["choice"] == "off" and "bf16 / fp16" in short["why"]
+        else:  # "auto" is bf16 on this CPU
+            assert short["choice"] == "on" and short["why"] == SHORT_RULE
         fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (Liger)")
         assert fused == {
             "path": "fused kernels (Liger)",

@@ -64,6 +64,7 @@ from ..packing import collate_packed
 from ..packing.attention import BACKEND_NAMES, UnsupportedAttentionFeature, choose_backend
 from ..packing.grouping import grouping_policy
 from ..packing.guards import UnsupportedArchitecture
+from ..packing.short_attention import RULE, SHORT_MAX_LEN, takes_short_kernel
 from ..speedups import Speedups
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
@@ -238,6 +239,18 @@ def decisions(
         backend, _ = choose_backend("auto", device, has_attention_sinks(model), dtype)
         return "auto", grouping_policy("auto", backend, has_attention_sinks(model)).removeprefix("auto ")
 
+    def short_kernel() -> tuple[str, str]:
+        backend, _ = choose_backend("auto", device, has_attention_sinks(model), dtype)
+        probe = torch.empty(1, 1, SHORT_MAX_LEN, 1, dtype=dtype, device=device)  # the longest it takes
+        if backend == "sdpa" and takes_short_kernel(probe, probe, 0.0):
+            return "on", RULE
+        why = "SDPA for every document: " + (
+            f"the {backend} backend attends the whole row in one call"
+            if backend != "sdpa"
+            else f"measured faster only on a CPU in bf16 / fp16 (here {device.type}, {_dtype_name(dtype)})"
+        )
+        return "off", why
+
     def loss() -> tuple[str, str]:
         tokens, why = choose_chunk_tokens(int(text.vocab_size), dtype, device)
         return f"{tokens} tokens per chunk", why
@@ -251,6 +264,7 @@ def decisions(
         "compile (auto)": lambda: compile_decision(device),
         "packed attention": attention,
         "attention grouping": grouping,
+        "short-document kernel (auto)": short_kernel,
         "MoE routing": lambda: _moe_decision(checked, model, moe_model, device, dtype),
         "offload (checkpointing: auto)": offload,
         "chunked loss": loss,
