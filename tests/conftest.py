@@ -65,17 +65,33 @@ def _session_demo_tokenizer(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def _session_matmul_peaks(tmp_path_factory) -> Path:
+    """The matmul peaks measured so far this session (``matmul_peak/`` files), one per device,
+    dtype and thread count: each probe costs 1-2.5 s, and dozens of tests train."""
+    return tmp_path_factory.mktemp("session-matmul-peaks")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_cache(tmp_path_factory, monkeypatch, _session_demo_tokenizer):
+def _fresh_cache(request, tmp_path_factory, monkeypatch, _session_demo_tokenizer, _session_matmul_peaks):
     """Every test gets an empty ``$SLIPSTREAM_CACHE`` of its own, as on a machine slipstream never ran on.
 
     Only the demo tokenizer (derived from the recipe, read-only in use) is shared, linked in
-    from the session's copy: no doctor marker, no tokenized data carries from test to test.
+    from the session's copy, and the matmul peaks this session has measured are copied in (a
+    test marked ``empty_cache`` gets none): no doctor marker, no tokenized data carries from test
+    to test.
     """
     cache = tmp_path_factory.mktemp("cache")
     (cache / _session_demo_tokenizer.name).symlink_to(_session_demo_tokenizer, target_is_directory=True)
+    peaks = cache / "matmul_peak"
+    if request.node.get_closest_marker("empty_cache") is None:
+        shutil.copytree(_session_matmul_peaks, peaks)
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
     yield cache
+    if request.node.get_closest_marker("empty_cache") is None and peaks.is_dir():
+        for measured in peaks.glob("*.json"):  # what this test (or its subprocesses) measured
+            if not (_session_matmul_peaks / measured.name).exists():
+                shutil.copy2(measured, _session_matmul_peaks / measured.name)
 
 
 @pytest.fixture(autouse=True)

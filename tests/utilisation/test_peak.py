@@ -1,8 +1,11 @@
 """The matmul peak: measured once per device, dtype, threads and torch version, then read from the cache."""
 
+import pytest
 import torch
 
 from slipstream.utilisation import peak
+
+pytestmark = pytest.mark.empty_cache  # these measure the probe itself
 
 
 def test_the_peak_is_measured_once_and_a_fresh_cache_measures_again(tmp_path, monkeypatch):
