@@ -99,11 +99,17 @@ def _additive_mask(length: int, window: int | None, device: torch.device) -> tor
 
 
 def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor, heads_per_key: int) -> torch.Tensor:
-    """P, ``[n, Hkv, r * L, L]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``."""
-    n, kv_heads, rows, _ = q_blocks.shape
+    """P, ``[n, Hkv, r * L, L]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``:
+    scale * Q K^T + M in one ``baddbmm`` (the mask repeated down the r stacked heads, broadcast
+    over the batch), then the softmax."""
+    n, kv_heads, rows, dim = q_blocks.shape
     length = key.shape[-2]
-    scores = torch.matmul(q_blocks, key.transpose(-1, -2)).view(n, kv_heads, heads_per_key, length, length)
-    logits = scores.mul_(scale).add_(mask)
+    logits = torch.baddbmm(
+        mask.repeat(heads_per_key, 1),
+        q_blocks.reshape(n * kv_heads, rows, dim),
+        key.reshape(n * kv_heads, length, dim).transpose(1, 2),
+        alpha=scale,
+    )
     return torch.softmax(logits, dim=-1).view(n, kv_heads, rows, length)
 
 
@@ -148,7 +154,8 @@ class ShortCausalAttention(torch.autograd.Function):
         grad_blocks = _fp32(grad_out).view(n, kv_heads, r * length, dim)
         grad_value = torch.matmul(probs.transpose(-1, -2), grad_blocks)
         grad_probs = torch.matmul(grad_blocks, _fp32(value).transpose(-1, -2))
-        grad_scores = probs.mul_(grad_probs - (probs * grad_probs).sum(-1, keepdim=True)).mul_(ctx.scale)
+        # dS = P * (dP - rowsum(P * dP)) * scale: the softmax's own backward kernel (one fused pass)
+        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, torch.float32).mul_(ctx.scale)
         grad_query = torch.matmul(grad_scores, key32).view(n, heads, length, dim)
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), q_blocks)
         dtype = query.dtype
