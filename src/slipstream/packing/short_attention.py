@@ -98,14 +98,14 @@ def _additive_mask(length: int, window: int | None, device: torch.device) -> tor
     return torch.zeros(length, length, device=device).masked_fill_(hidden, float("-inf"))
 
 
-def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor, heads_per_key: int) -> torch.Tensor:
+def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor) -> torch.Tensor:
     """P, ``[n, Hkv, r * L, L]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``:
-    scale * Q K^T + M in one ``baddbmm`` (the mask repeated down the r stacked heads, broadcast
-    over the batch), then the softmax."""
+    scale * Q K^T + M in one ``baddbmm`` (``mask`` ``[r * L, L]``, already repeated down the r
+    stacked heads, broadcast over the batch), then the softmax."""
     n, kv_heads, rows, dim = q_blocks.shape
     length = key.shape[-2]
     logits = torch.baddbmm(
-        mask.repeat(heads_per_key, 1),
+        mask,
         q_blocks.reshape(n * kv_heads, rows, dim),
         key.reshape(n * kv_heads, length, dim).transpose(1, 2),
         alpha=scale,
@@ -136,7 +136,7 @@ class ShortCausalAttention(torch.autograd.Function):
         kv_heads = key.shape[1]
         r = heads // kv_heads
         q_blocks = _fp32(query).view(n, kv_heads, r * length, dim)
-        probs = _probabilities(q_blocks, _fp32(key), scale, mask, r)
+        probs = _probabilities(q_blocks, _fp32(key), scale, mask)
         out = torch.matmul(probs, _fp32(value))
         ctx.save_for_backward(query, key, value, mask)
         ctx.scale = scale
@@ -150,7 +150,7 @@ class ShortCausalAttention(torch.autograd.Function):
         r = heads // kv_heads
         q_blocks = _fp32(query).view(n, kv_heads, r * length, dim)
         key32 = _fp32(key)
-        probs = _probabilities(q_blocks, key32, ctx.scale, mask, r)
+        probs = _probabilities(q_blocks, key32, ctx.scale, mask)
         grad_blocks = _fp32(grad_out).view(n, kv_heads, r * length, dim)
         grad_value = torch.matmul(probs.transpose(-1, -2), grad_blocks)
         grad_probs = torch.matmul(grad_blocks, _fp32(value).transpose(-1, -2))
@@ -170,13 +170,16 @@ class ShortCausalAttention(torch.autograd.Function):
 
 def short_causal_attention(query, key, value, scale: float, window: int | None, batch=None) -> torch.Tensor:
     """Causal (optionally windowed) attention of ``[n, H, L, D]`` by :class:`ShortCausalAttention`;
-    the mask is memoised on the batch (one build per length and window per batch)."""
+    the mask, stacked once per query head of a key head, is memoised on the batch (one build per
+    length, window and head ratio per batch, not one per layer)."""
     length = query.shape[-2]
+    heads_per_key = query.shape[1] // key.shape[1]
+
+    def build() -> torch.Tensor:
+        return _additive_mask(length, window, query.device).repeat(heads_per_key, 1)
+
     if batch is None:
-        mask = _additive_mask(length, window, query.device)
+        mask = build()
     else:
-        mask = batch.memo(
-            ("short_mask", length, window, str(query.device)),
-            lambda: _additive_mask(length, window, query.device),
-        )
+        mask = batch.memo(("short_mask", length, window, heads_per_key, str(query.device)), build)
     return ShortCausalAttention.apply(query, key, value, scale, mask)
