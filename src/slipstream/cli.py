@@ -269,8 +269,8 @@ def _add_doctor(sub) -> None:
     p.add_argument(
         "--remeasure-peak",
         action="store_true",
-        help="measure the matmul peak (what MFU in ab and train is against) again and replace the cached "
-        "figure, e.g. one taken while the machine was busy",
+        help="measure the matmul peak (what MFU in ab and train is against) again and keep the higher of "
+        "it and the cached figure (one taken while the machine was busy is replaced)",
     )
     p.set_defaults(func=_cmd_doctor)
 

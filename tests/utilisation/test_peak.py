@@ -42,8 +42,9 @@ def test_a_measurement_stops_growing_past_its_budget():
 
 
 def test_remeasure_replaces_a_cached_figure_atomically(tmp_path, monkeypatch):
-    """A figure taken under load sticks in the cache until ``remeasure=True`` (doctor --remeasure-peak)."""
-    figures = iter([1.0e9, 5.0e9])
+    """A figure taken under load sticks in the cache until ``remeasure=True`` (doctor --remeasure-peak)
+    finds a higher one; a lower one (the device shared again) never replaces it."""
+    figures = iter([1.0e9, 5.0e9, 2.0e9])
 
     def fake(device, dtype):
         rate = next(figures)
@@ -60,6 +61,9 @@ def test_remeasure_replaces_a_cached_figure_atomically(tmp_path, monkeypatch):
     assert again["cached"] is True and again["flops_per_s"] == 5.0e9  # the new figure replaced it
     files = list((tmp_path / "matmul_peak").iterdir())
     assert len(files) == 1  # written in place of the old one, no temporary left behind
+    busy = peak.matmul_peak("cpu", torch.float32, threads=1, remeasure=True)  # measures 2e9: kept 5e9
+    assert busy["flops_per_s"] == 5.0e9 and busy["kept_over"].startswith("0.002 TFLOP/s measured at")
+    assert peak.matmul_peak("cpu", torch.float32, threads=1)["flops_per_s"] == 5.0e9
 
 
 def test_doctor_has_a_remeasure_peak_option(monkeypatch):

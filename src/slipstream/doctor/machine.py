@@ -183,6 +183,7 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
                 "matmul peak",
                 f"{peak['tflops']:.3g} TFLOP/s in {peak['dtype']} at {peak['threads']} threads (measured "
                 f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against"
+                + (f"; kept over the {peak['kept_over']}" if peak.get("kept_over") else "")
                 + ("; --remeasure-peak measures it again" if peak["cached"] else "")
                 + ")",
             )

@@ -125,8 +125,10 @@ def matmul_peak(
     """The device's dense-matmul peak in ``dtype``: from the cache, else measured once and cached.
 
     ``threads`` (CPU): the torch thread count to measure at (set for the probe, then restored);
-    None: this process's. ``remeasure``: measure now even where a figure is cached, and cache the
-    new one in its place (written atomically: a reader sees the old figure or the new, whole).
+    None: this process's. ``remeasure``: measure now even where a figure is cached; the higher of
+    the two is kept (written atomically: a reader sees the old figure or the new, whole). A peak is
+    what the device can do, and a lower figure means the probe shared it (a shared VM's matmul
+    rate scatters 2x from one minute to the next), so MFU stays measured against the best seen.
     The result names what it was keyed by and whether it came from the cache."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -136,17 +138,31 @@ def matmul_peak(
     key = _cache_key(device, dtype, threads)
     path = _cache_path(key)
     try:
-        cached = json.loads(path.read_text()) if not remeasure else None
-        if cached is not None and cached.get("key") == key:
+        cached = json.loads(path.read_text())
+        if cached.get("key") != key:
+            cached = None
+        elif not remeasure:
             return {**key, **cached["peak"], "measured": cached["measured"], "cached": True}
     except (OSError, ValueError, KeyError):
-        pass
+        cached = None
     torch.set_num_threads(threads)
     try:
         peak = measure_matmul_peak(device, dtype)
     finally:
         torch.set_num_threads(previous)
     measured = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    try:
+        if cached is not None and cached["peak"]["flops_per_s"] >= peak["flops_per_s"]:
+            lower = f"{peak['tflops']:.3f} TFLOP/s measured at {measured}"
+            return {
+                **key,
+                **cached["peak"],
+                "measured": cached["measured"],
+                "cached": True,
+                "kept_over": lower,
+            }
+    except (KeyError, TypeError):
+        pass
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, json.dumps({"key": key, "peak": peak, "measured": measured}, indent=1))
