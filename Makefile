@@ -28,8 +28,9 @@ test: $(STAMP)
 compat: $(STAMP)
 	$(BIN)/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
 
-compile-check: $(STAMP)  # the regional compile's inductor parity and no-recompile test (slow)
+compile-check: $(STAMP)  # inductor builds: the regional compile's and the fused kernels' parity (slow)
 	$(BIN)/python -m pytest -q --runslow tests/compile/test_regional.py -k compile_once
+	$(BIN)/python -m pytest -q --runslow tests/fused/test_compiled.py -k inductor
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples

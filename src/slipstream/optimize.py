@@ -16,7 +16,7 @@ import torch
 
 from . import lora as lora_compute
 from .compile import compile_layers, should_compile, uncompile_layers
-from .fused import apply_liger, liger_plan
+from .fused import decide_fused_kernels
 from .loss import ChunkedLoss, UnsupportedLoss
 from .moe.experts import (
     COMPUTE_CHOICE,
@@ -65,7 +65,7 @@ class OptimizeState:
     compiled: bool = False  # the decoder layers run compiled (slipstream.compile)
     # batches and attention calls the packed SDPA path ran grouped / per document (packing.grouping)
     grouping_counts: GroupingCounts = field(default_factory=GroupingCounts)
-    fused_kernels: str | None = None  # "liger" when Liger-Kernel's kernels are on, None when stock
+    fused_kernels: str | None = None  # "liger" / "compiled" when fused kernels are on, None when stock
     undo_fused_kernels: object | None = field(default=None, repr=False)  # puts the model's modules back
 
     def undo(self) -> None:
@@ -140,8 +140,11 @@ def optimize(
         option, if used as a tensor; eval / ``no_grad`` forwards keep their logits); ``None``:
         on where the model supports it, else logged and off.
     fused_kernels: "auto" swaps in Liger-Kernel's fused RMSNorm / SwiGLU / RoPE kernels where the
-        model is on CUDA, liger-kernel imports and knows the model type (never its loss);
-        "liger" insists (an error names the reason it cannot); "off" restores the model's own.
+        model is on CUDA, liger-kernel imports and knows the model type (never its loss), else
+        inductor-compiled RMSNorm / SwiGLU where their cold start pays back over
+        ``expected_steps`` (``slipstream.fused.compiled``; each module class probed exact first);
+        "liger" / "compiled" insist (an error names the reason they cannot); "off" restores the
+        model's own.
     compile: "on" compiles each decoder layer (``torch.compile``, dynamic shapes, the packed
         attention eager between graphs); "auto" does so only when ``expected_steps`` (the run's
         optimizer steps, which the trainer and ``slipstream ab`` pass) pays back the cold start
@@ -247,7 +250,9 @@ def optimize(
     _set_moe_routing(base, state, moe_routing, moe_compute)
     _set_chunked_loss(base, state, chunked_loss, loss_chunk_tokens)
     _set_lora_compute(base, state, speedups.lora_in_compute_dtype)
-    _set_fused_kernels(base, state, speedups.fused_kernels)  # before compile: the graphs trace them
+    _set_fused_kernels(
+        base, state, speedups.fused_kernels, expected_steps
+    )  # before compile: the graphs trace them
     _set_compile(base, state, speedups.compile, expected_steps)
     if checkpointing is not None:
         if environment_note:
@@ -282,21 +287,25 @@ def _set_compile(base: torch.nn.Module, state: OptimizeState, mode: str, expecte
     logger.info(policy)
 
 
-def _set_fused_kernels(base: torch.nn.Module, state: OptimizeState, mode: str) -> None:
-    """Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (``slipstream.fused.liger``): decided by
-    ``liger_plan`` (which raises for "liger" where it cannot run), applied to the transformers
-    model under any PEFT wrapper, undone by putting back what Liger changed."""
+def _set_fused_kernels(
+    base: torch.nn.Module, state: OptimizeState, mode: str, expected_steps: int | None
+) -> None:
+    """Fused RMSNorm / SwiGLU (/ RoPE with Liger): decided by ``fused.decide_fused_kernels``
+    (which raises for "liger" / "compiled" where they cannot run), applied to the transformers
+    model under any PEFT wrapper, undone by putting back what was changed. A decision that
+    differs from what is on undoes the old kernels first."""
     device = next(base.parameters()).device
-    plan, why = liger_plan(base, device, mode)
-    if plan is None:
-        if state.undo_fused_kernels is not None:
-            state.undo_fused_kernels()
-            state.undo_fused_kernels = None
-            state.fused_kernels = None
+    decision = decide_fused_kernels(base, device, mode, expected_steps)
+    why = decision.why
+    if state.fused_kernels is not None and state.fused_kernels != decision.kind:
+        state.undo_fused_kernels()
+        state.undo_fused_kernels = None
+        state.fused_kernels = None
+        if decision.kind is None:
             why += "; the model's own modules restored"
-    elif state.fused_kernels is None:
-        state.undo_fused_kernels = apply_liger(base, plan)
-        state.fused_kernels = "liger"
+    if decision.kind is not None and state.fused_kernels is None:
+        state.undo_fused_kernels = decision.apply(base)
+        state.fused_kernels = decision.kind
     policy = f"fused kernels: {why}"
     state.policies.append(policy)
     logger.info(policy)

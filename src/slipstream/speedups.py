@@ -109,9 +109,10 @@ class Speedups:
     fused_kernels: FusedKernels = field(
         default="auto",
         metadata=_help(
-            "Liger-Kernel's fused RMSNorm, SwiGLU and RoPE Triton kernels in place of the model's own (never "
-            "its loss): auto (on where the model is on CUDA, liger-kernel imports and supports the model "
-            "type), liger (insist: an error says why it cannot), off (the model's own modules)"
+            "fused RMSNorm / SwiGLU (/ RoPE) in place of the model's own modules (never its loss): liger "
+            "(Liger-Kernel's Triton kernels, CUDA), compiled (inductor-compiled, each module class probed "
+            "bit-exact to the stock formula first), auto (liger where it runs, else compiled where the run's "
+            "steps pay back the cold start), off (the model's own modules); liger / compiled insist"
         ),
     )
 

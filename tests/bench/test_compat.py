@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from slipstream.bench import compat
 from slipstream.bench.compat import (
     LENGTHS,
     _cell,
@@ -48,7 +49,12 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             "offload": "on",
             "grouped attention": "on",
             "short kernel": "on",
+            # Qwen3-MoE's norms are Llama-style; GPT-OSS's multiply before the cast (kept), and no
+            # MoE model has a dense gate/up/down MLP here
+            "fused": "RMSNorm" if model_type == "qwen3_moe" else "-",
         }
+    if verdict.speedups.get("fused", "-") != "-":
+        assert verdict.ablations["fused"].status == "pass"
     if verdict.speedups.get("packed attention") == "on":
         for column in ("grouped attention", "short kernel"):
             assert verdict.speedups[column] == "on"
@@ -121,11 +127,15 @@ def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     from slipstream.compile import regional
 
     monkeypatch.setattr(regional, "BACKEND", "aot_eager")
+    monkeypatch.setitem(compat.FUSED_BACKENDS, True, "aot_eager")  # (inductor's own: make compile-check)
     verdict = check_architecture("llama", compile=True)
     assert verdict.status == "pass" and verdict.speedups["compiled"] == "on", verdict.ablations
     assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
     text = render_markdown([verdict.to_dict()])
-    assert "| grouped | short | compiled | note |" in text and "| on | on | on |" in text
+    assert (
+        "| grouped | short | fused | compiled | note |" in text
+        and "| on | on | RMSNorm+SwiGLU | on |" in text
+    )
 
 
 def test_position_thresholds_sit_inside_the_test_documents():

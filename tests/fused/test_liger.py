@@ -110,7 +110,10 @@ def test_on_cpu_auto_is_off_and_says_why():
     model = build_model("llama")
     slipstream.optimize(model)
     policy = [p for p in slipstream.state_of(model).policies if p.startswith("fused kernels")]
-    assert policy == ["fused kernels: off (auto: cpu — Liger-Kernel's kernels are Triton, CUDA only)"]
+    assert policy == [
+        "fused kernels: off (auto: Liger: cpu — Liger-Kernel's kernels are Triton, CUDA only; "
+        "compiled: the run's step count is unknown here, so a cold start could not pay back)"
+    ]
     assert liger_policy(model, "cpu", "off") == (False, "off (requested)")
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..compile import should_compile
 from ..data.labels import count_label_tokens
-from ..fused import liger_available
+from ..fused import compiled_policy, liger_available
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
@@ -89,7 +89,7 @@ ARM_PRESETS = {
         "slipstream-no-chunked-loss",
         "slipstream-no-lora-compute",
         "slipstream-no-compile",  # dropped where the run would not compile (preset_arms)
-        "slipstream-no-fused-kernels",  # dropped where Liger cannot run here (preset_arms)
+        "slipstream-no-fused-kernels",  # dropped where no fused kernel would run here (preset_arms)
     ),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
@@ -110,14 +110,19 @@ def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
     not pull on ``device`` (it would run the same thing twice): ``slipstream-no-compile`` where it
     would not compile, ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only),
-    ``slipstream-no-fused-kernels`` where Liger cannot run (not CUDA, not
-    installed; a model type Liger lacks is only found when the arm's model is built, and logged)."""
+    ``slipstream-no-fused-kernels`` where neither Liger (not CUDA, not installed) nor the compiled
+    kernels (too few steps for their break-even, no inductor) would run; a model type Liger lacks,
+    or a model with no module class the compiled kernels match, is only found when the arm's model
+    is built, and logged)."""
     arms = ARM_PRESETS[preset]
     slipstream = arm_speedups(config, "slipstream")
     dropped = set() if device == "cpu" else {"slipstream-no-short-kernel"}
     if "slipstream-no-compile" in arms and not should_compile(slipstream.compile, config.steps, device)[0]:
         dropped.add("slipstream-no-compile")
-    if not liger_available(device, slipstream.fused_kernels)[0]:  # "off" included
+    fused = slipstream.fused_kernels
+    if not (
+        liger_available(device, fused)[0] or compiled_policy(device, fused, config.steps)[0]
+    ):  # "off" too
         dropped.add("slipstream-no-fused-kernels")
     return tuple(arm for arm in arms if arm not in dropped)
 

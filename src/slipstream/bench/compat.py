@@ -14,6 +14,9 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
   runs the documents as a right-padded batch; another option runs packed) must itself match;
 * a packed arm that passes runs again with its documents grouped by length into batched SDPA
   calls (``attention_grouping="grouped"``), which must match too;
+* a verdict that passed runs again with the compiled fused RMSNorm / SwiGLU kernels on every
+  module class their probe passes (``fused_kernels="compiled"``; dynamo's eager backend unless
+  ``compile=True``), which must match too;
 * opt-in (``compile=True``, the sweep's ``--compile``: a cold inductor compile costs 45-55 s per
   architecture on a 2-core CPU, hours for the registry), the passing arm runs again with its
   decoder layers compiled (``compile="on"``), which must match too;
@@ -45,8 +48,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo
 import transformers
 
+from ..fused import compiled as compiled_kernels
+from ..fused import compiled_plan
 from ..loss.chunked_loss import UnsupportedLoss
 from ..models.tiny_any import (
     DYNAMIC_ROPE_POSITIONS,
@@ -409,6 +415,44 @@ def _check_compile(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) 
     verdict.detail = f"compiled (compile='on'): {compiled.detail}"
 
 
+# The fused kernels' torch.compile backend in the sweep: dynamo's eager backend by default (the
+# probe and the swap, checked in seconds), inductor under the sweep's --compile.
+FUSED_BACKENDS = {False: "eager", True: "inductor"}
+
+
+def _check_fused(verdict: Verdict, stock, docs, ref, options: dict[str, Any], inductor: bool) -> None:
+    """A verdict that passed (or whose fallback did), again with the compiled fused kernels
+    (``fused_kernels="compiled"``) on every module class their probe passes, without offload; the
+    ``fused`` column names the kernels switched ("-": no class matched), WRONG / CRASH if it
+    differs. ``inductor`` False (the default sweep): dynamo runs the captured kernels with its eager
+    backend, so the probe and the swap are checked on every architecture in seconds; the inductor
+    build's numerics are checked by ``make compile-check`` and the sweep's ``--compile``."""
+    plan = compiled_plan(stock)
+    kernels = "+".join(name for name, found in (("RMSNorm", plan.norms), ("SwiGLU", plan.mlps)) if found)
+    if not kernels:
+        verdict.speedups["fused"] = "-"
+        return
+    packed = options.get("packed_attention", True) is not False
+    previous = compiled_kernels.BACKEND
+    compiled_kernels.BACKEND = FUSED_BACKENDS[inductor]
+    torch._dynamo.reset()  # every architecture traced afresh, never past dynamo's recompile limit
+    try:
+        fused = run_arm(
+            stock, docs, ref, {**options, "fused_kernels": "compiled"}, packed=packed, offload=False
+        )
+    finally:
+        compiled_kernels.BACKEND = previous
+    verdict.ablations["fused"] = fused
+    if fused.status == "pass":
+        verdict.speedups["fused"] = kernels
+        return
+    verdict.speedups["fused"] = fused.status
+    if fused.status == "refused":
+        return
+    verdict.status = "WRONG" if fused.status == "WRONG" else "CRASH"
+    verdict.detail = f"fused (fused_kernels='compiled'): {fused.detail}"
+
+
 def check_architecture(model_type: str, seed: int = SEED, compile: bool = False) -> Verdict:
     """The verdict for one registry ``model_type`` (never raises); ``compile``: also the compiled
     arm (see the module docstring)."""
@@ -462,6 +506,8 @@ def check_architecture(model_type: str, seed: int = SEED, compile: bool = False)
     if verdict.status in ("pass", "refused") and verdict.speedups:
         advised = (verdict.fallback or {}).get("advice") or {}
         _check_grouping(verdict, stock, docs, ref, dict(advised))
+        if verdict.status in ("pass", "refused"):
+            _check_fused(verdict, stock, docs, ref, dict(advised), inductor=compile)
         if compile and verdict.status in ("pass", "refused"):
             _check_compile(verdict, stock, docs, ref, dict(advised))
     if verdict.status in ("WRONG", "CRASH"):
@@ -656,13 +702,18 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         ),
         "For a refused architecture the",
         "columns show what its verified fallback runs.",
-        "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels`): this sweep runs on a",
-        "CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
+        "*fused* = the compiled RMSNorm / SwiGLU kernels (`fused_kernels='compiled'`) on each module class",
+        "whose forward their probe finds bit-identical to the stock formula (`-`: no class matched; the",
+        "rest keep their own forward), checked the same way"
+        + (" with inductor's build." if compiled else "; dynamo runs the captured kernels with its eager")
+        + ("" if compiled else " backend here (the inductor build's numerics: `make compile-check`)."),
+        "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
+        "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
-        "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | "
+        "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | fused | "
         + ("compiled | " if compiled else "")
         + "note |",
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -676,6 +727,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             speedups.get("offload", ""),
             speedups.get("grouped attention", ""),
             speedups.get("short kernel", ""),
+            speedups.get("fused", ""),
             *([speedups.get("compiled", "")] if compiled else []),
             _note(verdict),
         ]

@@ -51,7 +51,8 @@ import torch
 from ..bench.compat import LENGTHS, TOLERANCE, documents, gradient_errors
 from ..bench.counters import HostSyncCounter
 from ..compile import BREAK_EVEN_STEPS, inductor_available, should_compile
-from ..fused import liger_plan
+from ..fused import compiled_plan, compiled_policy, liger_plan
+from ..fused.compiled import BREAK_EVEN_STEPS as FUSED_BREAK_EVEN_STEPS
 from ..loss import UnsupportedLoss, choose_chunk_tokens
 from ..models import TINY, build_config, build_model, model_names
 from ..models.tiny_any import causal_lm_class, random_model, shrink_config, tiny_config
@@ -257,7 +258,9 @@ def decisions(
 
     def fused_kernels() -> tuple[str, str]:
         plan, why = liger_plan(model, device, "auto")  # the tiny model: its config's model type
-        return ("liger", why) if plan else ("off", why.removeprefix("off (").removesuffix(")"))
+        if plan:
+            return "liger", why
+        return fused_compiled_decision(model, device, why.removeprefix("off (auto: ").removesuffix(")"))
 
     deciders = {
         "dtype": lambda: (_dtype_name(dtype), dtype_why),
@@ -268,7 +271,7 @@ def decisions(
         "MoE routing": lambda: _moe_decision(checked, model, moe_model, device, dtype),
         "offload (checkpointing: auto)": offload,
         "chunked loss": loss,
-        "fused kernels (Liger)": fused_kernels,
+        "fused kernels (auto)": fused_kernels,
     }
     rows = []
     for path, decide in deciders.items():
@@ -297,6 +300,22 @@ def compile_decision(device: torch.device) -> tuple[str, str]:
     works, how = inductor_available(device)
     choice += "" if works else "; compile='on' cannot run here"
     return choice, f"{why}; torch.compile: {how} (not compiled here: a cold compile takes tens of seconds)"
+
+
+def fused_compiled_decision(model: torch.nn.Module, device: torch.device, liger_why: str) -> tuple[str, str]:
+    """Where Liger cannot run: what ``fused_kernels="auto"`` does with the compiled kernels (it
+    depends on the run's length, which doctor does not know), which of the model's module classes
+    the probe would switch, and whether inductor can build here (nothing is compiled)."""
+    break_even = FUSED_BREAK_EVEN_STEPS.get(device.type)
+    if break_even is None:
+        choice = "off, whatever the run's length"
+        why = compiled_policy(device, "auto", 2**31)[1]
+    else:
+        choice = f"compiled from {break_even} steps, off below"
+        why = f"{break_even} steps pay back the kernels' cold start on {device.type} (measured; slipstream.fused.compiled)"
+    works, how = inductor_available(device)
+    choice += "" if works else "; fused_kernels='compiled' cannot run here"
+    return choice, f"Liger: {liger_why}; {why}; {compiled_plan(model).describe()}; {how}"
 
 
 def _moe_decision(checked, model, moe_model, device, dtype) -> tuple[str, str]:

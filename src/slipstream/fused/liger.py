@@ -45,7 +45,7 @@ import torch
 
 from ..moe.experts import is_moe_model
 
-FusedKernels = Literal["auto", "liger", "off"]
+FusedKernels = Literal["auto", "liger", "compiled", "off"]
 
 MONKEY_PATCH = "liger_kernel.transformers.monkey_patch"
 PIECES = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope")  # per token or per position: exact packed
@@ -83,10 +83,10 @@ def _version() -> str:
 
 def liger_available(device: torch.device | str, mode: str = "auto") -> tuple[bool, str]:
     """Could Liger run at all here (the device, the package)? ``(yes, why not)``; cheap: imports nothing."""
-    if mode == "off":
-        return False, "requested"
+    if mode in ("off", "compiled"):
+        return False, "requested" if mode == "off" else "compiled kernels requested instead"
     if mode not in ("auto", "liger"):
-        raise ValueError(f"fused_kernels must be 'auto', 'liger' or 'off', got {mode!r}")
+        raise ValueError(f"fused_kernels must be 'auto', 'liger', 'compiled' or 'off', got {mode!r}")
     kind = torch.device(device).type
     if kind != "cuda":
         return False, f"{kind} — {CUDA_ONLY}"
