@@ -3,11 +3,13 @@
 Why: on a CPU, a bf16 step of a small model spends a third of its time outside the matmuls, much
 of it in RMSNorm (eight unfused passes forward and more backward, with two fp32 round trips)
 and in the MLP's ``silu(gate) * up``. Inductor fuses each into one or two vectorised C++ loops.
-Measured on the real SmolLM2-135M (2 threads, bf16, forward + backward): RMSNorm 2.7x faster
-(3.7 against 1.4 ms a call, 61 calls a step), SwiGLU 1.3x (5.0 against 3.7 ms, 30 a step); RoPE
-was slower compiled (0.8x) and is left alone. On whole steps: 1.13-1.16x with the steps of the two
-arms interleaved in one process, within noise across separate processes, and a third less peak
-memory (the norms keep no fp32 copies for backward); see BENCHMARKS.md, issue 20.
+Measured on SmolLM2-135M's shapes (2 threads, bf16, forward + backward, ``benchmarks/fused_kernels.py
+--kernels``): RMSNorm 2.7-3.8x faster (~1.4 ms a call compiled, 61 calls a step), SwiGLU 1.3-1.6x
+(30 a step); RoPE measured 0.8x and 1.3x in two runs and is left alone (taking it means swapping
+the modeling module's function for every model of the type). On whole steps of the real model:
+1.08-1.16x with the two arms' steps interleaved in one process, within noise across separate
+processes, and a third less peak memory (the norms keep no fp32 copies for backward); see
+BENCHMARKS.md, issue 20.
 
 Exact or refused, per module class: a class is switched only when a probe finds its own forward
 bit-identical to the stock formula the kernels compile (:func:`rms_norm_formula`,
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 # Optimizer steps after which the fused kernels have paid back their cold start, per device type.
 # CPU: ~25 s cold start (empty inductor cache: 21.5 s for RMSNorm, the first compile of a process,
-# plus 2.9 s for SwiGLU). The step gain on SmolLM2-135M in bf16 measured 1.13-1.16x with the two
+# plus 2.9 s for SwiGLU). The step gain on SmolLM2-135M in bf16 measured 1.08-1.16x with the two
 # arms' steps interleaved in one process (~0.2 s a step: ~115 steps) but 1.00x [0.96, 1.04] across
 # the A/B harness's separate processes, where this VM's 2x swings in matmul speed between
 # processes drown it; at a 5% gain (0.08 s) the cold start pays back in ~300 steps, the threshold
