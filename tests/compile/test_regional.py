@@ -57,6 +57,11 @@ def fresh_dynamo():
 def lora_model(family: str, compile: str, layers: int = 2, dtype=torch.float32):
     model = build_model(family, vocab_size=VOCAB, seed=0, layers=layers, dtype=dtype)
     slipstream.optimize(model, compile=compile)
+    return with_lora(model)
+
+
+def with_lora(model):
+    """Rank-8 LoRA on every projection, seeded, with B given a size."""
     torch.manual_seed(1)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
     torch.manual_seed(2)

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from peft import LoraConfig, get_peft_model
 
 import slipstream
 from slipstream import Speedups
@@ -21,11 +20,10 @@ from slipstream.fused import FusedKernelsUnavailable, compiled_plan, compiled_po
 from slipstream.fused import compiled as compiled_module
 from slipstream.models import build_model
 from slipstream.packing import collate_packed
-from tests.compile.test_regional import RecordingBackend
+from tests.compile.test_regional import RecordingBackend, step, with_lora
 from tests.conftest import random_docs
 
 VOCAB = 256
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BATCHES = [[5, 17, 9], [30, 12], [7, 7, 7, 7, 3], [40]]  # a new total length every batch
 
 
@@ -179,38 +177,20 @@ def test_the_ablation_keeps_its_fused_arm_on_a_cpu_only_where_the_kernels_would_
     assert "slipstream-no-fused-kernels" in preset_arms("ablation", forced, "cpu")
 
 
-def _lora(model):
-    torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-    torch.manual_seed(2)
-    for name, parameter in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero in PEFT: give the update a size, so it is tested
-            parameter.data.normal_(0, 0.05)
-    return model
-
-
-def _step(model, lengths, seed=0):
-    model.zero_grad(set_to_none=True)
-    batch = collate_packed(random_docs(lengths, vocab_size=VOCAB, seed=seed))
-    loss = model(**batch.model_inputs()).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _pair(dtype, fused_kernels="compiled"):
     models = []
     for kernels in ("off", fused_kernels):
         model = build_model("llama", vocab_size=VOCAB, seed=0, layers=2, dtype=dtype)
         slipstream.optimize(model, Speedups().replace(fused_kernels=kernels))
-        models.append(_lora(model))
+        models.append(with_lora(model))
     return models
 
 
 def test_one_graph_each_for_every_packed_length_and_the_same_numbers(recording):
     eager, fused = _pair(torch.float32)
     for index, lengths in enumerate(BATCHES):
-        want, want_grads = _step(eager, lengths, seed=index)
-        got, got_grads = _step(fused, lengths, seed=index)
+        want, want_grads = step(eager, lengths, seed=index)
+        got, got_grads = step(fused, lengths, seed=index)
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # eager kernels: the same forward
         for name in want_grads:  # AOT autograd derives its own backward: the same up to rounding
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-8)
@@ -248,13 +228,13 @@ def test_inductor_kernels_match_the_stock_model_within_the_dtype(dtype):
     eager, fused = _pair(dtype)
     reference, _ = _pair(torch.float32, fused_kernels="off")  # what bf16 is measured against
     for index, lengths in enumerate(BATCHES[:2]):
-        want, want_grads = _step(eager, lengths, seed=index)
-        got, got_grads = _step(fused, lengths, seed=index)
+        want, want_grads = step(eager, lengths, seed=index)
+        got, got_grads = step(fused, lengths, seed=index)
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             for name in want_grads:
                 torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-5)
             continue
-        truth, _ = _step(reference, lengths, seed=index)
+        truth, _ = step(reference, lengths, seed=index)
         # bf16: the fused loss no further from fp32 than the stock bf16 loss, with a bf16 ulp of room
         assert abs(got.float() - truth) <= abs(want.float() - truth) + 2**-7 * abs(truth)

@@ -404,15 +404,18 @@ def _check_compile(verdict: Verdict, stock, docs, ref, options: dict[str, Any]) 
     it differs."""
     packed = options.get("packed_attention", True) is not False
     compiled = run_arm(stock, docs, ref, {**options, "compile": "on"}, packed=packed, offload=False)
-    verdict.ablations["compiled"] = compiled
-    if compiled.status == "pass":
-        verdict.speedups["compiled"] = "on"
+    _record_column(verdict, "compiled", compiled, "on", "compile='on'")
+
+
+def _record_column(verdict: Verdict, column: str, result: ArmResult, shown: str, settings: str) -> None:
+    """An extra arm's outcome: its column (``shown`` when it passed, else its status); a refusal
+    leaves the verdict as it was, WRONG / CRASH becomes the verdict, naming the column."""
+    verdict.ablations[column] = result
+    verdict.speedups[column] = shown if result.status == "pass" else result.status
+    if result.status in ("pass", "refused"):
         return
-    verdict.speedups["compiled"] = compiled.status
-    if compiled.status == "refused":
-        return
-    verdict.status = "WRONG" if compiled.status == "WRONG" else "CRASH"
-    verdict.detail = f"compiled (compile='on'): {compiled.detail}"
+    verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
+    verdict.detail = f"{column} ({settings}): {result.detail}"
 
 
 # The fused kernels' torch.compile backend in the sweep: dynamo's eager backend by default (the
@@ -442,15 +445,7 @@ def _check_fused(verdict: Verdict, stock, docs, ref, options: dict[str, Any], in
         )
     finally:
         compiled_kernels.BACKEND = previous
-    verdict.ablations["fused"] = fused
-    if fused.status == "pass":
-        verdict.speedups["fused"] = kernels
-        return
-    verdict.speedups["fused"] = fused.status
-    if fused.status == "refused":
-        return
-    verdict.status = "WRONG" if fused.status == "WRONG" else "CRASH"
-    verdict.detail = f"fused (fused_kernels='compiled'): {fused.detail}"
+    _record_column(verdict, "fused", fused, kernels, "fused_kernels='compiled'")
 
 
 def check_architecture(model_type: str, seed: int = SEED, compile: bool = False) -> Verdict:
