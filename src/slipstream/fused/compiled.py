@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 # Optimizer steps after which the fused kernels have paid back their cold start, per device type.
 # CPU: ~25 s cold start (empty inductor cache: 21.5 s for RMSNorm, the first compile of a process,
@@ -70,8 +71,6 @@ class _Kernel:
         self.backend: str | None = None
 
     def __call__(self, *args):
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
         if not torch.is_grad_enabled() or _get_current_dispatch_mode() is not None:
             return self.formula(*args)
         if self.compiled is None or self.backend != BACKEND:
