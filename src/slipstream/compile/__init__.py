@@ -2,7 +2,9 @@
 
 from .regional import (
     BREAK_EVEN_STEPS,
+    UNKNOWN_STEPS,
     CompileMode,
+    cold_start_pays_back,
     compile_layers,
     compiled_layers,
     decoder_layers,
@@ -13,7 +15,9 @@ from .regional import (
 
 __all__ = [
     "BREAK_EVEN_STEPS",
+    "UNKNOWN_STEPS",
     "CompileMode",
+    "cold_start_pays_back",
     "compile_layers",
     "compiled_layers",
     "decoder_layers",

@@ -69,19 +69,26 @@ def should_compile(mode: str, expected_steps: int | None, device: torch.device |
         raise ValueError(f"compile must be 'auto', 'on' or 'off', got {mode!r}")
     kind = torch.device(device).type
     if expected_steps is None:
-        return False, "off (auto: the run's step count is unknown here, so a cold start could not pay back)"
+        return False, f"off (auto: {UNKNOWN_STEPS})"
     break_even = BREAK_EVEN_STEPS.get(kind)
     if break_even is None:
         return False, f"off (auto: no measured break-even on {kind} yet; compile='on' to run it)"
+    pays, why = cold_start_pays_back(expected_steps, break_even, kind)
+    return pays, f"auto: {why}" if pays else f"off (auto: {why})"
+
+
+UNKNOWN_STEPS = "the run's step count is unknown here, so a cold start could not pay back"
+
+
+def cold_start_pays_back(expected_steps: int, break_even: int, kind: str) -> tuple[bool, str]:
+    """Does a run of ``expected_steps`` pay back a cold start measured to break even after
+    ``break_even`` steps on ``kind``? ``(yes, why)``; shared by every "auto" that compiles."""
     if expected_steps < break_even:
         return (
             False,
-            f"off (auto: {expected_steps} steps, fewer than the {break_even} that pay back the cold start on {kind})",
+            f"{expected_steps} steps, fewer than the {break_even} that pay back the cold start on {kind}",
         )
-    return (
-        True,
-        f"auto: {expected_steps} steps, at least the {break_even} that pay back the cold start on {kind}",
-    )
+    return True, f"{expected_steps} steps, at least the {break_even} that pay back the cold start on {kind}"
 
 
 def inductor_available(device: torch.device | str) -> tuple[bool, str]:

@@ -287,12 +287,11 @@ def compile_decision(device: torch.device) -> tuple[str, str]:
     """What ``compile="auto"`` does on ``device`` (it depends on the run's length, which doctor does
     not know) and whether inductor can compile here (what is installed; nothing is compiled)."""
     break_even = BREAK_EVEN_STEPS.get(device.type)
+    choice = _by_run_length(break_even, "on")
     if break_even is None:
-        choice = "off, whatever the run's length"
         _, why = should_compile("auto", 2**31, device)
         why = why.removeprefix("off (auto: ").removesuffix(")")
     else:
-        choice = f"on from {break_even} steps, off below"
         why = (
             f"{break_even} steps pay back a compile's cold start on {device.type} (measured; "
             "slipstream.compile.should_compile); without a step count (plain optimize) it stays off"
@@ -302,16 +301,22 @@ def compile_decision(device: torch.device) -> tuple[str, str]:
     return choice, f"{why}; torch.compile: {how} (not compiled here: a cold compile takes tens of seconds)"
 
 
+def _by_run_length(break_even: int | None, on: str) -> str:
+    """What an "auto" gated by a measured break-even does, for a run of unknown length."""
+    return (
+        "off, whatever the run's length" if break_even is None else f"{on} from {break_even} steps, off below"
+    )
+
+
 def fused_compiled_decision(model: torch.nn.Module, device: torch.device, liger_why: str) -> tuple[str, str]:
     """Where Liger cannot run: what ``fused_kernels="auto"`` does with the compiled kernels (it
     depends on the run's length, which doctor does not know), which of the model's module classes
     the probe would switch, and whether inductor can build here (nothing is compiled)."""
     break_even = FUSED_BREAK_EVEN_STEPS.get(device.type)
+    choice = _by_run_length(break_even, "compiled")
     if break_even is None:
-        choice = "off, whatever the run's length"
         why = compiled_policy(device, "auto", 2**31)[1]
     else:
-        choice = f"compiled from {break_even} steps, off below"
         why = f"{break_even} steps pay back the kernels' cold start on {device.type} (measured; slipstream.fused.compiled)"
     works, how = inductor_available(device)
     choice += "" if works else "; fused_kernels='compiled' cannot run here"

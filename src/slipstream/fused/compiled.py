@@ -260,7 +260,7 @@ def apply_compiled(plan: CompiledPlan) -> Callable[[], None]:
 def compiled_policy(device: torch.device | str, mode: str, expected_steps: int | None) -> tuple[bool, str]:
     """Use the compiled kernels? ``(yes, why)``: "compiled" insists (where inductor can build);
     "auto" only on a device where the break-even is measured and the run is long enough."""
-    from ..compile import inductor_available
+    from ..compile import UNKNOWN_STEPS, cold_start_pays_back, inductor_available
 
     kind = torch.device(device).type
     if mode == "compiled":
@@ -272,16 +272,9 @@ def compiled_policy(device: torch.device | str, mode: str, expected_steps: int |
     if break_even is None:
         return False, f"compiled: no measured break-even on {kind} yet; fused_kernels='compiled' runs it"
     if expected_steps is None:
-        return False, "compiled: the run's step count is unknown here, so a cold start could not pay back"
-    if expected_steps < break_even:
-        return (
-            False,
-            f"compiled: {expected_steps} steps, fewer than the {break_even} that pay back the cold start on {kind}",
-        )
+        return False, f"compiled: {UNKNOWN_STEPS}"
+    pays, why = cold_start_pays_back(expected_steps, break_even, kind)
+    if not pays:
+        return False, f"compiled: {why}"
     ok, how = inductor_available(device)
-    if not ok:
-        return False, how
-    return (
-        True,
-        f"auto: {expected_steps} steps, at least the {break_even} that pay back the cold start on {kind}; {how}",
-    )
+    return (True, f"auto: {why}; {how}") if ok else (False, how)
