@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.slipstream-installed
+# the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test compat compile-check lint setup clean bench-packing
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)

