@@ -104,6 +104,12 @@ class ABConfig:
         "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
         metavar="SIZE",
     )
+    # One more step per arm after the timed ones, under torch.profiler: where its time goes.
+    profile_step: bool = _option(
+        False,
+        "after the timed steps, profile one more step per arm: its time in matmuls, attention, dtype "
+        "copies, compiled kernels, the optimizer and the rest, and the linear layers' GEMM rate",
+    )
     # The `slipstream train` config the workload was read from (--config RUN.yaml), for the record.
     train_config: str | None = _option(
         None,

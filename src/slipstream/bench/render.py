@@ -10,6 +10,7 @@ from rich.table import Table
 
 from ..atomic import write_text_atomically
 from ..packing.grouping import describe_counts
+from ..utilisation.step_profile import CATEGORIES
 from .arms import ARM_SPECS
 from .fingerprint import describe
 from .inputs import short_name
@@ -117,6 +118,34 @@ def inputs_lines(record: dict) -> list[str]:
     return lines
 
 
+def step_profile_lines(summary: dict) -> list[str]:
+    """``--profile-step``'s table: each arm's profiled step by category, and its GEMM rate."""
+    profiled = {arm: s["step_profile"] for arm, s in summary.items() if s.get("step_profile")}
+    if not profiled:
+        return []
+    timer = next(iter(profiled.values()))["timer"]
+    lines = [
+        "",
+        f"Where a step goes (`--profile-step`: one more step per arm under torch.profiler, {timer}; "
+        "an op inside attention or a compiled graph counts there; GEMM rate = the linear layers' model "
+        "FLOPs / the matmuls' time):",
+        "",
+        "| arm | "
+        + " | ".join(name.replace("_", " ") for name in CATEGORIES)
+        + " | profiled (s) | GEMM rate |",
+        "|---|" + "---:|" * (len(CATEGORIES) + 2),
+    ]
+    for arm, found in profiled.items():
+        shares = " | ".join(f"{found['shares'][name]:.0%}" for name in CATEGORIES)
+        rate = "-"
+        if found.get("gemm_tflops") is not None:
+            rate = f"{found['gemm_tflops']:.3g} TFLOP/s"
+            if found.get("gemm_fraction_of_peak") is not None:
+                rate += f" ({found['gemm_fraction_of_peak']:.0%} of peak)"
+        lines.append(f"| {arm} | {shares} | {found['total_s']:.3f} | {rate} |")
+    return lines
+
+
 def markdown_report(record: dict) -> str:
     config, summary = record["config"], record["summary"]
     lines = [
@@ -145,6 +174,7 @@ def markdown_report(record: dict) -> str:
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += ceiling_lines(record)
+    lines += step_profile_lines(summary)
     arms = ran_arms(record)
     lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
     lines += [f"- **{arm}**: " + "; ".join(_ran(record["runs"][arm][0])) for arm in arms]

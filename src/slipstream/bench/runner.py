@@ -34,7 +34,7 @@ from ..noise import hide_known_noise, known_noise_hidden_here
 from ..offload import device_activation_bytes
 from ..optimize import base_model
 from ..train.step import train_step
-from ..utilisation import docs_micro_batch, flop_profile, matmul_peak
+from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
 from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 from .ceiling import proc_status_kib, search_all
@@ -69,6 +69,8 @@ class ArmResult:
     # batches and attention calls its packed SDPA ran grouped / per document over all its steps
     # (packing.grouping.GroupingCounts.to_dict); None: no packed attention in this arm
     attention_grouping_counts: dict[str, int] | None = None
+    # --profile-step: one more step under torch.profiler (utilisation.step_profile); None: not profiled
+    step_profile: dict[str, Any] | None = None
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -199,6 +201,16 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     result.peak_memory_mb = peak_memory_mb(device)
     if state is not None and state.packed_attention is not None:
         result.attention_grouping_counts = state.grouping_counts.to_dict()
+    if config.profile_step:  # after the figures above: its profiler overhead touches none of them
+        last = plan[-1]
+        micro = [inputs_of(docs) for docs in last]
+        peak = matmul_peak(device, getattr(torch, config.dtype), config.threads)  # the record's, cached
+        result.step_profile = profile_step(
+            lambda: step_fn(micro),
+            device,
+            linear_flops=sum(profile.linear_flops(*docs_micro_batch(docs)) for docs in last),
+            peak_flops_per_s=peak["flops_per_s"],
+        )
     if trl_step:
         trl_step.close()
     return dataclasses.asdict(result)
@@ -285,6 +297,7 @@ def summarize(config: ABConfig, arms: dict[str, list[dict]], peak: dict | None =
             "attn_implementation": first["attn_implementation"],
             "dtype": first.get("dtype") or config.dtype,
             "final_loss": first["loss"][-1],
+            "step_profile": first.get("step_profile"),  # --profile-step (first repeat); None: not profiled
             # what the warm-up steps and the activation probe's forward took beyond as many timed
             # steps (a compile's cold start shows here: its forward compiles in the probe)
             "warmup_extra_s": sum(first["step_s"][: config.warmup])

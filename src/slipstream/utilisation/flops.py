@@ -92,6 +92,10 @@ class FlopProfile:
         )
         return tokens * self.token_flops + head_rows * self.head_row_flops + attention
 
+    def linear_flops(self, seq_lens: Sequence[int], head_rows: int) -> int:
+        """The linear layers' share of ``micro_batch_flops`` (no attention): the matmuls' work."""
+        return sum(seq_lens) * self.token_flops + head_rows * self.head_row_flops
+
     def step_flops(self, micro_batches: Iterable[tuple[Sequence[int], int]], causal: Causal = "half") -> int:
         """Model FLOPs of one optimizer step: ``(seq_lens, head_rows)`` per micro-batch."""
         return sum(self.micro_batch_flops(lens, rows, causal) for lens, rows in micro_batches)
