@@ -1,5 +1,7 @@
 """The matmul peak: measured once per device, dtype, threads and torch version, then read from the cache."""
 
+import json
+
 import pytest
 import torch
 
@@ -80,3 +82,41 @@ def test_doctor_has_a_remeasure_peak_option(monkeypatch):
     assert seen == {"remeasure_peak": True}
     assert cli.main(["doctor"]) == 0
     assert seen == {"remeasure_peak": False}
+
+
+def test_on_several_cpu_threads_the_peak_is_the_better_of_one_matmul_and_one_per_thread_side_by_side():
+    """oneDNN does not always spread one matmul over every core; the cores' peak is what they do
+    however it is reached, so each size is also timed as one single-threaded matmul per thread."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        found = peak.measure_matmul_peak("cpu", torch.float32, sizes=(64, 128), repeats=2)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.get_num_threads() == previous
+    assert found["one_matmul_flops_per_s"] > 0 and found["side_by_side_flops_per_s"] > 0
+    assert found["flops_per_s"] == max(found["one_matmul_flops_per_s"], found["side_by_side_flops_per_s"])
+    assert "2 matmuls side by side, one thread each" in found["how"]
+    torch.set_num_threads(1)
+    try:
+        alone = peak.measure_matmul_peak("cpu", torch.float32, sizes=(64,), repeats=2)
+    finally:
+        torch.set_num_threads(previous)
+    assert alone["side_by_side_flops_per_s"] is None and alone["flops_per_s"] == alone["one_matmul_flops_per_s"]
+    assert "side by side" not in alone["how"]
+
+
+def test_a_figure_the_old_probe_cached_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    key = peak._cache_key(torch.device("cpu"), torch.float32, 1)
+    assert key["probe"] == peak.PROBE_VERSION
+    old_key = {name: value for name, value in key.items() if name != "probe"}
+    old_path = peak._cache_path(old_key)
+    old_path.parent.mkdir(parents=True)
+    old_path.write_text('{"key": %s, "peak": {"flops_per_s": 1.0}, "measured": "then"}' % json.dumps(old_key))
+    monkeypatch.setattr(
+        peak,
+        "measure_matmul_peak",
+        lambda device, dtype: {"flops_per_s": 5.0, "tflops": 5e-12, "size": 64, "seconds": 1.0, "how": "fake"},
+    )
+    assert peak.matmul_peak("cpu", torch.float32, threads=1)["flops_per_s"] == 5.0
