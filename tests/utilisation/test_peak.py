@@ -102,7 +102,9 @@ def test_on_several_cpu_threads_the_peak_is_the_better_of_one_matmul_and_one_per
         alone = peak.measure_matmul_peak("cpu", torch.float32, sizes=(64,), repeats=2)
     finally:
         torch.set_num_threads(previous)
-    assert alone["side_by_side_flops_per_s"] is None and alone["flops_per_s"] == alone["one_matmul_flops_per_s"]
+    assert (
+        alone["side_by_side_flops_per_s"] is None and alone["flops_per_s"] == alone["one_matmul_flops_per_s"]
+    )
     assert "side by side" not in alone["how"]
 
 
@@ -113,10 +115,16 @@ def test_a_figure_the_old_probe_cached_is_measured_again(tmp_path, monkeypatch):
     old_key = {name: value for name, value in key.items() if name != "probe"}
     old_path = peak._cache_path(old_key)
     old_path.parent.mkdir(parents=True)
-    old_path.write_text('{"key": %s, "peak": {"flops_per_s": 1.0}, "measured": "then"}' % json.dumps(old_key))
+    old_path.write_text(json.dumps({"key": old_key, "peak": {"flops_per_s": 1.0}, "measured": "then"}))
     monkeypatch.setattr(
         peak,
         "measure_matmul_peak",
-        lambda device, dtype: {"flops_per_s": 5.0, "tflops": 5e-12, "size": 64, "seconds": 1.0, "how": "fake"},
+        lambda device, dtype: {
+            "flops_per_s": 5.0,
+            "tflops": 5e-12,
+            "size": 64,
+            "seconds": 1.0,
+            "how": "fake",
+        },
     )
     assert peak.matmul_peak("cpu", torch.float32, threads=1)["flops_per_s"] == 5.0
