@@ -16,6 +16,7 @@ from slipstream.bench.report import (
     load_records,
     pair_records,
     report_rows,
+    step_profile_table,
 )
 from slipstream.bench.runner import ABConfig
 from slipstream.cli import main
@@ -190,3 +191,27 @@ def test_report_shows_each_sides_mfu_where_the_records_have_it_and_loads_older_o
     write(tmp_path, "old-4k", record("NVIDIA H100", 4096, 1.30, 3))
     pooled = [r for r in report_rows(load_records([tmp_path])) if "seq 4096" in r["workload"]]
     assert pooled[0]["records"] == 2 and pooled[0]["mfu"] is None
+
+
+def test_profiled_steps_appear_in_the_report(tmp_path, capsys):
+    data = record("cpu", 1024, 2.0, 1)
+    shares = {
+        "matmul": 0.43,
+        "attention": 0.29,
+        "dtype_copies": 0.02,
+        "compiled": 0.09,
+        "optimizer": 0.02,
+        "other": 0.15,
+    }
+    data["summary"]["slipstream"].update(
+        mfu=0.2,
+        step_profile={"shares": shares, "gemm_tflops": 1.03, "gemm_fraction_of_peak": 0.49, "total_s": 1.1},
+    )
+    write(tmp_path, "profiled", data)
+    write(tmp_path, "plain", record("cpu", 1024, 2.0, 2))
+    table = step_profile_table(load_records([tmp_path]))
+    (row,) = [line for line in table.splitlines() if "| slipstream |" in line]
+    assert "| 20.0% | 43% | 29% | 2% | 9% | 2% | 15% | 1.03 TFLOP/s (49% of peak) | profiled |" in row
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Where a step goes" in capsys.readouterr().out
+    assert step_profile_table(load_records([tmp_path / "plain"])) == ""

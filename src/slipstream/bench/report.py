@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from ..atomic import write_text_atomically
+from ..utilisation.step_profile import CATEGORIES
 from .ab_config import ABConfig
 from .arms import ARM_SPECS
 from .inputs import short_name
@@ -245,6 +246,34 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def step_profile_table(records: list[tuple[Path, dict]]) -> str:
+    """Markdown: every profiled step (``ab --profile-step``), a row per record and arm: its time by
+    category and its GEMM rate, with the machine and workload it ran."""
+    lines = []
+    for path, record in records:
+        for arm, s in record["summary"].items():
+            found = s.get("step_profile")
+            if not found:
+                continue
+            shares = " | ".join(f"{found['shares'][name]:.0%}" for name in CATEGORIES)
+            rate = "-"
+            if found.get("gemm_fraction_of_peak") is not None:
+                rate = f"{found['gemm_tflops']:.3g} TFLOP/s ({found['gemm_fraction_of_peak']:.0%} of peak)"
+            mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "-"
+            lines.append(
+                f"| {hardware(record)} | {workload(record)} | {arm} | {mfu} | {shares} | {rate} | {path.parent.name} |"
+            )
+    if not lines:
+        return ""
+    header = [
+        "| machine | workload | arm | MFU | "
+        + " | ".join(n.replace("_", " ") for n in CATEGORIES)
+        + " | GEMM rate | record |",
+        "|---|---|---|---:|" + "---:|" * (len(CATEGORIES) + 1) + "---|",
+    ]
+    return "\n".join(header + lines) + "\n"
+
+
 def skipped_lines(records: list[tuple[Path, dict]]) -> list[str]:
     """'- arm on machine, workload: reason' for every arm a record skipped (a peer that could not run)."""
     seen = {}
@@ -257,12 +286,15 @@ def skipped_lines(records: list[tuple[Path, dict]]) -> list[str]:
 
 def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
     """What ``slipstream report`` shows: the speedup table (slipstream against every stock and peer
-    arm, with both sides' MFU where the records have it), any memory ceilings, then the arms that
-    were skipped and why."""
+    arm, with both sides' MFU where the records have it), any memory ceilings, any profiled steps
+    (where each step's time went), then the arms that were skipped and why."""
     table = cross_table(rows)
     ceilings = ceiling_table(records)
     if ceilings:
         table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
+    profiles = step_profile_table(records)
+    if profiles:
+        table += f"\nWhere a step goes (`ab --profile-step`; self time by category, an op inside attention or a compiled graph counted there):\n\n{profiles}"
     skipped = skipped_lines(records)
     if skipped:
         table += "\nArms skipped (not run on that machine):\n\n" + "\n".join(skipped) + "\n"
