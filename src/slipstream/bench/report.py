@@ -36,6 +36,7 @@ RUN_OPTIONS = frozenset(
         "repeats",
         "max_tokens_within",
         "out_dir",
+        "profile_step",
         "device",
         "threads",
         "train_config",
