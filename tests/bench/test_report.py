@@ -215,3 +215,11 @@ def test_profiled_steps_appear_in_the_report(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 0
     assert "Where a step goes" in capsys.readouterr().out
     assert step_profile_table(load_records([tmp_path / "plain"])) == ""
+
+
+def test_a_profiled_run_is_the_same_workload_as_an_unprofiled_one():
+    from slipstream.bench.report import workload
+
+    profiled = record("cpu", 1024, 2.0, 1)
+    profiled["config"]["profile_step"] = True
+    assert workload(profiled) == workload(record("cpu", 1024, 2.0, 1))
