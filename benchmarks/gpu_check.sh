@@ -56,9 +56,10 @@ echo "chunked loss bench exit: $?" >> "$OUT/bench_chunked_loss.txt"
 
 # 5b. MFU at the limit (issue 20): the Qwen3-8B shape (4 layers, real vocabulary 151,936, LoRA r16,
 #     bf16), 16,384-token packed rows of the demo data; the record's MFU is against the H200's bf16
-#     matmul peak measured by the run itself (target >= 0.5).
+#     matmul peak measured by the run itself (target >= 0.5); --profile-step adds where one more step's
+#     device time went (matmul, attention, copies, ...) and the GEMM rate (its CUDA path's first run).
 timeout 55 slipstream ab --model qwen3-8b --layers 4 --dtype bfloat16 --lora-rank 16 --max-seq-len 16384 \
-  --rows 8000 --steps 5 --warmup 2 --arms slipstream --out "$OUT/ab-qwen3-8b-16k" > "$OUT/ab_qwen3_8b_16k.txt" 2>&1
+  --rows 8000 --steps 5 --warmup 2 --profile-step --arms slipstream --out "$OUT/ab-qwen3-8b-16k" > "$OUT/ab_qwen3_8b_16k.txt" 2>&1
 echo "ab qwen3-8b 16k exit: $?" >> "$OUT/ab_qwen3_8b_16k.txt"
 
 # 6. Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (issue 20, 4b): parity against the stock modules on
