@@ -94,6 +94,11 @@ def coerce(value: Any, expected: Any, key: str, where: str) -> Any:
         raise errors[0]
     if origin is Literal:
         choices = typing.get_args(expected)
+        if isinstance(value, bool) and value not in choices:
+            # YAML 1.1 reads a bare off / on (no / yes, false / true) as a boolean: the word meant
+            word = "on" if value else "off"
+            if word in choices:
+                return word
         if value not in choices:
             raise ConfigError(
                 f"{where}: '{key}' must be one of {', '.join(map(str, choices))}, got {value!r}"

@@ -90,3 +90,16 @@ def test_the_line_of_the_offending_key_is_named(tmp_path):
 def test_a_directory_is_not_a_config(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+
+
+def test_a_bare_off_or_on_in_yaml_is_the_choice_not_a_boolean(tmp_path):
+    """YAML 1.1 reads ``off`` / ``on`` as booleans; a choice field that has the word takes it."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model:\n  preset: qwen3\ntraining:\n  steps: 2\nspeedups:\n  compile: on\n  fused_kernels: off\n"
+    )
+    speedups = load_config(path).speedups
+    assert speedups.compile == "on" and speedups.fused_kernels == "off"
+    assert load_config(path, ["speedups.fused_kernels=off", "speedups.compile=off"]).speedups.compile == "off"
+    with pytest.raises(ConfigError, match=r"'speedups.attention_grouping' must be one of .*, got False"):
+        load_config(path, ["speedups.attention_grouping=off"])  # no "off" among its choices: refused
