@@ -128,3 +128,17 @@ def test_a_figure_the_old_probe_cached_is_measured_again(tmp_path, monkeypatch):
         },
     )
     assert peak.matmul_peak("cpu", torch.float32, threads=1)["flops_per_s"] == 5.0
+
+
+def test_side_by_side_stops_growing_past_its_memory_cap(monkeypatch):
+    """A pair of matrices per thread: on a many-core host they stop at SIDE_BY_SIDE_BYTES."""
+    monkeypatch.setattr(peak, "SIDE_BY_SIDE_BYTES", 2 * 2 * 64 * 64 * 4)  # two fp32 64 x 64 pairs
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        capped = peak.measure_matmul_peak("cpu", torch.float32, sizes=(128,), repeats=2)
+        small = peak.measure_matmul_peak("cpu", torch.float32, sizes=(64,), repeats=2)
+    finally:
+        torch.set_num_threads(previous)
+    assert capped["side_by_side_flops_per_s"] is None and "side by side" not in capped["how"]
+    assert small["side_by_side_flops_per_s"] > 0

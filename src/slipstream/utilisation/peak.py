@@ -36,6 +36,9 @@ BUDGET_S = 1.0  # the probe stops growing the matrices past this
 # (2: matmuls side by side on a CPU's threads).
 PROBE_VERSION = 2
 LONG_ENOUGH_S = 0.05  # one matmul this long times well: no need for a bigger one
+# The side-by-side matrices (a pair per thread) stop growing past this much memory: a many-core
+# host's single-threaded matmuls reach its peak at smaller sizes anyway.
+SIDE_BY_SIDE_BYTES = 512 * 2**20
 
 
 def cpu_name() -> str:
@@ -127,32 +130,34 @@ def measure_matmul_peak(
     budget_s: float = BUDGET_S,
 ) -> dict:
     """Measure now (no cache): ``{"flops_per_s", "tflops", "size", "seconds", "how",
-    "one_matmul_flops_per_s", "side_by_side_flops_per_s"}`` (the last None but on a CPU with
-    several threads: ``threads`` matmuls at once, one thread each; the peak is the higher)."""
+    "one_matmul_flops_per_s", "side_by_side_flops_per_s"}``: the last is ``threads`` matmuls at
+    once on a CPU, one thread each (None on one thread, on CUDA, or where every size's pairs would
+    pass ``SIDE_BY_SIDE_BYTES``); the peak is the higher of the two."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     began, best, best_size, best_s, tried = time.perf_counter(), 0.0, 0, 0.0, []
-    one_best = side_best = 0.0
+    one_best, side_best = 0.0, None  # side_best: None until a size was timed side by side
     with torch.no_grad():
         for size in sizes:
             tried.append(size)
+            side_by_side = threads > 1 and threads * 2 * size * size * dtype.itemsize <= SIDE_BY_SIDE_BYTES
             pairs = [
                 (
                     torch.randn(size, size, device=device, dtype=dtype, generator=generator),
                     torch.randn(size, size, device=device, dtype=dtype, generator=generator),
                 )
-                for _ in range(threads)
+                for _ in range(threads if side_by_side else 1)
             ]
             seconds = _time_matmul(*pairs[0], repeats)
             rate = 2 * size**3 / seconds  # a multiply-add is 2 FLOPs
             one_best = max(one_best, rate)
             if rate > best:
                 best, best_size, best_s = rate, size, seconds
-            if threads > 1:
+            if side_by_side:
                 side_s = _time_side_by_side(pairs, repeats)
                 side_rate = threads * 2 * size**3 / side_s
-                side_best = max(side_best, side_rate)
+                side_best = max(side_best or 0.0, side_rate)
                 if side_rate > best:
                     best, best_size, best_s = side_rate, size, side_s
             del pairs
@@ -165,7 +170,7 @@ def measure_matmul_peak(
         f"square matmuls of {', '.join(map(str, tried))} (growing until one takes {LONG_ENOUGH_S * 1000:.0f} ms "
         f"or {budget_s:g} s are spent), best of up to {repeats} by {timer}"
     )
-    if threads > 1:
+    if side_best is not None:
         winner = "side by side" if side_best > one_best else "one matmul on every thread"
         how += (
             f", each as one matmul on {threads} threads ({one_best / 1e12:.3f} TFLOP/s) and as {threads} "
@@ -181,7 +186,7 @@ def measure_matmul_peak(
         "seconds": best_s,
         "how": how,
         "one_matmul_flops_per_s": one_best,
-        "side_by_side_flops_per_s": side_best if threads > 1 else None,
+        "side_by_side_flops_per_s": side_best,
     }
 
 
