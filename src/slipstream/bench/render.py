@@ -136,14 +136,20 @@ def step_profile_lines(summary: dict) -> list[str]:
         "|---|" + "---:|" * (len(CATEGORIES) + 2),
     ]
     for arm, found in profiled.items():
-        shares = " | ".join(f"{found['shares'][name]:.0%}" for name in CATEGORIES)
-        rate = "-"
-        if found.get("gemm_tflops") is not None:
-            rate = f"{found['gemm_tflops']:.3g} TFLOP/s"
-            if found.get("gemm_fraction_of_peak") is not None:
-                rate += f" ({found['gemm_fraction_of_peak']:.0%} of peak)"
+        shares, rate = step_profile_cells(found)
         lines.append(f"| {arm} | {shares} | {found['total_s']:.3f} | {rate} |")
     return lines
+
+
+def step_profile_cells(found: dict) -> tuple[str, str]:
+    """A profiled step's category shares (table cells joined by " | ") and its GEMM rate cell."""
+    shares = " | ".join(f"{found['shares'][name]:.0%}" for name in CATEGORIES)
+    rate = "-"
+    if found.get("gemm_tflops") is not None:
+        rate = f"{found['gemm_tflops']:.3g} TFLOP/s"
+        if found.get("gemm_fraction_of_peak") is not None:
+            rate += f" ({found['gemm_fraction_of_peak']:.0%} of peak)"
+    return shares, rate
 
 
 def markdown_report(record: dict) -> str:

@@ -19,6 +19,7 @@ from ..utilisation.step_profile import CATEGORIES
 from .ab_config import ABConfig
 from .arms import ARM_SPECS
 from .inputs import short_name
+from .render import step_profile_cells
 from .stats import format_speedup, speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them
@@ -256,10 +257,7 @@ def step_profile_table(records: list[tuple[Path, dict]]) -> str:
             found = s.get("step_profile")
             if not found:
                 continue
-            shares = " | ".join(f"{found['shares'][name]:.0%}" for name in CATEGORIES)
-            rate = "-"
-            if found.get("gemm_fraction_of_peak") is not None:
-                rate = f"{found['gemm_tflops']:.3g} TFLOP/s ({found['gemm_fraction_of_peak']:.0%} of peak)"
+            shares, rate = step_profile_cells(found)
             mfu = f"{s['mfu']:.1%}" if s.get("mfu") is not None else "-"
             lines.append(
                 f"| {hardware(record)} | {workload(record)} | {arm} | {mfu} | {shares} | {rate} | {path.parent.name} |"
