@@ -107,6 +107,16 @@ def _fresh_cache(request, tmp_path_factory, monkeypatch, _session_demo_tokenizer
                 shutil.copy2(measured, _session_matmul_peaks / measured.name)
 
 
+@pytest.fixture(params=["amx", "avx512-bf16", "avx2"])
+def fake_cpu_class(request, monkeypatch) -> str:
+    """The CPU probe made to report each x86 class in turn (``SLIPSTREAM_CPU_CLASS``, the override
+    users have too): a test of a hardware-dependent decision runs its every branch on every CPU."""
+    from slipstream.hardware import ENV_CPU_CLASS
+
+    monkeypatch.setenv(ENV_CPU_CLASS, request.param)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

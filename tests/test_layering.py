@@ -13,6 +13,7 @@ LAYERS = [
         "_version",
         "atomic",
         "fields",
+        "hardware",
         "host_reads",
         "noise",
         "data",

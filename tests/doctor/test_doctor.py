@@ -19,6 +19,7 @@ from slipstream.doctor.paths import compile_decision
 from slipstream.fused.compiled import BREAK_EVEN_STEPS as FUSED_BREAK_EVEN_STEPS
 from slipstream.packing.attention import choose_backend
 from slipstream.packing.short_attention import RULE as SHORT_RULE
+from slipstream.train.precision import resolve_dtype
 
 
 @pytest.fixture(autouse=True)
@@ -50,6 +51,16 @@ ALL_OK = {
 
 @pytest.mark.parametrize("dtype", ["auto", "float32"])
 def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_path):
+    check_every_path_and_the_marker(dtype, tmp_path)
+
+
+def test_every_path_is_ok_as_on_each_cpu_class(fake_cpu_class, tmp_path):
+    """The probe faked to each CPU class: ``auto`` picks that class's dtype, and every path is ok in it."""
+    report = check_every_path_and_the_marker("auto", tmp_path)
+    assert report["model"]["dtype"] == ("float32" if fake_cpu_class == "avx2" else "bfloat16")
+
+
+def check_every_path_and_the_marker(dtype: str, tmp_path) -> dict:
     report, status, text = doctor(dtype=dtype, json_path=tmp_path / "doctor.json")
     assert status == 0 and report["exit_status"] == 0
     assert verdicts(report) == ALL_OK, [c["reason"] for c in report["checks"]]
@@ -73,9 +84,10 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
         assert compiled["choice"].startswith(f"on from {BREAK_EVEN_STEPS['cpu']} steps")
         assert "torch.compile: inductor" in compiled["why"]
         short = next(row for row in report["decisions"] if row["path"] == "short-document kernel (auto)")
-        if dtype == "float32":
+        # "auto" is bf16 where the CPU probe finds it native, else fp32: the expectation from the same probe
+        if resolve_dtype(dtype, torch.device("cpu"))[0] == torch.float32:
             assert short["choice"] == "off" and "bf16 / fp16" in short["why"]
-        else:  # "auto" is bf16 on this CPU
+        else:
             assert short["choice"] == "on" and short["why"] == SHORT_RULE
         fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (auto)")
         assert fused["choice"] == f"compiled from {FUSED_BREAK_EVEN_STEPS['cpu']} steps, off below"
@@ -92,6 +104,7 @@ def test_every_path_is_ok_on_this_machine_and_the_marker_is_written(dtype, tmp_p
     peak = report["device"]["matmul_peak"]
     assert peak["flops_per_s"] > 0 and peak["dtype"] == report["model"]["dtype"]
     assert "matmul peak" in text and "TFLOP/s" in text
+    return report
 
 
 def leak_across_documents(monkeypatch):

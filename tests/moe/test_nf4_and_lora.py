@@ -155,7 +155,10 @@ def test_expert_lora_saves_and_loads_back(tmp_path):
 
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("shape", [(64, 64), (96, 256), (64, 32), (256, 96)])
-def test_dequantization_matches_bitsandbytes_where_bitsandbytes_is_right(shape, double_quant):
+def test_dequantization_is_within_nf4_error_and_equals_bitsandbytes_where_it_is_right(shape, double_quant):
+    """Ours within the format's error on every shape; bit-equal to bitsandbytes' wherever theirs is
+    within it too (0.50.2's CPU kernel gets a weight narrower than a block wrong on some CPUs and
+    right on others: what it does there is not ours to test)."""
     import bitsandbytes.functional as bnb
 
     from slipstream.moe.nf4 import NF4Experts, NF4Settings, _quantize_projection
@@ -170,12 +173,13 @@ def test_dequantization_matches_bitsandbytes_where_bitsandbytes_is_right(shape, 
         weight[2].contiguous(), blocksize=64, quant_type="nf4", compress_statistics=double_quant
     )
     theirs = bnb.dequantize_4bit(packed, state)
-    nf4_error = (ours[1] - weight[2]).abs().max().item()
-    assert nf4_error < 0.6  # NF4 on N(0, 1) weights, absmax-scaled blocks of 64
-    if shape[-1] % 64 == 0:
+    nf4_bound = 0.6  # NF4 on N(0, 1) weights, absmax-scaled blocks of 64: half the widest code gap x absmax
+    assert (ours[1] - weight[2]).abs().max().item() < nf4_bound
+    theirs_right = (theirs - weight[2]).abs().max().item() < nf4_bound
+    if shape[-1] % 64 == 0:  # whole blocks per row: what the QLoRA loader's Linear4bit layers rely on
+        assert theirs_right
+    if theirs_right:
         assert torch.equal(ours[1], theirs)
-    else:  # bitsandbytes 0.50.2 on CPU gets these wrong; ours stays within NF4 error
-        assert (theirs - weight[2]).abs().max().item() > 2 * nf4_error
 
 
 def test_load_for_qlora_quantizes_linears_and_experts(tmp_path, demo_bins):

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from .._version import __version__
+from ..hardware import cpu_class
 from ..utilisation.peak import cpu_name  # noqa: F401 - where doctor and callers find it
 
 
@@ -35,6 +36,7 @@ def fingerprint() -> dict:
 
     info = {
         "cpu": cpu_name(),
+        "cpu_class": cpu_class().name,  # hardware.CPU_CLASSES; SLIPSTREAM_CPU_CLASS overrides the probe
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),

@@ -1,0 +1,52 @@
+"""The CPU class probe, its override, and the dtype ``auto`` derives from it, on every class."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slipstream.hardware import CPU_CLASSES, ENV_CPU_CLASS, cpu_class, probed_cpu_class
+from slipstream.train.precision import fast_bf16, resolve_dtype
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("amx", "avx512_bf16", "capability", "expected"),
+    [
+        (True, True, "AVX512", "amx"),
+        (False, True, "AVX512", "avx512-bf16"),
+        (False, False, "AVX512", "avx2"),  # AVX-512 without its bf16 extension: bf16 still emulated
+        (False, False, "AVX2", "avx2"),
+        (False, False, "DEFAULT", "other"),
+    ],
+)
+def test_the_probe_reads_torchs_cpu_features(monkeypatch, amx, avx512_bf16, capability, expected):
+    monkeypatch.delenv(ENV_CPU_CLASS, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert probed_cpu_class() == expected
+    found = cpu_class()
+    assert (found.name, found.overridden) == (expected, False)
+    assert fast_bf16(CPU)[0] is (expected in ("amx", "avx512-bf16"))
+
+
+def test_each_class_decides_the_auto_dtype(fake_cpu_class):
+    found = cpu_class()
+    assert found.name == fake_cpu_class and found.overridden
+    dtype, why = resolve_dtype("auto", CPU)
+    assert dtype == (torch.float32 if fake_cpu_class == "avx2" else torch.bfloat16)
+    assert f"{ENV_CPU_CLASS}={fake_cpu_class}" in why  # the override is said, never silent
+    assert resolve_dtype("bfloat16", CPU) == (torch.bfloat16, "dtype bfloat16 (set)")  # a set dtype stays
+
+
+def test_the_unset_override_is_the_real_probe(monkeypatch):
+    monkeypatch.delenv(ENV_CPU_CLASS, raising=False)
+    assert cpu_class().name == probed_cpu_class() in CPU_CLASSES
+
+
+def test_an_unknown_class_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(ENV_CPU_CLASS, "avx9000")
+    with pytest.raises(ValueError, match=r"SLIPSTREAM_CPU_CLASS='avx9000': expected one of amx, avx512-bf16"):
+        cpu_class()
