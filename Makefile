@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slipstream-installed
 # the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test compat compile-check lint setup clean bench-packing
+.PHONY: demo test test-slow test-avx2 compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -25,6 +25,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks docs examples
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# What `make test` leaves out (tests marked slow, multiprocess or realmodel: tens of seconds each),
+# the whole-registry sweep and the compile checks among them.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --runslow -m "slow or multiprocess or realmodel"
+
+# The default suite as on an AVX2-only, fp32-only CPU: slipstream's CPU probe overridden
+# (SLIPSTREAM_CPU_CLASS, so `dtype: auto` is fp32) and torch's fp32 GEMMs held to AVX2 (MKL).
+test-avx2: $(STAMP)
+	SLIPSTREAM_CPU_CLASS=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)

@@ -14,12 +14,19 @@ def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")
 
 
+# Kept out of the default run (``make test``, inside 10 minutes on a 2-core fp32-only CPU) and run by
+# ``make test-slow`` (``.ci/run`` runs both): tests marked slow, and every test that starts several
+# processes or uses the real model (each costs tens of seconds there).
+SLOW_MARKERS = ("slow", "multiprocess", "realmodel")
+
+
 def pytest_collection_modifyitems(config, items):
     run_slow = config.getoption("--runslow") or os.environ.get("SLIPSTREAM_SLOW") == "1"
     has_gpu = torch.cuda.is_available()
     for item in items:
-        if "slow" in item.keywords and not run_slow:
-            item.add_marker(pytest.mark.skip(reason="slow: run with --runslow or SLIPSTREAM_SLOW=1"))
+        marker = next((name for name in SLOW_MARKERS if name in item.keywords), None)
+        if marker and not run_slow:
+            item.add_marker(pytest.mark.skip(reason=f"{marker}: run with --runslow or SLIPSTREAM_SLOW=1"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 

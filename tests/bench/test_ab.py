@@ -115,6 +115,7 @@ def test_a_short_real_run_of_every_arm(tmp_path):
     assert interval["low"] <= summary["slipstream"]["speedup_vs_stock-packed"] * 1.5
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
     config = ABConfig(model="qwen3-moe", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
     # the preset as the CLI runs it here: less the arms whose lever this run would not pull

@@ -10,6 +10,7 @@ import torch
 
 from slipstream.bench.command import ab_config_from_args, add_ab_arguments
 from slipstream.bench.inputs import model_fingerprint
+from slipstream.bench.render import markdown_report
 from slipstream.bench.report import load_records, report_rows, workload
 from slipstream.bench.runner import ABConfig, parity_failures, prepare_bins, run_ab
 from slipstream.cli import build_parser, main
@@ -152,6 +153,45 @@ def test_config_file_gives_the_workload_and_options_on_the_command_line_win(mode
         "qwen3",
         512,
     )
+
+
+def test_a_model_directory_trains_what_slipstream_train_would_and_the_record_says_so(
+    model_dir, chats, fake_cpu_class
+):
+    """``ab --model DIR`` with nothing else: slipstream train's LoRA, learning rate, schedule and
+    dtype (auto, decided by the faked CPU probe); a full fine-tune only when asked for."""
+    from slipstream.train.config import LoraConfig, OptimizerConfig
+
+    config = ab_config_from_args(build_parser().parse_args(["ab", "--model", str(model_dir)]))
+    lora, optimizer = LoraConfig(), OptimizerConfig()
+    assert (config.lora_rank, config.lora_alpha, config.lora_targets) == (
+        lora.rank,
+        lora.alpha,
+        tuple(lora.target_modules),
+    )
+    assert (config.lr, config.schedule) == (optimizer.lr, optimizer.schedule)
+    assert config.dtype == ("float32" if fake_cpu_class == "avx2" else "bfloat16")
+    assert config.defaults["source"] == "slipstream train's defaults (a model directory)"
+    applied = config.defaults["fields"]
+    assert applied["lora_rank"] == lora.rank and applied["schedule"] == "cosine"
+    assert applied["dtype"].startswith(f"auto: {config.dtype} (this CPU has")
+    explicit = ab_config_from_args(
+        build_parser().parse_args(["ab", "--model", str(model_dir), "--lora-rank", "0", "--dtype", "float32"])
+    )
+    assert (explicit.lora_rank, explicit.dtype) == (0, "float32")  # a full fine-tune, asked for
+    assert {"lora_rank", "lora_alpha", "dtype"}.isdisjoint(explicit.defaults["fields"])
+    shape = ab_config_from_args(build_parser().parse_args(["ab"]))  # a built-in shape keeps the A/B's own
+    assert (shape.lora_rank, shape.lr, shape.schedule, shape.dtype) == (0, 2e-3, "constant", "float32")
+    assert shape.defaults["source"] == "the A/B's defaults for a built-in shape"
+
+
+def test_each_arm_steps_the_runs_schedule(model_dir, chats):
+    """The learning rate of every step, in every arm, is the schedule's (cosine from lr down)."""
+    record = run_ab(_config(model_dir, chats, schedule="cosine", lr=1e-3, steps=4), progress=False)
+    for arm in ("stock-packed", "slipstream"):
+        lr = record["runs"][arm][0]["lr"]
+        assert lr[0] == pytest.approx(1e-3) and lr == sorted(lr, reverse=True) and lr[-1] < 0.5e-3, arm
+    assert "cosine schedule" in markdown_report(record) and "Defaults applied" in markdown_report(record)
 
 
 @pytest.mark.parametrize(

@@ -59,6 +59,7 @@ def test_ceiling_docs_fill_exactly_and_label_every_token():
     assert all(d["labels"] == d["input_ids"] for d in docs)
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_real_probes_in_fresh_processes_and_the_watchdog():
     config = ABConfig(model="qwen3", max_seq_len=256, threads=1, max_tokens_within="6GB")
     fits = fresh_probe(run_in_fresh_process, dataclasses.asdict(config), "slipstream", 256, 2048)

@@ -121,6 +121,7 @@ def test_the_table_counts_every_outcome():
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     """``compile=True`` (the sweep's --compile) runs the passing arm again with compiled layers; here
     through aot_eager (the same dynamo graphs, no inductor codegen: ~50 s cold on this CPU)."""

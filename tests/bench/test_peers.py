@@ -27,6 +27,7 @@ def test_the_peers_preset_names_every_peer_and_slipstream():
     )  # baselines: speedups against them
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_trl_trains_our_bins_and_its_loss_curve_matches_ours_step_for_step(tmp_path):
     config = _tiny(arms=("trl", "stock-packed", "slipstream", "stock-offload", "liger"), grad_accum=2)
     record = run_ab(config, progress=False)

@@ -109,6 +109,7 @@ def test_compiled_layers_match_eager_and_compile_once_for_every_packed_batch(fam
     assert any(p.startswith("compile: decoder layers (2 ") and "(requested)" in p for p in policies)
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_one_graph_serves_every_layer_and_no_graph_reads_the_host(monkeypatch):
     """With 2 or 5 layers dynamo compiles the same number of graphs (one per layer class and
     region between graph breaks, not per layer), and none of their forward or backward graphs holds
@@ -135,6 +136,7 @@ def test_one_graph_serves_every_layer_and_no_graph_reads_the_host(monkeypatch):
     assert compiles[2] == compiles[5] > 0
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_the_packed_attention_guards_still_raise_in_compiled_layers(monkeypatch):
     monkeypatch.setattr(regional, "BACKEND", RecordingBackend())
     model = build_model("llama", vocab_size=VOCAB)
@@ -203,6 +205,7 @@ def test_auto_compiles_only_a_run_long_enough_to_pay_back(monkeypatch):
     assert "auto: 3 steps, at least the 3" in slipstream.state_of(model).policies[-1]
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_a_step_under_a_dispatch_mode_runs_eagerly_and_leaves_later_steps_compiled(monkeypatch):
     """slipstream counts a step's host syncs under a TorchDispatchMode (ab's first step): dynamo
     would skip the layers' frames there and remember it, leaving every later step eager. The

@@ -110,6 +110,7 @@ def killed_pid(done: subprocess.CompletedProcess) -> int:
     return int(done.stdout.split("fault_runner pid ", 1)[1].split()[0])
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_killed_run_resumes_to_the_same_losses(tmp_path):
     full = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "full")}, "full.yaml")
     part = write_config(tmp_path, {**TINY, "output_dir": str(tmp_path / "part")}, "part.yaml")

@@ -14,8 +14,9 @@ from typing import Any, Literal
 import torch
 
 from .. import speedups as speedups_module  # read at call time, so a new field is known here
-from ..fields import Precision, check_fields
+from ..fields import Dtype, check_fields
 from ..offload.policy import Checkpointing
+from ..train.config import Schedule
 from .adapter import LORA_TARGETS
 from .arms import ARM_PRESETS, ARMS
 from .inputs import check_model, is_model_dir
@@ -70,7 +71,17 @@ class ABConfig:
     steps: int = _option(40, "optimizer steps per arm (warm-up included)")
     warmup: int = _option(2, "untimed warm-up steps")
     grad_accum: int = _option(1, "micro-batches per step")
-    lr: float = _option(2e-3, "learning rate (constant)")
+    # None: the workload's default (``workload_defaults``): slipstream train's for a model directory
+    # (what a user would train), the A/B's own for a built-in shape (seeded random weights)
+    lr: float | None = _option(
+        None, "peak learning rate (default: 2e-4 for a model directory, as slipstream train; 2e-3 for a shape)"
+    )
+    schedule: Schedule | None = _option(
+        None,
+        "learning-rate schedule over --steps (default: cosine for a model directory, as slipstream train; "
+        "constant for a shape)",
+    )
+    lr_warmup_steps: int = _option(0, "steps the schedule warms the learning rate up over")
     seed: int = _option(0, "seeds the preset's weights, the demo rows, the bin order and the adapter")
     num_rows: int = _option(1500, "built-in demo rows to draw from", flag="--rows")
     # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
@@ -81,7 +92,11 @@ class ABConfig:
         "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
         "(sequential: the batches padded training usually sees)",
     )
-    dtype: Precision = _option("float32", "the parameters' dtype in every arm")
+    dtype: Dtype | None = _option(
+        None,
+        "the parameters' dtype in every arm; auto: bf16 where the device runs it natively, else fp32 "
+        "(default: auto for a model directory, as slipstream train; float32 for a shape)",
+    )
     device: str = _option("auto", "auto, cpu or cuda")
     arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
     # Speedups for the slipstream arms: every Speedups field is an `ab` option (generated in
@@ -89,7 +104,11 @@ class ABConfig:
     # others are collected here, and an arm's own ablation wins over them.
     checkpointing: Checkpointing = _option("off", None, cli=False)
     speedups: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
-    lora_rank: int = _option(0, "train a PEFT LoRA of this rank in every arm (0: full fine-tune)")
+    lora_rank: int | None = _option(
+        None,
+        "train a PEFT LoRA of this rank in every arm, 0: full fine-tune (default: 8 for a model directory, "
+        "as slipstream train; 0 for a shape)",
+    )
     lora_alpha: float | None = _option(None, "the LoRA's alpha (default: 2 x rank)")
     lora_targets: tuple[str, ...] = _option(LORA_TARGETS, "comma-separated modules the LoRA wraps")
     lora_modules_to_save: tuple[str, ...] = _option((), None, cli=False)  # from --config's lora section
@@ -119,14 +138,19 @@ class ABConfig:
         metavar="RUN.yaml",
     )
 
+    # What the workload took from its defaults (``workload_defaults``): {"source": ..., "fields": {...}};
+    # set by __post_init__, kept in the record.
+    defaults: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
+
     def __post_init__(self):
+        check_model(self.model)  # raises ValueError naming a model that is neither shape nor directory
+        self._apply_defaults()
         unknown = [arm for arm in self.arms if arm not in ARMS]
         if unknown:
             raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
         if self.steps <= self.warmup:
             raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
         check_fields(self)  # the typed fields' rules (choices, ranges), as everywhere
-        check_model(self.model)  # raises ValueError naming a model that is neither shape nor directory
         if self.layers is not None and is_model_dir(self.model):
             raise ValueError(
                 f"layers: a model directory ({self.model}) runs as saved; --layers shortens a built-in shape"
@@ -141,6 +165,24 @@ class ABConfig:
         if self.max_tokens_within is not None:
             parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
 
+    def _apply_defaults(self) -> None:
+        """Fill the fields left None from ``workload_defaults`` and note which (``self.defaults``);
+        ``dtype: auto`` becomes the dtype it resolves to on the run's device, said there too."""
+        source, values = workload_defaults(self.model)
+        applied = {name: value for name, value in values.items() if getattr(self, name) is None}
+        if not applied.get("lora_rank", self.lora_rank):
+            applied.pop("lora_alpha", None)  # a full fine-tune has no alpha to default
+        for name, value in applied.items():
+            setattr(self, name, value)
+        if self.dtype == "auto":
+            from ..train.precision import resolve_dtype  # the rule slipstream train applies
+
+            chosen, why = resolve_dtype("auto", torch.device(resolve_device(self.device)))
+            self.dtype = str(chosen).removeprefix("torch.")
+            applied["dtype"] = f"auto: {self.dtype} ({why.split('(auto: ', 1)[-1].rstrip(')')})"
+        if applied:
+            self.defaults = {"source": source, "fields": {**self.defaults.get("fields", {}), **applied}}
+
     @classmethod
     def from_dict(cls, config_dict: dict) -> ABConfig:
         """Back from ``dataclasses.asdict`` (how a config reaches an arm's process)."""
@@ -150,6 +192,32 @@ class ABConfig:
             if k in config_dict
         }
         return cls(**{**config_dict, **tuples})
+
+
+# What a built-in shape (seeded random weights) trains when the command line leaves it open: a full
+# fine-tune at a constant, high learning rate, in fp32 (every earlier A/B record ran so).
+SHAPE_DEFAULTS = {"lora_rank": 0, "lr": 2e-3, "schedule": "constant", "dtype": "float32"}
+
+
+def workload_defaults(model: str) -> tuple[str, dict[str, Any]]:
+    """The defaults of the fields an A/B leaves open, and where they come from.
+
+    A model directory holds real weights a user would fine-tune: it gets ``slipstream train``'s own
+    defaults (its LoRA's rank, alpha and target modules, its learning rate and schedule, dtype auto),
+    read from the train config's dataclasses, so the two never drift apart. A full fine-tune is
+    still there, asked for (``--lora-rank 0``). A built-in shape keeps :data:`SHAPE_DEFAULTS`."""
+    if not is_model_dir(model):
+        return "the A/B's defaults for a built-in shape", dict(SHAPE_DEFAULTS)
+    from ..train.config import LoraConfig, ModelConfig, OptimizerConfig
+
+    lora, optimizer = LoraConfig(), OptimizerConfig()
+    return "slipstream train's defaults (a model directory)", {
+        "lora_rank": lora.rank if lora.enabled else 0,
+        "lora_alpha": lora.alpha,
+        "lr": optimizer.lr,
+        "schedule": optimizer.schedule,
+        "dtype": ModelConfig().dtype,
+    }
 
 
 def resolve_device(name: str) -> str:

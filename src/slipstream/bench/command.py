@@ -37,6 +37,8 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
             continue
         expected, value = types_[spec.name], getattr(defaults, spec.name)
         shown = ",".join(value) if spec.name in _LISTS else value
+        if spec.name in defaults.defaults.get("fields", {}):
+            shown = None  # the workload's default (a model directory's differs from a shape's): in the help
         help_text = spec.metadata.get("help")
         options: dict = {"default": None, "help": help_text}
         if help_text is not None and shown not in (None, False, ""):
@@ -125,10 +127,13 @@ def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
     if given.get("train_config"):
         from_file = workload_of_train_config(given["train_config"])
         speedups = {**from_file.pop("speedups"), **speedups}
+    # the defaults as given: a field the defaults filled from their workload (workload_defaults) stays
+    # open, so that a model directory named here gets its own workload's default
+    filled = defaults.defaults.get("fields", {})
     values = {
-        spec.name: getattr(defaults, spec.name)
+        spec.name: None if spec.name in filled else getattr(defaults, spec.name)
         for spec in dataclasses.fields(ABConfig)
-        if spec.name != "speedups"
+        if spec.name not in ("speedups", "defaults")
     }
     config = ABConfig(**{**values, **from_file, **given, "speedups": {**defaults.speedups, **speedups}})
     if getattr(args, "preset", None):
@@ -180,6 +185,8 @@ def workload_of_train_config(path: str) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "grad_accum": config.training.grad_accum,
         "lr": config.optimizer.lr,
+        "schedule": config.optimizer.schedule,
+        "lr_warmup_steps": config.optimizer.warmup_steps,
         "seed": config.seed,
         "lora_rank": config.lora.rank if config.lora.enabled else 0,
         "lora_alpha": config.lora.alpha,

@@ -93,6 +93,22 @@ def lora_words(config: dict) -> str:
     )
 
 
+def lr_words(config: dict) -> str:
+    """'lr 0.0002, cosine schedule' (an older record: a constant learning rate)."""
+    schedule = config.get("schedule") or "constant"
+    warmup = config.get("lr_warmup_steps") or 0
+    return f"lr {config.get('lr'):g}, {schedule} schedule" + (f" ({warmup} warm-up steps)" if warmup else "")
+
+
+def defaults_line(config: dict) -> str | None:
+    """Which fields the workload took from its defaults, and whose defaults they were."""
+    found = config.get("defaults") or {}
+    if not found.get("fields"):
+        return None
+    fields = ", ".join(f"{name} {value}" for name, value in found["fields"].items())
+    return f"Defaults applied ({found['source']}): {fields}"
+
+
 def inputs_title(record: dict) -> str:
     """'SmolLM2-135M@1a2b3c4d on chats.jsonl@5e6f7a8b' (a preset on the demo rows: just its name)."""
     inputs = record.get("inputs")
@@ -162,7 +178,8 @@ def markdown_report(record: dict) -> str:
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
         f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
-        f"vocabulary {record.get('vocab_size', '?')}; {lora_words(config)}",
+        f"vocabulary {record.get('vocab_size', '?')}; {lora_words(config)}; {lr_words(config)}",
+        *([line] if (line := defaults_line(config)) else []),
         *([line] if (line := utilisation_line(record)) else []),
         "",
         "| arm | attention | dtype | median step (s) | forward / backward (s) | tokens/s | MFU (model FLOP/s) "

@@ -23,15 +23,19 @@ from .render import step_profile_cells
 from .stats import format_speedup, speedup
 
 # ABConfig fields that do not change what a timed step computes, so runs differing only in them
-# are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr), which
+# are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr and its
+# schedule), which
 # arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
 # (out_dir), and the machine (device, threads), which is the hardware column, not the workload.
-# ``train_config`` is where the workload was read from; its values are the fields themselves.
+# ``train_config`` is where the workload was read from, ``defaults`` which fields took their defaults;
+# the values are the fields themselves.
 RUN_OPTIONS = frozenset(
     (
         "steps",
         "warmup",
         "lr",
+        "schedule",
+        "lr_warmup_steps",
         "seed",
         "arms",
         "repeats",
@@ -41,6 +45,7 @@ RUN_OPTIONS = frozenset(
         "device",
         "threads",
         "train_config",
+        "defaults",
     )
 )
 # Every other field is workload: a field added to ABConfig separates records unless listed above.

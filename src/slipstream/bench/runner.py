@@ -71,6 +71,8 @@ class ArmResult:
     attention_grouping_counts: dict[str, int] | None = None
     # --profile-step: one more step under torch.profiler (utilisation.step_profile); None: not profiled
     step_profile: dict[str, Any] | None = None
+    # the learning rate each step ran with (the run's schedule); None: the peer keeps its own
+    lr: list[float] | None = None
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -145,14 +147,25 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     if state is not None:
         state.grouping_counts.reset()  # the steps' batches only, not the probe's
     if trl_step:
-        step_fn = trl_step  # TRL's trainer, with its own optimizer and clipping
+        step_fn = trl_step  # TRL's trainer, with its own optimizer, scheduler and clipping
     else:
+        from transformers import get_scheduler  # the schedule slipstream train steps (optimizer.schedule)
+
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
         )
+        scheduler = get_scheduler(
+            config.schedule,
+            optimizer,
+            num_warmup_steps=config.lr_warmup_steps,
+            num_training_steps=config.steps,
+        )
 
         def step_fn(micro, model_context=contextlib.nullcontext):
-            return train_step(model, micro, optimizer, model_context=model_context)
+            lr = optimizer.param_groups[0]["lr"]
+            metrics = train_step(model, micro, optimizer, model_context=model_context)
+            scheduler.step()
+            return {**metrics, "lr": lr}
 
     def sync():
         if device == "cuda":
@@ -178,6 +191,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         dtype=dtype,
         model_flops=model_flops,
         probe_forward_s=probe_forward_s,
+        lr=[],
     )
     for step, micro_docs in enumerate(plan):
         micro = [inputs_of(docs) for docs in micro_docs]
@@ -198,6 +212,7 @@ def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
         result.tokens.append(tokens)
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
+        result.lr.append(metrics["lr"])
     result.peak_memory_mb = peak_memory_mb(device)
     if state is not None and state.packed_attention is not None:
         result.attention_grouping_counts = state.grouping_counts.to_dict()

@@ -83,12 +83,15 @@ class QuantizationConfig:
     double_quant: bool = False
 
 
+Schedule = Literal["cosine", "linear", "constant"]  # the learning rate over the run (transformers' get_scheduler)
+
+
 @dataclass
 class OptimizerConfig:
     lr: Annotated[float, Range(gt=0)] = 2e-4
     weight_decay: Annotated[float, Range(ge=0)] = 0.0
     betas: Annotated[list[float], Range(ge=0, lt=1), Length(2)] = field(default_factory=lambda: [0.9, 0.999])
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    schedule: Schedule = "cosine"
     warmup_steps: NonNegative = 0
     max_grad_norm: Annotated[float, Range(ge=0)] = 1.0  # 0 = no clipping
 

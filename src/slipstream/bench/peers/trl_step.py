@@ -5,7 +5,7 @@ row, restarting ``position_ids``, each document's first label masked) over each 
 documents; ``SFTTrainer.compute_loss`` (its fused LM head, the per-token negative
 log-likelihood summed over ``num_items_in_batch``, and the entropy and token-accuracy metrics
 it reads to the host every micro-batch); ``Trainer.training_step`` (``accelerator.backward``);
-the Trainer's own optimizer and scheduler (``adamw_torch``, constant LR, no weight decay) and
+the Trainer's own optimizer and scheduler (``adamw_torch``, the run's schedule, no weight decay) and
 its clipping (``accelerator.clip_grad_norm_``, 1.0); ``num_items_in_batch`` counted as the
 Trainer counts it (labels after the shift). Ours: which documents form each micro-batch and
 in what order, so TRL's loss curve must match ours step for step.
@@ -50,8 +50,8 @@ class TrlStep:
             gradient_accumulation_steps=config.grad_accum,
             max_steps=config.steps,
             learning_rate=config.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
+            lr_scheduler_type=config.schedule,
+            warmup_steps=config.lr_warmup_steps,
             weight_decay=0.0,
             max_grad_norm=1.0,
             optim="adamw_torch",
@@ -111,6 +111,7 @@ class TrlStep:
         """One optimizer step over ``micro_batches``; the metrics ``train_step`` returns."""
         start = time.perf_counter()
         self._forward_s = 0.0
+        lr = self.trainer.lr_scheduler.get_last_lr()[0]  # what this step's update runs with
         items = torch.tensor(sum(count for _, count in micro_batches), device=self.device)
         losses = []
         for inputs, _ in micro_batches:
@@ -126,6 +127,7 @@ class TrlStep:
         return {
             "loss": loss,
             "grad_norm": float(grad_norm),
+            "lr": lr,
             "forward_s": self._forward_s,
             # backward, TRL's metric reads, clipping and the optimizer step
             "backward_s": total - self._forward_s,

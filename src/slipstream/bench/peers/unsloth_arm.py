@@ -130,6 +130,8 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
             "--lora-targets", ",".join(config.lora_targets),
             "--threads", str(threads),
             "--lr", str(config.lr),
+            "--schedule", config.schedule,
+            "--lr-warmup-steps", str(config.lr_warmup_steps),
             "--max-seq-len", str(config.max_seq_len * config.grad_accum),
             "--out", str(work / "result.json"),
         ]  # fmt: skip

@@ -119,6 +119,8 @@ def main() -> int:
     p.add_argument("--lora-targets", default=",".join(TARGETS), help="comma-separated module names")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--schedule", default="constant", help="transformers' get_scheduler name, over the steps")
+    p.add_argument("--lr-warmup-steps", type=int, default=0)
     p.add_argument("--max-seq-len", type=int, default=4096, help="Unsloth's max_seq_length")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing summary")
     p.add_argument("--out", help="write the JSON here instead of stdout")
@@ -178,6 +180,9 @@ def main() -> int:
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
     with open(args.batches) as f:
         batches = json.load(f)
+    scheduler = transformers.get_scheduler(
+        args.schedule, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=len(batches)
+    )
 
     # Any id pads: padded slots are masked out of attention and labels. A tokenizer without a pad
     # token (many base models) pads with its end-of-text id, as TRL does.
@@ -204,6 +209,7 @@ def main() -> int:
         backward_end = time.perf_counter()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = float(loss)
         steps.append(
@@ -244,7 +250,8 @@ def main() -> int:
             "chunked_cross_entropy": owner is not None and chunked_used,
             "layout": "padded (right), attention mask; Unsloth's CPU trainer turns packing / padding_free off",
             "attn_implementation": base.config._attn_implementation,
-            "optimizer": "torch.optim.AdamW(fused=True, weight_decay=0), max_grad_norm 1.0",
+            "optimizer": f"torch.optim.AdamW(fused=True, weight_decay=0), max_grad_norm 1.0, {args.schedule} "
+            f"schedule ({args.lr_warmup_steps} warm-up steps)",
             "lora": f"r={args.lora_rank} alpha={alpha:g} dropout=0 {','.join(targets)}",
             "lora_param_dtype": str(params[0].dtype).removeprefix("torch."),
             "adapter_tensors_loaded": n_adapters,
