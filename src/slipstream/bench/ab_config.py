@@ -74,7 +74,8 @@ class ABConfig:
     # None: the workload's default (``workload_defaults``): slipstream train's for a model directory
     # (what a user would train), the A/B's own for a built-in shape (seeded random weights)
     lr: float | None = _option(
-        None, "peak learning rate (default: 2e-4 for a model directory, as slipstream train; 2e-3 for a shape)"
+        None,
+        "peak learning rate (default: 2e-4 for a model directory, as slipstream train; 2e-3 for a shape)",
     )
     schedule: Schedule | None = _option(
         None,

@@ -83,7 +83,9 @@ class QuantizationConfig:
     double_quant: bool = False
 
 
-Schedule = Literal["cosine", "linear", "constant"]  # the learning rate over the run (transformers' get_scheduler)
+Schedule = Literal[
+    "cosine", "linear", "constant"
+]  # the learning rate over the run (transformers' get_scheduler)
 
 
 @dataclass
