@@ -223,3 +223,75 @@ def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eage
     assert summary["slipstream"]["compile_break_even_step"] == 96  # 48 s / 0.5 s saved a step
     compiled["step_s"] = [3.0, 40.0, 2.5, 2.5, 2.5]  # slower once compiled: never pays back
     assert summarize(config, runs)["slipstream"]["compile_break_even_step"] is None
+
+
+def _in_process_runs(config, arms, breakage=None):
+    """Each arm run in this process (``run_arm``, what the harness spawns), so a test can break one."""
+    from slipstream.bench.runner import prepare_bins, run_arm
+
+    plan, vocab, _ = prepare_bins(config)
+    runs = {}
+    for arm in arms:
+        if breakage is not None and arm == "slipstream":
+            breakage()
+        runs[arm] = [run_arm(dataclasses.asdict(config), arm, plan, vocab)]
+    return runs, plan, vocab
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch):
+    """Attention that leaks across the packed documents: the first step, on the same weights and
+    batch, already differs beyond the strict step-0 tolerance, and the verdict says so."""
+    import slipstream.packing.attention as attention_module
+
+    config = ABConfig(
+        model="qwen3", max_seq_len=1024, steps=2, warmup=1, num_rows=120, threads=1, dtype=dtype
+    )
+    config = dataclasses.replace(config, speedups={"attention_grouping": "per_document"})  # the path broken
+
+    def leak():
+        monkeypatch.setattr(
+            attention_module, "_per_document", lambda fn, batch, q, k, v, **kw: fn(q, k, v, batch=batch, **kw)
+        )
+
+    right, _, _ = _in_process_runs(config, ("stock-packed", "slipstream"))
+    assert summarize(config, right)["slipstream"]["loss_vs_stock-packed"] in ("identical", "within tolerance")
+    wrong, _, _ = _in_process_runs(config, ("stock-packed", "slipstream"), breakage=leak)
+    parity = summarize(config, wrong)["slipstream"]["loss_parity"]
+    assert parity["verdict"] == "diverged" and not parity["needs_sensitivity"]
+    assert (
+        parity["detail"].startswith("step 0 loss") and "the arms compute different steps" in parity["detail"]
+    )
+
+
+def test_one_ulp_moves_every_weight_to_its_neighbour():
+    import torch
+
+    from slipstream.bench.runner import perturb_by_one_ulp
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert perturb_by_one_ulp(model, seed=1) == sum(p.numel() for p in before)
+    for old, new in zip(before, model.parameters(), strict=True):
+        up = torch.nextafter(old, torch.full_like(old, float("inf")))
+        down = torch.nextafter(old, torch.full_like(old, float("-inf")))
+        assert bool(((new == up) | (new == down)).all()) and 0 < int((new == up).sum()) < old.numel()
+
+
+def test_a_verdict_past_the_tolerance_reruns_the_reference_from_one_ulp_away(monkeypatch):
+    """When an arm's later steps go past the tolerance after a clean step 0, the run measures its own
+    sensitivity (the reference arm again, weights moved by one ulp) and judges the drift against it."""
+    import slipstream.bench.runner as runner
+
+    monkeypatch.setattr(runner, "needs_sensitivity", lambda summary: True)
+    config = ABConfig(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=120, threads=1)
+    config = dataclasses.replace(config, arms=("stock-packed", "slipstream"))
+    record = run_ab(config, progress=False)
+    sensitivity = record["sensitivity"]
+    assert sensitivity["arm"] == "stock-packed" and len(sensitivity["loss"]) == config.steps
+    reference = record["runs"]["stock-packed"][0]["loss"]
+    assert sensitivity["loss"][0] == pytest.approx(
+        reference[0], rel=1e-4
+    )  # (a random tiny model barely moves)
+    assert sensitivity["weights_moved"] > 0 and record["runs"]["stock-packed"][0]["perturbed_weights"] == 0
+    assert "sensitivity: stock-packed rerun with every weight moved by one ulp" in markdown_report(record)

@@ -41,3 +41,46 @@ def test_loss_parity_verdicts_by_dtype():
     assert loss_parity(curve, [2.0, 1.8, 1.52, 1.4], "bfloat16").verdict == "within tolerance"
     with pytest.raises(ValueError, match="different lengths"):
         loss_parity(curve, curve[:2], "float32")
+
+
+def test_step_zero_is_judged_strictly_on_the_loss_and_the_gradient_norm():
+    curve, grads = [2.0, 1.8, 1.5, 1.4], [9.0, 8.0, 7.0, 6.0]
+    # 5e-4 at step 0 is within fp32's curve tolerance (1e-3) but not step 0's (1e-4): a different step
+    off = loss_parity(curve, [2.001, 1.8, 1.5, 1.4], "float32", grads, grads)
+    assert (
+        off.verdict == "diverged"
+        and "step 0 loss 5.0e-04" in off.detail
+        and "compute different" in off.detail
+    )
+    # the same loss with a gradient norm 1% off: the backward differs
+    grad_off = loss_parity(curve, curve, "float32", grads, [9.09, 8.0, 7.0, 6.0])
+    assert grad_off.verdict == "diverged" and "grad norm 1.0e-02" in grad_off.detail
+    # bf16 allows bf16's rounding at step 0
+    fine = loss_parity(curve, [2.004, 1.8, 1.5, 1.4], "bfloat16", grads, [9.01, 8.0, 7.0, 6.0])
+    assert fine.verdict == "within tolerance" and fine.first_step_grad_norm == pytest.approx(1 / 900)
+
+
+def chaotic(start_diff: float, growth: float, steps: int = 6) -> tuple[list[float], list[float]]:
+    """A reference curve and one whose relative difference starts at ``start_diff`` and grows x``growth``
+    a step (alternating sign), as rounding grows in a chaotic run."""
+    reference = [2.0 + 0.5 * ((-1) ** k) for k in range(steps)]
+    other = [r * (1 + start_diff * growth**k * (-1) ** k) for k, r in enumerate(reference)]
+    return reference, other
+
+
+def test_a_drift_that_grows_as_the_run_grows_a_one_ulp_perturbation_is_named_as_such():
+    reference, arm = chaotic(5e-6, 5.0)  # 5e-6 at step 0, ~1.6e-2 by step 5
+    first = loss_parity(reference, arm, "float32")
+    assert first.verdict == "diverged" and first.needs_sensitivity  # it waits on the run's sensitivity
+    _, perturbed = chaotic(1e-7, 5.5)  # the reference's own curve from weights one ulp away grows as fast
+    judged = loss_parity(reference, arm, "float32", sensitivity=perturbed)
+    assert judged.verdict == "drift within sensitivity" and not judged.needs_sensitivity
+    assert judged.growth == pytest.approx(5.0**5, rel=1e-3) and judged.sensitivity_growth > 5.0**5
+    assert "within 10x the run's own sensitivity" in judged.detail
+
+
+def test_a_difference_a_stable_run_does_not_grow_by_itself_is_diverged():
+    reference, arm = chaotic(5e-6, 5.0)  # grows x5 a step ...
+    _, perturbed = chaotic(1e-7, 1.1)  # ... where the run barely grows its own perturbation: not drift
+    judged = loss_parity(reference, arm, "float32", sensitivity=perturbed)
+    assert judged.verdict == "diverged" and "beyond 10x the run's own sensitivity" in judged.detail

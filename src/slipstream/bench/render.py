@@ -196,6 +196,7 @@ def markdown_report(record: dict) -> str:
             f"{mfu_cell(s)} | {s['peak_memory_mb']:.0f} | {_count(s.get('activation_bytes', 0))} | {_count(s['host_syncs_per_step'])} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
+    lines += loss_verdict_lines(record)
     lines += ceiling_lines(record)
     lines += step_profile_lines(summary)
     arms = ran_arms(record)
@@ -216,6 +217,28 @@ def markdown_report(record: dict) -> str:
             f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def loss_verdict_lines(record: dict) -> list[str]:
+    """How each arm's loss curve was judged against the reference arm's (``stats.loss_parity``):
+    step 0 strictly, then the curve, and, past the tolerance, the run's own sensitivity."""
+    judged = {
+        arm: s["loss_parity"]
+        for arm, s in record["summary"].items()
+        if s.get("loss_parity") and s["loss_max_rel_diff"] > 0
+    }
+    if not judged:
+        return []
+    reference = next(k for k in next(iter(record["summary"].values())) if k.startswith("loss_vs_"))
+    lines = ["", f"Loss against {reference.removeprefix('loss_vs_')} (step 0: same weights, same batch):", ""]
+    lines += [f"- **{arm}**: {parity['verdict']}: {parity['detail']}" for arm, parity in judged.items()]
+    sensitivity = record.get("sensitivity")
+    if sensitivity:
+        lines.append(
+            f"- sensitivity: {sensitivity['arm']} rerun with {sensitivity['perturbation']}"
+            + (f": skipped ({sensitivity['skipped']})" if sensitivity.get("skipped") else "")
+        )
+    return lines
 
 
 def ceiling_lines(record: dict) -> list[str]:
@@ -303,6 +326,8 @@ def print_tables(record: dict) -> None:
     for step in range(config["steps"]):
         losses.add_row(str(step), *(f"{record['runs'][arm][0]['loss'][step]:.5f}" for arm in arms))
     console.print(losses)
+    if verdicts := loss_verdict_lines(record):
+        console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
     console.print(f"measured on {describe(record['fingerprint'])}")

@@ -66,22 +66,119 @@ def speedup(
     return Speedup(ratio=ratio, low=low, high=high, verdict=verdict)
 
 
+# Step 0 runs the same weights on the same batch in every arm, so a real difference in what a step
+# computes shows there, before any trajectory can drift: relative differences of (the loss, the
+# gradient norm) allowed there, by dtype. Measured on SmolLM2-135M (LoRA r8, 1,024-token chat bins),
+# slipstream against stock transformers: fp32 3e-6 / 2e-6, bf16 1e-3 / 2e-3; with the packed
+# attention broken to leak across documents: fp32 1e-2 / 0.12, bf16 1e-2 / 0.12 (BENCHMARKS.md).
+FIRST_STEP_TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-3, 2e-2), "float16": (5e-3, 2e-2)}
+# The smallest relative loss difference told apart from none, by dtype (a floor for growth ratios).
+DIFFERENCE_FLOOR = {"float32": 1e-7, "bfloat16": 1e-5, "float16": 1e-5}
+# A later step's difference counts as the run's own drift while it is at most this many times the
+# step-0 difference grown as the run grows a one-ulp perturbation of its weights (``sensitivity``).
+DRIFT_FACTOR = 10.0
+VERDICTS = ("identical", "within tolerance", "drift within sensitivity", "diverged")
+
+
 @dataclass(frozen=True)
 class Parity:
-    verdict: str  # "identical", "within tolerance" or "diverged"
+    """How an arm's loss curve compares with the reference arm's (:func:`loss_parity`)."""
+
+    verdict: str  # one of VERDICTS
     max_rel_diff: float
     worst_step: int
+    first_step_loss: float  # step 0's relative loss difference
+    first_step_grad_norm: float | None  # step 0's relative gradient-norm difference (None: not given)
+    detail: str  # one sentence: what was judged and how
+    needs_sensitivity: bool = False  # beyond the tolerance after a clean step 0, and no sensitivity given
+    growth: float | None = None  # the worst step's difference over step 0's (floored)
+    sensitivity_growth: float | None = None  # the same for the one-ulp perturbed reference
 
 
-def loss_parity(reference: list[float], other: list[float], dtype: str) -> Parity:
-    """Per-step relative loss difference, judged with the dtype's tolerance."""
+def _relative(reference: list[float], other: list[float]) -> list[float]:
+    return [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, other, strict=True)]
+
+
+def loss_parity(
+    reference: list[float],
+    other: list[float],
+    dtype: str,
+    reference_grad_norm: list[float] | None = None,
+    other_grad_norm: list[float] | None = None,
+    sensitivity: list[float] | None = None,
+) -> Parity:
+    """Judge ``other``'s loss curve against ``reference``'s, as "computes the same step" first, then
+    "the trajectory".
+
+    1. Step 0 (same weights, same batch) is strict: its loss and gradient norm within
+       :data:`FIRST_STEP_TOLERANCES` of the reference's, else "diverged": the arms compute different
+       things.
+    2. Every step within the dtype's :data:`LOSS_TOLERANCES`: "identical" / "within tolerance".
+    3. Later steps beyond it: training amplifies any difference (a high learning rate on a real model
+       can grow fp32 rounding a thousandfold in five steps), so the growth is compared with the run's
+       own. ``sensitivity`` is the reference arm's loss curve rerun from its weights moved by one ulp
+       (random signs): the growth of that curve's difference, ``G_k``, is how much this run amplifies
+       a difference it did not cause. A step's difference up to :data:`DRIFT_FACTOR` x step 0's x
+       ``G_k`` is "drift within sensitivity"; past it, or with no sensitivity measured, "diverged".
+       Without ``sensitivity`` the result says ``needs_sensitivity`` (the caller may measure it).
+    """
     if len(reference) != len(other):
         raise ValueError(
             f"loss curves of different lengths ({len(reference)} and {len(other)}) cannot be compared"
         )
-    diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(reference, other, strict=True)]
+    diffs = _relative(reference, other)
     worst_step = max(range(len(diffs)), key=diffs.__getitem__) if diffs else 0
     worst = diffs[worst_step] if diffs else 0.0
-    identical, tolerance = LOSS_TOLERANCES.get(dtype, LOSS_TOLERANCES["bfloat16"])
-    verdict = "identical" if worst <= identical else "within tolerance" if worst <= tolerance else "diverged"
-    return Parity(verdict=verdict, max_rel_diff=worst, worst_step=worst_step)
+    key = dtype if dtype in LOSS_TOLERANCES else "bfloat16"
+    identical, tolerance = LOSS_TOLERANCES[key]
+    first_loss_tol, first_grad_tol = FIRST_STEP_TOLERANCES[key]
+    first_loss = diffs[0] if diffs else 0.0
+    first_grad = None
+    if reference_grad_norm and other_grad_norm:
+        first_grad = _relative(reference_grad_norm[:1], other_grad_norm[:1])[0]
+    found = {"max_rel_diff": worst, "worst_step": worst_step, "first_step_loss": first_loss}
+    found["first_step_grad_norm"] = first_grad
+    step0 = f"step 0 loss {first_loss:.1e}" + (
+        f", grad norm {first_grad:.1e}" if first_grad is not None else ""
+    )
+    if first_loss > first_loss_tol or (first_grad is not None and first_grad > first_grad_tol):
+        return Parity(
+            "diverged",
+            **found,
+            detail=f"{step0} (same weights, same batch; allowed {first_loss_tol:g} / {first_grad_tol:g} in "
+            f"{key}): the arms compute different steps",
+        )
+    if worst <= tolerance:
+        verdict = "identical" if worst <= identical else "within tolerance"
+        return Parity(verdict, **found, detail=f"{step0}; every step within {tolerance:g} ({key})")
+    floor = DIFFERENCE_FLOOR[key]
+    growth = worst / max(first_loss, floor)
+    beyond = f"{step0}, then {worst:.1e} at step {worst_step} (x{growth:.3g}; tolerance {tolerance:g})"
+    if sensitivity is None:
+        return Parity(
+            "diverged",
+            **found,
+            detail=f"{beyond}; the run's own sensitivity was not measured",
+            needs_sensitivity=True,
+            growth=growth,
+        )
+    spread = _relative(reference, sensitivity)
+    envelope, allowed_growth = 0.0, []
+    for value in spread:  # G_k: the largest perturbed difference so far, over its step-0 size
+        envelope = max(envelope, value)
+        allowed_growth.append(envelope / max(spread[0], floor))
+    base = max(first_loss, floor)
+    worst_ratio = max(
+        d / (DRIFT_FACTOR * base * max(g, 1.0)) for d, g in zip(diffs, allowed_growth, strict=True)
+    )
+    sensitivity_growth = allowed_growth[worst_step]
+    verdict = "drift within sensitivity" if worst_ratio <= 1.0 else "diverged"
+    relation = "within" if verdict != "diverged" else "beyond"
+    return Parity(
+        verdict,
+        **found,
+        growth=growth,
+        sensitivity_growth=sensitivity_growth,
+        detail=f"{beyond}; a one-ulp perturbation of the reference grew x{sensitivity_growth:.3g} by then, so "
+        f"this is {relation} {DRIFT_FACTOR:g}x the run's own sensitivity",
+    )
