@@ -85,33 +85,43 @@ def _session_demo_tokenizer(tmp_path_factory) -> Path:
     return folder
 
 
+# What a test run measures once per device, dtype and thread count (each costs 1-3 s, and hundreds of
+# tests optimize or train): the matmul peak (utilisation.peak) and the attention calibration
+# (packing.calibration). Each test's fresh cache gets the session's copies.
+MEASURED_DIRS = ("matmul_peak", "calibration")
+
+
 @pytest.fixture(scope="session")
-def _session_matmul_peaks(tmp_path_factory) -> Path:
-    """The matmul peaks measured so far this session (``matmul_peak/`` files), one per device,
-    dtype and thread count: each probe costs 1-2.5 s, and dozens of tests train."""
-    return tmp_path_factory.mktemp("session-matmul-peaks")
+def _session_measurements(tmp_path_factory) -> Path:
+    """The device measurements made so far this session (``matmul_peak/``, ``calibration/`` files)."""
+    root = tmp_path_factory.mktemp("session-measurements")
+    for name in MEASURED_DIRS:
+        (root / name).mkdir()
+    return root
 
 
 @pytest.fixture(autouse=True)
-def _fresh_cache(request, tmp_path_factory, monkeypatch, _session_demo_tokenizer, _session_matmul_peaks):
+def _fresh_cache(request, tmp_path_factory, monkeypatch, _session_demo_tokenizer, _session_measurements):
     """Every test gets an empty ``$SLIPSTREAM_CACHE`` of its own, as on a machine slipstream never ran on.
 
     Only the demo tokenizer (derived from the recipe, read-only in use) is shared, linked in
-    from the session's copy, and the matmul peaks this session has measured are copied in (a
-    test marked ``empty_cache`` gets none): no doctor marker, no tokenized data carries from test
-    to test.
+    from the session's copy, and the device measurements this session has made (matmul peaks,
+    attention calibrations) are copied in (a test marked ``empty_cache`` gets none): no doctor
+    marker, no tokenized data carries from test to test.
     """
     cache = tmp_path_factory.mktemp("cache")
     (cache / _session_demo_tokenizer.name).symlink_to(_session_demo_tokenizer, target_is_directory=True)
-    peaks = cache / "matmul_peak"
-    if request.node.get_closest_marker("empty_cache") is None:
-        shutil.copytree(_session_matmul_peaks, peaks)
+    carried = request.node.get_closest_marker("empty_cache") is None
+    if carried:
+        for name in MEASURED_DIRS:
+            shutil.copytree(_session_measurements / name, cache / name)
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
     yield cache
-    if request.node.get_closest_marker("empty_cache") is None and peaks.is_dir():
-        for measured in peaks.glob("*.json"):  # what this test (or its subprocesses) measured
-            if not (_session_matmul_peaks / measured.name).exists():
-                shutil.copy2(measured, _session_matmul_peaks / measured.name)
+    if carried:
+        for name in MEASURED_DIRS:  # what this test (or its subprocesses) measured
+            for measured in (cache / name).glob("*.json"):
+                if not (_session_measurements / name / measured.name).exists():
+                    shutil.copy2(measured, _session_measurements / name / measured.name)
 
 
 @pytest.fixture(params=["amx", "avx512-bf16", "avx2"])

@@ -272,6 +272,12 @@ def _add_doctor(sub) -> None:
         help="measure the matmul peak (what MFU in ab and train is against) again and keep the higher of "
         "it and the cached figure (one taken while the machine was busy is replaced)",
     )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the packed attention's cost figures again (what attention grouping and the short-document "
+        "kernel decide by, measured once per device, dtype and thread count) and replace the cached ones",
+    )
     p.set_defaults(func=_cmd_doctor)
 
 
@@ -280,7 +286,11 @@ def _cmd_doctor(args) -> int:
 
     try:
         _, status = run_doctor(
-            args.model, json_path=args.json, dtype=args.dtype, remeasure_peak=args.remeasure_peak
+            args.model,
+            json_path=args.json,
+            dtype=args.dtype,
+            remeasure_peak=args.remeasure_peak,
+            recalibrate=args.recalibrate,
         )
     except DoctorError as error:
         print(f"slipstream doctor: {error}", file=sys.stderr)

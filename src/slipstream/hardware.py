@@ -18,7 +18,9 @@ AVX2 pass; torch reads those once, at import).
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -69,3 +71,35 @@ def cpu_class() -> CpuClass:
             raise ValueError(f"{ENV_CPU_CLASS}={override!r}: expected one of {', '.join(CPU_CLASSES)}")
         return CpuClass(override, overridden=True)
     return CpuClass(probed_cpu_class(), overridden=False)
+
+
+# Environment variables that cap the instruction sets torch's CPU kernels use (read once, at import):
+# a figure measured under them is another machine's.
+KERNEL_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_identity(device: torch.device) -> dict[str, str]:
+    """What a figure measured on ``device`` is keyed by (the matmul peak, the calibrations, the
+    ablation verdicts): its name and torch's version; on a CPU also its class (the override
+    included) and any cap on torch's kernels, so an emulated AVX2 machine never shares a cached
+    figure with the real one."""
+    if device.type == "cuda":
+        return {"device": torch.cuda.get_device_name(device), "torch": torch.__version__}
+    caps = ",".join(f"{name}={os.environ[name]}" for name in KERNEL_CAPS if os.environ.get(name))
+    return {
+        "device": cpu_name(),
+        "cpu_class": cpu_class().name,
+        "kernels": torch.backends.cpu.get_cpu_capability() + (f" ({caps})" if caps else ""),
+        "torch": torch.__version__,
+    }

@@ -28,8 +28,10 @@ from .moe.experts import (
     register_experts_implementation,
 )
 from .offload import enable_checkpointing
+from .packing import calibration
 from .packing.attention import BACKEND_NAMES, choose_backend, register_attention_functions
 from .packing.batch import PACKED_BATCH_KWARG
+from .packing.costs import ATTENTION_COSTS, BUILTIN, AttentionCosts
 from .packing.grouping import GROUPING_CHOICE, GROUPING_COUNTS, GroupingCounts, grouping_policy
 from .packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
 from .packing.short_attention import SHORT_KERNEL_CHOICE, short_kernel_policy
@@ -52,6 +54,8 @@ class OptimizeState:
     packed_attention: str | None = None  # the backend name, None when stock
     attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
     short_document_kernel: str | None = None  # Speedups.short_document_kernel, None when stock
+    # what the packed SDPA path's "auto" choices weigh (packing.costs: measured on a CPU, else built in)
+    attention_costs: AttentionCosts = BUILTIN
     moe_routing: str | None = None  # "sorted" when on, None when stock
     checkpointing: str | None = None  # the mode running, None when untouched
     offload_manager: object | None = field(default=None, repr=False)
@@ -213,20 +217,31 @@ def optimize(
                 for note in verdict.adaptations():
                     state.policies.append(f"packed attention: {note}")
                     logger.info("packed attention: %s", note)
-        if state.attention_grouping != attention_grouping:
+        short_kernel = speedups.short_document_kernel
+        if state.attention_grouping != attention_grouping or state.short_document_kernel != short_kernel:
+            # what "auto" weighs: the figures measured on this CPU, dtype and thread count (once, cached)
+            costs = BUILTIN
+            if backend == "sdpa" and device.type == "cpu" and "auto" in (attention_grouping, short_kernel):
+                costs = calibration.attention_costs(device, dtype)
             for module in base.modules():  # whichever module the model passes to the attention
+                ATTENTION_COSTS[module] = costs
+            state.attention_costs = costs
+        if state.attention_grouping != attention_grouping:
+            for module in base.modules():
                 GROUPING_CHOICE[module] = attention_grouping
                 GROUPING_COUNTS[module] = state.grouping_counts
             state.attention_grouping = attention_grouping
             sinks = has_attention_sinks(base)
-            policy = f"packed attention grouping: {grouping_policy(attention_grouping, backend, sinks)}"
+            line = grouping_policy(attention_grouping, backend, sinks, state.attention_costs)
+            policy = f"packed attention grouping: {line}"
             state.policies.append(policy)
             logger.info(policy)
-        if state.short_document_kernel != speedups.short_document_kernel:
+        if state.short_document_kernel != short_kernel:
             for module in base.modules():
-                SHORT_KERNEL_CHOICE[module] = speedups.short_document_kernel
-            state.short_document_kernel = speedups.short_document_kernel
-            policy = f"short-document kernel: {short_kernel_policy(speedups.short_document_kernel, backend)}"
+                SHORT_KERNEL_CHOICE[module] = short_kernel
+            state.short_document_kernel = short_kernel
+            line = short_kernel_policy(short_kernel, backend, state.attention_costs, dtype)
+            policy = f"short-document kernel: {line}"
             state.policies.append(policy)
             logger.info(policy)
     elif state.packed_attention is not None:

@@ -186,11 +186,20 @@ def test_the_ablation_preset_leaves_compile_out_unless_the_slipstream_arm_compil
     assert preset_arms("default", ABConfig(), "cpu") == ARM_PRESETS["default"]
 
 
-def test_the_ablation_preset_leaves_the_short_kernel_out_off_a_cpu():
-    from slipstream.bench.arms import preset_arms
+def test_the_ablation_preset_keeps_the_short_kernel_where_this_cpus_calibration_has_it_run():
+    import torch
 
-    assert "slipstream-no-short-kernel" in preset_arms("ablation", ABConfig(), "cpu")
-    assert "slipstream-no-short-kernel" not in preset_arms("ablation", ABConfig(), "cuda")
+    from slipstream.bench.arms import preset_arms
+    from slipstream.packing.calibration import attention_costs
+
+    for dtype in ("float32", "bfloat16"):
+        torch_dtype = getattr(torch, dtype)
+        takes = attention_costs("cpu", torch_dtype).short_limit(torch_dtype) > 0  # the same measured figures
+        kept = "slipstream-no-short-kernel" in preset_arms("ablation", ABConfig(dtype=dtype), "cpu")
+        assert kept == takes, dtype
+    on = ABConfig(speedups={"short_document_kernel": "on"})
+    assert "slipstream-no-short-kernel" in preset_arms("ablation", on, "cpu")
+    assert "slipstream-no-short-kernel" not in preset_arms("ablation", ABConfig(), "cuda")  # a CPU kernel
 
 
 def test_the_ablation_preset_leaves_fused_kernels_out_where_liger_cannot_run(monkeypatch):
@@ -295,3 +304,47 @@ def test_a_verdict_past_the_tolerance_reruns_the_reference_from_one_ulp_away(mon
     )  # (a random tiny model barely moves)
     assert sensitivity["weights_moved"] > 0 and record["runs"]["stock-packed"][0]["perturbed_weights"] == 0
     assert "sensitivity: stock-packed rerun with every weight moved by one ulp" in markdown_report(record)
+
+
+def test_an_ablation_arm_beats_auto_only_beyond_the_a_a_noise():
+    """The leave-one-out arms against slipstream, judged beyond how far slipstream differs from itself."""
+    import random
+
+    from slipstream.bench.ablation import ablation_verdicts
+
+    rng = random.Random(0)
+    base = [1.0 + rng.uniform(-0.01, 0.01) for _ in range(40)]
+
+    def scaled(factor):  # the same steps, each `factor` as long, a little noise of their own
+        return [t * factor * (1 + rng.uniform(-0.005, 0.005)) for t in base]
+
+    timed = {
+        "slipstream": base,
+        "slipstream-again": scaled(1.03),  # the A/A pair: 3% apart
+        "slipstream-no-chunked-loss": scaled(1 / 1.02),  # 2% faster: inside the A/A noise
+        "slipstream-no-short-kernel": scaled(1 / 1.10),  # 10% faster: beyond it
+        "slipstream-no-attention-grouping": scaled(1.15),  # 15% slower: auto is right
+    }
+    summary = {arm: {} for arm in timed}
+    result = ablation_verdicts(summary, timed)
+    assert 0.03 <= result["noise_margin"] < 0.05 and result["beats_auto"] == ["slipstream-no-short-kernel"]
+    assert summary["slipstream-no-chunked-loss"]["ablation_verdict"] == "within noise"
+    assert summary["slipstream-no-attention-grouping"]["ablation_verdict"] == "slower than auto"
+    assert summary["slipstream-no-short-kernel"]["vs_slipstream"]["ratio"] == pytest.approx(1.10, rel=0.01)
+    assert (
+        "ablation_verdict" not in summary["slipstream-again"] and summary["slipstream"]["ablation"] is result
+    )
+    assert (
+        ablation_verdicts({"slipstream": {}}, {"slipstream": base}) is None
+    )  # no ablation arm: nothing judged
+
+
+def test_the_ablation_preset_leaves_out_arms_that_would_rerun_slipstream():
+    full = ABConfig(model="demo")  # a full fine-tune of a dense model
+    arms = preset_arms("ablation", full, "cpu")
+    assert "slipstream-again" in arms  # the A/A control stays
+    assert "slipstream-no-lora-compute" not in arms and "slipstream-no-moe-routing" not in arms
+    lora_moe = ABConfig(model="qwen3-moe", lora_rank=4)
+    assert {"slipstream-no-lora-compute", "slipstream-no-moe-routing"} <= set(
+        preset_arms("ablation", lora_moe, "cpu")
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from slipstream.bench import compat
@@ -82,7 +84,8 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
     import torch
 
     from slipstream.packing import attention as attention_module
-    from slipstream.packing import grouping
+    from slipstream.packing import calibration
+    from slipstream.packing.costs import BUILTIN
 
     original = attention_module.run_grouped
 
@@ -95,7 +98,8 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
         return original(full, groups, query, key, value, **kw)
 
     monkeypatch.setattr(attention_module, "run_grouped", leaking)
-    monkeypatch.setattr(grouping, "CALL_SECONDS", 0.0)  # free calls: "auto" runs one per document
+    free_calls = dataclasses.replace(BUILTIN, call_seconds=0.0)  # free calls: "auto" runs one per document
+    monkeypatch.setattr(calibration, "attention_costs", lambda *args, **kwargs: free_calls)
     verdict = check_architecture("llama")
     assert verdict.status == "WRONG" and verdict.detail.startswith("grouped attention"), verdict.detail
     assert verdict.speedups["grouped attention"] == "WRONG"

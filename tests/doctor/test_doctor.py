@@ -18,15 +18,14 @@ from slipstream.doctor.marker import marker_key, write_marker
 from slipstream.doctor.paths import compile_decision
 from slipstream.fused.compiled import BREAK_EVEN_STEPS as FUSED_BREAK_EVEN_STEPS
 from slipstream.packing.attention import choose_backend
-from slipstream.packing.short_attention import RULE as SHORT_RULE
+from slipstream.packing.calibration import attention_costs
 from slipstream.train.precision import resolve_dtype
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    """A fresh slipstream cache per test: no doctor has passed here yet."""
-    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+@pytest.fixture
+def cache(_fresh_cache):
+    """The test's fresh slipstream cache (conftest): no doctor has passed here yet."""
+    return _fresh_cache
 
 
 def doctor(**kwargs):
@@ -46,6 +45,7 @@ ALL_OK = {
     "chunked loss": "ok",
     "LoRA in compute dtype": "ok",
     "grouped attention": "ok",
+    "ablation": "skipped",  # a fresh cache: no --preset ablation run on this device yet
 }
 
 
@@ -66,7 +66,8 @@ def check_every_path_and_the_marker(dtype: str, tmp_path) -> dict:
     assert verdicts(report) == ALL_OK, [c["reason"] for c in report["checks"]]
     assert json.loads((tmp_path / "doctor.json").read_text())["verdicts"] == report["verdicts"]
     for check in report["checks"]:
-        assert check["syncs"] == 0 and check["syncs_allowed"] == 0  # packed batches promise no host sync
+        if check["path"] != "ablation":  # (the ablation row reads remembered A/B verdicts: no step)
+            assert check["syncs"] == 0 and check["syncs_allowed"] == 0  # packed batches promise no host sync
     packed = report["checks"][0]
     assert packed["stock_syncs"] > 0  # stock attention does sync: the counter is live
     offload = report["checks"][2]
@@ -84,11 +85,14 @@ def check_every_path_and_the_marker(dtype: str, tmp_path) -> dict:
         assert compiled["choice"].startswith(f"on from {BREAK_EVEN_STEPS['cpu']} steps")
         assert "torch.compile: inductor" in compiled["why"]
         short = next(row for row in report["decisions"] if row["path"] == "short-document kernel (auto)")
-        # "auto" is bf16 where the CPU probe finds it native, else fp32: the expectation from the same probe
-        if resolve_dtype(dtype, torch.device("cpu"))[0] == torch.float32:
-            assert short["choice"] == "off" and "bf16 / fp16" in short["why"]
-        else:
-            assert short["choice"] == "on" and short["why"] == SHORT_RULE
+        # "auto" is bf16 where the CPU probe finds it native, else fp32, and the short kernel's reach is
+        # what the calibration measured here in that dtype: the expectation from the same probe and figures
+        chosen = resolve_dtype(dtype, torch.device("cpu"))[0]
+        costs = attention_costs(torch.device("cpu"), chosen)  # doctor's own, cached
+        assert report["attention_costs"]["source"] == costs.source
+        limit = costs.short_limit(chosen)
+        assert short["choice"] == (f"on up to {limit} tokens" if limit else "off")
+        assert "its speedup over SDPA by document length: 32 " in short["why"]
         fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (auto)")
         assert fused["choice"] == f"compiled from {FUSED_BREAK_EVEN_STEPS['cpu']} steps, off below"
         assert fused["why"].startswith("Liger: cpu — Liger-Kernel's kernels are Triton, CUDA only; ")
@@ -335,3 +339,44 @@ def test_the_compile_row_says_what_auto_does_and_whether_inductor_can_run(monkey
     choice, why = compile_decision(torch.device("cuda"))
     assert choice == "off, whatever the run's length; compile='on' cannot run here"
     assert why.startswith("no measured break-even on cuda yet") and "Triton is not installed" in why
+
+
+def _remembered_ablation(cache, beats: list[str]) -> None:
+    """What a ``slipstream ab --preset ablation`` run leaves for this device (``bench.ablation``)."""
+    from slipstream.bench.ablation import remember
+
+    arms = ("slipstream-again", "slipstream-no-chunked-loss", "slipstream-no-short-kernel")
+    summary = {"slipstream": {"ablation": {"noise_margin": 0.02, "beats_auto": beats, "a_a_control": True}}}
+    for arm in arms:
+        won = arm in beats
+        summary[arm] = {
+            "vs_slipstream": {
+                "ratio": 1.2 if won else 0.99,
+                "low": 1.1 if won else 0.96,
+                "high": 1.3,
+                "verdict": "x",
+            },
+            **(
+                {"ablation_verdict": "beats auto" if won else "within noise"}
+                if arm != "slipstream-again"
+                else {}
+            ),
+        }
+    record = {
+        "summary": summary,
+        "config": {"model": "demo", "dtype": "float32", "steps": 40},
+        "created": "2026-12-01T22:00",
+    }
+    assert remember(record, torch.device("cpu")) is not None
+
+
+def test_the_ablation_check_reads_what_ab_left_and_fails_where_an_arm_beats_auto(cache):
+    _remembered_ablation(cache, beats=[])
+    report, status, _ = doctor(dtype="float32")
+    row = next(c for c in report["checks"] if c["path"] == "ablation")
+    assert status == 0 and row["verdict"] == "ok" and "demo, float32: 2 arms, A/A noise 2.0%" in row["reason"]
+    _remembered_ablation(cache, beats=["slipstream-no-chunked-loss"])  # a newer run of the same workload
+    report, status, text = doctor(dtype="float32")
+    row = next(c for c in report["checks"] if c["path"] == "ablation")
+    assert status == 1 and row["verdict"] == "WRONG"
+    assert "slipstream-no-chunked-loss 1.20x [1.10, 1.30] on demo, float32" in row["reason"]

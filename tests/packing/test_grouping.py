@@ -1,5 +1,7 @@
 """Documents grouped by length into a few batched SDPA calls compute what one call each computes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ from slipstream.bench.counters import HostSyncCounter
 from slipstream.models import build_model
 from slipstream.models.tiny_any import tiny_model
 from slipstream.packing import attention as attention_module
-from slipstream.packing import collate_padded, grouping
+from slipstream.packing import calibration, collate_padded
+from slipstream.packing.costs import BUILTIN
 from slipstream.packing.grouping import document_groups, plan_groups
 from tests.conftest import random_docs
 
@@ -72,10 +75,11 @@ def _grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("call_seconds", [grouping.CALL_SECONDS, 1e-7])  # one group; several
+@pytest.mark.parametrize("call_seconds", [BUILTIN.call_seconds, 1e-7])  # one group; several
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3-sliding", "gpt-oss"])
 def test_grouped_matches_per_document_and_stock_in_fp32(family, call_seconds, monkeypatch):
-    monkeypatch.setattr(grouping, "CALL_SECONDS", call_seconds)
+    costs = dataclasses.replace(BUILTIN, call_seconds=call_seconds)
+    monkeypatch.setattr(calibration, "attention_costs", lambda *args, **kwargs: costs)
     docs = random_docs(LENGTHS, seed=3)
     batch = slipstream.collate_packed(docs)
     stock, grouped = _pair(family, "grouped")

@@ -73,15 +73,17 @@ def test_doctor_has_a_remeasure_peak_option(monkeypatch):
 
     seen = {}
 
-    def fake_doctor(model, json_path=None, dtype="auto", remeasure_peak=False):
-        seen["remeasure_peak"] = remeasure_peak
+    def fake_doctor(model, json_path=None, dtype="auto", remeasure_peak=False, recalibrate=False):
+        seen.update(remeasure_peak=remeasure_peak, recalibrate=recalibrate)
         return {}, 0
 
     monkeypatch.setattr("slipstream.doctor.run_doctor", fake_doctor)
     assert cli.main(["doctor", "--remeasure-peak"]) == 0
-    assert seen == {"remeasure_peak": True}
+    assert seen == {"remeasure_peak": True, "recalibrate": False}
+    assert cli.main(["doctor", "--recalibrate"]) == 0
+    assert seen == {"remeasure_peak": False, "recalibrate": True}
     assert cli.main(["doctor"]) == 0
-    assert seen == {"remeasure_peak": False}
+    assert seen == {"remeasure_peak": False, "recalibrate": False}
 
 
 def test_on_several_cpu_threads_the_peak_is_the_better_of_one_matmul_and_one_per_thread_side_by_side():

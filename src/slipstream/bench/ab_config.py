@@ -21,6 +21,8 @@ from .adapter import LORA_TARGETS
 from .arms import ARM_PRESETS, ARMS
 from .inputs import check_model, is_model_dir
 
+# How the arms' processes share the machine (bench/lockstep.py)
+Interleave = Literal["auto", "steps", "arms"]
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -114,6 +116,12 @@ class ABConfig:
     lora_targets: tuple[str, ...] = _option(LORA_TARGETS, "comma-separated modules the LoRA wraps")
     lora_modules_to_save: tuple[str, ...] = _option((), None, cli=False)  # from --config's lora section
     repeats: int = _option(1, "run every arm this many times, interleaved")
+    interleave: Interleave = _option(
+        "auto",
+        "steps: every arm's process alive at once, each arm's step k timed next to the others' (a slow "
+        "phase of the machine then slows every arm alike); arms: one arm after another; auto: steps where "
+        "the arms' memory fits side by side",
+    )
     threads: int | None = _option(None, "torch CPU threads per arm")
     out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
     # The memory ceiling: for each arm, the most packed tokens one step trains within this

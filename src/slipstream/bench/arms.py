@@ -57,6 +57,9 @@ ARM_SPECS: dict[str, Arm] = {
     "stock-packed": Arm("packed", STOCK, stock=True),
     "trl-fused-head": Arm("packed", STOCK, stock=True, peer_loss="trl-fused"),
     "slipstream": Arm("packed", SLIPSTREAM),
+    # the same speedups as "slipstream" in a process of its own: the run's process-to-process noise
+    # (an A/A pair), against which the ablation arms are judged (runner.ablation_verdicts)
+    "slipstream-again": Arm("packed", SLIPSTREAM),
     "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
     "slipstream-no-packed-attention": Arm("packed", SLIPSTREAM.replace(packed_attention=False)),
     "slipstream-no-attention-grouping": Arm("packed", SLIPSTREAM.replace(attention_grouping="per_document")),
@@ -82,6 +85,7 @@ ARM_PRESETS = {
     "ablation": (
         "stock-packed",
         "slipstream",
+        "slipstream-again",  # the A/A control: how far two processes of the same arm differ
         "slipstream-no-packed-attention",
         "slipstream-no-attention-grouping",
         "slipstream-no-short-kernel",
@@ -110,6 +114,8 @@ def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
     not pull on ``device`` (it would run the same thing twice): ``slipstream-no-compile`` where it
     would not compile, ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only),
+    ``slipstream-no-lora-compute`` in a full fine-tune, ``slipstream-no-moe-routing`` without experts,
+    ``slipstream-no-short-kernel`` where the kernel would take no document (this CPU's calibration),
     ``slipstream-no-fused-kernels`` where neither Liger (not CUDA, not installed) nor the compiled
     kernels (too few steps for their break-even, no inductor) would run; a model type Liger lacks,
     or a model with no module class the compiled kernels match, is only found when the arm's model
@@ -117,6 +123,16 @@ def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     arms = ARM_PRESETS[preset]
     slipstream = arm_speedups(config, "slipstream")
     dropped = set() if device == "cpu" else {"slipstream-no-short-kernel"}
+    if not config.lora_rank:
+        dropped.add("slipstream-no-lora-compute")  # no LoRA: the same run as slipstream's
+    if not _is_moe(config):
+        dropped.add("slipstream-no-moe-routing")  # no experts: the same run as slipstream's
+    if (
+        device == "cpu"
+        and "slipstream-no-short-kernel" in arms
+        and not _short_kernel_runs(config, slipstream)
+    ):
+        dropped.add("slipstream-no-short-kernel")
     if "slipstream-no-compile" in arms and not should_compile(slipstream.compile, config.steps, device)[0]:
         dropped.add("slipstream-no-compile")
     fused = slipstream.fused_kernels
@@ -125,6 +141,34 @@ def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     ):  # "off" too
         dropped.add("slipstream-no-fused-kernels")
     return tuple(arm for arm in arms if arm not in dropped)
+
+
+def _short_kernel_runs(config, slipstream: Speedups) -> bool:
+    """Whether the slipstream arm's short-document kernel would take any document on this CPU: "on",
+    or "auto" where this device's calibration found a length it is faster at in the run's dtype."""
+    mode = slipstream.short_document_kernel
+    if mode != "auto":
+        return mode == "on"
+    from ..packing.calibration import attention_costs  # measured once per device, dtype and threads
+
+    dtype = getattr(torch, config.dtype)
+    return attention_costs(torch.device("cpu"), dtype, config.threads).short_limit(dtype) > 0
+
+
+def _is_moe(config) -> bool:
+    """Whether the A/B's model has MoE experts (read from its config, without building it)."""
+    from types import SimpleNamespace
+
+    from ..models import build_config, model_names
+    from ..moe.experts import is_moe_model
+
+    if config.model in model_names():
+        model_config = build_config(config.model)
+    else:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(config.model)
+    return is_moe_model(SimpleNamespace(config=model_config))  # it reads only the model's config
 
 
 def micro_batch_inputs(arm: str, docs: list[dict], device: str):

@@ -33,10 +33,14 @@ _OVER_BUDGET_EXIT = 86  # the watchdog's exit status
 _MIN_TOKENS = 128
 
 
-def proc_status_kib(field: str) -> int:
-    """A /proc/self/status figure in KiB: VmRSS (now), VmHWM (peak since the last reset)."""
-    with open("/proc/self/status") as status:
-        return int(re.search(rf"{field}:\s+(\d+)", status.read()).group(1))
+def proc_status_kib(field: str, pid: int | None = None, path: str | None = None) -> int:
+    """A /proc status figure in KiB: VmRSS (now), VmHWM (peak since the last reset) of this process
+    (or of ``pid``); ``path``: another such file (``/proc/meminfo``'s MemAvailable). OSError where absent."""
+    with open(path or f"/proc/{pid or 'self'}/status") as status:
+        found = re.search(rf"{field}:\s+(\d+)", status.read())
+    if found is None:
+        raise OSError(f"no {field} in {path or 'the process status'}")
+    return int(found.group(1))
 
 
 def _watch_rss(budget: int, stop: threading.Event) -> None:

@@ -11,8 +11,10 @@ import torch
 import transformers
 
 from .._version import __version__
-from ..hardware import cpu_class
-from ..utilisation.peak import cpu_name  # noqa: F401 - where doctor and callers find it
+from ..hardware import (
+    cpu_class,
+    cpu_name,  # noqa: F401 - where doctor and callers find it
+)
 
 
 def _git_revision() -> str | None:

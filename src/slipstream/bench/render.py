@@ -197,6 +197,7 @@ def markdown_report(record: dict) -> str:
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += loss_verdict_lines(record)
+    lines += ablation_lines(summary)
     lines += ceiling_lines(record)
     lines += step_profile_lines(summary)
     arms = ran_arms(record)
@@ -217,6 +218,35 @@ def markdown_report(record: dict) -> str:
             f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
         )
     return "\n".join(lines) + "\n"
+
+
+def ablation_lines(summary: dict) -> list[str]:
+    """The leave-one-out arms against ``slipstream`` (its ``auto`` choices), judged beyond the A/A noise."""
+    ablation = summary.get("slipstream", {}).get("ablation")
+    if not ablation:
+        return []
+    control = (
+        f"the A/A pair (slipstream-again) differs by up to {ablation['noise_margin']:.1%}"
+        if ablation["a_a_control"]
+        else "no A/A control ran (slipstream-again): noise margin 0"
+    )
+    lines = [
+        "",
+        f"Ablation: each arm against slipstream's own choices ({control}; an arm beats auto only "
+        "beyond that):",
+        "",
+        "| arm | its speedup over slipstream (95% interval) | verdict |",
+        "|---|---|---|",
+    ]
+    for arm, s in summary.items():
+        if "vs_slipstream" in s:
+            found = s["vs_slipstream"]
+            lines.append(
+                f"| {arm} | {format_speedup(found['ratio'], found)} | {s.get('ablation_verdict', 'A/A control')} |"
+            )
+    if ablation["beats_auto"]:
+        lines += ["", f"**auto is beaten on this device by: {', '.join(ablation['beats_auto'])}**"]
+    return lines
 
 
 def loss_verdict_lines(record: dict) -> list[str]:

@@ -39,6 +39,7 @@ RUN_OPTIONS = frozenset(
         "seed",
         "arms",
         "repeats",
+        "interleave",
         "max_tokens_within",
         "out_dir",
         "profile_step",

@@ -1,8 +1,9 @@
 """The A/B harness: the same model, data, batch and seed under each arm; time, memory, loss.
 
-Each arm runs in its own process (fresh allocator, no state leaking between arms), arms
-interleave over repeats, warm-up steps are excluded from timing, and every arm trains on
-the very same packed bins from the same initial weights. The loss curves must agree: if they
+Each arm runs in its own process (fresh allocator, no state leaking between arms; ``arm_run.py``),
+the arms in lockstep where they fit side by side, a step of each in turn (``lockstep.py``), repeats
+starting from another arm each time; warm-up steps are excluded from timing, and every arm trains
+on the very same packed bins from the same initial weights. The loss curves must agree: if they
 move, something other than scheduling changed. The arms themselves are in ``arms.py``.
 
 Utilisation: every step's model FLOPs are counted from the arm's model and the step's documents
@@ -15,66 +16,41 @@ on unlabelled rows are work the model does not need, and MFU does not count them
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import math
-import multiprocessing
-import resource
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..data import pack_samples
-from ..noise import hide_known_noise, known_noise_hidden_here
-from ..offload import device_activation_bytes
-from ..optimize import base_model
-from ..train.step import train_step
-from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
+from ..utilisation import matmul_peak
+from . import ablation
 from .ab_config import ABConfig, resolve_device
-from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
-from .ceiling import proc_status_kib, search_all
-from .counters import HostSyncCounter
+from .arm_run import ArmResult, ArmSession, open_arm, perturb_by_one_ulp, run_arm
+from .arms import ARM_SPECS
+from .ceiling import search_all
 from .fingerprint import fingerprint
 from .inputs import ABInputError, ab_samples, ab_tokenizer, check_token_ids, inputs_record, vocab_size
+from .lockstep import run_in_fresh_process, run_lockstep
+
+# what the tests and the benchmark scripts import from here
+__all__ = [
+    "ABConfig",
+    "ABInputError",
+    "ArmResult",
+    "ArmSession",
+    "open_arm",
+    "perturb_by_one_ulp",
+    "prepare_bins",
+    "run_ab",
+    "run_arm",
+    "run_in_fresh_process",
+    "summarize",
+]
 from .stats import loss_parity, speedup
-
-
-@dataclass
-class ArmResult:
-    arm: str
-    step_s: list[float]
-    forward_s: list[float]
-    backward_s: list[float]
-    tokens: list[int]
-    loss: list[float]
-    grad_norm: list[float]
-    host_syncs_per_step: int | None  # None: not counted (a peer run outside our counter)
-    host_syncs_by_op: dict[str, int]
-    peak_memory_mb: float
-    memory_kind: str
-    attn_implementation: str
-    policies: list[str] = field(default_factory=list)
-    # kept on the device at the end of forward (hardware-independent); None: not measured
-    activation_bytes: int | None = 0
-    dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
-    # model FLOPs of each step (forward + backward, utilisation.flops), from this arm's model; None: not counted
-    model_flops: list[int] | None = None
-    # the untimed forward that measures activation_bytes (a compiled arm compiles its forward there)
-    probe_forward_s: float = 0.0
-    # batches and attention calls its packed SDPA ran grouped / per document over all its steps
-    # (packing.grouping.GroupingCounts.to_dict); None: no packed attention in this arm
-    attention_grouping_counts: dict[str, int] | None = None
-    # --profile-step: one more step under torch.profiler (utilisation.step_profile); None: not profiled
-    step_profile: dict[str, Any] | None = None
-    # the learning rate each step ran with (the run's schedule); None: the peer keeps its own
-    lr: list[float] | None = None
-    # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
-    perturbed_weights: int = 0
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -99,169 +75,6 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
     return slim, vocab, dataclasses.asdict(report)
-
-
-def peak_memory_mb(device: str) -> float:
-    """CUDA: max allocated. CPU: this process's peak RSS (VmHWM where Linux has it: ru_maxrss
-    carries a big parent's figure across fork + exec)."""
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        return proc_status_kib("VmHWM") / 1024
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
-    """Move every floating-point weight of ``model`` one ulp up or down (random signs from ``seed``),
-    in place: the smallest change its dtype can make. Returns the number of values moved."""
-    generator = torch.Generator().manual_seed(seed)
-    moved = 0
-    with torch.no_grad():
-        for param in model.parameters():
-            if not param.is_floating_point():
-                continue
-            up = torch.rand(param.shape, generator=generator) < 0.5
-            toward = torch.where(up, float("inf"), float("-inf")).to(param.device, param.dtype)
-            param.copy_(torch.nextafter(param, toward))
-            moved += param.numel()
-    return moved
-
-
-def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: bool = False) -> dict:
-    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
-    or ``{"arm", "skipped": reason}`` for a peer that cannot run here. ``perturb``: from its weights
-    moved by one ulp (:func:`perturb_by_one_ulp`), the run's sensitivity (``stats.loss_parity``)."""
-    config = ABConfig.from_dict(config_dict)
-    device = resolve_device(config.device)
-    spec = ARM_SPECS[arm]
-    if spec.peer:
-        from .peers import unavailable
-
-        reason = unavailable(spec.peer, config, device)
-        if reason:
-            return {"arm": arm, "skipped": reason}
-        if spec.peer.startswith("unsloth"):
-            from .peers.unsloth_arm import run_unsloth_arm
-
-            return run_unsloth_arm(config, arm, plan, vocab_size)
-    model, state = build_arm_model(config, arm, vocab_size, device)
-    moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    trl_step = None
-    if spec.peer == "trl":
-        from .peers.trl_step import TrlStep
-
-        trl_step = TrlStep(model, config, ab_tokenizer(config), device)
-        state.policies.extend(trl_step.policies)
-
-    def inputs_of(docs):
-        return trl_step.collate(docs) if trl_step else micro_batch_inputs(arm, docs, device)
-
-    profile = flop_profile(model)
-    model_flops = [profile.step_flops(docs_micro_batch(docs) for docs in micro_docs) for micro_docs in plan]
-    first_inputs, _ = inputs_of(plan[0][0])
-    probe_started = time.perf_counter()
-    activation_bytes = device_activation_bytes(model, first_inputs, state.offload_manager if state else None)
-    probe_forward_s = time.perf_counter() - probe_started
-    if state is not None:
-        state.grouping_counts.reset()  # the steps' batches only, not the probe's
-    if trl_step:
-        step_fn = trl_step  # TRL's trainer, with its own optimizer, scheduler and clipping
-    else:
-        from transformers import get_scheduler  # the schedule slipstream train steps (optimizer.schedule)
-
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
-        )
-        scheduler = get_scheduler(
-            config.schedule,
-            optimizer,
-            num_warmup_steps=config.lr_warmup_steps,
-            num_training_steps=config.steps,
-        )
-
-        def step_fn(micro, model_context=contextlib.nullcontext):
-            lr = optimizer.param_groups[0]["lr"]
-            metrics = train_step(model, micro, optimizer, model_context=model_context)
-            scheduler.step()
-            return {**metrics, "lr": lr}
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    result = ArmResult(
-        arm=arm,
-        step_s=[],
-        forward_s=[],
-        backward_s=[],
-        tokens=[],
-        loss=[],
-        grad_norm=[],
-        host_syncs_per_step=0,
-        host_syncs_by_op={},
-        peak_memory_mb=0.0,
-        memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-        attn_implementation=base_model(model).config._attn_implementation,
-        policies=state.policies if state else [],  # the model's own list: first-step decisions join it
-        activation_bytes=activation_bytes,
-        dtype=dtype,
-        model_flops=model_flops,
-        probe_forward_s=probe_forward_s,
-        lr=[],
-        perturbed_weights=moved,
-    )
-    for step, micro_docs in enumerate(plan):
-        micro = [inputs_of(docs) for docs in micro_docs]
-        tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
-        sync()
-        start = time.perf_counter()
-        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
-            syncs = HostSyncCounter()
-            metrics = step_fn(micro, model_context=lambda counter=syncs: counter)
-            result.host_syncs_by_op = dict(syncs.by_op)
-            result.host_syncs_per_step = syncs.total
-        else:
-            metrics = step_fn(micro)
-        sync()
-        result.step_s.append(time.perf_counter() - start)
-        result.forward_s.append(metrics["forward_s"])
-        result.backward_s.append(metrics["backward_s"])
-        result.tokens.append(tokens)
-        result.loss.append(metrics["loss"])
-        result.grad_norm.append(metrics["grad_norm"])
-        result.lr.append(metrics["lr"])
-    result.peak_memory_mb = peak_memory_mb(device)
-    if state is not None and state.packed_attention is not None:
-        result.attention_grouping_counts = state.grouping_counts.to_dict()
-    if config.profile_step:  # after the figures above: its profiler overhead touches none of them
-        last = plan[-1]
-        micro = [inputs_of(docs) for docs in last]
-        peak = matmul_peak(device, getattr(torch, config.dtype), config.threads)  # the record's, cached
-        result.step_profile = profile_step(
-            lambda: step_fn(micro),
-            device,
-            linear_flops=sum(profile.linear_flops(*docs_micro_batch(docs)) for docs in last),
-            peak_flops_per_s=peak["flops_per_s"],
-        )
-    if trl_step:
-        trl_step.close()
-    return dataclasses.asdict(result)
-
-
-def run_in_fresh_process(fn, *args):
-    """``fn(*args)`` in a new process (spawned: fresh allocator, no state shared between arms).
-
-    It hides the known third-party noise (``slipstream.noise``) when this process does."""
-    context = multiprocessing.get_context("spawn")
-    initializer = hide_known_noise if known_noise_hidden_here() else None
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=1, mp_context=context, initializer=initializer
-    ) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def _median(values) -> float:
@@ -370,6 +183,7 @@ def summarize(
             interval = speedup(timed[base], timed[arm], seed=config.seed)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
+    ablation.ablation_verdicts(summary, timed, config.seed)
     return summary
 
 
@@ -430,9 +244,21 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     # the peak the arms could reach: their device, dtype and threads (measured once per machine, cached)
     peak = matmul_peak(resolve_device(config.device), getattr(torch, config.dtype), config.threads)
     runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
-    jobs = [(repeat, arm) for repeat in range(config.repeats) for arm in config.arms]
-    for _, arm in tqdm(jobs, desc="A/B arms", disable=not progress, unit="arm"):
-        runs[arm].append(run_in_fresh_process(run_arm, dataclasses.asdict(config), arm, plan, vocab_size))
+    schedules = []
+    for repeat in tqdm(range(config.repeats), desc="A/B repeats", disable=not progress, unit="repeat"):
+        # each repeat starts the arms in another order, so none always goes first
+        order = config.arms[repeat % len(config.arms) :] + config.arms[: repeat % len(config.arms)]
+        results, schedule = run_lockstep(
+            dataclasses.asdict(config),
+            list(order),
+            plan,
+            vocab_size,
+            config.interleave,
+            progress=tqdm.write if progress else None,
+        )
+        schedules.append(schedule)
+        for arm in config.arms:
+            runs[arm].append(results[arm])
     summary = summarize(config, runs, peak)
     sensitivity = None
     if needs_sensitivity(summary):
@@ -447,6 +273,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         # The arms' own thread count (--threads), not this parent process's.
         "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},
         "packing": packing,
+        "interleaving": schedules,  # per repeat: lockstep ("steps") or one arm after another ("arms"), and why
         "summary": summary,
         **({"sensitivity": sensitivity} if sensitivity else {}),
         "matmul_peak": peak,
@@ -457,4 +284,5 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process, progress)
         for arm, found in record["ceiling"].items():
             record["summary"][arm]["max_tokens_within"] = found["max_tokens"]
+    ablation.remember(record, torch.device(resolve_device(config.device)))  # for slipstream doctor
     return record

@@ -1,4 +1,4 @@
-"""Has doctor passed on this device? A small marker per (device name, torch version) in the cache.
+"""Has doctor passed on this device? A small marker per device (name, torch version, CPU class) in the cache.
 
 ``slipstream doctor`` writes the marker after a run with no WRONG path; ``slipstream train`` and
 ``slipstream ab`` call :func:`first_use_hint`, which prints one line to stderr while there is
@@ -25,15 +25,18 @@ import torch
 
 from ..atomic import write_text_atomically
 from ..data import cache_root
-from .machine import device_name, training_device
+from ..hardware import device_identity
+from .machine import training_device
 
 
 def marker_key(device: torch.device | None = None) -> dict[str, str]:
-    return {"device": device_name(device or training_device()), "torch": torch.__version__}
+    """The device doctor checked (``hardware.device_identity``: its name, torch's version and, on a
+    CPU, its class and kernel caps: an overridden or capped CPU is checked on its own)."""
+    return device_identity(device or training_device())
 
 
 def marker_path(key: dict[str, str]) -> Path:
-    digest = hashlib.sha256(f"{key['device']}\0{key['torch']}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "doctor" / f"passed-{digest}.json"
 
 

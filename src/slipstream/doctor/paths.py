@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ..bench.ablation import remembered as remembered_ablations
 from ..bench.compat import LENGTHS, TOLERANCE, documents, gradient_errors
 from ..bench.counters import HostSyncCounter
 from ..compile import BREAK_EVEN_STEPS, inductor_available, should_compile
@@ -63,9 +64,10 @@ from ..offload.policy import DeviceDescription, choose_policy
 from ..optimize import has_attention_sinks, optimize, state_of
 from ..packing import collate_packed
 from ..packing.attention import BACKEND_NAMES, UnsupportedAttentionFeature, choose_backend
+from ..packing.costs import BUILTIN, AttentionCosts
 from ..packing.grouping import grouping_policy
 from ..packing.guards import UnsupportedArchitecture
-from ..packing.short_attention import RULE, SHORT_MAX_LEN, takes_short_kernel
+from ..packing.short_attention import short_kernel_policy
 from ..speedups import Speedups
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
@@ -217,11 +219,13 @@ def decisions(
     device: torch.device,
     dtype: torch.dtype,
     dtype_why: str,
+    costs: AttentionCosts = BUILTIN,
 ) -> list[dict[str, str]]:
     """What each fast path would run on ``device`` for ``checked`` and why, from the library's deciders.
 
     ``model``: the tiny model of the family (its structure: sinks, experts); ``moe_model``: the
-    model the MoE check runs (the family's own or the stand-in)."""
+    model the MoE check runs (the family's own or the stand-in); ``costs``: the packed attention's
+    figures training would weigh here (``packing.calibration``)."""
     text = checked.config.get_text_config()
 
     def attention() -> tuple[str, str]:
@@ -238,19 +242,29 @@ def decisions(
 
     def grouping() -> tuple[str, str]:
         backend, _ = choose_backend("auto", device, has_attention_sinks(model), dtype)
-        return "auto", grouping_policy("auto", backend, has_attention_sinks(model)).removeprefix("auto ")
+        return "auto", grouping_policy("auto", backend, has_attention_sinks(model), costs).removeprefix(
+            "auto "
+        )
 
     def short_kernel() -> tuple[str, str]:
         backend, _ = choose_backend("auto", device, has_attention_sinks(model), dtype)
-        probe = torch.empty(1, 1, SHORT_MAX_LEN, 1, dtype=dtype, device=device)  # the longest it takes
-        if backend == "sdpa" and takes_short_kernel(probe, probe, 0.0):
-            return "on", RULE
-        why = "SDPA for every document: " + (
-            f"the {backend} backend attends the whole row in one call"
-            if backend != "sdpa"
-            else f"measured faster only on a CPU in bf16 / fp16 (here {device.type}, {_dtype_name(dtype)})"
+        limit = costs.short_limit(dtype) if backend == "sdpa" and device.type == "cpu" else 0
+        measured = costs.figures.get("short_kernel_speedup_by_length")
+        figures = (
+            "; its speedup over SDPA by document length: "
+            + ", ".join(f"{length} {ratio:.2f}x" for length, ratio in measured.items())
+            if measured
+            else ""
         )
-        return "off", why
+        if limit:
+            return f"on up to {limit} tokens", short_kernel_policy(
+                "auto", backend, costs, dtype
+            ).removeprefix("auto (").removesuffix(")") + figures
+        if backend != "sdpa":
+            return "off", f"SDPA for every document: the {backend} backend attends the whole row in one call"
+        if device.type != "cpu":
+            return "off", f"SDPA for every document: a CPU kernel (here {device.type})"
+        return "off", f"SDPA for every document: no length where it was faster ({costs.source}){figures}"
 
     def loss() -> tuple[str, str]:
         tokens, why = choose_chunk_tokens(int(text.vocab_size), dtype, device)
@@ -854,4 +868,41 @@ def _check_paths(
         arms="documents grouped by length, one batched SDPA per group, vs each document alone (stock)",
     )
     checks.append(grouped)
+    checks.append(ablation_check(device))
     return checks, {"main": main, "moe": moe}
+
+
+def ablation_check(device: torch.device) -> Check:
+    """Does ``auto`` hold here? The verdicts ``slipstream ab --preset ablation`` left for this device
+    (``bench.ablation``): WRONG when an arm with a speedup off beat ``auto`` beyond the run's A/A noise,
+    ok when every remembered run found none, skipped when no such run has been made here."""
+    found = remembered_ablations(device)
+    path, arms = "ablation", "slipstream (auto) vs each speedup off, in the last --preset ablation run"
+    if not found:
+        return Check(
+            path,
+            "skipped",
+            reason="no --preset ablation run on this device yet (slipstream ab --preset ablation; "
+            "doctor then reads its verdicts)",
+            arms=arms,
+        )
+    beaten = []
+    for workload, entry in found.items():
+        for arm in entry["beats_auto"]:
+            won = entry["arms"][arm]
+            beaten.append(
+                f"{arm} {won['ratio']:.2f}x [{won['low']:.2f}, {won['high']:.2f}] on {workload} "
+                f"({entry['created'][:16]}; A/A noise {entry['noise_margin']:.1%})"
+            )
+    if beaten:
+        return Check(
+            path,
+            "WRONG",
+            reason="auto is beaten here beyond the noise: " + "; ".join(beaten) + "; set that speedup off",
+            arms=arms,
+        )
+    runs = "; ".join(
+        f"{workload}: {len(entry['arms']) - entry['a_a_control']} arms, A/A noise {entry['noise_margin']:.1%}"
+        for workload, entry in found.items()
+    )
+    return Check(path, "ok", reason=f"no arm beats auto beyond the noise ({runs})", arms=arms)

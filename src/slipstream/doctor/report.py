@@ -7,6 +7,7 @@ silences the first-use hint is written).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from rich.table import Table
 
 from ..atomic import write_text_atomically
 from ..bench.fingerprint import fingerprint
+from ..packing.calibration import attention_costs
 from ..train.precision import resolve_dtype
 from ..utilisation import matmul_peak
 from .machine import describe_device, device_rows, training_device, versions
@@ -33,11 +35,13 @@ def run_doctor(
     console: Console | None = None,
     probe_pinned_memory: bool = True,
     remeasure_peak: bool = False,
+    recalibrate: bool = False,
 ) -> tuple[dict[str, Any], int]:
     """Check this machine; returns (the report, the exit status). Raises DoctorError on a bad ``model``.
 
     ``remeasure_peak``: measure the matmul peak again and replace the cached figure (one taken
-    while the machine was busy would otherwise stay)."""
+    while the machine was busy would otherwise stay); ``recalibrate``: the same for the packed
+    attention's cost figures (``packing.calibration``)."""
     started = time.perf_counter()
     console = console or Console(width=None if Console().is_terminal else 160)
     checked = resolve_model(model)  # first: a bad --model fails before any work
@@ -48,6 +52,8 @@ def run_doctor(
     device_facts = describe_device(device, info, probe_pinned_memory=probe_pinned_memory)
     # cached: measured once per machine, unless asked to measure again
     device_facts["matmul_peak"] = matmul_peak(device, torch_dtype, remeasure=remeasure_peak)
+    # the packed attention's figures training weighs here (measured once per device, dtype, threads)
+    costs = attention_costs(device, torch_dtype, remeasure=recalibrate)
     found_versions = versions(info)
     console.print(_key_value_table("Device", device_rows(device_facts)))
     console.print(
@@ -65,7 +71,7 @@ def run_doctor(
             checked, device, torch_dtype, progress=lambda path: status.update(f"checking {path}")
         )
         chosen = decisions(
-            checked, subjects["main"].base, subjects["moe"].base, device, torch_dtype, dtype_why
+            checked, subjects["main"].base, subjects["moe"].base, device, torch_dtype, dtype_why, costs
         )
     if subjects["moe"] is not subjects["main"]:
         console.print(
@@ -91,6 +97,7 @@ def run_doctor(
             "dtype_why": dtype_why,
         },
         "decisions": chosen,
+        "attention_costs": dataclasses.asdict(costs),
         "checks": [c.to_dict() for c in checks],
         "verdicts": counts,
         "exit_status": status,

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import PackedBatch
+from .costs import ATTENTION_COSTS, BUILTIN
 from .grouping import GROUPING_CHOICE, GROUPING_COUNTS, document_groups, run_grouped
 from .guards import UnsupportedArchitecture, check_attention_call, layer_name
 from .rowpos import document_temperature
@@ -82,10 +83,11 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
         )
 
 
-def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel="off"):
+def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel="off", costs=BUILTIN):
     """SDPA over one document (or one unpacked row): [B, H, L, D] in, [B, H, L, D] out.
-    ``short_kernel``: the :mod:`.short_attention` mode; a short document it takes runs there."""
-    if takes_short_kernel(query, key, dropout, short_kernel):
+    ``short_kernel``: the :mod:`.short_attention` mode (``costs``: its measured reach); a short
+    document it takes runs there."""
+    if takes_short_kernel(query, key, dropout, short_kernel, costs):
         return short_causal_attention(query, key, value, scaling, window, batch)
     q_len, k_len = query.shape[-2], key.shape[-2]
     enable_gqa = query.shape[1] != key.shape[1]
@@ -271,13 +273,14 @@ def packed_sdpa_attention(
     )
     if batch is None:
         return _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropout, window, sinks)
+    costs = ATTENTION_COSTS.get(module, BUILTIN)
     if sinks is not None:
         fn = functools.partial(_sinks_one, module, sinks=sinks)
     else:
-        fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, "auto"))
+        fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, "auto"), costs=costs)
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
     mode = GROUPING_CHOICE.get(module, "auto")
-    groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1])
+    groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1], costs)
     counts = GROUPING_COUNTS.get(module)
     if counts is not None:
         counts.count(batch, grouped=groups is not None)

@@ -23,15 +23,19 @@ What "auto" chose is counted (:class:`GroupingCounts`, one per optimized model, 
 document. Plain Python integers, bumped where the plan is looked up: no device work, the same on
 every machine.
 
-The rule ("auto") is a cost model measured with ``benchmarks/doc_attention.py`` on this
-project's 2-core CPU (fp32, 2 threads, best of the repeats; forward + backward):
+The rule ("auto") is a cost model (:class:`.costs.AttentionCosts`) with three timings: a call's
+fixed cost, a score element's per head and head dimension, and an element moved by the gather and
+scatter. On a CPU ``optimize`` hands each model the ones :mod:`.calibration` measured on this
+device, dtype and thread count; the built-in ones (:data:`.costs.BUILTIN`) were measured with
+``benchmarks/doc_attention.py`` on this project's 2-core CPU (fp32, 2 threads, best of the
+repeats; forward + backward):
 
-- a call costs :data:`CALL_SECONDS` (128 documents of 8 tokens, 4 / 2 heads of 32: 15.3 ms one
-  call each, 2.1 ms grouped, so ~0.1 ms a call);
-- a score element costs :data:`SCORE_SECONDS` per head and head dimension (12 documents of
-  ~85 tokens, 16 / 8 heads of 128: 29.2 ms one call each);
-- the gather and scatter cost :data:`GATHER_SECONDS` per element of q, k, v and the output
-  (the same row grouped in 2 calls with 12% padding: 35.1 ms, 3.6 ms of it moving data).
+- a call costs 0.1 ms (128 documents of 8 tokens, 4 / 2 heads of 32: 15.3 ms one call each,
+  2.1 ms grouped);
+- a score element costs 1.5e-10 s per head and head dimension (12 documents of ~85 tokens,
+  16 / 8 heads of 128: 29.2 ms one call each);
+- the gather and scatter cost 6e-10 s per element of q, k, v and the output (the same row
+  grouped in 2 calls with 12% padding: 35.1 ms, 3.6 ms of it moving data).
 
 The groups are the cheapest split of the documents, taken in length order, under that model
 (a dynamic program over the distinct lengths); "auto" groups when that plan's modelled cost,
@@ -55,17 +59,23 @@ from typing import Literal, get_args
 import torch
 
 from .batch import PackedBatch
+from .costs import BUILTIN, AttentionCosts
 
 # The grouping choices, defined once (Speedups and the CLIs read them).
 AttentionGrouping = Literal["auto", "grouped", "per_document"]
 GROUPINGS: tuple[str, ...] = get_args(AttentionGrouping)
-CALL_SECONDS = 1.0e-4  # one SDPA call, forward + backward, beyond its FLOPs
-SCORE_SECONDS = 1.5e-10  # one score element, per head and head dimension, forward + backward
-GATHER_SECONDS = 6.0e-10  # one element of q, k, v or the output moved to / from the groups
-RULE = (
-    "documents grouped by length into batched SDPA calls where a measured cost model (a call "
-    f"{CALL_SECONDS * 1e3:g} ms; padded score FLOPs; the gather) says it is cheaper than one call per document"
-)
+
+
+def rule(costs: AttentionCosts = BUILTIN) -> str:
+    """What "auto" does under ``costs``, in words (the policy line)."""
+    return (
+        "documents grouped by length into batched SDPA calls where a cost model (a call "
+        f"{costs.call_seconds * 1e3:.3g} ms, a score element {costs.score_seconds:.2g} s per head and dim, the "
+        f"gather; {costs.source}) says it is cheaper than one call per document"
+    )
+
+
+RULE = rule()
 
 # Per attention-module setting, kept beside the modules (weak keys: a module that goes away
 # takes its entry with it); a module without an entry runs "auto".
@@ -127,7 +137,7 @@ def describe_counts(counts: dict[str, int]) -> str:
 GROUPING_COUNTS: weakref.WeakKeyDictionary[torch.nn.Module, GroupingCounts] = weakref.WeakKeyDictionary()
 
 
-def grouping_policy(mode: str, backend: str, has_sinks: bool) -> str:
+def grouping_policy(mode: str, backend: str, has_sinks: bool, costs: AttentionCosts = BUILTIN) -> str:
     """The policy line for ``mode`` on ``backend`` (what optimize logs)."""
     if backend != "sdpa" and not has_sinks:
         return f"{mode} (unused: the {backend} backend attends the whole row in one call)"
@@ -135,7 +145,7 @@ def grouping_policy(mode: str, backend: str, has_sinks: bool) -> str:
         return "per_document (one SDPA call per document)"
     if mode == "grouped":
         return "grouped (documents grouped by length into batched SDPA calls, the cheapest split by the cost model)"
-    return f"auto ({RULE})"
+    return f"auto ({rule(costs)})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -204,22 +214,27 @@ def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
 
 
 def document_groups(
-    batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int
+    batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int, costs: AttentionCosts = BUILTIN
 ) -> DocumentGroups | None:
     """The batch's groups for ``mode`` ("auto", "grouped") and this attention shape, or None
-    for one call per document. Built once per batch and shape from the host lengths, memoised."""
+    for one call per document (``costs``: the cost model "auto" weighs). Built once per batch,
+    shape and cost model from the host lengths, memoised."""
     if mode == "per_document" or batch.num_docs == 1:
         return None
-    key = ("document_groups", mode, heads, kv_heads, head_dim)
-    return batch.memo(key, lambda: _build(batch, mode, heads, kv_heads, head_dim))
+    key = ("document_groups", mode, heads, kv_heads, head_dim, costs)
+    return batch.memo(key, lambda: _build(batch, mode, heads, kv_heads, head_dim, costs))
 
 
-def _build(batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int) -> DocumentGroups | None:
+def _build(
+    batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int, costs: AttentionCosts
+) -> DocumentGroups | None:
     seq_lens = batch.seq_lens
-    element = SCORE_SECONDS * heads * head_dim  # seconds per score element
-    call_elements = CALL_SECONDS / element
+    element = costs.score_seconds * heads * head_dim  # seconds per score element
+    call_elements = costs.call_seconds / element
     plan, grouped_cost = plan_groups(seq_lens, call_elements)
-    gather_elements = GATHER_SECONDS * batch.num_tokens * (2 * heads + 2 * kv_heads) * head_dim / element
+    gather_elements = (
+        costs.gather_seconds * batch.num_tokens * (2 * heads + 2 * kv_heads) * head_dim / element
+    )
     per_document_cost = len(seq_lens) * call_elements + sum(length * length for length in seq_lens)
     if mode == "auto" and grouped_cost + gather_elements >= per_document_cost:
         return None

@@ -10,10 +10,11 @@ into documents of L tokens), the flash kernel against this one:
   192 0.87x (slower), 256 0.57x; fp32: 0.96-1.18x up to 160 (a wash), 0.71x at 192;
 - Qwen3 heads (16 / 8 x 128), bf16: 2.3x at 32, 1.5x at 96, 1.2x at 160, 0.70x at 192.
 
-So in bf16 / fp16 documents (or length groups, :mod:`.grouping`) of at most
-:data:`SHORT_MAX_LEN` tokens take this path on a CPU; fp32 (where SDPA's CPU kernel is as fast),
-longer documents, CUDA (where the fused kernels win at every length), dropout, sinks and
-decoding steps keep SDPA. Keeping P from forward instead of recomputing it measured 1.1-1.4x
+So on a CPU documents (or length groups, :mod:`.grouping`) up to the crossover length take this
+path: the crossover :mod:`.calibration` measured for this device, dtype and thread count (a model
+``optimize`` set up), else the built-in rule, measured on one AMX Xeon: :data:`SHORT_MAX_LEN` tokens
+in bf16 / fp16, none in fp32 (where SDPA's CPU kernel was as fast there). Longer documents, CUDA
+(where the fused kernels win at every length), dropout, sinks and decoding steps keep SDPA. Keeping P from forward instead of recomputing it measured 1.1-1.4x
 faster on the kernel alone (~2% of a SmolLM2 step) for T x H x L fp32 more memory per layer: not
 taken.
 
@@ -44,6 +45,8 @@ from typing import Literal, get_args
 
 import torch
 
+from .costs import BUILTIN, AttentionCosts
+
 # The short-document kernel's choices, defined once (Speedups and the CLIs read them): "auto" takes
 # it where it was measured faster (a CPU, bf16 / fp16, up to SHORT_MAX_LEN tokens); "on" takes it
 # for every short document whatever the device and dtype (how the compatibility sweep checks it
@@ -54,7 +57,6 @@ SHORT_KERNEL_MODES: tuple[str, ...] = get_args(ShortKernel)
 # The longest document (or padded group length) that takes this path on a CPU: the measured
 # crossover above (bf16: 1.2-1.9x at 160, 0.7-0.87x at 192).
 SHORT_MAX_LEN = 160
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 RULE = (
     f"on a CPU in bf16 / fp16, documents of up to {SHORT_MAX_LEN} tokens attend by fp32 GEMMs and "
     "softmax, recomputed in backward (measured 1.2-3.6x faster than SDPA's CPU flash kernel there)"
@@ -64,29 +66,51 @@ RULE = (
 SHORT_KERNEL_CHOICE: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
 
 
-def short_kernel_policy(mode: str, backend: str) -> str:
-    """The policy line ``optimize`` logs for the short-document kernel on ``backend``."""
+def measured_rule(costs: AttentionCosts, dtype: torch.dtype) -> str:
+    """The "auto" rule under measured ``costs`` in ``dtype``, in words."""
+    limit = costs.short_limit(dtype)
+    name = str(dtype).removeprefix("torch.")
+    if not limit:
+        return f"SDPA for every document: the fp32-GEMM kernel was no faster than SDPA in {name} ({costs.source})"
+    return (
+        f"on a CPU in {name}, documents of up to {limit} tokens attend by fp32 GEMMs and softmax, recomputed "
+        f"in backward: faster than SDPA's CPU flash kernel up to there ({costs.source})"
+    )
+
+
+def short_kernel_policy(
+    mode: str, backend: str, costs: AttentionCosts = BUILTIN, dtype: torch.dtype | None = None
+) -> str:
+    """The policy line ``optimize`` logs for the short-document kernel on ``backend`` (``costs`` and
+    ``dtype``: the model's, where its crossover was measured)."""
     if mode == "off":
         return "off (SDPA for every document)"
     if backend != "sdpa":
         return f"{mode} (unused: the {backend} backend attends the whole row in one call)"
     if mode == "on":
         return f"on (every document of up to {SHORT_MAX_LEN} tokens, any device and dtype)"
-    return f"auto ({RULE})"
+    if costs is BUILTIN or dtype is None:
+        return f"auto ({RULE})"
+    return f"auto ({measured_rule(costs, dtype)})"
 
 
-def takes_short_kernel(query: torch.Tensor, key: torch.Tensor, dropout: float, mode: str = "auto") -> bool:
-    """Whether one causal self-attention call (``[n, H, L, D]``) takes this path under ``mode``."""
+def takes_short_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    dropout: float,
+    mode: str = "auto",
+    costs: AttentionCosts = BUILTIN,
+) -> bool:
+    """Whether one causal self-attention call (``[n, H, L, D]``) takes this path under ``mode``:
+    "on", any short document; "auto", on a CPU up to ``costs``' crossover for the query's dtype."""
     length = query.shape[-2]
-    return (
-        mode != "off"
-        and (mode == "on" or (query.device.type == "cpu" and query.dtype in HALF_DTYPES))
-        and query.dtype.is_floating_point
-        and dropout == 0.0
-        and length == key.shape[-2]
-        and length <= SHORT_MAX_LEN
-        and query.shape[1] % key.shape[1] == 0
-    )
+    if mode == "off" or dropout != 0.0 or not query.dtype.is_floating_point:
+        return False
+    if length != key.shape[-2] or query.shape[1] % key.shape[1] != 0:
+        return False
+    if mode == "on":
+        return length <= SHORT_MAX_LEN
+    return query.device.type == "cpu" and length <= costs.short_limit(query.dtype)
 
 
 def _additive_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:

@@ -9,7 +9,8 @@ thread each size is also timed as one matmul per thread side by side, each on on
 two-core VM measured 1.1-1.5 TFLOP/s for one bf16 matmul on two threads and 2.25 for two
 single-threaded ones at once (oneDNN does not always split a matmul across the cores), and the
 peak is what the cores can do, however it is reached. The result is cached under
-``$SLIPSTREAM_CACHE/matmul_peak/`` per device name, dtype, thread count and torch version, so a
+``$SLIPSTREAM_CACHE/matmul_peak/`` per device (``hardware.device_identity``: its name, CPU class and
+kernel caps), dtype, thread count and torch version, so a
 machine measures it once. A figure taken while the machine was busy would stick: ``remeasure=True``
 (``slipstream doctor --remeasure-peak``) measures again and replaces the cached one atomically.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +27,7 @@ import torch
 
 from ..atomic import write_text_atomically
 from ..data.cache import cache_root
+from ..hardware import cpu_name, device_identity  # noqa: F401 - cpu_name: found here by callers
 
 SIZES = (256, 512, 1024, 2048, 4096, 8192)
 REPEATS = 5  # timed calls per size, at most: fewer (but 2) once a size has taken SIZE_BUDGET_S
@@ -41,27 +42,11 @@ LONG_ENOUGH_S = 0.05  # one matmul this long times well: no need for a bigger on
 SIDE_BY_SIDE_BYTES = 512 * 2**20
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-
-
 def _cache_key(device: torch.device, dtype: torch.dtype, threads: int) -> dict:
     return {
-        "device": _device_name(device),
+        **device_identity(device),
         "dtype": str(dtype).removeprefix("torch."),
         "threads": threads,
-        "torch": torch.__version__,
         "probe": PROBE_VERSION,
     }
 

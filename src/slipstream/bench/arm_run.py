@@ -1,0 +1,253 @@
+"""One arm of an A/B, in the process it runs in: its model, its steps one at a time, its figures.
+
+:func:`open_arm` builds the arm (model, LoRA, optimizer, schedule, the untimed activation probe)
+and returns an :class:`ArmSession`, whose :meth:`~ArmSession.step` trains one planned step and
+whose :meth:`~ArmSession.finish` returns the :class:`ArmResult`. :func:`run_arm` runs every step
+in a row; the lockstep scheduler (``lockstep.py``) drives several sessions, one process each, a
+step at a time, so that every arm's step k runs next to the others' (a machine's slow phase then
+slows every arm alike instead of one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..offload import device_activation_bytes
+from ..optimize import base_model
+from ..train.step import train_step
+from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
+from .ab_config import ABConfig, resolve_device
+from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
+from .ceiling import proc_status_kib
+from .counters import HostSyncCounter
+from .inputs import ab_tokenizer
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    step_s: list[float]
+    forward_s: list[float]
+    backward_s: list[float]
+    tokens: list[int]
+    loss: list[float]
+    grad_norm: list[float]
+    host_syncs_per_step: int | None  # None: not counted (a peer run outside our counter)
+    host_syncs_by_op: dict[str, int]
+    peak_memory_mb: float
+    memory_kind: str
+    attn_implementation: str
+    policies: list[str] = field(default_factory=list)
+    # kept on the device at the end of forward (hardware-independent); None: not measured
+    activation_bytes: int | None = 0
+    dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
+    # model FLOPs of each step (forward + backward, utilisation.flops), from this arm's model; None: not counted
+    model_flops: list[int] | None = None
+    # the untimed forward that measures activation_bytes (a compiled arm compiles its forward there)
+    probe_forward_s: float = 0.0
+    # batches and attention calls its packed SDPA ran grouped / per document over all its steps
+    # (packing.grouping.GroupingCounts.to_dict); None: no packed attention in this arm
+    attention_grouping_counts: dict[str, int] | None = None
+    # --profile-step: one more step under torch.profiler (utilisation.step_profile); None: not profiled
+    step_profile: dict[str, Any] | None = None
+    # the learning rate each step ran with (the run's schedule); None: the peer keeps its own
+    lr: list[float] | None = None
+    # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
+    perturbed_weights: int = 0
+
+
+def peak_memory_mb(device: str) -> float:
+    """CUDA: max allocated. CPU: this process's peak RSS (VmHWM where Linux has it: ru_maxrss
+    carries a big parent's figure across fork + exec)."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        return proc_status_kib("VmHWM") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
+    """Move every floating-point weight of ``model`` one ulp up or down (random signs from ``seed``),
+    in place: the smallest change its dtype can make. Returns the number of values moved."""
+    generator = torch.Generator().manual_seed(seed)
+    moved = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point():
+                continue
+            up = torch.rand(param.shape, generator=generator) < 0.5
+            toward = torch.where(up, float("inf"), float("-inf")).to(param.device, param.dtype)
+            param.copy_(torch.nextafter(param, toward))
+            moved += param.numel()
+    return moved
+
+
+class ArmSession:
+    """An arm set up in this process, ready to train its planned steps one at a time (see the module)."""
+
+    def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+        self.config, self.arm, self.plan = config, arm, plan
+        self.device = device = resolve_device(config.device)
+        spec = ARM_SPECS[arm]
+        model, state = build_arm_model(config, arm, vocab_size, device)
+        moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
+        self.model, self.state = model, state
+        self.trl_step = None
+        if spec.peer == "trl":
+            from .peers.trl_step import TrlStep
+
+            self.trl_step = TrlStep(model, config, ab_tokenizer(config), device)
+            state.policies.extend(self.trl_step.policies)
+        self.profile = flop_profile(model)
+        model_flops = [
+            self.profile.step_flops(docs_micro_batch(docs) for docs in micro_docs) for micro_docs in plan
+        ]
+        first_inputs, _ = self._inputs(plan[0][0])
+        probe_started = time.perf_counter()
+        activation_bytes = device_activation_bytes(
+            model, first_inputs, state.offload_manager if state else None
+        )
+        probe_forward_s = time.perf_counter() - probe_started
+        if state is not None:
+            state.grouping_counts.reset()  # the steps' batches only, not the probe's
+        if self.trl_step is None:
+            from transformers import get_scheduler  # the schedule slipstream train steps (optimizer.schedule)
+
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+            )
+            self.scheduler = get_scheduler(
+                config.schedule,
+                self.optimizer,
+                num_warmup_steps=config.lr_warmup_steps,
+                num_training_steps=config.steps,
+            )
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.result = ArmResult(
+            arm=arm,
+            step_s=[],
+            forward_s=[],
+            backward_s=[],
+            tokens=[],
+            loss=[],
+            grad_norm=[],
+            host_syncs_per_step=0,
+            host_syncs_by_op={},
+            peak_memory_mb=0.0,
+            memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
+            attn_implementation=base_model(model).config._attn_implementation,
+            policies=state.policies if state else [],  # the model's own list: first-step decisions join it
+            activation_bytes=activation_bytes,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            model_flops=model_flops,
+            probe_forward_s=probe_forward_s,
+            lr=[],
+            perturbed_weights=moved,
+        )
+
+    def _inputs(self, docs):
+        return (
+            self.trl_step.collate(docs) if self.trl_step else micro_batch_inputs(self.arm, docs, self.device)
+        )
+
+    def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
+        if self.trl_step:  # TRL's trainer, with its own optimizer, scheduler and clipping
+            return self.trl_step(micro, model_context=model_context)
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = train_step(self.model, micro, self.optimizer, model_context=model_context)
+        self.scheduler.step()
+        return {**metrics, "lr": lr}
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, step: int) -> float:
+        """Train planned step ``step`` (the next one); returns its time in seconds."""
+        result = self.result
+        if step != len(result.step_s):
+            raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
+        micro_docs = self.plan[step]
+        micro = [self._inputs(docs) for docs in micro_docs]
+        tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
+        self._sync()
+        start = time.perf_counter()
+        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
+            syncs = HostSyncCounter()
+            metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
+            result.host_syncs_by_op = dict(syncs.by_op)
+            result.host_syncs_per_step = syncs.total
+        else:
+            metrics = self._step_fn(micro)
+        self._sync()
+        result.step_s.append(time.perf_counter() - start)
+        result.forward_s.append(metrics["forward_s"])
+        result.backward_s.append(metrics["backward_s"])
+        result.tokens.append(tokens)
+        result.loss.append(metrics["loss"])
+        result.grad_norm.append(metrics["grad_norm"])
+        result.lr.append(metrics["lr"])
+        return result.step_s[-1]
+
+    def finish(self) -> dict:
+        """The arm's figures (after every step), as a dict; the optional profiled step after them."""
+        result, state = self.result, self.state
+        result.peak_memory_mb = peak_memory_mb(self.device)
+        if state is not None and state.packed_attention is not None:
+            result.attention_grouping_counts = state.grouping_counts.to_dict()
+        if self.config.profile_step:  # after the figures above: its profiler overhead touches none of them
+            last = self.plan[-1]
+            micro = [self._inputs(docs) for docs in last]
+            config = self.config
+            peak = matmul_peak(
+                self.device, getattr(torch, config.dtype), config.threads
+            )  # the record's, cached
+            result.step_profile = profile_step(
+                lambda: self._step_fn(micro),
+                self.device,
+                linear_flops=sum(self.profile.linear_flops(*docs_micro_batch(docs)) for docs in last),
+                peak_flops_per_s=peak["flops_per_s"],
+            )
+        if self.trl_step:
+            self.trl_step.close()
+        return dataclasses.asdict(result)
+
+
+def open_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+    """``arm`` set up in this process: an :class:`ArmSession`, or, for a peer that cannot run here,
+    ``{"arm", "skipped": reason}``, or for a peer that runs in its own process (Unsloth) its
+    finished result (it runs every step at once)."""
+    config = ABConfig.from_dict(config_dict)
+    spec = ARM_SPECS[arm]
+    if spec.peer:
+        from .peers import unavailable
+
+        reason = unavailable(spec.peer, config, resolve_device(config.device))
+        if reason:
+            return {"arm": arm, "skipped": reason}
+        if spec.peer.startswith("unsloth"):
+            from .peers.unsloth_arm import run_unsloth_arm
+
+            return run_unsloth_arm(config, arm, plan, vocab_size)
+    return ArmSession(config, arm, plan, vocab_size, perturb)
+
+
+def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: bool = False) -> dict:
+    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
+    or ``{"arm", "skipped": reason}`` for a peer that cannot run here. ``perturb``: from its weights
+    moved by one ulp (:func:`perturb_by_one_ulp`), the run's sensitivity (``stats.loss_parity``)."""
+    session = open_arm(config_dict, arm, plan, vocab_size, perturb)
+    if isinstance(session, dict):
+        return session
+    for step in range(len(plan)):
+        session.step(step)
+    return session.finish()

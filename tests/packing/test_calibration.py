@@ -1,0 +1,87 @@
+"""The packed attention's cost figures: measured on this device, cached, and what "auto" then does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import slipstream
+from slipstream.models import build_model
+from slipstream.packing import calibration
+from slipstream.packing import short_attention as short_module
+from slipstream.packing.costs import ATTENTION_COSTS, BUILTIN
+from tests.conftest import random_docs
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.empty_cache  # measures for real, into an empty cache
+def test_the_figures_are_measured_once_per_device_dtype_and_threads_then_read_back(monkeypatch):
+    costs = calibration.attention_costs(CPU, torch.bfloat16, threads=1)
+    assert costs.call_seconds > 0 and costs.score_seconds > 0 and costs.gather_seconds > 0
+    assert costs.source == "measured on this device, bfloat16, 1 threads"
+    ratios = {int(k): v for k, v in costs.figures["short_kernel_speedup_by_length"].items()}
+    assert sorted(ratios) == list(calibration.SHORT_LENGTHS)
+    # the crossover: the longest length up to which the short kernel was faster by the margin at every length
+    expected = 0
+    for length in calibration.SHORT_LENGTHS:
+        if ratios[length] < 1 + calibration.SHORT_MARGIN:
+            break
+        expected = length
+    assert costs.short_limit(torch.bfloat16) == expected and costs.short_limit(torch.float32) == 0
+
+    def no_measuring(dtype):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(calibration, "measure", no_measuring)
+    assert calibration.attention_costs(CPU, torch.bfloat16, threads=1) == costs  # the cached figures
+    measured = []
+    monkeypatch.setattr(calibration, "measure", lambda dtype: measured.append(dtype) or BUILTIN)
+    calibration.attention_costs(CPU, torch.float32, threads=1)  # another dtype: its own measurement
+    calibration.attention_costs(CPU, torch.bfloat16, threads=2)  # another thread count
+    monkeypatch.setenv("SLIPSTREAM_CPU_CLASS", "avx2")
+    calibration.attention_costs(CPU, torch.bfloat16, threads=1)  # another CPU class: not this one's figures
+    calibration.attention_costs(CPU, torch.bfloat16, threads=1, remeasure=True)  # asked to measure again
+    assert measured == [torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
+    assert calibration.attention_costs("meta", torch.bfloat16) is BUILTIN  # only a CPU is measured
+
+
+def _short_kernel_calls(model, docs, monkeypatch) -> int:
+    calls = []
+    original = short_module.ShortCausalAttention.apply
+    monkeypatch.setattr(
+        short_module.ShortCausalAttention, "apply", lambda *a: calls.append(1) or original(*a), raising=False
+    )
+    batch = slipstream.collate_packed(docs)
+    model(**batch.model_inputs()).loss.backward()
+    return len(calls)
+
+
+@pytest.mark.parametrize("limit", [0, 64, 256])
+def test_auto_takes_the_short_kernel_up_to_the_measured_crossover_of_the_models_dtype(limit, monkeypatch):
+    measured = dataclasses.replace(
+        BUILTIN, short_max_len=(("bfloat16", limit),) if limit else (), source="measured (test)"
+    )
+    monkeypatch.setattr(calibration, "attention_costs", lambda *args, **kwargs: measured)
+    model = build_model("qwen3").to(torch.bfloat16)
+    model = slipstream.optimize(model, chunked_loss=False, attention_grouping="per_document")
+    state = slipstream.state_of(model)
+    assert state.attention_costs is measured
+    assert all(ATTENTION_COSTS[m] is measured for m in model.modules())
+    policy = next(p for p in state.policies if p.startswith("short-document kernel"))
+    assert "measured (test)" in policy and (
+        f"up to {limit} tokens" in policy if limit else "no faster" in policy
+    )
+    docs = random_docs([40, 100, 200])  # one call each (per document), by length
+    calls = _short_kernel_calls(model, docs, monkeypatch)  # one a layer per short document (forward)
+    assert calls == model.config.num_hidden_layers * sum(length <= limit for length in (40, 100, 200))
+
+
+def test_figures_are_not_measured_where_no_auto_reads_them(monkeypatch):
+    monkeypatch.setattr(calibration, "attention_costs", lambda *a, **k: pytest.fail("measured"))
+    model = slipstream.optimize(
+        build_model("qwen3"), attention_grouping="grouped", short_document_kernel="off"
+    )
+    assert slipstream.state_of(model).attention_costs is BUILTIN
