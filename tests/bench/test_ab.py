@@ -65,9 +65,25 @@ def test_bad_configs_are_refused():
         ABConfig(batching="greedy")
 
 
-def test_a_short_real_run_of_every_arm(tmp_path):
+def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
+    import slipstream.bench.runner as runner
+
+    # as when an arm's later steps went past the tolerance after a clean step 0: the run then measures
+    # its own sensitivity (the reference arm again, its weights moved by one ulp), judged against it
+    monkeypatch.setattr(runner, "needs_sensitivity", lambda summary: True)
     config = ABConfig(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
     record = run_ab(config, progress=False)
+    sensitivity = record["sensitivity"]
+    reference = record["runs"]["stock-padded"][0]
+    assert sensitivity["arm"] == "stock-padded" and len(sensitivity["loss"]) == config.steps
+    assert sensitivity["loss"][0] == pytest.approx(
+        reference["loss"][0], rel=1e-4
+    )  # (a tiny model barely moves)
+    assert sensitivity["weights_moved"] > 0 and reference["perturbed_weights"] == 0
+    assert "sensitivity: stock-padded rerun with every weight moved by one ulp" in markdown_report(record)
+    assert [found["mode"] for found in record["interleaving"]] == [
+        "steps"
+    ]  # three tiny arms fit side by side
     summary = record["summary"]
     assert set(summary) == {"stock-padded", "stock-packed", "slipstream"}
     # same data, same weights: the loss curves agree, and only slipstream is sync-free
@@ -285,25 +301,6 @@ def test_one_ulp_moves_every_weight_to_its_neighbour():
         up = torch.nextafter(old, torch.full_like(old, float("inf")))
         down = torch.nextafter(old, torch.full_like(old, float("-inf")))
         assert bool(((new == up) | (new == down)).all()) and 0 < int((new == up).sum()) < old.numel()
-
-
-def test_a_verdict_past_the_tolerance_reruns_the_reference_from_one_ulp_away(monkeypatch):
-    """When an arm's later steps go past the tolerance after a clean step 0, the run measures its own
-    sensitivity (the reference arm again, weights moved by one ulp) and judges the drift against it."""
-    import slipstream.bench.runner as runner
-
-    monkeypatch.setattr(runner, "needs_sensitivity", lambda summary: True)
-    config = ABConfig(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=120, threads=1)
-    config = dataclasses.replace(config, arms=("stock-packed", "slipstream"))
-    record = run_ab(config, progress=False)
-    sensitivity = record["sensitivity"]
-    assert sensitivity["arm"] == "stock-packed" and len(sensitivity["loss"]) == config.steps
-    reference = record["runs"]["stock-packed"][0]["loss"]
-    assert sensitivity["loss"][0] == pytest.approx(
-        reference[0], rel=1e-4
-    )  # (a random tiny model barely moves)
-    assert sensitivity["weights_moved"] > 0 and record["runs"]["stock-packed"][0]["perturbed_weights"] == 0
-    assert "sensitivity: stock-packed rerun with every weight moved by one ulp" in markdown_report(record)
 
 
 def test_an_ablation_arm_beats_auto_only_beyond_the_a_a_noise():
