@@ -50,3 +50,18 @@ def test_an_unknown_class_is_refused_by_name(monkeypatch):
     monkeypatch.setenv(ENV_CPU_CLASS, "avx9000")
     with pytest.raises(ValueError, match=r"SLIPSTREAM_CPU_CLASS='avx9000': expected one of amx, avx512-bf16"):
         cpu_class()
+
+
+def test_a_cached_figure_is_keyed_by_the_class_and_any_kernel_cap(monkeypatch):
+    from slipstream.hardware import device_identity
+
+    monkeypatch.delenv(ENV_CPU_CLASS, raising=False)
+    for name in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    real = device_identity(CPU)
+    assert real["cpu_class"] == probed_cpu_class() and real["torch"] == torch.__version__
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")  # torch's fp32 GEMMs held to AVX2: another machine
+    capped = device_identity(CPU)
+    assert capped != real and "MKL_ENABLE_INSTRUCTIONS=AVX2" in capped["kernels"]
+    monkeypatch.setenv(ENV_CPU_CLASS, "avx2")
+    assert device_identity(CPU)["cpu_class"] == "avx2"

@@ -345,3 +345,16 @@ def test_the_ablation_preset_leaves_out_arms_that_would_rerun_slipstream():
     assert {"slipstream-no-lora-compute", "slipstream-no-moe-routing"} <= set(
         preset_arms("ablation", lora_moe, "cpu")
     )
+
+
+def test_arms_that_would_not_fit_side_by_side_run_one_after_another_and_say_why(monkeypatch):
+    from slipstream.bench import lockstep
+
+    monkeypatch.setattr(lockstep, "available_memory_bytes", lambda: 2**20)  # a machine with 1 MiB to spare
+    config = ABConfig(model="qwen3", max_seq_len=128, steps=2, warmup=1, num_rows=60, threads=1)
+    config = dataclasses.replace(config, arms=("stock-packed", "slipstream"))
+    record = run_ab(config, progress=False)
+    (schedule,) = record["interleaving"]
+    assert schedule["mode"] == "arms" and "too little for 1 more beside them" in schedule["why"]
+    assert all(len(record["runs"][arm][0]["step_s"]) == config.steps for arm in config.arms)
+    assert record["summary"]["slipstream"]["loss_vs_stock-packed"] in ("identical", "within tolerance")

@@ -3,17 +3,19 @@
 Every arm runs in its own spawned process (a fresh allocator, nothing shared). A machine's speed
 is not constant: a shared VM measured the same step 2x slower for minutes at a time, and a
 cloud GPU's clocks move with its temperature. Arms run one after another then meet different
-phases, and the same computation measured 1.08-1.44x "faster" than itself here (BENCHMARKS.md).
+phases: three processes of the same computation, one after another, measured 1.08x, 1.25x and
+1.44x the stock arm's throughput in one run here (BENCHMARKS.md).
 In lockstep every arm's process is started first, and the parent then asks each in turn for its
 step k before any is asked for step k + 1, the order rotating every step: each arm's step k is
 timed within a few seconds of the others', so a slow phase slows every arm of the pair alike and
 the paired interval (``stats.speedup``) measures the arms, not the machine's mood. Only one arm
 computes at a time; the others wait on a pipe.
 
-The price is memory: every arm's model lives at once. ``interleave="auto"`` takes lockstep when the
-first arm's peak (measured on its first step) times the arm count fits in what the machine has
-available, and says why not otherwise; ``"steps"`` insists, ``"arms"`` runs arms one after another.
-A peer in a process of its own (Unsloth's worker) runs its steps at once, before the lockstep.
+The price is memory: every arm's model lives at once. ``interleave="auto"`` opens the arms one by
+one, each running its first (untimed) step, and admits the next while the largest peak seen so far
+fits in what the machine still has available; where they do not all fit it says why and runs them
+one after another. ``"steps"`` insists, ``"arms"`` runs arms one after another. A peer in a process
+of its own (Unsloth's worker) runs its steps at once, when its turn to open comes.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from .ab_config import Interleave
 from .arm_run import open_arm
 from .ceiling import proc_status_kib
 
-# Lockstep needs (arms - 1) x the first arm's peak x this much of the machine's available memory.
-MEMORY_MARGIN = 1.3
+# One more arm is opened while the largest peak of the arms alive, times this, fits in what is available.
+MEMORY_MARGIN = 1.2
 
 
 def run_in_fresh_process(fn, *args):
@@ -84,6 +86,7 @@ class ArmProcess:
         self.process.start()
         child.close()
         self.result: dict | None = None
+        self.steps_done = 0
 
     def _receive(self):
         try:
@@ -106,7 +109,9 @@ class ArmProcess:
 
     def step(self, step: int) -> float:
         self.connection.send(("step", step))
-        return self._receive()[1]
+        seconds = self._receive()[1]
+        self.steps_done += 1
+        return seconds
 
     def finish(self) -> dict:
         if self.result is None:
@@ -145,78 +150,80 @@ def run_lockstep(
 ) -> tuple[dict[str, dict], dict]:
     """Every arm of one repeat: its result, and how they were scheduled (``{"mode", "why"}``).
 
-    The first arm is opened and runs its first step alone; then, in lockstep, the others are opened
-    (all at once), run their first step, and every later step goes round the arms, the order rotated
-    by one each step. Where lockstep does not fit (or ``mode="arms"``) each arm runs all its steps
-    in turn, as before."""
+    The arms are opened one by one, each running its first (untimed) step at once: an arm is
+    admitted while the largest peak seen so far, with a margin, fits in the memory still available
+    (``"auto"``), so each admission is judged on what the arms already alive really hold. With
+    every arm admitted, each later step goes round them, the order rotated by one each step. Where
+    they do not all fit (or ``mode="arms"``), the arms already open finish their steps one after
+    another, then the rest, each in its own process, as before."""
     results: dict[str, dict] = {}
-    steps = len(plan)
+    live: list[ArmProcess] = []
+    why = "asked for (--interleave arms)" if mode == "arms" else None
     pending = list(arms)
-    first: ArmProcess | None = None
-    while pending and first is None:  # the first arm that trains here (a skipped peer has no steps)
-        candidate = ArmProcess(config_dict, pending.pop(0), plan, vocab_size)
-        if candidate.wait_ready():
-            first = candidate
-        else:
-            results[candidate.arm] = candidate.finish()
-    if first is None:
-        return results, {"mode": "arms", "why": "no arm trained here"}
-    first.step(0)
-    decided, why = _decide(mode, first, len(pending))
-    if progress:
-        progress(f"{first.arm}: arms {'in lockstep' if decided == 'steps' else 'one after another'} ({why})")
-    if decided == "arms":
-        for step in range(1, steps):
-            first.step(step)
-        results[first.arm] = first.finish()
-        for arm in pending:
-            process = ArmProcess(config_dict, arm, plan, vocab_size)
-            if process.wait_ready():
-                for step in range(steps):
-                    process.step(step)
-            results[arm] = process.finish()
-        return results, {"mode": "arms", "why": why}
-    processes = {arm: ArmProcess(config_dict, arm, plan, vocab_size) for arm in pending}
-    live = [first]
     try:
-        for arm, process in processes.items():
+        while pending and why is None:
+            if live and mode == "auto":
+                why = _no_room(live, len(arms) - len(results))
+                if why:
+                    break
+            process = ArmProcess(config_dict, pending.pop(0), plan, vocab_size)
             if process.wait_ready():
                 process.step(0)
                 live.append(process)
-            else:
-                results[arm] = process.finish()
-        for step in range(1, steps):
+            else:  # skipped, or a peer that ran every step in its own process
+                results[process.arm] = process.finish()
+        lockstep = why is None and len(live) > 1
+        if lockstep:
+            why = ("asked for (--interleave steps); " if mode == "steps" else "") + _room(live)
+        elif why is None:
+            why = "one arm trains here"
+        if progress:
+            progress(f"arms {'in lockstep' if lockstep else 'one after another'} ({why})")
+        for step in range(1, len(plan)):
+            if not lockstep:
+                break
             turn = step % len(live)
             for process in live[turn:] + live[:turn]:
                 process.step(step)
-        for process in live:
+        for process in live:  # (one after another: each open arm's remaining steps in turn)
+            for step in range(process.steps_done, len(plan)):
+                process.step(step)
             results[process.arm] = process.finish()
+        for arm in pending:
+            process = ArmProcess(config_dict, arm, plan, vocab_size)
+            live.append(process)
+            if process.wait_ready():
+                for step in range(len(plan)):
+                    process.step(step)
+            results[arm] = process.finish()
     finally:
-        for process in [first, *processes.values()]:
+        for process in live:
             if process.result is None:
                 process.kill()
-    return {arm: results[arm] for arm in arms if arm in results}, {"mode": "steps", "why": why}
+    ordered = {arm: results[arm] for arm in arms if arm in results}
+    return ordered, {"mode": "steps" if lockstep else "arms", "why": why}
 
 
-def _decide(mode: Interleave, first: ArmProcess, others: int) -> tuple[str, str]:
-    """("steps" | "arms", why): lockstep where every arm's model fits beside the others."""
-    if mode == "arms":
-        return "arms", "asked for (--interleave arms)"
-    if others == 0:
-        return "arms", "one arm trains here"
-    if mode == "steps":
-        return "steps", "asked for (--interleave steps)"
-    peak, free = first.peak_rss_bytes(), available_memory_bytes()
-    if peak is None or free is None:
-        return "arms", "the arms' memory cannot be read on this system"
-    needed = others * peak * MEMORY_MARGIN
+def _no_room(live: list[ArmProcess], arms_left: int) -> str | None:
+    """Why one more arm would not fit beside the live ones (None: it fits)."""
+    peaks = [process.peak_rss_bytes() for process in live]
+    free = available_memory_bytes()
+    if None in peaks or free is None:
+        return "the arms' memory cannot be read on this system"
+    needed = max(peaks) * MEMORY_MARGIN
+    if needed <= free:
+        return None
     gib = 2**30
-    if needed > free:
-        return "arms", (
-            f"{others + 1} arms of ~{peak / gib:.1f} GiB each would not fit beside each other in the "
-            f"{free / gib:.1f} GiB available; a slow phase of the machine may favour one arm: use --repeats"
-        )
-    return "steps", (
-        f"{others + 1} arms of ~{peak / gib:.1f} GiB each fit in the {free / gib:.1f} GiB available; "
-        "each step timed next to the others'"
+    return (
+        f"{len(live)} arms alive (up to {max(peaks) / gib:.1f} GiB each) leave {free / gib:.1f} GiB, too little "
+        f"for {arms_left - len(live)} more beside them; a slow phase of the machine may favour one arm: use --repeats"
+    )
+
+
+def _room(live: list[ArmProcess]) -> str:
+    peaks = [process.peak_rss_bytes() or 0 for process in live]
+    free = available_memory_bytes() or 0
+    return (
+        f"{len(live)} arms of up to {max(peaks) / 2**30:.1f} GiB each alive at once, {free / 2**30:.1f} GiB "
+        "left; each step timed next to the others'"
     )
