@@ -84,3 +84,15 @@ def test_a_difference_a_stable_run_does_not_grow_by_itself_is_diverged():
     _, perturbed = chaotic(1e-7, 1.1)  # ... where the run barely grows its own perturbation: not drift
     judged = loss_parity(reference, arm, "float32", sensitivity=perturbed)
     assert judged.verdict == "diverged" and "beyond 10x the run's own sensitivity" in judged.detail
+
+
+def test_a_one_ulp_kick_larger_than_the_arms_own_difference_bounds_the_drift_directly():
+    """bf16: an ulp of every weight moves the loss more at step 0 than the arm's rounding does, and a
+    chaotic run carries both to the same spread; the arm's drift is then judged against that spread."""
+    reference = [2.0 + 0.5 * ((-1) ** k) for k in range(8)]
+    arm = [r * (1 + min(3e-6 * 10.0**k, 0.12) * (-1) ** k) for k, r in enumerate(reference)]
+    perturbed = [r * (1 + min(5e-5 * 3.0**k, 0.10) * (-1) ** (k + 1)) for k, r in enumerate(reference)]
+    judged = loss_parity(reference, arm, "bfloat16", sensitivity=perturbed)
+    assert judged.verdict == "drift within sensitivity", judged.detail
+    calm = [r * (1 + 5e-5) for r in reference]  # the run does not carry a kick far: the arm's 12% is its own
+    assert loss_parity(reference, arm, "bfloat16", sensitivity=calm).verdict == "diverged"

@@ -74,8 +74,9 @@ def speedup(
 FIRST_STEP_TOLERANCES = {"float32": (1e-4, 1e-3), "bfloat16": (5e-3, 2e-2), "float16": (5e-3, 2e-2)}
 # The smallest relative loss difference told apart from none, by dtype (a floor for growth ratios).
 DIFFERENCE_FLOOR = {"float32": 1e-7, "bfloat16": 1e-5, "float16": 1e-5}
-# A later step's difference counts as the run's own drift while it is at most this many times the
-# step-0 difference grown as the run grows a one-ulp perturbation of its weights (``sensitivity``).
+# A later step's difference counts as the run's own drift while it is at most this many times how far a
+# one-ulp perturbation of the reference's weights moved it by then (``sensitivity``), scaled to the
+# arm's step-0 difference where that is the larger start.
 DRIFT_FACTOR = 10.0
 VERDICTS = ("identical", "within tolerance", "drift within sensitivity", "diverged")
 
@@ -115,12 +116,15 @@ def loss_parity(
        things.
     2. Every step within the dtype's :data:`LOSS_TOLERANCES`: "identical" / "within tolerance".
     3. Later steps beyond it: training amplifies any difference (a high learning rate on a real model
-       can grow fp32 rounding a thousandfold in five steps), so the growth is compared with the run's
-       own. ``sensitivity`` is the reference arm's loss curve rerun from its weights moved by one ulp
-       (random signs): the growth of that curve's difference, ``G_k``, is how much this run amplifies
-       a difference it did not cause. A step's difference up to :data:`DRIFT_FACTOR` x step 0's x
-       ``G_k`` is "drift within sensitivity"; past it, or with no sensitivity measured, "diverged".
-       Without ``sensitivity`` the result says ``needs_sensitivity`` (the caller may measure it).
+       can grow fp32 rounding a thousandfold in five steps), so it is compared with the run's own.
+       ``sensitivity`` is the reference arm's loss curve rerun from its weights moved by one ulp
+       (random signs): ``s_k``, its difference from the reference by step k (the largest so far), is
+       how far this run carries a difference no arm made. Where this arm's step-0 difference is
+       larger than ``s_0`` (fp32: an ulp of the weights moves the loss less than rounding in another
+       kernel order does), ``s_k`` is scaled up by their ratio. A step's difference up to
+       :data:`DRIFT_FACTOR` x that is "drift within sensitivity"; past it, or with no sensitivity
+       measured, "diverged". Without ``sensitivity`` the result says ``needs_sensitivity`` (the caller
+       may measure it).
     """
     if len(reference) != len(other):
         raise ValueError(
@@ -162,16 +166,18 @@ def loss_parity(
             needs_sensitivity=True,
             growth=growth,
         )
+    # How far a one-ulp perturbation of the reference has moved it by each step (the largest so far),
+    # scaled up to this arm's own step-0 difference where that is the bigger start: the difference a
+    # run that only amplifies what it is given would show by then.
     spread = _relative(reference, sensitivity)
-    envelope, allowed_growth = 0.0, []
-    for value in spread:  # G_k: the largest perturbed difference so far, over its step-0 size
-        envelope = max(envelope, value)
-        allowed_growth.append(envelope / max(spread[0], floor))
-    base = max(first_loss, floor)
-    worst_ratio = max(
-        d / (DRIFT_FACTOR * base * max(g, 1.0)) for d, g in zip(diffs, allowed_growth, strict=True)
-    )
-    sensitivity_growth = allowed_growth[worst_step]
+    start = max(spread[0], floor)
+    scale = max(1.0, max(first_loss, floor) / start)
+    envelope, expected = 0.0, []
+    for value in spread:
+        envelope = max(envelope, value, floor)
+        expected.append(envelope * scale)
+    worst_ratio = max(d / (DRIFT_FACTOR * e) for d, e in zip(diffs, expected, strict=True))
+    sensitivity_growth = expected[worst_step] / (start * scale)
     verdict = "drift within sensitivity" if worst_ratio <= 1.0 else "diverged"
     relation = "within" if verdict != "diverged" else "beyond"
     return Parity(
@@ -179,6 +185,7 @@ def loss_parity(
         **found,
         growth=growth,
         sensitivity_growth=sensitivity_growth,
-        detail=f"{beyond}; a one-ulp perturbation of the reference grew x{sensitivity_growth:.3g} by then, so "
-        f"this is {relation} {DRIFT_FACTOR:g}x the run's own sensitivity",
+        detail=f"{beyond}; a one-ulp perturbation of the reference moved it {spread[worst_step]:.1e} by then "
+        f"(x{sensitivity_growth:.3g} its step-0 {spread[0]:.1e}), so this is {relation} {DRIFT_FACTOR:g}x the "
+        "run's own sensitivity",
     )
