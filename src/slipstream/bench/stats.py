@@ -185,7 +185,8 @@ def loss_parity(
         **found,
         growth=growth,
         sensitivity_growth=sensitivity_growth,
-        detail=f"{beyond}; a one-ulp perturbation of the reference moved it {spread[worst_step]:.1e} by then "
-        f"(x{sensitivity_growth:.3g} its step-0 {spread[0]:.1e}), so this is {relation} {DRIFT_FACTOR:g}x the "
-        "run's own sensitivity",
+        detail=f"{beyond}; a one-ulp perturbation of the reference had moved it up to {expected[worst_step] / scale:.1e} "
+        f"by then (x{sensitivity_growth:.3g} its step-0 {spread[0]:.1e})"
+        + (f", x{scale:.3g} for this arm's larger step-0 difference" if scale > 1 else "")
+        + f", so this is {relation} {DRIFT_FACTOR:g}x the run's own sensitivity",
     )
