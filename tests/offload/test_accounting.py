@@ -1,5 +1,7 @@
 """Activation bytes kept on the device at the end of forward, per mode."""
 
+import torch
+
 import slipstream
 from slipstream.models import build_model
 from slipstream.offload import RecordingEngine, device_activation_bytes, enable_checkpointing
@@ -27,3 +29,24 @@ def test_offload_keeps_at_most_one_layer_share_of_what_off_keeps():
     assert offload <= off / LAYERS + layer_input  # + the one reload buffer
     assert double <= off / LAYERS + 2 * layer_input  # + the two reload buffers
     assert double - offload == layer_input
+
+
+def test_the_probe_leaves_no_activation_alive():
+    """The count's forward is never backpropagated: afterwards no tensor but the model's own is alive
+    (handing saved tensors back to autograd kept the whole graph: an output its own grad_fn saves
+    makes a cycle through C++ that no collector frees)."""
+    import gc
+
+    from slipstream.models import build_model
+
+    model = slipstream.optimize(build_model("llama"))
+    batch = slipstream.collate_packed(random_docs([60, 100, 40], vocab_size=128))
+    assert device_activation_bytes(model, batch.model_inputs()) > 0
+    gc.collect()
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    alive = [
+        tuple(t.shape)
+        for t in gc.get_objects()
+        if isinstance(t, torch.Tensor) and t.numel() > 1000 and t.untyped_storage().data_ptr() not in own
+    ]
+    assert alive == []
