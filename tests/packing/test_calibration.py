@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import slipstream
+from slipstream import hardware
 from slipstream.models import build_model
 from slipstream.packing import calibration
 from slipstream.packing import short_attention as short_module
@@ -41,8 +42,9 @@ def test_the_figures_are_measured_once_per_device_dtype_and_threads_then_read_ba
     monkeypatch.setattr(calibration, "measure", lambda dtype: measured.append(dtype) or BUILTIN)
     calibration.attention_costs(CPU, torch.float32, threads=1)  # another dtype: its own measurement
     calibration.attention_costs(CPU, torch.bfloat16, threads=2)  # another thread count
-    monkeypatch.setenv("SLIPSTREAM_CPU_CLASS", "avx2")
-    calibration.attention_costs(CPU, torch.bfloat16, threads=1)  # another CPU class: not this one's figures
+    # another CPU class (make test-avx2 already overrides the probe to avx2): not this one's figures
+    monkeypatch.setenv("SLIPSTREAM_CPU_CLASS", "amx" if hardware.cpu_class().name != "amx" else "avx2")
+    calibration.attention_costs(CPU, torch.bfloat16, threads=1)
     calibration.attention_costs(CPU, torch.bfloat16, threads=1, remeasure=True)  # asked to measure again
     assert measured == [torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
     assert calibration.attention_costs("meta", torch.bfloat16) is BUILTIN  # only a CPU is measured
