@@ -140,3 +140,12 @@ def test_every_audit_finding_has_one_outcome_and_says_why():
     assert all(f.feature and f.model_types and f.why for f in rowpos.AUDIT)
     outcomes = {f.outcome for f in rowpos.AUDIT if "llama4" in f.model_types or "phi3" in f.model_types}
     assert "adapted" in outcomes
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "hunyuan_v1_dense"])
+def test_the_rotary_frequencies_are_chosen_on_the_host_on_this_transformers(model_type):
+    """The adaptation finds the rotary forward beneath transformers' ``dynamic_rope_update`` (which
+    compares a device value: in Python on 5.17), so the choice is made from the host lengths on
+    every version; a version without that decorator would fall back to the module's own forward."""
+    rotary = tiny_model(model_type).model.rotary_emb
+    assert rowpos._frequency_free_forward(rotary) is not None

@@ -205,8 +205,74 @@ def _join(pieces: list):
     return type(first)(torch.cat(parts, dim=1) for parts in zip(*pieces, strict=True))
 
 
+def _frequency_free_forward(module: torch.nn.Module) -> Callable | None:
+    """The rotary module's forward without transformers' ``dynamic_rope_update`` decorator.
+
+    That decorator picks the frequencies from ``max(position_ids) + 1``, a value on the device:
+    transformers 5.17 compares it in Python (a host sync per layer call), 5.24 with ``torch.where``.
+    Choosing the frequencies here, from the host lengths, and calling the undecorated forward is
+    the same on every version and reads nothing back. ``None`` where the class's forward is not so
+    decorated (a version that chooses otherwise): then its own forward runs.
+    """
+    function = type(module).forward
+    for _ in range(4):  # torch.no_grad()'s wrapper, then the decorator's (functools.wraps both)
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            return None
+        code = getattr(function, "__code__", None)  # functools.wraps copies the names, not the code
+        if code is not None and code.co_filename.endswith("modeling_rope_utils.py"):
+            break
+        function = inner
+    else:
+        return None
+
+    def forward(*args, **kwargs):
+        with torch.no_grad():
+            return inner(module, *args, **kwargs)
+
+    return forward
+
+
+_LONG_FREQUENCIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _set_longrope_frequencies(module: torch.nn.Module, layer_type: str | None, long: bool, device) -> None:
+    """Make the module's ``inv_freq`` buffer the long or the short longrope frequencies.
+
+    A fresh copy, never written in place: transformers 5.17 makes the buffer *be* its
+    ``original_inv_freq`` after a short call (so an in-place write would change the short set for
+    good), 5.24 writes the buffer in place (so it must not be one of ours).
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    if long:
+        per_module = _LONG_FREQUENCIES.setdefault(module, {})
+        if layer_type not in per_module:
+            rope_type = _rope_types(module).get(layer_type, _rope_types(module).get(None))
+            threshold = _longrope_threshold(module, layer_type)
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            per_module[layer_type], _ = ROPE_INIT_FUNCTIONS[rope_type](
+                module.config, device, seq_len=threshold + 1, **kwargs
+            )
+        frequencies = per_module[layer_type]
+    else:
+        frequencies = getattr(module, f"{prefix}original_inv_freq")
+    dtype = getattr(module, f"{prefix}inv_freq").dtype
+    module.register_buffer(f"{prefix}inv_freq", frequencies.to(device=device, dtype=dtype).clone(), persistent=False)
+
+
+def _dynamic_is_original(module: torch.nn.Module, layer_type: str | None) -> bool:
+    """Dynamic RoPE's frequencies are the original ones (never grown, or reset since)."""
+    prefix = "" if layer_type is None else f"{layer_type}_"
+    cached = getattr(module, f"{prefix}max_seq_len_cached", getattr(module, "max_seq_len_cached", None))
+    original = getattr(module, "original_max_seq_len", None)
+    return cached is not None and original is not None and cached <= original
+
+
 def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callable:
     types = _rope_types(module)
+    undecorated = _frequency_free_forward(module)
 
     def run(*args, **kwargs):
         batch = active_batch()
@@ -224,25 +290,40 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                     f"tokens (max_position_embeddings is {threshold}) would change the positions of every other "
                     f"document in its row. {_TRAIN_UNPACKED}"
                 )
+            # every document below the threshold: the decorator would keep (or reset to) the original
+            # frequencies; where they are already, skip its device-side comparison
+            if undecorated is not None and _dynamic_is_original(module, layer_type):
+                return undecorated(*args, **kwargs)
             return forward(*args, **kwargs)
         if rope_type != "longrope":
             return forward(*args, **kwargs)
         threshold = _longrope_threshold(module, layer_type)
         runs = _runs(batch.seq_lens, lambda length: length > threshold)
-        if len(runs) == 1:
-            return forward(*args, **kwargs)  # every document on one side: the row's choice is each one's
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        x = kwargs.get("x", args[0] if args else None)
         total = batch.num_tokens
+        if undecorated is None:
+            if len(runs) == 1:
+                return forward(*args, **kwargs)  # every document on one side: the row's choice is each one's
+            call = forward
+        else:
+            call = undecorated
+        if len(runs) == 1:
+            _set_longrope_frequencies(module, layer_type, batch.seq_lens[0] > threshold, x.device)
+            return call(*args, **kwargs)
         if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, total):
             raise UnsupportedArchitecture(
                 f"{type(module).__name__}: longrope picks its factors from the longest document of the packed row, "
                 f"and slipstream splits it per document only for position_ids of shape (1, {total}). {_TRAIN_UNPACKED}"
             )
+        first_long = batch.seq_lens[0] > threshold
         pieces = []
-        for start, end in runs:
+        for index, (start, end) in enumerate(runs):  # neighbouring runs are on alternate sides
             piece_args = [_cut(a, start, end, total) for a in args]
             piece_kwargs = {k: _cut(v, start, end, total) for k, v in kwargs.items()}
-            pieces.append(forward(*piece_args, **piece_kwargs))
+            if undecorated is not None:
+                _set_longrope_frequencies(module, layer_type, first_long != (index % 2 == 1), x.device)
+            pieces.append(call(*piece_args, **piece_kwargs))
         return _join(pieces)
 
     return run
