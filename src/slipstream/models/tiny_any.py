@@ -892,6 +892,25 @@ def _rebuild(config, kwargs: dict[str, Any]):
     return type(config)(**{**base, **kwargs})
 
 
+class ArchitectureNotInstalled(KeyError):
+    """``model_type`` is not in the installed transformers' causal-LM registry (an older version, or
+    not a causal LM). A KeyError, as the registry lookup it replaces raised."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def require_installed(model_type: str) -> None:
+    """Raise :class:`ArchitectureNotInstalled`, naming the version, where transformers lacks ``model_type``."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ArchitectureNotInstalled(
+            f"{model_type}: not a causal LM of the installed transformers {transformers.__version__}"
+        )
+
+
 def tiny_config(model_type: str, layers: int = 2):
     """A tiny ``PreTrainedConfig`` of ``model_type`` with its special features on (see module doc).
 
@@ -901,6 +920,7 @@ def tiny_config(model_type: str, layers: int = 2):
     """
     from transformers import AutoConfig
 
+    require_installed(model_type)
     return AutoConfig.for_model(model_type, **_tiny_kwargs(_default_config(model_type), model_type, layers))
 
 
@@ -937,6 +957,7 @@ def causal_lm_class(model_type: str):
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    require_installed(model_type)
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
@@ -989,10 +1010,12 @@ def parameter_count(model: torch.nn.Module) -> int:
 
 __all__ = [
     "OVERRIDES",
+    "ArchitectureNotInstalled",
     "causal_lm_class",
     "config_for_class",
     "parameter_count",
     "random_model",
+    "require_installed",
     "shrink_config",
     "shrink_kwargs",
     "tiny_config",
