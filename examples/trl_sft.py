@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import slipstream
+from slipstream.bench.peers.trl_step import checkpointing_argument
 from slipstream.data import demo_rows, demo_tokenizer, read_rows
 from slipstream.models import build_model
 
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=args.lr,
         lr_scheduler_type="constant",
         bf16=False,  # SFTConfig defaults to bf16 autocast, slow on most CPUs
-        activation_checkpointing=False,  # SFTConfig defaults to on; a tiny model does not need it
+        # SFTConfig defaults to checkpointing on; a tiny model does not need it (the argument is
+        # activation_checkpointing since transformers renamed it, gradient_checkpointing on 5.17)
+        **{checkpointing_argument(SFTConfig): False},
         use_cpu=True,
         logging_steps=args.log_every,
         save_strategy="no",

@@ -14,6 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 import slipstream
+from slipstream.bench.peers.trl_step import checkpointing_argument as _checkpointing_argument
 from slipstream.data import demo_samples, demo_tokenizer, pack_samples
 from slipstream.models import build_model
 from slipstream.packing import PackedCollator, PackedInputs
@@ -106,7 +107,8 @@ def test_sft_trainer_matches_slipstream_loop(tmp_path, tokenizer, bins):
         output_dir=str(tmp_path),
         per_device_train_batch_size=1,
         dataset_kwargs={"skip_prepare_dataset": True},  # the rows are already tokenized and packed
-        activation_checkpointing=True,  # TRL's default; recomputation must not change the loss
+        # TRL's default; recomputation must not change the loss (the argument's name before 5.24's rename)
+        **{_checkpointing_argument(SFTConfig): True},
         **aligned_args(),
     )
     trainer = SFTTrainer(

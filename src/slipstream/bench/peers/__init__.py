@@ -34,8 +34,8 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
             )
         from transformers import PreTrainedModel
 
-        if not hasattr(PreTrainedModel, "activation_checkpointing_enable"):
-            return "this transformers has no activation_checkpointing_enable (new in 5.17)"
+        if _checkpointing_enable_name(PreTrainedModel) is None:
+            return "this transformers' checkpointing has no offload option"
     if peer == "liger":
         if device != "cuda":
             return "Liger-Kernel's Triton kernels need a CUDA GPU"
@@ -48,12 +48,25 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
     return None
 
 
+def _checkpointing_enable_name(model_class) -> str | None:
+    """transformers' offloading checkpointing switch: ``activation_checkpointing_enable`` since it was
+    renamed, ``gradient_checkpointing_enable(offload=...)`` before (5.17)."""
+    import inspect
+
+    for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        method = getattr(model_class, name, None)
+        if method is not None and "offload" in inspect.signature(method).parameters:
+            return name
+    return None
+
+
 def prepare_base_model(peer: Peer, model: torch.nn.Module) -> list[str]:
     """Set up the base model (before LoRA) as ``peer`` would; returns the policy lines to log."""
     if peer == "transformers-offload":
-        model.activation_checkpointing_enable(offload=True)
+        name = _checkpointing_enable_name(type(model))
+        getattr(model, name)(offload=True)
         return [
-            "checkpointing: transformers' activation_checkpointing_enable(offload=True) "
+            f"checkpointing: transformers' {name}(offload=True) "
             "(save_on_cpu(pin_memory=True) around each layer's checkpoint; copies on the compute stream)"
         ]
     if peer == "liger":

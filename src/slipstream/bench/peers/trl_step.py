@@ -28,6 +28,13 @@ import torch
 IGNORE_INDEX = -100
 
 
+def checkpointing_argument(arguments_class) -> str:
+    """The training arguments' checkpointing switch: transformers renamed it ``activation_checkpointing``
+    (the old name warns a FutureWarning); 5.17 knows only ``gradient_checkpointing``."""
+    fields = {f.name for f in dataclasses.fields(arguments_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+
+
 class TrlStep:
     """Drives a real ``SFTTrainer`` one optimizer step at a time over the harness's micro-batches."""
 
@@ -37,13 +44,8 @@ class TrlStep:
 
         self.device = device
         self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-")
-        # The run's checkpointing is installed like the stock arms', so TRL's own is off. transformers
-        # renamed the argument (activation_checkpointing; the old name warns a FutureWarning); 5.17
-        # knows only gradient_checkpointing.
-        fields = {f.name for f in dataclasses.fields(SFTConfig)}
-        checkpointing = (
-            "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-        )
+        # The run's checkpointing is installed like the stock arms', so TRL's own is off.
+        checkpointing = checkpointing_argument(SFTConfig)
         args = SFTConfig(
             output_dir=self._output_dir,
             per_device_train_batch_size=1,
