@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slipstream-installed
 # the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow test-avx2 compat compile-check lint setup clean bench-packing
+.PHONY: demo test test-slow test-avx2 test-floor compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -35,6 +35,23 @@ test-slow: $(STAMP)
 # (SLIPSTREAM_CPU_CLASS, so `dtype: auto` is fp32) and torch's fp32 GEMMs held to AVX2 (MKL).
 test-avx2: $(STAMP)
 	SLIPSTREAM_CPU_CLASS=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# The default suite against the lowest versions pyproject.toml declares (constraints-floor.txt:
+# transformers 5.17, the lent GPU's; peft, accelerate, datasets, trl, bitsandbytes at their floors),
+# in a venv of its own; then the whole-registry sweep there (architectures that version lacks are
+# listed as not installed, never failed).
+FLOOR_VENV := .venv-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.slipstream-installed
+
+$(FLOOR_STAMP): pyproject.toml constraints-floor.txt
+	test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install -q -c constraints-floor.txt "torch==2.13.0" -e ".[dev,trl,qlora]"
+	touch $(FLOOR_STAMP)
+
+test-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+	$(FLOOR_VENV)/bin/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)
