@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # Every GPU check in one run (< 8 minutes on one H200: the timeouts add up to 480 s). Results go under $OUT (default ./out).
-# The lent machine has torch and transformers but may lack our other deps; we install
-# slipstream without touching its torch.
+# The lent machine is bare and offline: torch, transformers, peft, accelerate, tokenizers, pyyaml, rich,
+# tqdm and setuptools are there; what slipstream needs beyond them travels as wheels in .whl/
+# (benchmarks/gpu_wheels.sh downloads them here; the device call carries .whl). Nothing is fetched.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
-{
+(
   nvidia-smi || true
-  python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-  pip install -q --no-deps -e . 2>&1 | tail -2
-  pip install -q tokenizers pyarrow pyyaml tqdm rich 2>&1 | tail -2
-} > "$OUT/env.txt" 2>&1
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      || { echo "gpu_check: the brought wheels in .whl/ did not install"; exit 1; }
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . 2>&1 | tail -2
+  python3 benchmarks/gpu_env.py || exit 1
+) > "$OUT/env.txt" 2>&1 || { tail -1 "$OUT/env.txt"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# GPU_CHECK_INSTALL_ONLY=1: stop here (the install step's dry run on a machine without a GPU)
+if [ "${GPU_CHECK_INSTALL_ONLY:-0}" = 1 ]; then cat "$OUT/env.txt"; exit 0; fi
 
 # 0. slipstream doctor (issue 13): the device, versions, each fast path's backend and why, and each
 #    fast path run against its stock arm on this GPU (parity, host syncs under sync debug, verdict).
