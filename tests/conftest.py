@@ -34,13 +34,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """A test of an architecture the installed transformers does not have (an older version than
-    the pinned one: ``make test-floor``) skips, naming it and the version, instead of failing."""
+    the pinned one: ``make test-floor``), or of a feature whose optional extra is not installed
+    (bitsandbytes, trl, liger-kernel, gguf, datasets), skips with the name instead of failing."""
+    from slipstream.extras import EXTRAS, installed
     from slipstream.models.tiny_any import ArchitectureNotInstalled
 
     try:
         return (yield)
     except ArchitectureNotInstalled as missing:
         pytest.skip(str(missing))
+    except ModuleNotFoundError as error:
+        top = (error.name or "").split(".")[0]
+        if top in EXTRAS and not installed(top):
+            pytest.skip(f"{top} is not installed ({EXTRAS[top]})")
+        raise
 
 
 # Where a user's own state lives. A test run sees none of it: ``pytest_configure`` points these

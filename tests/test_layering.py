@@ -12,6 +12,7 @@ LAYERS = [
     {
         "_version",
         "atomic",
+        "extras",
         "fields",
         "hardware",
         "host_reads",

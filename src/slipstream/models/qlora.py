@@ -28,6 +28,9 @@ def load_for_qlora(
     """
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from ..extras import require
+
+    require("bitsandbytes", "quantization.four_bit (QLoRA)")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     quantization = BitsAndBytesConfig(
@@ -58,7 +61,9 @@ def dequantize_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     dense weights in ``dtype``, holding the values the 4-bit forward computes with
     (bitsandbytes' ``dequantize_4bit``; ``moe.nf4.dequantize_experts``), and no trace of the
     quantization left in the model or its config. Returns the model."""
-    import bitsandbytes as bnb
+    from ..extras import require
+
+    bnb = require("bitsandbytes", "merging a 4-bit (QLoRA) run")
 
     for name, module in list(model.named_modules()):
         if not isinstance(module, bnb.nn.Linear4bit):

@@ -34,9 +34,9 @@ class NF4Settings:
 
 
 def _bnb():
-    import bitsandbytes.functional as bnb_functional
+    from ..extras import require
 
-    return bnb_functional
+    return require("bitsandbytes.functional", "4-bit (NF4) experts")
 
 
 class NF4ExpertStore:
