@@ -4,6 +4,7 @@ bitsandbytes -> pip install 'slipstream[qlora]'   (quantization.four_bit, 4-bit 
 trl          -> pip install 'slipstream[trl]'     (the trl A/B arm, TRL's trainers)
 liger_kernel -> pip install 'slipstream[liger]'   (fused_kernels: liger, the liger arm)
 gguf         -> pip install gguf                  (reading a GGUF checkpoint)
+datasets     -> pip install 'slipstream[datasets]' (a directory saved with datasets)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ EXTRAS = {
     "trl": "pip install 'slipstream[trl]'",
     "liger_kernel": "pip install 'slipstream[liger]'",
     "gguf": "pip install gguf",
-    "datasets": "pip install datasets",
+    "datasets": "pip install 'slipstream[datasets]'",
 }
 
 

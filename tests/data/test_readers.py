@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -102,6 +101,7 @@ def test_parquet_rows_with_nested_messages(tmp_path):
 
 
 def test_datasets_directory_and_dataset_dict(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'slipstream[datasets]')")
     datasets.Dataset.from_list(ROWS[:1] * 4).save_to_disk(str(tmp_path / "single"))
     assert [loc for _, loc in read_rows(tmp_path / "single")][-1] == f"{tmp_path / 'single'}: row 3"
 

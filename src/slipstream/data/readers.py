@@ -222,7 +222,9 @@ def _parquet_records(parquet: Any, path: Path) -> Iterator[tuple[Any, str]]:
 
 
 def _dataset_dir_rows(path: Path) -> Iterator[tuple[Any, str]]:
-    import datasets
+    from ..extras import require
+
+    datasets = require("datasets", f"{path}: reading a directory saved with datasets")
 
     try:
         loaded = datasets.load_from_disk(str(path))
