@@ -356,6 +356,10 @@ def _optimizer(config: TrainConfig, model, device: torch.device, info: Distribut
 
 def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) -> _Run:
     """Everything before the first step, in an order the seeds depend on; every rank runs it."""
+    if config.quantization.four_bit:  # said before any data is read or anything is written
+        from ..extras import require
+
+        require("bitsandbytes", "quantization.four_bit (QLoRA)")
     info = setup(config.training.distributed)
     out = Path(config.output_dir)
     lock = RunLock.acquire(out) if info.is_main else None  # before anything there is read or changed
