@@ -65,12 +65,17 @@ def _window_allowed(q_len: int, k_len: int, window: int | None, device: torch.de
     return allowed
 
 
-def _doc_mask(batch: PackedBatch | None, length: int, window: int | None, device) -> torch.Tensor:
-    """A document's window mask, memoised on the batch (one build per length per batch)."""
+def _doc_mask(
+    batch: PackedBatch | None, length: int, window: int | None, device, k_len: int | None = None
+) -> torch.Tensor:
+    """A document's causal / window mask, memoised on the batch (one build per shape per batch).
+    ``k_len`` > ``length``: a document that also attends to a shared prefix (:mod:`.pairs`)."""
+    k_len = length if k_len is None else k_len
     if batch is None:
-        return _window_allowed(length, length, window, device)
+        return _window_allowed(length, k_len, window, device)
     return batch.memo(
-        ("window_mask", length, window, str(device)), lambda: _window_allowed(length, length, window, device)
+        ("window_mask", length, k_len, window, str(device)),
+        lambda: _window_allowed(length, k_len, window, device),
     )
 
 
@@ -100,10 +105,7 @@ def _sdpa_one(query, key, value, scaling, dropout, window, batch, short_kernel="
             return F.scaled_dot_product_attention(
                 query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
             )
-    if q_len == k_len:
-        mask = _doc_mask(batch, q_len, window, query.device)
-    else:
-        mask = _window_allowed(q_len, k_len, window, query.device)
+    mask = _doc_mask(batch, q_len, window, query.device, k_len)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=enable_gqa
     )
@@ -121,11 +123,7 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    allowed = (
-        _doc_mask(batch, q_len, window, query.device)
-        if q_len == k_len
-        else _window_allowed(q_len, k_len, window, query.device)
-    )
+    allowed = _doc_mask(batch, q_len, window, query.device, k_len)
     scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
     sink_logits = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, q_len, 1).to(scores.dtype)
     logits = torch.cat([scores, sink_logits], dim=-1)
@@ -146,12 +144,16 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     if batch.num_docs == 1:
         return fn(query, key, value, batch=batch, **kw)
     lengths = list(batch.seq_lens)
-    outputs = [
-        fn(q, k, v, batch=batch, **kw).transpose(1, 2)
-        for q, k, v in zip(
-            query.split(lengths, 2), key.split(lengths, 2), value.split(lengths, 2), strict=True
-        )
-    ]
+    keys, values = key.split(lengths, 2), value.split(lengths, 2)
+    prefixes = batch.prefix_lens or (0,) * len(lengths)
+    outputs = []
+    for number, (q, k, v) in enumerate(zip(query.split(lengths, 2), keys, values, strict=True)):
+        prefix = prefixes[number]
+        if prefix:
+            # a shared prompt: the first ``prefix`` keys of the previous document, then its own
+            k = torch.cat([keys[number - 1][:, :, :prefix], k], dim=2)
+            v = torch.cat([values[number - 1][:, :, :prefix], v], dim=2)
+        outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
     return torch.cat(outputs, dim=1).transpose(1, 2)
 
 
@@ -280,6 +282,8 @@ def packed_sdpa_attention(
         fn = functools.partial(_sdpa_one, short_kernel=SHORT_KERNEL_CHOICE.get(module, "auto"), costs=costs)
     kw = {"scaling": scaling, "dropout": dropout, "window": window}
     mode = GROUPING_CHOICE.get(module, "auto")
+    if batch.has_prefixes:
+        mode = "per_document"  # grouping pads self-attending documents; shared prompts run per document
     groups = document_groups(batch, mode, query.shape[1], key.shape[1], query.shape[-1], costs)
     counts = GROUPING_COUNTS.get(module)
     if counts is not None:
@@ -323,7 +327,8 @@ def packed_varlen_attention(
     query, batch, scaling, dropout, window, sinks = _unpack_args(
         module, query, key, attention_mask, kwargs, scaling, dropout, sliding_window
     )
-    if batch is None or sinks is not None or query.device.type != "cuda":
+    if batch is None or sinks is not None or query.device.type != "cuda" or batch.has_prefixes:
+        # shared prompts (preference pairs): per-document SDPA, each rejected answer with its prompt
         return packed_sdpa_attention(
             module, query, key, value, attention_mask, scaling, dropout, sliding_window, **kwargs
         )
@@ -392,16 +397,33 @@ def flex_block_mask(batch: PackedBatch, window: int | None):
     def build():
         from torch.nn.attention.flex_attention import create_block_mask
 
-        doc_ids = torch.repeat_interleave(
-            torch.arange(batch.num_docs, device=batch.device),
-            torch.tensor(batch.seq_lens, device=batch.device),
-            output_size=batch.num_tokens,
+        # per token, from the host lengths: where its document starts, and the shared prompt it
+        # also sees (a range at the start of the previous document; empty for most documents)
+        starts, prefix_starts, prefix_ends = [], [], []
+        previous, start = 0, 0
+        for length, prefix in zip(batch.seq_lens, batch.prefix_lens or (0,) * batch.num_docs, strict=True):
+            starts += [start] * length
+            prefix_starts += [previous] * length
+            prefix_ends += [previous + prefix] * length
+            previous, start = start, start + length
+        doc_start = torch.tensor(starts, device=batch.device)
+        prefix_start = torch.tensor(prefix_starts, device=batch.device)
+        prefix_end = torch.tensor(prefix_ends, device=batch.device)
+        # key positions as the document would number them alone (shared prompt first)
+        offset = torch.tensor(
+            [s - (pe - ps) for s, ps, pe in zip(starts, prefix_starts, prefix_ends, strict=True)],
+            device=batch.device,
         )
 
         def mask_mod(b, h, q_idx, kv_idx):
-            allowed = (doc_ids[q_idx] == doc_ids[kv_idx]) & (kv_idx <= q_idx)
+            own = (kv_idx >= doc_start[q_idx]) & (kv_idx <= q_idx)
+            shared = (kv_idx >= prefix_start[q_idx]) & (kv_idx < prefix_end[q_idx])
+            allowed = own | shared
             if window is not None:
-                allowed = allowed & (kv_idx > q_idx - window)
+                # distance as the document alone numbers it: a shared key sits before its own keys
+                q_alone = q_idx - offset[q_idx]
+                k_alone = torch.where(own, kv_idx - offset[q_idx], kv_idx - prefix_start[q_idx])
+                allowed = allowed & (k_alone > q_alone - window)
             return allowed
 
         T = batch.num_tokens

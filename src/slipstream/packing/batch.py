@@ -41,7 +41,23 @@ class PackedBatch:
     max_seqlen: int
     num_label_tokens: int
     loss_positions: torch.Tensor | None = None
+    # Per document: how many tokens at the start of the *previous* document it also attends to,
+    # before its own (a preference pair's rejected answer sees the prompt its chosen answer
+    # follows, :mod:`.pairs`). None: every document attends to itself only.
+    prefix_lens: tuple[int, ...] | None = None
+    answers: AnswerSpans | None = None  # the answers whose summed log-probs a preference loss reads
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def has_prefixes(self) -> bool:
+        return self.prefix_lens is not None and any(self.prefix_lens)
+
+    @property
+    def alone_lengths(self) -> tuple[int, ...]:
+        """Each document's length as it would run alone: its own tokens plus the prefix it attends to."""
+        if self.prefix_lens is None:
+            return self.seq_lens
+        return tuple(n + p for n, p in zip(self.seq_lens, self.prefix_lens, strict=True))
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +91,12 @@ class PackedBatch:
         block) is causal attention within each piece, so the packed backends run it as if each
         piece were a document. Built once per batch and chunk size, from the host lengths.
         """
+
+        if self.has_prefixes:
+            raise NotImplementedError(
+                "chunked attention (attention_chunk_size) with shared prompts: not supported; "
+                "set preference.prefix_sharing false"
+            )
 
         def build() -> PackedBatch:
             lengths: list[int] = []
@@ -122,6 +144,8 @@ class PackedBatch:
             max_seqlen=self.max_seqlen,
             num_label_tokens=self.num_label_tokens,
             loss_positions=None if self.loss_positions is None else move(self.loss_positions),
+            prefix_lens=self.prefix_lens,
+            answers=None if self.answers is None else self.answers.to(move),
         )
 
     def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:
@@ -158,6 +182,34 @@ class PackedBatch:
             "position_ids": self.position_ids,
             "use_cache": False,
         }
+
+
+@dataclass(eq=False)
+class AnswerSpans:
+    """The answers of a packed row whose summed log-probs a preference loss reads.
+
+    ``positions`` [N]: row positions whose next-token log-prob counts; ``targets`` [N]: the
+    token each predicts (explicit, since a shared prompt's rejected answer is predicted from
+    the prompt's last token, not from the token before it in the row); ``index`` [N]: which
+    answer each belongs to (pair i: chosen 2i, rejected 2i + 1). ``lengths``: the token count of
+    every answer, as Python ints (for length-normalised losses, read without a sync).
+    """
+
+    positions: torch.Tensor
+    targets: torch.Tensor
+    index: torch.Tensor
+    lengths: tuple[int, ...]
+
+    @property
+    def num_answers(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self.lengths) // 2
+
+    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
+        return AnswerSpans(move(self.positions), move(self.targets), move(self.index), self.lengths)
 
 
 def _as_int_list(values: Any, name: str, index: int) -> list[int]:

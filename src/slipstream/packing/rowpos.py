@@ -173,12 +173,15 @@ def _dynamic_threshold(module: torch.nn.Module) -> int:
     return int(getattr(module, "original_max_seq_len", None) or module.config.max_position_embeddings)
 
 
-def _runs(lengths: tuple[int, ...], side: Callable[[int], bool]) -> list[tuple[int, int]]:
-    """Token ranges of neighbouring documents on the same ``side``."""
+def _runs(
+    lengths: tuple[int, ...], side: Callable[[int], bool], alone: tuple[int, ...] | None = None
+) -> list[tuple[int, int]]:
+    """Token ranges of neighbouring documents on the same ``side`` (judged by each document's
+    length ``alone``: with a shared prompt, its own tokens plus the prompt's)."""
     runs: list[tuple[int, int]] = []
     start, previous = 0, None
-    for length in lengths:
-        here = side(length)
+    for length, whole in zip(lengths, alone or lengths, strict=True):
+        here = side(whole)
         if runs and here == previous:
             runs[-1] = (runs[-1][0], start + length)
         else:
@@ -259,7 +262,9 @@ def _set_longrope_frequencies(module: torch.nn.Module, layer_type: str | None, l
     else:
         frequencies = getattr(module, f"{prefix}original_inv_freq")
     dtype = getattr(module, f"{prefix}inv_freq").dtype
-    module.register_buffer(f"{prefix}inv_freq", frequencies.to(device=device, dtype=dtype).clone(), persistent=False)
+    module.register_buffer(
+        f"{prefix}inv_freq", frequencies.to(device=device, dtype=dtype).clone(), persistent=False
+    )
 
 
 def _dynamic_is_original(module: torch.nn.Module, layer_type: str | None) -> bool:
@@ -280,7 +285,7 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             return forward(*args, **kwargs)
         layer_type = kwargs.get("layer_type", args[2] if len(args) > 2 else None)
         rope_type = types.get(layer_type, types.get(None, ""))
-        longest = max(batch.seq_lens)
+        longest = max(batch.alone_lengths)  # a shared prompt's answer is as long as prompt + answer
         if "dynamic" in rope_type:
             threshold = _dynamic_threshold(module)
             if longest >= threshold:
@@ -298,7 +303,7 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         if rope_type != "longrope":
             return forward(*args, **kwargs)
         threshold = _longrope_threshold(module, layer_type)
-        runs = _runs(batch.seq_lens, lambda length: length > threshold)
+        runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         x = kwargs.get("x", args[0] if args else None)
         total = batch.num_tokens
@@ -309,14 +314,14 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         else:
             call = undecorated
         if len(runs) == 1:
-            _set_longrope_frequencies(module, layer_type, batch.seq_lens[0] > threshold, x.device)
+            _set_longrope_frequencies(module, layer_type, batch.alone_lengths[0] > threshold, x.device)
             return call(*args, **kwargs)
         if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, total):
             raise UnsupportedArchitecture(
                 f"{type(module).__name__}: longrope picks its factors from the longest document of the packed row, "
                 f"and slipstream splits it per document only for position_ids of shape (1, {total}). {_TRAIN_UNPACKED}"
             )
-        first_long = batch.seq_lens[0] > threshold
+        first_long = batch.alone_lengths[0] > threshold
         pieces = []
         for index, (start, end) in enumerate(runs):  # neighbouring runs are on alternate sides
             piece_args = [_cut(a, start, end, total) for a in args]

@@ -1,0 +1,127 @@
+"""Preference pairs packed with their prompt once: ``prompt | chosen | rejected`` in one row.
+
+A pair's two answers share a prompt. Run apart (what every peer does), the prompt runs twice,
+once before each answer. Packed here, a pair is two documents of the row: ``prompt + chosen``
+(plain causal attention) and ``rejected``, whose queries attend to the prompt at the start of
+the document before it and then causally to themselves, never to the chosen answer
+(``PackedBatch.prefix_lens``). Its positions continue from the prompt's end, as if it followed
+the prompt alone, so RoPE (and anything else computed from position_ids) sees what it would see
+with the answer run alone after its prompt.
+
+Everything is known on the host when the pairs are collated: the documents' lengths, their
+prefixes, positions and which row position predicts which answer token (``AnswerSpans``: the
+rejected answer's first token is predicted from the prompt's last token, which is not the row
+position before it). So, as for SFT, the attention reads Python ints and builds no [T, T] mask:
+a rejected answer's [R, P + R] causal mask is the only mask, built once per shape per batch.
+
+``prefix_sharing=False`` packs the same pair as two plain documents, ``prompt + chosen`` and
+``prompt + rejected`` (the A/B's other arm: every layer runs the prompt twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
+
+PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def pair_tokens(pair: dict[str, Any], prefix_sharing: bool = True) -> int:
+    """Tokens the pair takes in a packed row: P + C + R shared, 2P + C + R otherwise."""
+    prompt, chosen, rejected = (len(pair[key]) for key in PAIR_KEYS)
+    return prompt + chosen + rejected + (0 if prefix_sharing else prompt)
+
+
+def collate_pairs(
+    pairs: Sequence[dict[str, Any]],
+    prefix_sharing: bool = True,
+    device: torch.device | str | None = None,
+) -> PackedBatch:
+    """Pack ``pairs`` (``{"prompt_ids", "chosen_ids", "rejected_ids"}``, token id lists) into one row.
+
+    Answer ``2i`` is pair i's chosen answer, ``2i + 1`` its rejected one (``batch.answers``).
+    ``labels`` mark the answer tokens (for code that counts them); the log-probs are read at
+    ``answers.positions``, which is what a preference loss uses.
+    """
+    if not pairs:
+        raise ValueError("collate_pairs needs at least one pair")
+    input_ids: list[int] = []
+    labels: list[int] = []
+    position_ids: list[int] = []
+    seq_lens: list[int] = []
+    prefix_lens: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    index: list[int] = []
+    lengths: list[int] = []
+
+    def add_document(ids: list[int], first_position: int, prefix: int) -> int:
+        start = len(input_ids)
+        input_ids.extend(ids)
+        position_ids.extend(range(first_position, first_position + len(ids)))
+        seq_lens.append(len(ids))
+        prefix_lens.append(prefix)
+        return start
+
+    def add_answer(answer: list[int], predicted_from: list[int], number: int) -> None:
+        positions.extend(predicted_from)
+        targets.extend(answer)
+        index.extend([number] * len(answer))
+        lengths.append(len(answer))
+
+    for number, pair in enumerate(pairs):
+        prompt, chosen, rejected = (_ids(pair, key, number) for key in PAIR_KEYS)
+        P, C, R = len(prompt), len(chosen), len(rejected)
+        start = add_document(prompt + chosen, 0, 0)
+        add_answer(chosen, list(range(start + P - 1, start + P + C - 1)), 2 * number)
+        labels.extend([IGNORE_INDEX] * P + chosen)
+        if prefix_sharing:
+            # the rejected answer follows the prompt (positions P..), not the chosen answer
+            r_start = add_document(rejected, P, P)
+            predicted_from = [start + P - 1, *range(r_start, r_start + R - 1)]
+        else:
+            r_start = add_document(prompt + rejected, 0, 0)
+            predicted_from = list(range(r_start + P - 1, r_start + P + R - 1))
+            labels.extend([IGNORE_INDEX] * P)
+        add_answer(rejected, predicted_from, 2 * number + 1)
+        labels.extend(rejected)
+    cu_seqlens = [0]
+    for length in seq_lens:
+        cu_seqlens.append(cu_seqlens[-1] + length)
+    answers = AnswerSpans(
+        positions=torch.tensor(positions, dtype=torch.long),
+        targets=torch.tensor(targets, dtype=torch.long),
+        index=torch.tensor(index, dtype=torch.long),
+        lengths=tuple(lengths),
+    )
+    batch = PackedBatch(
+        input_ids=torch.tensor([input_ids], dtype=torch.long),
+        labels=torch.tensor([labels], dtype=torch.long),
+        position_ids=torch.tensor([position_ids], dtype=torch.long),
+        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+        seq_lens=tuple(seq_lens),
+        max_seqlen=max(seq_lens),
+        num_label_tokens=len(positions),
+        loss_positions=answers.positions,
+        prefix_lens=tuple(prefix_lens) if prefix_sharing else None,
+        answers=answers,
+    )
+    return batch.to(device) if device is not None else batch
+
+
+def _ids(pair: dict[str, Any], key: str, number: int) -> list[int]:
+    if key not in pair:
+        raise KeyError(f"pair {number} has no {key!r}")
+    ids = pair[key]
+    if isinstance(ids, torch.Tensor):
+        ids = ids.tolist()
+    ids = list(ids)
+    if not ids:
+        raise ValueError(f"pair {number}: {key!r} is empty")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
+        raise TypeError(f"pair {number}: {key!r} must contain only ints")
+    return ids
