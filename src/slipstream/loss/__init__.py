@@ -5,11 +5,13 @@ does this by default); ``chunked_evaluation(model)`` makes evaluation forwards w
 it too (the loss only, no logits); ``linear_cross_entropy`` is the computation itself, usable on its own.
 """
 
+from .answer_logprobs import answer_logprobs, answer_logprobs_from_logits
 from .chunked_loss import (
     ChunkedLoss,
     LogitsNotComputed,
     LogitsNotComputedError,
     UnsupportedLoss,
+    answer_logprobs_of,
     check_supported,
     chunked_evaluation,
     transform_candidates,
@@ -18,6 +20,9 @@ from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_c
 
 __all__ = [
     "ChunkedLoss",
+    "answer_logprobs",
+    "answer_logprobs_from_logits",
+    "answer_logprobs_of",
     "LinearHead",
     "LogitTransform",
     "LogitsNotComputed",

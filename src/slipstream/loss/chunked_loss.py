@@ -58,6 +58,7 @@ import torch
 
 from ..data.labels import IGNORE_INDEX
 from ..packing.batch import PACKED_BATCH_KWARG
+from .answer_logprobs import answer_logprobs
 from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
 logger = logging.getLogger("slipstream")
@@ -208,9 +209,11 @@ class ChunkedLoss:
         labels = kwargs.get("labels")
         keep = kwargs.get("logits_to_keep")
         training = module.training and torch.is_grad_enabled()
+        batch = kwargs.get(PACKED_BATCH_KWARG)
+        answers = getattr(batch, "answers", None) is not None  # a preference batch: always chunked
         if (
             labels is None
-            or not (training or self.evaluating)
+            or not (training or self.evaluating or answers)
             or not (keep is None or (isinstance(keep, int) and keep == 0))
         ):
             return None
@@ -261,6 +264,11 @@ class ChunkedLoss:
             )
         if self.transform is None:
             self.transform = self._match_transform(call.probe, logits)
+        if getattr(call.packed_batch, "answers", None) is not None:
+            loss = self._answer_logprobs(call, vocab_size)
+            call.phase = "done"
+            call.hidden = None
+            return loss
         loss = self._loss(call, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
         call.phase = "done"
         call.hidden = None
@@ -320,6 +328,37 @@ class ChunkedLoss:
             ignore_index=ignore_index,
         )
 
+    def _answer_logprobs(self, call: _Call, vocab_size: int) -> torch.Tensor:
+        """A preference batch: every answer's summed log-prob, left on the batch
+        (:func:`answer_logprobs_of`); the forward's ``loss`` is the answers' mean NLL, detached
+        (a preference loss is computed from the sums, never by calling backward on it)."""
+        batch = call.packed_batch
+        answers = batch.answers
+        hidden = call.hidden
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1]).index_select(0, answers.positions)
+        if self.chunk_tokens is None:
+            self.chunk_tokens, reason = choose_chunk_tokens(
+                vocab_size, hidden.dtype, hidden.device, override=self.requested_chunk_tokens
+            )
+            self._log(f"chunked loss: {reason}")
+        head = self._head
+        params = [p for p in head.parameters() if p.requires_grad]
+        if self._is_plain_linear(head):
+            head = LinearHead(head.weight, head.bias)
+        sums = answer_logprobs(
+            hidden_NH,
+            answers.targets,
+            answers.index,
+            answers.num_answers,
+            head,
+            params,
+            transform=self.transform,
+            chunk_tokens=self.chunk_tokens,
+        )
+        batch.memo(ANSWER_LOGPROBS, dict).clear()
+        batch.memo(ANSWER_LOGPROBS, dict)["sums"] = sums
+        return (-sums.sum() / max(1, batch.num_label_tokens)).detach()
+
     def _is_plain_linear(self, head: torch.nn.Module) -> bool:
         """An exact nn.Linear with no hooks but ours: its tensors can be used directly (the fast path)."""
         from torch.nn.modules import module as torch_module
@@ -375,6 +414,15 @@ class ChunkedLoss:
     def _log(self, policy: str) -> None:
         self.policies.append(policy)
         logger.info(policy)
+
+
+ANSWER_LOGPROBS = "answer_logprobs"  # the memo key under which a preference batch gets its sums
+
+
+def answer_logprobs_of(batch) -> torch.Tensor | None:
+    """The ``[answers]`` summed log-probs the chunked loss left on ``batch`` in its last forward."""
+    found = batch._memo.get(ANSWER_LOGPROBS)
+    return None if not found else found.get("sums")
 
 
 @contextlib.contextmanager
