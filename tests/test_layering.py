@@ -31,6 +31,7 @@ LAYERS = [
     },  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     {"models"},  # model builders and loaders
+    {"preference"},  # preference tuning: pairs, their losses, the reference pass
     {"train"},  # the training loop
     {"export"},  # slipstream export: a run's adapter merged into its base model
     {"generation"},  # slipstream generate: text from a run's base model + adapter

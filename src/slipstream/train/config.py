@@ -98,8 +98,27 @@ class OptimizerConfig:
     max_grad_norm: Annotated[float, Range(ge=0)] = 1.0  # 0 = no clipping
 
 
+# What the run trains for: next-token SFT, or a preference loss on {prompt, chosen, rejected}
+# pairs (slipstream.preference: dpo, ipo, the reference-free simpo).
+Objective = Literal["sft", "dpo", "ipo", "simpo"]
+
+
+@dataclass
+class PreferenceConfig:
+    """The preference objectives' settings (``training.objective`` dpo / ipo / simpo)."""
+
+    beta: Annotated[float, Range(gt=0)] = 0.1  # how far from the reference the policy may move
+    simpo_gamma: Annotated[float, Range(ge=0)] = 1.0  # SimPO's target reward margin
+    # a pair packed as prompt | chosen | rejected, the prompt run once (else prompt+chosen, prompt+rejected)
+    prefix_sharing: bool = True
+    # the reference log-probs: one pass before step 0, cached (the base model: the adapter starts at
+    # zero); or per_step, in every step with the adapter off (LoRA only)
+    reference: Literal["precomputed", "per_step"] = "precomputed"
+
+
 @dataclass
 class TrainingConfig:
+    objective: Objective = "sft"
     steps: Positive | None = None  # optimizer steps; or
     epochs: Positive | None = None
     grad_accum: Positive = 1  # packed micro-batches per optimizer step
@@ -131,6 +150,7 @@ class TrainConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes
     output_dir: str = "runs/train"
     seed: NonNegative = 0
@@ -172,7 +192,42 @@ class TrainConfig:
             fail("lora.target_modules", "'lora.target_modules' is empty: name the modules the adapter wraps")
         if not self.output_dir.strip():
             fail("output_dir", "'output_dir' is empty")
+        if self.training.objective != "sft":
+            self._validate_preference(fail)
         return self
+
+    def _validate_preference(self, fail) -> None:
+        """What the preference objectives cannot do yet is refused by name."""
+        objective = f"training.objective {self.training.objective!r}"
+        if self.data.path is None:
+            fail(
+                "data.path",
+                f"{objective} needs preference pairs: set data.path (there is no built-in demo of pairs)",
+            )
+        if self.speedups.packed_attention is False:
+            fail(
+                "speedups.packed_attention",
+                f"{objective} trains packed pairs: speedups.packed_attention false is not supported",
+            )
+        if self.training.distributed == "fsdp2":
+            fail(
+                "training.distributed",
+                f"{objective} with training.distributed 'fsdp2' is not supported yet (use ddp)",
+            )
+        if self.data.overflow == "split":
+            fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
+        if self.preference.reference == "per_step" and self.training.objective != "simpo":
+            if not self.lora.enabled:
+                fail(
+                    "preference.reference",
+                    "preference.reference 'per_step' is the base with the adapter off: it needs lora.enabled "
+                    "(a full fine-tune's reference is 'precomputed')",
+                )
+            if self.lora.experts:
+                fail(
+                    "preference.reference",
+                    "preference.reference 'per_step' cannot switch lora.experts adapters off: use 'precomputed'",
+                )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

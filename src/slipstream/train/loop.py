@@ -49,6 +49,10 @@ from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..optimize import optimize, state_of
 from ..packing import collate_packed
+from ..packing.pairs import collate_pairs
+from ..preference import PairReport, evaluate_pairs, load_pairs, pack_pairs, preference_step, split_pairs
+from ..preference.objective import reference_sums
+from ..preference.reference import cache_key, precomputed_reference, weights_fingerprint
 from ..utilisation import FlopProfile, docs_micro_batch, flop_profile, matmul_peak
 from .checkpoints import (
     Checkpoint,
@@ -263,10 +267,108 @@ class _Run:
     matmul_peak: dict | None = None  # the device's measured peak (rank 0), utilisation.matmul_peak
     # this invocation's steps: (model FLOPs of the whole step, every rank's bins; seconds; tokens)
     step_work: list[tuple[int, float, int]] = field(default_factory=list)
+    # a preference objective: each bin's reference sums (precomputed), the eval pairs and theirs
+    reference: list[torch.Tensor] | None = None
+    eval_reference: list[torch.Tensor] | None = None
+    eval_metrics: list[tuple[int, dict]] = field(default_factory=list)
+    last_preference: dict | None = None  # the last step's loss and reward metrics
+
+    @property
+    def preference(self) -> bool:
+        return self.config.training.objective != "sft"
+
+
+@dataclass
+class PairEvalSet:
+    """The held-out pairs, packed as training packs its own, and what ``run.json`` says of them."""
+
+    bins: list[list[dict]]
+    source: str
+    rows: int
+
+    def summary(self) -> dict:
+        return {"source": self.source, "pairs": self.rows}
+
+
+def _pair_data(config: TrainConfig, tokenizer, info: Distributed):
+    """A preference objective's pairs, their bins and the held-out pairs; what was skipped or cut is said."""
+
+    def read(path: str) -> tuple[list[dict], PairReport]:
+        try:
+            return load_pairs(
+                path,
+                tokenizer,
+                max_seq_len=config.data.max_seq_len,
+                on_bad_row="skip" if config.data.skip_bad_rows else "error",
+            )
+        except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
+            if isinstance(error, DataError):
+                raise
+            raise TrainError(
+                f"{path}: {error} (the tokenizer of {config.model.path or config.model.preset})"
+            ) from None
+
+    pairs, report = read(config.data.path)
+    evals = None
+    if config.data.eval_fraction is not None:
+        pairs, held_out = split_pairs(pairs, config.data.eval_fraction, config.seed, config.data.path)
+        evals = PairEvalSet(
+            pack_pairs(held_out, config.data.max_seq_len, config.seed),
+            f"data.eval_fraction {config.data.eval_fraction:g} of {config.data.path}",
+            len(held_out),
+        )
+    elif config.data.eval_path is not None:
+        try:
+            held_out, eval_report = read(config.data.eval_path)
+        except DataError as error:
+            raise TrainError(f"{error} (data.eval_path)") from None
+        if info.is_main and (eval_report.data.skipped or eval_report.truncated):
+            tqdm.write(f"slipstream train: eval pairs: {eval_report.summary()}")
+        evals = PairEvalSet(
+            pack_pairs(held_out, config.data.max_seq_len, config.seed), config.data.eval_path, len(held_out)
+        )
+    bins = pack_pairs(pairs, config.data.max_seq_len, config.seed)
+    if info.is_main:
+        tqdm.write(f"slipstream train: {report.summary()}")  # skipped rows and cut pairs are always said
+    from ..packing.pairs import pair_tokens
+
+    real = sum(pair_tokens(pair, config.preference.prefix_sharing) for pair in pairs)
+    capacity = len(bins) * config.data.max_seq_len
+    packing = PackingReport(
+        num_samples=len(pairs),
+        num_bins=len(bins),
+        real_tokens=real,
+        capacity=capacity,
+        efficiency=real / capacity,
+    )
+    logger.info("%s (pairs)", packing.summary())
+    return pairs, bins, packing, report, evals
+
+
+def _pair_row_tokens(pair: dict) -> int:
+    """A pair's tokens as every arm counts them: prompt + chosen + prompt + rejected."""
+    return 2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
+
+
+def _pair_docs(pairs: list[dict]) -> list[dict]:
+    """The pairs as documents, for the token-id check and the FLOP count: prompt + chosen and
+    rejected (the work of the shared layout; its rejected answer's attention to the prompt is not counted)."""
+    docs = []
+    for pair in pairs:
+        docs.append(
+            {
+                "input_ids": pair["prompt_ids"] + pair["chosen_ids"],
+                "labels": [-100] * len(pair["prompt_ids"]) + pair["chosen_ids"],
+            }
+        )
+        docs.append({"input_ids": pair["rejected_ids"], "labels": [-100] + pair["rejected_ids"]})
+    return docs
 
 
 def _data(config: TrainConfig, tokenizer, info: Distributed):
     """Samples and their bins, and the eval set; the rows skipped and the samples cut are always said."""
+    if config.training.objective != "sft":
+        return _pair_data(config, tokenizer, info)
     samples, data_report = _samples(config, tokenizer)
     evals = None
     if config.data.eval_fraction is not None:
@@ -321,9 +423,13 @@ def _trainable_model(
     """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
     model = load_model(config, len(tokenizer), dtype)
     check_lora_targets(model, config)
-    check_token_ids(samples, model, config.data.path or "the demo data")
+    preference = config.training.objective != "sft"
+    check_token_ids(
+        _pair_docs(samples) if preference else samples, model, config.data.path or "the demo data"
+    )
     if evals is not None and config.data.eval_path is not None:
-        check_token_ids([d for b in evals.bins for d in b], model, config.data.eval_path)
+        held_out = [d for b in evals.bins for d in b]
+        check_token_ids(_pair_docs(held_out) if preference else held_out, model, config.data.eval_path)
     if not config.quantization.four_bit:
         model.to(device)
     try:
@@ -421,7 +527,8 @@ def _set_up_locked(
         out=out,
         tokenizer=tokenizer,
         bins=bins,
-        label_tokens=[count_label_tokens(b) for b in bins],
+        # the loss's weight of each bin: its label tokens (SFT) or its pairs (a preference loss)
+        label_tokens=[len(b) if config.training.objective != "sft" else count_label_tokens(b) for b in bins],
         packing=packing,
         data_report=data_report,
         dtype=dtype,
@@ -439,6 +546,8 @@ def _set_up_locked(
         flops=flop_profile(unwrap(model)),
         matmul_peak=peak,
     )
+    if run.preference:
+        _reference_pass(run)  # before a checkpoint's weights are loaded: the policy as it starts
     run.start = _restore(run, checkpoint, resume=resume)
     del checkpoint  # its tensors are in the model now
     if info.is_main:
@@ -495,10 +604,126 @@ def _config_hyperparameters(run: _Run) -> None:
     scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
 
 
+# ----------------------------------------------------------------------------- preference
+def _chunked(run: _Run) -> bool:
+    state = state_of(unwrap(run.model))
+    return state is not None and state.chunked_loss is not None
+
+
+def _reference_pass(run: _Run) -> None:
+    """``preference.reference: precomputed``: every bin's reference sums (train and eval), once, cached."""
+    config = run.config
+    settings = config.preference
+    if config.training.objective == "simpo" or settings.reference != "precomputed":
+        if run.info.is_main:
+            tqdm.write(
+                "slipstream train: reference: none (SimPO is reference-free)"
+                if config.training.objective == "simpo"
+                else "slipstream train: reference: per_step (a no_grad forward with the adapter off in every step)"
+            )
+        return
+    model = unwrap(run.model)
+    chunked = _chunked(run)
+    preset = None
+    if config.model.path is None:
+        preset = {"preset": config.model.preset, "layers": config.model.layers, "seed": config.seed}
+    weights = weights_fingerprint(config.model.path, preset)
+    base = {
+        "dtype": str(run.dtype),
+        "device": run.device.type,
+        "four_bit": config.quantization.four_bit,
+        "double_quant": config.quantization.double_quant,
+        "prefix_sharing": settings.prefix_sharing,
+        "chunked": chunked,
+        "torch": torch.__version__,
+    }
+
+    def compute(pairs):
+        batch = collate_pairs(pairs, settings.prefix_sharing, device=run.device)
+        return reference_sums(model, batch, chunked, adapter=False)
+
+    started = time.perf_counter()
+    sets = [("train", run.bins)] + ([("eval", run.evals.bins)] if run.evals is not None else [])
+    for name, bins in sets:
+        key = cache_key(weights, {**base, "set": name}, bins)
+        if run.info.enabled and config.data.cache:  # rank 0 computes and writes; the others read it
+            if run.info.is_main:
+                precomputed_reference(key, bins, compute, cache=True)
+            run.info.barrier()
+        sums, how = precomputed_reference(key, bins, compute, cache=config.data.cache)
+        if name == "train":
+            run.reference = sums
+        else:
+            run.eval_reference = sums
+    seconds = time.perf_counter() - started
+    line = how.replace(" once", f" once in {seconds:.1f} s", 1) if "computed" in how else how
+    run.policies.append(line)
+    if run.info.is_main:
+        tqdm.write(f"slipstream train: {line}")
+
+
+def _preference_train_step(run: _Run, step: int) -> dict:
+    config, settings = run.config, run.config.preference
+    step_bins = run.bins_for(step)
+    chunked = _chunked(run)
+    micro = []
+    for index in step_bins[run.info.rank :: run.info.world_size]:
+        batch = collate_pairs(run.bins[index], settings.prefix_sharing, device=run.device)
+        micro.append((batch, run.reference[index] if run.reference is not None else None))
+    per_step = config.training.objective != "simpo" and run.reference is None
+    result = preference_step(
+        run.model,
+        micro,
+        run.optimizer,
+        loss=config.training.objective,
+        beta=settings.beta,
+        simpo_gamma=settings.simpo_gamma,
+        chunked=chunked,
+        reference=(lambda batch: reference_sums(run.model, batch, chunked, adapter=True))
+        if per_step
+        else None,
+        max_grad_norm=config.optimizer.max_grad_norm,
+        global_pairs=sum(run.label_tokens[i] for i in step_bins),
+        loss_scale=run.info.world_size,
+        reduce=run.info.sum_tensor,
+    )
+    run.scheduler.step()
+    result["tokens"] = sum(_pair_row_tokens(p) for index in step_bins for p in run.bins[index])
+    result["pairs"] = sum(len(run.bins[index]) for index in step_bins)
+    return result
+
+
+def _preference_evaluate(run: _Run) -> dict:
+    settings, info = run.config.preference, run.info
+    indices = list(range(info.rank, len(run.evals.bins), info.world_size))
+    batches = []
+    for index in indices:
+        batch = collate_pairs(run.evals.bins[index], settings.prefix_sharing, device=run.device)
+        batches.append((batch, run.eval_reference[index] if run.eval_reference is not None else None))
+    if not batches:
+        raise TrainError("fewer eval bins than ranks: evaluate on more pairs")
+    if run.config.training.objective != "simpo" and run.eval_reference is None:  # per_step
+        chunked = _chunked(run)
+        batches = [(b, reference_sums(run.model, b, chunked, adapter=True)) for b, _ in batches]
+    return evaluate_pairs(
+        run.model,
+        batches,
+        loss=run.config.training.objective,
+        beta=settings.beta,
+        simpo_gamma=settings.simpo_gamma,
+        chunked=_chunked(run),
+        reduce=info.sum_tensor,
+    )
+
+
 # ----------------------------------------------------------------------------- the loop
 def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
     """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm,
     tokens, and whether it was finite (applied); every rank gets the same loss and verdict."""
+    if run.preference:
+        result = _preference_train_step(run, step)
+        run.last_preference = result
+        return result["loss"], result["grad_norm"], result["tokens"], result["finite"]
     step_bins = run.bins_for(step)
     micro = []
     for index in step_bins[run.info.rank :: run.info.world_size]:
@@ -520,6 +745,10 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
 
 def _step_flops(run: _Run, step: int) -> int:
     """Model FLOPs of step ``step`` on every rank: each bin's documents, the LM head on its labelled rows."""
+    if run.preference:
+        return run.flops.step_flops(
+            docs_micro_batch(_pair_docs(run.bins[index])) for index in run.bins_for(step)
+        )
     return run.flops.step_flops(docs_micro_batch(run.bins[index]) for index in run.bins_for(step))
 
 
@@ -585,7 +814,12 @@ def _tensorboard(out: Path):
 
 def _evaluate(run: _Run, step: int) -> float | None:
     """The eval loss after step ``step`` (every rank), kept in ``run.eval_losses``; a non-finite one is None, and said."""
-    loss = finite_or_none(evaluate(run.model, run.evals, run.info, run.device))
+    if run.preference:
+        metrics = {k: finite_or_none(v) for k, v in _preference_evaluate(run).items()}
+        run.eval_metrics.append((step, metrics))
+        loss = metrics["loss"]
+    else:
+        loss = finite_or_none(evaluate(run.model, run.evals, run.info, run.device))
     if loss is None and run.info.is_main:
         tqdm.write(f"slipstream train: the eval loss after step {step} is not finite: recorded as null")
     run.eval_losses.append((step, loss))
@@ -657,7 +891,7 @@ def _run_steps(
     nonfinite = NonFiniteSteps(run.config, run.info, run.out, run.total, run.model)
     losses: list[float] = []
     begin = time.perf_counter()
-    tokens_seen = 0
+    tokens_seen = pairs_seen = 0
     eval_seconds = 0.0  # evaluations and samples: not training time
     bar = tqdm(
         range(run.start, total),
@@ -685,9 +919,19 @@ def _run_steps(
                 "tokens_per_s": tokens_seen / max(elapsed - eval_seconds, 1e-9),  # training time only
                 "elapsed_s": elapsed,
             }
+            if run.preference:
+                result = run.last_preference
+                for name in ("chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy"):
+                    record[name] = finite_or_none(result[name])
+                pairs_seen += result["pairs"]
+                record["pairs_per_s"] = pairs_seen / max(elapsed - eval_seconds, 1e-9)
             if _due_for_eval(run, step + 1):
                 evaluated = time.perf_counter()
                 record["eval_loss"] = _evaluate(run, step + 1)
+                if run.preference:
+                    for name, value in run.eval_metrics[-1][1].items():
+                        if name != "loss":
+                            record[f"eval_{name}"] = value
                 eval_seconds += time.perf_counter() - evaluated
                 postfix["eval_loss"] = "null" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
             if finite:
@@ -757,6 +1001,24 @@ def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
         summary["attention_grouping_counts"] = state.grouping_counts.to_dict()
     if run.evals is not None:
         summary["eval"] = _eval_summary(run)
+    if run.preference:
+        settings = run.config.preference
+        last = run.last_preference
+        summary["preference"] = {
+            "objective": run.config.training.objective,
+            "beta": settings.beta,
+            "prefix_sharing": settings.prefix_sharing,
+            "reference": "none" if run.config.training.objective == "simpo" else settings.reference,
+            "pairs": sum(len(b) for b in run.bins),
+            "last_step": None
+            if last is None
+            else {
+                k: last[k]
+                for k in ("loss", "chosen_reward", "rejected_reward", "reward_margin", "reward_accuracy")
+            },
+        }
+        if run.eval_metrics:
+            summary["eval"]["metrics"] = [{"step": step, **values} for step, values in run.eval_metrics]
     if run.point.path is not None:
         summary["resumed"] = {
             "from": str(run.point.path),
