@@ -18,7 +18,7 @@ from ..fields import Dtype, check_fields
 from ..offload.policy import Checkpointing
 from ..train.config import Schedule
 from .adapter import LORA_TARGETS
-from .arms import ARM_PRESETS, ARMS
+from .arms import ARM_PRESETS, ARM_SPECS, ARMS
 from .inputs import check_model, is_model_dir
 
 # How the arms' processes share the machine (bench/lockstep.py)
@@ -65,6 +65,12 @@ class ABConfig:
     response_only: bool = _option(
         False, "labels on the assistant's turns only (as train's data.response_only)"
     )
+    # What every arm trains for: next-token SFT on the documents, or DPO on preference pairs
+    # ({"prompt", "chosen", "rejected"} rows in --data, read as slipstream train reads them).
+    objective: Literal["sft", "dpo"] = _option(
+        "sft", "sft (documents) or dpo (--data holds preference pairs; arms: --preset dpo)"
+    )
+    beta: float = _option(0.1, "DPO's beta (--objective dpo)")
     max_seq_len: int = _option(1024, "tokens per packed micro-batch")
     overflow: Literal["truncate", "split"] = _option(
         "truncate",
@@ -166,6 +172,16 @@ class ABConfig:
             )
         if self.data is not None and not Path(self.data).exists():
             raise ValueError(f"data {self.data}: no such file or directory")
+        if self.objective == "dpo":
+            if self.data is None:
+                raise ValueError("objective dpo: --data must name a file of preference pairs")
+            wrong = [arm for arm in self.arms if not ARM_SPECS[arm].pairs]
+            if wrong:
+                raise ValueError(
+                    f"objective dpo: arm(s) {wrong} train documents, not pairs (use --preset dpo)"
+                )
+        elif any(ARM_SPECS[arm].pairs for arm in self.arms):
+            raise ValueError("the dpo arms train preference pairs: add --objective dpo")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets is empty: name the modules the LoRA wraps")
         speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups

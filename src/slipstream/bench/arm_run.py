@@ -61,6 +61,30 @@ class ArmResult:
     lr: list[float] | None = None
     # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
     perturbed_weights: int = 0
+    # --objective dpo: pairs per step, the DPO reward margin and accuracy of each step, and the
+    # untimed reference pass run before step 0 (slipstream's arms; a peer's reference is in its steps)
+    pairs: list[int] | None = None
+    reward_margin: list[float] | None = None
+    reward_accuracy: list[float] | None = None
+    reference_pass_s: float = 0.0
+
+
+def pair_tokens_counted(pairs: list[dict]) -> int:
+    """Tokens of pairs as every arm counts them: prompt + chosen + prompt + rejected."""
+    return sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
+
+
+def pair_documents(pairs: list[dict]) -> list[dict]:
+    """Pairs as the documents of the shared layout, for the model-FLOP count (the work a pair needs:
+    prompt + chosen, and the rejected answer; its attention to the prompt is left out)."""
+    docs = []
+    for p in pairs:
+        prompt = len(p["prompt_ids"])
+        docs.append(
+            {"input_ids": p["prompt_ids"] + p["chosen_ids"], "labels": [-100] * prompt + p["chosen_ids"]}
+        )
+        docs.append({"input_ids": p["rejected_ids"], "labels": [-100, *p["rejected_ids"]]})
+    return docs
 
 
 def peak_memory_mb(device: str) -> float:
@@ -101,21 +125,47 @@ class ArmSession:
         moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
         self.model, self.state = model, state
         self.trl_step = None
-        if spec.peer == "trl":
+        self.pairs = spec.pairs
+        self.reference: list[list[torch.Tensor]] | None = None
+        if spec.pairs == "peer" and spec.peer == "trl":
+            from .peers.trl_dpo_step import TrlDpoStep
+
+            self.trl_step = TrlDpoStep(
+                model,
+                ab_tokenizer(config),
+                steps=config.steps,
+                lr=config.lr,
+                schedule=config.schedule,
+                warmup_steps=config.lr_warmup_steps,
+                seed=config.seed,
+                beta=config.beta,
+                grad_accum=config.grad_accum,
+                device=device,
+            )
+            state.policies.extend(self.trl_step.policies)
+        elif spec.peer == "trl":
             from .peers.trl_step import TrlStep
 
             self.trl_step = TrlStep(model, config, ab_tokenizer(config), device)
             state.policies.extend(self.trl_step.policies)
         self.profile = flop_profile(model)
+        as_docs = pair_documents if spec.pairs else (lambda docs: docs)
         model_flops = [
-            self.profile.step_flops(docs_micro_batch(docs) for docs in micro_docs) for micro_docs in plan
+            self.profile.step_flops(docs_micro_batch(as_docs(docs)) for docs in micro_docs)
+            for micro_docs in plan
         ]
-        first_inputs, _ = self._inputs(plan[0][0])
-        probe_started = time.perf_counter()
-        activation_bytes = device_activation_bytes(
-            model, first_inputs, state.offload_manager if state else None
-        )
-        probe_forward_s = time.perf_counter() - probe_started
+        reference_pass_s = 0.0
+        if spec.pairs in ("shared", "unshared"):
+            reference_pass_s = self._reference_pass()
+        if spec.pairs:  # the activation probe feeds documents; a pair arm's memory is its peak
+            activation_bytes, probe_forward_s = None, 0.0
+        else:
+            first_inputs, _ = self._inputs(plan[0][0])
+            probe_started = time.perf_counter()
+            activation_bytes = device_activation_bytes(
+                model, first_inputs, state.offload_manager if state else None
+            )
+            probe_forward_s = time.perf_counter() - probe_started
         if state is not None:
             state.grouping_counts.reset()  # the steps' batches only, not the probe's
         if self.trl_step is None:
@@ -152,17 +202,65 @@ class ArmSession:
             probe_forward_s=probe_forward_s,
             lr=[],
             perturbed_weights=moved,
+            **({"pairs": [], "reward_margin": [], "reward_accuracy": []} if spec.pairs else {}),
+            reference_pass_s=reference_pass_s,
         )
 
-    def _inputs(self, docs):
-        return (
-            self.trl_step.collate(docs) if self.trl_step else micro_batch_inputs(self.arm, docs, self.device)
-        )
+    def _reference_pass(self) -> float:
+        """Every planned micro-batch's reference sums, once, before step 0 (``no_grad``, eval mode;
+        the adapter starts at zero, so this is the base model): slipstream's ``precomputed``
+        reference. Returns its time (reported, never inside a step's)."""
+        from ..packing.pairs import collate_pairs
+        from ..preference import reference_sums
+
+        chunked = self.state is not None and self.state.chunked_loss is not None
+        self._sync()
+        started = time.perf_counter()
+        self.reference = [
+            [
+                reference_sums(
+                    self.model,
+                    collate_pairs(pairs, self.pairs == "shared", self.device),
+                    chunked,
+                    adapter=False,
+                )
+                for pairs in micro_pairs
+            ]
+            for micro_pairs in self.plan
+        ]
+        self._sync()
+        return time.perf_counter() - started
+
+    def _inputs(self, docs, step: int | None = None, index: int = 0):
+        if self.trl_step:
+            return self.trl_step.collate(docs)
+        if self.pairs:
+            from ..packing.pairs import collate_pairs
+
+            return collate_pairs(docs, self.pairs == "shared", self.device), self.reference[step][index]
+        return micro_batch_inputs(self.arm, docs, self.device)
 
     def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
         if self.trl_step:  # TRL's trainer, with its own optimizer, scheduler and clipping
-            return self.trl_step(micro, model_context=model_context)
+            found = self.trl_step(micro, model_context=model_context)
+            if "accuracy" in found:
+                found["reward_accuracy"] = found.pop("accuracy")
+            return found
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.pairs:
+            from ..preference import preference_step
+
+            metrics = preference_step(
+                self.model,
+                micro,
+                self.optimizer,
+                loss="dpo",
+                beta=self.config.beta,
+                chunked=self.state is not None and self.state.chunked_loss is not None,
+                model_context=model_context,
+            )
+            self.scheduler.step()
+            return {**metrics, "lr": lr}
         metrics = train_step(self.model, micro, self.optimizer, model_context=model_context)
         self.scheduler.step()
         return {**metrics, "lr": lr}
@@ -177,8 +275,11 @@ class ArmSession:
         if step != len(result.step_s):
             raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
         micro_docs = self.plan[step]
-        micro = [self._inputs(docs) for docs in micro_docs]
-        tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
+        micro = [self._inputs(docs, step, index) for index, docs in enumerate(micro_docs)]
+        if self.pairs:
+            tokens = sum(pair_tokens_counted(pairs) for pairs in micro_docs)
+        else:
+            tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
         self._sync()
         start = time.perf_counter()
         if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
@@ -196,6 +297,10 @@ class ArmSession:
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
         result.lr.append(metrics["lr"])
+        if self.pairs:
+            result.pairs.append(sum(len(pairs) for pairs in micro_docs))
+            result.reward_margin.append(metrics["reward_margin"])
+            result.reward_accuracy.append(metrics["reward_accuracy"])
         return result.step_s[-1]
 
     def finish(self) -> dict:
@@ -204,7 +309,9 @@ class ArmSession:
         result.peak_memory_mb = peak_memory_mb(self.device)
         if state is not None and state.packed_attention is not None:
             result.attention_grouping_counts = state.grouping_counts.to_dict()
-        if self.config.profile_step:  # after the figures above: its profiler overhead touches none of them
+        if (
+            self.config.profile_step and not self.pairs
+        ):  # after the figures: its overhead touches none of them
             last = self.plan[-1]
             micro = [self._inputs(docs) for docs in last]
             config = self.config

@@ -46,6 +46,9 @@ class Arm:
     stock: bool = False
     peer_loss: Literal["trl-fused"] | None = None
     peer: Peer | None = None
+    # a preference (DPO) arm: its pairs packed with the prompt once ("shared"), as two documents
+    # ("unshared"), or as its peer collates them ("peer")
+    pairs: Literal["shared", "unshared", "peer"] | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -78,6 +81,13 @@ ARM_SPECS: dict[str, Arm] = {
     "unsloth": Arm("padded", STOCK, stock=True, peer="unsloth"),
     "unsloth-same-settings": Arm("padded", STOCK, stock=True, peer="unsloth-same-settings"),
     "liger": Arm("packed", STOCK, stock=True, peer="liger"),
+    # DPO on preference pairs (--objective dpo): TRL's DPOTrainer as users run it (padded pairs, the
+    # prompt twice, a reference forward per step), Unsloth's patched one, and slipstream's packed
+    # pairs without and with the prompt shared (the reference computed once before step 0)
+    "trl-dpo": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer"),
+    "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer"),
+    "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared"),
+    "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared"),
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
@@ -95,6 +105,8 @@ ARM_PRESETS = {
         "slipstream-no-compile",  # dropped where the run would not compile (preset_arms)
         "slipstream-no-fused-kernels",  # dropped where no fused kernel would run here (preset_arms)
     ),
+    # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
+    "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
     # the tools users would pick instead, each on the same bins, weights, LoRA and seed

@@ -17,6 +17,12 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
 * a verdict that passed runs again with the compiled fused RMSNorm / SwiGLU kernels on every
   module class their probe passes (``fused_kernels="compiled"``; dynamo's eager backend unless
   ``compile=True``), which must match too;
+* a packed verdict that passed runs a **prefix-shared pair check**: preference pairs
+  (:data:`PAIR_LENGTHS`) packed ``prompt | chosen | rejected`` by ``collate_pairs`` (the rejected
+  answer attends to its prompt, never the chosen answer), under the passing arm's options with
+  the chunked loss off, must give every answer token the log-prob the stock model gives it with
+  ``prompt + answer`` run alone (eval, no grad); with the chunked loss on, the summed log-probs
+  it leaves on the batch (``answer_logprobs_of``) must match the stock sums (:func:`check_prefix_sharing`);
 * opt-in (``compile=True``, the sweep's ``--compile``: a cold inductor compile costs 45-55 s per
   architecture on a 2-core CPU, hours for the registry), the passing arm runs again with its
   decoder layers compiled (``compile="on"``), which must match too;
@@ -77,6 +83,14 @@ TOLERANCE = {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3}
 # itself below the packed row (48).
 LENGTHS = (11, 21, 16)
 SEED = 0
+# Preference pairs of the prefix-sharing column, (prompt, chosen, rejected) tokens: answers
+# shorter and longer than the windows (8) so a rejected answer's window reaches into its prompt
+# or past it; prompt + answer below, at and above the position thresholds (16); every prompt +
+# answer below the dynamic-RoPE model's max_position_embeddings (32), the packed row (49) above.
+PAIR_LENGTHS = ((11, 7, 5), (6, 8, 12))
+# Bounds of the prefix-sharing check in fp32: each answer token's log-prob (absolute), each
+# answer's summed log-prob through the chunked loss (relative).
+PAIR_TOLERANCE = {"token_logprob": 1e-5, "summed_logprob": 1e-4}
 
 # Registry entries a plain token-ids training step cannot exercise, and why: the sweep reports
 # them as "not checked" rather than pretending a verdict.
@@ -448,6 +462,160 @@ def _check_fused(verdict: Verdict, stock, docs, ref, options: dict[str, Any], in
     _record_column(verdict, "fused", fused, kernels, "fused_kernels='compiled'")
 
 
+# --------------------------------------------------------------------------- prefix-shared preference pairs
+
+ANSWER_KEYS = ("chosen_ids", "rejected_ids")
+
+
+def preference_pairs(
+    model: torch.nn.Module, lengths=PAIR_LENGTHS, seed: int = SEED
+) -> list[dict[str, list[int]]]:
+    """Random preference pairs (``{"prompt_ids", "chosen_ids", "rejected_ids"}``) of ``lengths``,
+    from the same random documents as the sweep's (:func:`documents`)."""
+    flat = documents(model, lengths=[n for pair in lengths for n in pair], seed=seed)
+    return [
+        {"prompt_ids": flat[3 * i], "chosen_ids": flat[3 * i + 1], "rejected_ids": flat[3 * i + 2]}
+        for i in range(len(lengths))
+    ]
+
+
+def pair_reference(stock: torch.nn.Module, pairs: list[dict[str, list[int]]]) -> list[torch.Tensor]:
+    """Per answer (pair i: chosen 2i, rejected 2i + 1), the stock log-prob [A] (fp32) of each of
+    its tokens, ``prompt + answer`` run alone through the stock model (eval, no grad)."""
+    was_training = stock.training
+    stock.eval()
+    expected = []
+    try:
+        with torch.no_grad():
+            for pair in pairs:
+                prompt = pair["prompt_ids"]
+                for key in ANSWER_KEYS:
+                    answer = pair[key]
+                    logits = stock(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+                    rows = logits[len(prompt) - 1 : len(prompt) + len(answer) - 1]
+                    targets = torch.tensor(answer).unsqueeze(1)
+                    expected.append(rows.log_softmax(-1).gather(1, targets).squeeze(1))
+    finally:
+        stock.train(was_training)
+    return expected
+
+
+def _token_logprobs(logits_1TV: torch.Tensor, answers) -> torch.Tensor:
+    """[N] fp32: the log-prob of every answer token, read from full logits at ``answers.positions``."""
+    rows = logits_1TV[0].index_select(0, answers.positions).float()
+    return rows.log_softmax(-1).gather(1, answers.targets.unsqueeze(1)).squeeze(1)
+
+
+def check_prefix_sharing(
+    stock: torch.nn.Module,
+    pairs: list[dict[str, list[int]]],
+    expected: list[torch.Tensor],
+    options: dict[str, Any],
+) -> ArmResult:
+    """``pairs`` packed with their prompts shared (``collate_pairs(prefix_sharing=True)``) through a
+    copy of ``stock`` under ``optimize(**options)``, against ``expected`` (:func:`pair_reference`):
+
+    * with the chunked loss off, a forward without labels: every answer token's log-prob from
+      the logits, within ``PAIR_TOLERANCE["token_logprob"]`` (absolute) of the stock one;
+    * with the chunked loss as ``options`` set it, a forward with labels: the summed log-prob of
+      every answer it leaves on the batch (``answer_logprobs_of``), within
+      ``PAIR_TOLERANCE["summed_logprob"]`` (relative) of the stock sum. Where the chunked loss is
+      off (advised off, or refused for this model), the sums are read from the logits
+      (``answer_logprobs_from_logits``) instead, and the detail says so.
+
+    Eval mode (no dropout, no training-only routing) on both sides. A slipstream refusal is
+    ``refused``, any other exception ``CRASH``, a difference ``WRONG``."""
+    from slipstream.loss import answer_logprobs_from_logits, answer_logprobs_of
+    from slipstream.packing.pairs import collate_pairs
+
+    model = stock
+    try:
+        want_tokens = torch.cat(expected)
+        want_sums = torch.stack([e.double().sum() for e in expected])
+        model = _copy_model(stock)
+        optimize(model, **{**options, "chunked_loss": False})
+        model.eval()
+        batch = collate_pairs(pairs, prefix_sharing=True)
+        answers = batch.answers
+        with torch.no_grad():
+            out = model(**{k: v for k, v in batch.model_inputs().items() if k != "labels"})
+        got_tokens = _token_logprobs(out.logits, answers)
+        result = ArmResult("pass")
+        result.logits_error = (got_tokens - want_tokens).abs().max().item()
+        problems = []
+        if not result.logits_error <= PAIR_TOLERANCE["token_logprob"]:
+            worst = int((got_tokens - want_tokens).abs().argmax())
+            answer = int(answers.index[worst])
+            first = sum(answers.lengths[:answer])
+            problems.append(
+                f"answer token log-probs off by {result.logits_error:.2g} (worst: token {worst - first} of "
+                f"pair {answer // 2}'s {'chosen' if answer % 2 == 0 else 'rejected'} answer; per answer: "
+                + ", ".join(
+                    f"{(got_tokens[a:b] - want_tokens[a:b]).abs().max().item():.1g}"
+                    for a, b in _spans(answers.lengths)
+                )
+                + ")"
+            )
+        from_logits = answer_logprobs_from_logits(
+            out.logits, answers.positions, answers.targets, answers.index, answers.num_answers
+        )
+        del out
+
+        chunked = _copy_model(stock)
+        optimize(chunked, **options)
+        chunked.eval()
+        model = chunked
+        batch = collate_pairs(pairs, prefix_sharing=True)
+        with torch.no_grad():
+            chunked(**batch.model_inputs())
+        sums = answer_logprobs_of(batch)
+        if sums is None:
+            sums = from_logits
+            result.detail = "summed log-probs from the logits: the chunked loss is off"
+        result.loss_error = (
+            ((sums.double() - want_sums).abs() / want_sums.abs().clamp_min(1e-12)).max().item()
+        )
+        if not result.loss_error <= PAIR_TOLERANCE["summed_logprob"]:
+            problems.append(
+                f"summed answer log-probs off by {result.loss_error:.2g} (relative; "
+                f"got {[round(v, 4) for v in sums.tolist()]}, stock {[round(v, 4) for v in want_sums.tolist()]})"
+            )
+        if problems:
+            result.status, result.detail = "WRONG", "; ".join(problems)
+    except Exception as error:  # noqa: BLE001 - every failure is an outcome here
+        status = "refused" if _is_refusal(error) else "CRASH"
+        detail = _short(error) if status == "refused" else _short(error) + " @ " + _where(error)
+        result = ArmResult(status, detail)
+    state = state_of(model)
+    result.policies = list(getattr(state, "policies", []) or [])
+    return result
+
+
+def _spans(lengths) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for length in lengths:
+        spans.append((start, start + length))
+        start += length
+    return spans
+
+
+def _check_prefix_sharing(verdict: Verdict, stock, options: dict[str, Any], seed: int = SEED) -> None:
+    """A packed verdict that passed (or whose packed fallback did), on prefix-shared preference
+    pairs (:func:`check_prefix_sharing`); the ``prefix_sharing`` column ("-": not packed), a
+    refusal kept as the column only, WRONG / CRASH the verdict."""
+    if verdict.speedups.get("packed attention") != "on":
+        verdict.speedups["prefix_sharing"] = "-"
+        return
+    try:
+        pairs = preference_pairs(stock, seed=seed)
+        expected = pair_reference(stock, pairs)
+    except Exception as error:  # noqa: BLE001 - the stock model itself failed on the pairs
+        result = ArmResult("CRASH", "the stock reference: " + _short(error) + " @ " + _where(error))
+    else:
+        result = check_prefix_sharing(stock, pairs, expected, options)
+    _record_column(verdict, "prefix_sharing", result, "on", "collate_pairs(prefix_sharing=True)")
+
+
 def check_architecture(model_type: str, seed: int = SEED, compile: bool = False) -> Verdict:
     """The verdict for one registry ``model_type`` (never raises); ``compile``: also the compiled
     arm (see the module docstring)."""
@@ -503,6 +671,8 @@ def check_architecture(model_type: str, seed: int = SEED, compile: bool = False)
         _check_grouping(verdict, stock, docs, ref, dict(advised))
         if verdict.status in ("pass", "refused"):
             _check_fused(verdict, stock, docs, ref, dict(advised), inductor=compile)
+        if verdict.status in ("pass", "refused"):
+            _check_prefix_sharing(verdict, stock, dict(advised), seed=seed)
         if compile and verdict.status in ("pass", "refused"):
             _check_compile(verdict, stock, docs, ref, dict(advised))
     if verdict.status in ("WRONG", "CRASH"):
@@ -525,6 +695,9 @@ __all__ = [
     "advice",
     "causal_lm_model_types",
     "check_architecture",
+    "check_prefix_sharing",
+    "pair_reference",
+    "preference_pairs",
     "run_arm",
 ]
 
@@ -640,13 +813,19 @@ def _cell(text: str) -> str:
 
 
 def _note(verdict: dict[str, Any]) -> str:
+    # a refused extra column (shared prompts) names its refusal after the verdict's own note
+    refusals = [
+        f"{column.replace('_', ' ')} refused: {result.get('detail', '')}"
+        for column, result in (verdict.get("ablations") or {}).items()
+        if (verdict.get("speedups") or {}).get(column) == "refused" and isinstance(result, dict)
+    ]
     if verdict["status"] == "refused":
         fallback = verdict.get("fallback") or {}
         option = fallback.get("advice")
         advised = ", ".join(f"{k}={v!r}" for k, v in option.items()) if option else "none named"
-        return f"{verdict['detail']} (advised fallback {advised}: verified)"
+        return "; ".join([f"{verdict['detail']} (advised fallback {advised}: verified)", *refusals])
     notes = [p for p in (verdict.get("arm") or {}).get("policies", []) if "adapted:" in p or "guarded:" in p]
-    return "; ".join(notes) if verdict["status"] == "pass" else verdict["detail"]
+    return "; ".join(notes + refusals) if verdict["status"] == "pass" else verdict["detail"]
 
 
 def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None) -> str:
@@ -702,13 +881,24 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "rest keep their own forward), checked the same way"
         + (" with inductor's build." if compiled else "; dynamo runs the captured kernels with its eager")
         + ("" if compiled else " backend here (the inductor build's numerics: `make compile-check`)."),
+        "*prefix* = preference pairs packed with their prompt shared (`collate_pairs(prefix_sharing=True)`:",
+        "`prompt | chosen | rejected`, the rejected answer attending to the prompt and itself, never the",
+        "chosen answer) under the same options, checked against each `prompt + answer` run alone through the",
+        "stock model (eval, no grad): two pairs of "
+        + " and ".join("+".join(map(str, lengths)) for lengths in PAIR_LENGTHS)
+        + " prompt+chosen+rejected tokens, every answer token's log-prob",
+        f"from the logits within {PAIR_TOLERANCE['token_logprob']:g} (absolute, the chunked loss off) and every"
+        " answer's summed log-prob through",
+        f"the chunked loss (`answer_logprobs_of`) within {PAIR_TOLERANCE['summed_logprob']:g} (relative);"
+        " *refused*: slipstream refuses shared",
+        "prompts for this model (train its pairs with `preference.prefix_sharing: false`); `-`: not packed.",
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
         "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
-        "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | fused | "
+        "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | fused | prefix | "
         + ("compiled | " if compiled else "")
         + "note |",
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -723,6 +913,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             speedups.get("grouped attention", ""),
             speedups.get("short kernel", ""),
             speedups.get("fused", ""),
+            speedups.get("prefix_sharing", ""),
             *([speedups.get("compiled", "")] if compiled else []),
             _note(verdict),
         ]

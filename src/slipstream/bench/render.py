@@ -197,6 +197,7 @@ def markdown_report(record: dict) -> str:
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += loss_verdict_lines(record)
+    lines += preference_lines(record)
     lines += ablation_lines(summary)
     lines += ceiling_lines(record)
     lines += step_profile_lines(summary)
@@ -267,6 +268,33 @@ def loss_verdict_lines(record: dict) -> list[str]:
         lines.append(
             f"- sensitivity: {sensitivity['arm']} rerun with {sensitivity['perturbation']}"
             + (f": skipped ({sensitivity['skipped']})" if sensitivity.get("skipped") else "")
+        )
+    return lines
+
+
+def preference_lines(record: dict) -> list[str]:
+    """``--objective dpo``: pairs per second, the reward-margin curve against the reference arm's,
+    and the reference pass each slipstream arm ran once before step 0 (outside its steps)."""
+    judged = {arm: s for arm, s in record["summary"].items() if "pairs_per_s" in s}
+    if not judged:
+        return []
+    packing = record.get("packing", {})
+    lines = [
+        "",
+        f"Preference pairs: {packing.get('pairs_trained', '?')} trained, prompt "
+        f"{packing.get('mean_prompt_tokens_trained', 0):.0f} tokens on average, each answer "
+        f"{packing.get('mean_answer_tokens_trained', 0):.0f}; tokens/s counts prompt + chosen + prompt + "
+        "rejected for every arm, so its ratios are the pairs/s ratios.",
+        "",
+        "| arm | pairs/s | final reward margin | reward margin vs the first arm | reference pass before step 0 (s) |",
+        "|---|---:|---:|---|---:|",
+    ]
+    for arm, s in judged.items():
+        margin = s.get("reward_margin_parity")
+        shown = f"{margin['verdict']} ({margin['max_scaled_diff']:.1e})" if margin else "-"
+        reference = f"{s['reference_pass_s']:.1f}" if s.get("reference_pass_s") else "- (in its steps)"
+        lines.append(
+            f"| {arm} | {s['pairs_per_s']:.3f} | {s['final_reward_margin']:.4f} | {shown} | {reference} |"
         )
     return lines
 
@@ -358,6 +386,8 @@ def print_tables(record: dict) -> None:
     console.print(losses)
     if verdicts := loss_verdict_lines(record):
         console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
+    if pairs := preference_lines(record):
+        console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
     console.print(f"measured on {describe(record['fingerprint'])}")

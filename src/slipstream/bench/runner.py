@@ -50,11 +50,55 @@ __all__ = [
     "run_in_fresh_process",
     "summarize",
 ]
-from .stats import loss_parity, speedup
+from .stats import loss_parity, margin_parity, speedup
+
+
+def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
+    """``--objective dpo``: the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
+    by their shared length (prompt once), the same pairs for every arm whatever its layout."""
+    from ..data import DataError
+    from ..preference import load_pairs, pack_pairs
+
+    tokenizer = ab_tokenizer(config)
+    vocab = vocab_size(config, tokenizer)
+    try:
+        pairs, report = load_pairs(config.data, tokenizer, max_seq_len=config.max_seq_len)
+    except ValueError as error:
+        message = str(error)
+        raise ABInputError(message if isinstance(error, DataError) else f"{config.data}: {message}") from None
+    docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
+    check_token_ids(docs, vocab, config.data)
+    bins = pack_pairs(pairs, config.max_seq_len, seed=config.seed)
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
+        raise ABInputError(
+            f"{config.data} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
+            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
+        )
+    bins = bins[:needed]
+    plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+    used = [p for step in plan for mb in step for p in mb]
+    shared_tokens = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
+    return (
+        plan,
+        vocab,
+        {
+            "efficiency": shared_tokens / (needed * config.max_seq_len),  # the bins' fill, prompt once
+            **report.to_dict(),
+            "pairs_trained": len(used),
+            "bins": needed,
+            "mean_pairs_per_bin": len(used) / needed,
+            "mean_prompt_tokens_trained": sum(len(p["prompt_ids"]) for p in used) / len(used),
+            "mean_answer_tokens_trained": sum(len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
+            / (2 * len(used)),
+        },
+    )
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
+    if config.objective == "dpo":
+        return prepare_pair_bins(config)
     tokenizer = ab_tokenizer(config)
     samples = ab_samples(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
@@ -121,6 +165,7 @@ def summarize(
     arms: dict[str, list[dict]],
     peak: dict | None = None,
     sensitivity: list[float] | None = None,
+    margin_sensitivity: list[float] | None = None,
 ) -> dict:
     """Per-arm medians and throughput; speedups (with 95% intervals) against each baseline arm
     (stock and peers); loss parity against the first arm that ran (``stats.loss_parity``: step 0
@@ -161,6 +206,11 @@ def summarize(
             - config.warmup * statistics.median(first["step_s"][config.warmup :]),
             **utilisation(config, runs, flops, peak),
         }
+        if first.get("pairs"):
+            pairs = [n for run in runs for n in run["pairs"][config.warmup :]]
+            summary[arm]["pairs_per_s"] = sum(pairs) / sum(step_s)
+            summary[arm]["final_reward_margin"] = first["reward_margin"][-1]
+            summary[arm]["reference_pass_s"] = first.get("reference_pass_s", 0.0)
     if not ran:
         return summary
     reference = next(iter(ran))
@@ -174,11 +224,19 @@ def summarize(
         summary[arm]["loss_vs_" + reference] = parity.verdict
         summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
         summary[arm]["loss_parity"] = dataclasses.asdict(parity)
+        if first.get("reward_margin") and run.get("reward_margin"):
+            summary[arm]["reward_margin_parity"] = dataclasses.asdict(
+                margin_parity(
+                    first["reward_margin"], run["reward_margin"], dtype, config.beta, margin_sensitivity
+                )
+            )
     baselines = [a for a in ran if ARM_SPECS[a].stock]
     for arm in ran:
         if ARM_SPECS[arm].stock:
             continue
-        for base in baselines:
+        # the prompt shared against the same packing without it: that optimization's own share
+        unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
+        for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
@@ -225,6 +283,7 @@ def measure_sensitivity(config: ABConfig, runs: dict[str, list[dict]], plan: lis
         **about,
         "loss": run["loss"],
         "grad_norm": run["grad_norm"],
+        **({"reward_margin": run["reward_margin"]} if run.get("reward_margin") else {}),
         "weights_moved": run["perturbed_weights"],
     }
 
@@ -261,10 +320,13 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
             runs[arm].append(results[arm])
     summary = summarize(config, runs, peak)
     sensitivity = None
-    if needs_sensitivity(summary):
+    margins_differ = any(
+        s.get("reward_margin_parity", {}).get("verdict") == "differs" for s in summary.values()
+    )
+    if needs_sensitivity(summary) or margins_differ:
         sensitivity = measure_sensitivity(config, runs, plan, vocab_size)
         if sensitivity.get("loss"):
-            summary = summarize(config, runs, peak, sensitivity["loss"])
+            summary = summarize(config, runs, peak, sensitivity["loss"], sensitivity.get("reward_margin"))
     record = {
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),

@@ -190,3 +190,53 @@ def loss_parity(
         + (f", x{scale:.3g} for this arm's larger step-0 difference" if scale > 1 else "")
         + f", so this is {relation} {DRIFT_FACTOR:g}x the run's own sensitivity",
     )
+
+
+@dataclass(frozen=True)
+class MarginParity:
+    """How an arm's DPO reward-margin curve compares with the reference arm's (:func:`margin_parity`)."""
+
+    verdict: str  # "within tolerance" or "differs"
+    max_scaled_diff: float
+    worst_step: int
+    detail: str
+
+
+def margin_parity(
+    reference: list[float],
+    other: list[float],
+    dtype: str,
+    beta: float,
+    sensitivity: list[float] | None = None,
+) -> MarginParity:
+    """The reward margin starts at exactly 0 (policy = reference), so a relative difference means
+    nothing there: each step's difference is scaled by ``max(|reference margin|, beta)`` (beta: the
+    margin of one nat of log-ratio) and must stay within the dtype's loss-curve tolerance; beyond it,
+    within :data:`DRIFT_FACTOR` x what the reference arm rerun from weights one ulp away moved it by
+    then (``sensitivity``: its margins) is "drift within sensitivity", else "differs"."""
+    if len(reference) != len(other):
+        raise ValueError("reward-margin curves of different lengths cannot be compared")
+
+    def scaled_diffs(curve: list[float]) -> list[float]:
+        return [abs(a - b) / max(abs(a), beta) for a, b in zip(reference, curve, strict=True)]
+
+    scaled = scaled_diffs(other)
+    worst_step = max(range(len(scaled)), key=scaled.__getitem__) if scaled else 0
+    worst = scaled[worst_step] if scaled else 0.0
+    key = dtype if dtype in LOSS_TOLERANCES else "bfloat16"
+    tolerance = LOSS_TOLERANCES[key][1]
+    detail = f"largest |difference| / max(|margin|, beta) {worst:.1e} at step {worst_step} (tolerance {tolerance:g}, {key})"
+    if worst <= tolerance:
+        return MarginParity("within tolerance", worst, worst_step, detail)
+    if sensitivity is not None and len(sensitivity) == len(reference):
+        moved = scaled_diffs(sensitivity)
+        allowed = [DRIFT_FACTOR * max(moved[: step + 1]) for step in range(len(moved))]
+        if all(d <= max(a, tolerance) for d, a in zip(scaled, allowed, strict=True)):
+            return MarginParity(
+                "drift within sensitivity",
+                worst,
+                worst_step,
+                f"{detail}; a one-ulp perturbation of the reference moved it up to {max(moved):.1e}, and "
+                f"every step is within {DRIFT_FACTOR:g}x that",
+            )
+    return MarginParity("differs", worst, worst_step, detail)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings", "liger"]
+Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings", "unsloth-dpo", "liger"]
 
 
 def unavailable(peer: Peer, config, device: str) -> str | None:
@@ -41,6 +41,12 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
             return "Liger-Kernel's Triton kernels need a CUDA GPU"
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed (pip install 'slipstream[liger]')"
+    if peer == "unsloth-dpo":
+        return (
+            "Unsloth's DPO is TRL's DPOTrainer patched by unsloth.PatchDPOTrainer on Unsloth's GPU model "
+            "loader; this harness runs Unsloth in its own virtualenv for SFT only, and its DPO path is not "
+            "driven yet (not measured, not claimed)"
+        )
     if peer.startswith("unsloth"):
         from .unsloth_arm import unsloth_unavailable
 
