@@ -303,6 +303,19 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         if rope_type != "longrope":
             return forward(*args, **kwargs)
         threshold = _longrope_threshold(module, layer_type)
+        if batch.has_prefixes:
+            # a shared prompt is rotated once, with its first document's factors: exact only when the
+            # answer that shares it falls on the same side of the threshold (run alone, prompt + answer
+            # rotates every position, the prompt's too, with the factors of its own length)
+            alone = batch.alone_lengths
+            for number, prefix in enumerate(batch.prefix_lens):
+                if prefix and (alone[number] > threshold) != (alone[number - 1] > threshold):
+                    raise UnsupportedArchitecture(
+                        f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
+                        f"and a pair's prompt + chosen ({alone[number - 1]} tokens) and prompt + rejected "
+                        f"({alone[number]}) fall on either side of {threshold}, so they cannot share one "
+                        "prompt: set preference.prefix_sharing false"
+                    )
         runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         x = kwargs.get("x", args[0] if args else None)

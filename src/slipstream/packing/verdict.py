@@ -314,6 +314,34 @@ def _slice_tokens(value, start: int, end: int, length: int):
     return value
 
 
+def _take_tokens(value, ranges: list[tuple[int, int]], length: int):
+    """``value`` cut to the tokens of ``ranges`` (joined in order) where it is laid out per token:
+    a document that attends to a shared prompt runs on the prompt's tokens, then its own."""
+    if len(ranges) == 1:
+        return _slice_tokens(value, *ranges[0], length)
+    if isinstance(value, torch.Tensor):
+        if value.dim() >= 3 and value.shape[0] == 1 and tuple(value.shape[-2:]) == (length, length):
+            index = torch.cat([torch.arange(s, e, device=value.device) for s, e in ranges])
+            return value.index_select(-1, index).index_select(-2, index)
+        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == length:
+            return torch.cat([value[:, s:e] for s, e in ranges], dim=1)
+        return value
+    if isinstance(value, tuple | list):
+        return type(value)(_take_tokens(v, ranges, length) for v in value)
+    return value
+
+
+def _without_prefix(output, prefix: int):
+    """A mixer's output on prompt + document, cut to the document's own tokens."""
+    if not prefix:
+        return output
+    if isinstance(output, torch.Tensor):
+        return output[:, prefix:]
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (output[0][:, prefix:], *output[1:])
+    return output
+
+
 def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callable:
     def run(*args, **kwargs):
         batch: PackedBatch | None = kwargs.get(PACKED_BATCH_KWARG) or active_batch()
@@ -336,13 +364,21 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                 + TRAIN_UNPACKED
             )
         pieces = []
-        for start, end in batch.doc_bounds():
-            doc_args = [_slice_tokens(a, start, end, length) for a in args]
+        bounds = batch.doc_bounds()
+        prefixes = batch.prefix_lens or (0,) * len(bounds)
+        for number, (start, end) in enumerate(bounds):
+            # a document that attends to a shared prompt (a preference pair's rejected answer,
+            # :mod:`.pairs`): the mixer runs causally over the prompt's tokens, then its own
+            prefix = prefixes[number]
+            ranges = [(start, end)]
+            if prefix:
+                ranges.insert(0, (bounds[number - 1][0], bounds[number - 1][0] + prefix))
+            doc_args = [_take_tokens(a, ranges, length) for a in args]
             doc_kwargs = {
-                k: _slice_tokens(v, start, end, length) for k, v in kwargs.items() if k not in _ROW_KWARGS
+                k: _take_tokens(v, ranges, length) for k, v in kwargs.items() if k not in _ROW_KWARGS
             }
             with running_unpacked():  # an attention inside sees one document, causally
-                pieces.append(forward(*doc_args, **doc_kwargs))
+                pieces.append(_without_prefix(forward(*doc_args, **doc_kwargs), prefix))
         first = pieces[0]
         if isinstance(first, torch.Tensor):
             return torch.cat(pieces, dim=1)

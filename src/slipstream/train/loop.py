@@ -333,7 +333,12 @@ def _pair_data(config: TrainConfig, tokenizer, info: Distributed):
     from ..packing.pairs import pair_tokens
 
     real = sum(pair_tokens(pair, config.preference.prefix_sharing) for pair in pairs)
-    capacity = len(bins) * config.data.max_seq_len
+    # bins are filled by the shared length whichever layout runs (the same pairs per step either way);
+    # unshared, a row runs each prompt twice and may pass max_seq_len: its slots are then its length
+    capacity = sum(
+        max(config.data.max_seq_len, sum(pair_tokens(p, config.preference.prefix_sharing) for p in b))
+        for b in bins
+    )
     packing = PackingReport(
         num_samples=len(pairs),
         num_bins=len(bins),
