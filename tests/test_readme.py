@@ -233,3 +233,78 @@ def test_the_walkthrough_runs_from_data_to_a_merged_model(smollm2, tmp_path, mon
     exec(snippet.replace("max_new_tokens=32", "max_new_tokens=8"), namespace)  # plain transformers
     assert printed and printed[0].strip()
     assert namespace["model"].config.model_type == "llama" and "lora" not in str(namespace["model"]).lower()
+
+
+def preference_walkthrough() -> list[str]:
+    """The "Preference tuning" section's command lines."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Preference tuning", 1)[1].split("\n## ", 1)[0]
+    (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
+    return [line for line in lines if line]
+
+
+def test_the_preference_section_names_the_example_and_its_pairs():
+    commands = preference_walkthrough()
+    assert any(c.startswith("slipstream train examples/dpo.yaml") for c in commands)
+    config = load_config(ROOT / "examples" / "dpo.yaml", ["model.path=MODEL_DIR"])
+    assert config.training.objective == "dpo" and Path(config.data.path).exists()
+    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines()]
+    assert rows and all({"prompt", "chosen", "rejected"} <= set(row) for row in rows)
+
+
+@pytest.mark.realmodel
+def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
+    """Every line of the preference section, in order, as written, on SmolLM2 and
+    examples/data/pairs.jsonl, shortened (training to 4 steps, answers to 8 tokens, the A/B to 3
+    steps): DPO trains (the first step's loss is ln 2: the policy is the reference), the held-out
+    reward accuracy is logged, generate answers, export merges, and the A/B's slipstream arms agree."""
+    commands = preference_walkthrough()
+    assert [c.split()[:2] for c in commands] == [
+        ["python", "benchmarks/real_model.py"],
+        ["slipstream", "train"],
+        ["grep", "eval_reward_accuracy"],
+        ["slipstream", "generate"],
+        ["slipstream", "export"],
+        ["slipstream", "ab"],
+    ]
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    shortened = {
+        "train": ["--set", "training.steps=4", "--set", "training.eval_every=2"],
+        "generate": ["--max-new-tokens", "8"],
+        "ab": ["--steps", "3", "--warmup", "1", "--arms", "slipstream-dpo-no-prefix-sharing,slipstream-dpo"],
+    }
+    model_dir = None
+    for command in commands:
+        if command.startswith("slipstream "):
+            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
+            if words[0] == "ab":
+                words = [w for i, w in enumerate(words) if w != "--steps" and words[i - 1] != "--steps"]
+                words += ["--out", str(tmp_path / "ab")]
+            assert main([*words, *shortened.get(words[0], [])]) == 0, capsys.readouterr().err
+            continue
+        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
+        words = shlex.split(command)
+        if words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        if words[1] == "benchmarks/real_model.py":
+            model_dir = Path(done.stdout.strip().splitlines()[-1])
+        else:
+            records = [json.loads(line) for line in done.stdout.splitlines()]
+            assert [r["step"] for r in records] == [2, 4]
+            assert all(0.0 <= r["eval_reward_accuracy"] <= 1.0 for r in records)
+    metrics = [
+        json.loads(line) for line in (tmp_path / "runs" / "dpo" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert abs(metrics[0]["loss"] - math.log(2)) < 1e-4
+    run = json.loads((tmp_path / "runs" / "dpo" / "run.json").read_text())
+    assert run["preference"]["objective"] == "dpo" and run["eval"]["metrics"][-1]["step"] == 4
+    assert (tmp_path / "merged" / "dpo" / "config.json").exists()
+    record = json.loads((tmp_path / "ab" / "ab.json").read_text())
+    shared = record["summary"]["slipstream-dpo"]
+    assert shared["loss_vs_slipstream-dpo-no-prefix-sharing"] != "diverged"
+    assert shared["pairs_per_s"] > 0
