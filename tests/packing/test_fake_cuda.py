@@ -213,3 +213,33 @@ def test_backward_by_hand_matches_the_engine(family):
     loss.backward()
     for name, param in model.named_parameters():
         torch.testing.assert_close(by_hand[param], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3-sliding", "gpt-oss"])
+def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
+    """A preference step's forward and backward on fake CUDA with the prompt shared: the varlen
+    backend hands shared prompts to per-document SDPA, the answers' log-probs come from the chunked
+    head, the DPO loss is built on the device, and nothing is read to the host."""
+    from slipstream.loss import answer_logprobs_of
+    from slipstream.packing.pairs import collate_pairs
+    from slipstream.preference import preference_terms
+
+    seen = varlen_windows(monkeypatch)
+    pairs = [
+        {"prompt_ids": d[:20], "chosen_ids": d[20:27], "rejected_ids": d[27:]}
+        for d in (doc["input_ids"] for doc in DOCS[:2])
+    ]
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model(family)
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        batch = collate_pairs(pairs, prefix_sharing=True, device="cuda")
+        model(**batch.model_inputs())
+        policy = answer_logprobs_of(batch)
+        lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to("cuda")
+        terms = preference_terms("dpo", policy, policy.detach() * 0.5, lengths, beta=0.1)
+        grads = backward_by_hand([terms.losses.sum()])
+    assert seen == []  # every attention call had a shared prompt: per-document SDPA, never varlen
+    assert policy.device.type == "cuda" and policy.shape == (4,)
+    assert all(p in grads for p in model.parameters() if p.requires_grad)

@@ -33,19 +33,43 @@ def _logits(head, transform: LogitTransform, rows: torch.Tensor) -> torch.Tensor
     return transform(head(rows))
 
 
+def _d_logp_d_z(z: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``weights * (onehot(target) - softmax(z))``, fp32, written over ``z`` (which nothing else reads)."""
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    grad = z.sub_(lse).exp_().neg_()
+    grad.scatter_add_(1, targets.unsqueeze(1), torch.ones_like(targets, dtype=grad.dtype).unsqueeze(1))
+    return grad if weights is None else grad.mul_(weights.unsqueeze(1))
+
+
+def _linear_chain(head: LinearHead, transform: LogitTransform, logits: torch.Tensor, grad: torch.Tensor):
+    """d/d(head output) of ``transform``, by hand (a plain linear head runs no autograd)."""
+    if transform.softcap is not None:  # d(cap * tanh(u / cap))/du = 1 - (y / cap)^2
+        grad = grad * (1 - (logits.float() / transform.softcap).square())
+    if transform.scale is not None:
+        grad = grad * transform.scale
+    return grad.to(head.weight.dtype)
+
+
 def _chunk(head, transform, rows, targets, want_hidden_grad: bool):
     """One chunk: the per-token log-probs [c] (fp32) and, if asked, d logp / d rows [c, H]."""
+    if isinstance(head, LinearHead):  # matmuls only, the chain rule by hand
+        logits = _logits(head, transform, rows)
+        z = logits.float()
+        logp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
+        if not want_hidden_grad:
+            return logp, None
+        grad = _linear_chain(
+            head, transform, logits, _d_logp_d_z(z if z is not logits else z.clone(), targets)
+        )
+        return logp, grad @ head.weight
     with torch.set_grad_enabled(want_hidden_grad):
         rows = rows.detach().requires_grad_(want_hidden_grad)
         logits = _logits(head, transform, rows)
     z = logits.detach().float()
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - lse
+    logp = z.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
     if not want_hidden_grad:
         return logp, None
-    # onehot - softmax, in place over z (nothing else reads it)
-    grad_z = z.sub_(lse.unsqueeze(1)).exp_().neg_()
-    grad_z.scatter_add_(1, targets.unsqueeze(1), torch.ones_like(logp).unsqueeze(1))
+    grad_z = _d_logp_d_z(z if z is not logits else z.clone(), targets)
     (grad_rows,) = torch.autograd.grad(logits, [rows], grad_outputs=grad_z.to(logits.dtype))
     return logp, grad_rows
 
@@ -92,16 +116,28 @@ class _AnswerLogProbs(torch.autograd.Function):
         param_grads = [
             torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in trainable
         ]
+        head = ctx.head
         for start in range(0, hidden_NH.shape[0], ctx.chunk_tokens):
             end = min(start + ctx.chunk_tokens, hidden_NH.shape[0])
+            targets, weights = targets_N[start:end], weights_N[start:end]
+            if isinstance(head, LinearHead):  # matmuls only, the chain rule by hand
+                rows = hidden_NH[start:end]
+                logits = _logits(head, ctx.transform, rows)
+                grad = _linear_chain(
+                    head, ctx.transform, logits, _d_logp_d_z(logits.float().clone(), targets, weights)
+                )
+                if need_hidden:
+                    hidden_grad[start:end] = grad @ head.weight
+                for param, accumulator in zip(trainable, param_grads, strict=True):
+                    if param is head.weight:
+                        accumulator += (grad.t() @ rows).float()
+                    elif param is head.bias:
+                        accumulator += grad.float().sum(0)
+                continue
             with torch.enable_grad():
                 rows = hidden_NH[start:end].detach().requires_grad_(need_hidden)
-                logits = _logits(ctx.head, ctx.transform, rows)
-            z = logits.detach().float()
-            targets = targets_N[start:end]
-            grad_z = torch.softmax(z, dim=-1).neg_()
-            grad_z.scatter_add_(1, targets.unsqueeze(1), torch.ones_like(targets, dtype=z.dtype).unsqueeze(1))
-            grad_z.mul_(weights_N[start:end].unsqueeze(1))
+                logits = _logits(head, ctx.transform, rows)
+            grad_z = _d_logp_d_z(logits.detach().float().clone(), targets, weights)
             inputs = ([rows] if need_hidden else []) + trainable
             grads = torch.autograd.grad(logits, inputs, grad_outputs=grad_z.to(logits.dtype))
             if need_hidden:

@@ -42,11 +42,14 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger-kernel is not installed (pip install 'slipstream[liger]')"
     if peer == "unsloth-dpo":
-        return (
-            "Unsloth's DPO is TRL's DPOTrainer patched by unsloth.PatchDPOTrainer on Unsloth's GPU model "
-            "loader; this harness runs Unsloth in its own virtualenv for SFT only, and its DPO path is not "
-            "driven yet (not measured, not claimed)"
-        )
+        if device != "cuda":
+            return (
+                "on a CPU Unsloth's backend (unsloth_zoo.cpu, 2026.10) trains DPO with TRL's own DPOTrainer: it "
+                "changes SFTTrainer's step, DPOConfig's defaults and the fused LM head's device placement, not "
+                "the DPO step (PatchDPOTrainer is a no-op), so trl-dpo measures that trainer; running it inside "
+                "Unsloth's virtualenv is not wired (not measured, not claimed)"
+            )
+        return "Unsloth's patched DPOTrainer on CUDA is not driven by this harness yet (not measured, not claimed)"
     if peer.startswith("unsloth"):
         from .unsloth_arm import unsloth_unavailable
 
