@@ -1,6 +1,7 @@
 """Run the compatibility sweep over transformers' causal-LM registry; write docs/compatibility.md.
 
 python benchmarks/compat_sweep.py                      # every architecture, 2 workers
+python benchmarks/compat_sweep.py --workers 1          # one worker process (a busy machine)
 python benchmarks/compat_sweep.py --types llama lfm2   # a few
 python benchmarks/compat_sweep.py --compile            # also each architecture's compiled layers
                                                        # (inductor: ~50 s each on a 2-core CPU)
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{k} {n}" for k, n in counts.most_common())
     )
     if not args.types:  # the table documents the whole registry only
-        write_text_atomically(args.markdown, render_markdown(verdicts, seconds=seconds))
+        write_text_atomically(args.markdown, render_markdown(verdicts, seconds=seconds, workers=args.workers))
         print(f"wrote {args.markdown}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(

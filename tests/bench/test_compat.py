@@ -9,18 +9,24 @@ import pytest
 from slipstream.bench import compat
 from slipstream.bench.compat import (
     LENGTHS,
+    PAIR_LENGTHS,
     _cell,
     advice,
     causal_lm_model_types,
     check_architecture,
+    check_prefix_sharing,
+    pair_reference,
+    preference_pairs,
     render_markdown,
     sweep,
 )
 from slipstream.models.tiny_any import (
     DYNAMIC_ROPE_POSITIONS,
     POSITION_THRESHOLD,
+    WINDOW,
     require_installed,
     tiny_config,
+    tiny_model,
 )
 from slipstream.packing import verdict as packing_verdict
 from slipstream.packing.rowpos import AUDIT
@@ -39,12 +45,26 @@ SUBSET = {
     "phi3": "pass",  # longrope factors chosen per document
 }
 
+# Shared prompts refused (the column "refused"; the verdict stays as it was), and the refusal.
+PREFIX_SHARING_REFUSED = {
+    "llama4_text": "chunked attention (attention_chunk_size) with shared prompts",
+    # longrope: the pairs' prompt + chosen and prompt + rejected straddle the threshold (PAIR_LENGTHS)
+    "phi3": "cannot share one prompt",
+}
+
 
 @pytest.mark.parametrize("model_type", sorted(SUBSET))
 def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_type):
     require_installed(model_type)  # an older transformers without it: skipped, named (conftest)
     verdict = check_architecture(model_type)
     assert verdict.status == SUBSET[model_type], verdict.detail
+    if model_type in PREFIX_SHARING_REFUSED:
+        assert verdict.speedups["prefix_sharing"] == "refused"
+        assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations["prefix_sharing"].detail
+    elif verdict.speedups.get("packed attention") == "on":  # lfm3: its short convolutions over the prompt
+        assert verdict.speedups["prefix_sharing"] == "on", verdict.ablations["prefix_sharing"].detail
+    elif verdict.speedups.get("packed attention") == "off":
+        assert verdict.speedups["prefix_sharing"] == "-"
     if verdict.status == "refused":
         assert "slipstream.optimize(model, " in verdict.detail
         assert verdict.fallback["result"].status == "pass"
@@ -60,6 +80,7 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             # Qwen3-MoE's norms are Llama-style; GPT-OSS's multiply before the cast (kept), and no
             # MoE model has a dense gate/up/down MLP here
             "fused": "RMSNorm" if model_type == "qwen3_moe" else "-",
+            "prefix_sharing": "on",
         }
     if verdict.speedups.get("fused", "-") != "-":
         assert verdict.ablations["fused"].status == "pass"
@@ -114,6 +135,65 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
     assert check_architecture("llama").status == "WRONG"
 
 
+def test_the_pairs_cross_the_windows_and_thresholds():
+    """Answers shorter and longer than the windows; prompt + answer on both sides of the position
+    thresholds; every prompt + answer below the dynamic-RoPE threshold, the packed row above it."""
+    answers = [n for _, chosen, rejected in PAIR_LENGTHS for n in (chosen, rejected)]
+    alone = [prompt + n for prompt, chosen, rejected in PAIR_LENGTHS for n in (chosen, rejected)]
+    assert min(answers) <= WINDOW < max(answers)
+    assert min(alone) <= POSITION_THRESHOLD < max(alone)
+    assert max(alone) < DYNAMIC_ROPE_POSITIONS < sum(map(sum, PAIR_LENGTHS))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    return tiny_model("llama", seed=compat.SEED)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss"])  # sliding window; sinks + sorted routing
+def test_prefix_shared_pairs_match_each_answer_run_alone(model_type):
+    """(llama, qwen3_moe, roberta: through check_architecture above.)"""
+    stock = tiny_model(model_type, seed=compat.SEED)
+    pairs = preference_pairs(stock)
+    assert [tuple(len(p[k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")) for p in pairs] == list(
+        PAIR_LENGTHS
+    )
+    expected = pair_reference(stock, pairs)
+    assert [len(e) for e in expected] == [n for _, c, r in PAIR_LENGTHS for n in (c, r)]
+    result = check_prefix_sharing(stock, pairs, expected, {})
+    assert result.status == "pass", result.detail
+    assert result.logits_error <= compat.PAIR_TOLERANCE["token_logprob"]
+    assert result.loss_error <= compat.PAIR_TOLERANCE["summed_logprob"]
+    assert any(p.startswith("packed attention: slipstream") for p in result.policies)
+    assert any(p.startswith("chunked loss: on") for p in result.policies)  # the sums: the chunked loss
+
+
+def test_the_prefix_check_sees_a_rejected_answer_without_its_prompt(monkeypatch, tiny_llama):
+    """The rejected answers attending to themselves only (their prefixes dropped): WRONG, named."""
+    from slipstream.packing import pairs as pairs_module
+
+    collate = pairs_module.collate_pairs
+
+    def without_prefixes(pairs, prefix_sharing=True, device=None):
+        return dataclasses.replace(collate(pairs, prefix_sharing, device), prefix_lens=None, _memo={})
+
+    pairs = preference_pairs(tiny_llama)
+    expected = pair_reference(tiny_llama, pairs)
+    monkeypatch.setattr(pairs_module, "collate_pairs", without_prefixes)
+    result = check_prefix_sharing(tiny_llama, pairs, expected, {})
+    assert result.status == "WRONG", result.detail
+    assert "pair 0's rejected answer" in result.detail or "pair 1's rejected answer" in result.detail
+    assert "summed answer log-probs off" in result.detail
+
+
+def test_the_prefix_check_reads_the_sums_from_the_logits_without_the_chunked_loss(tiny_llama):
+    pairs = preference_pairs(tiny_llama)
+    result = check_prefix_sharing(
+        tiny_llama, pairs, pair_reference(tiny_llama, pairs), {"chunked_loss": False}
+    )
+    assert result.status == "pass" and "from the logits" in result.detail, result.detail
+
+
 def test_advice_is_read_from_the_refusal():
     assert advice("... Use slipstream.optimize(model, packed_attention=False)") == {"packed_attention": False}
     assert advice("x. Use slipstream.optimize(model, moe_routing='stock').") == {"moe_routing": "stock"}
@@ -129,6 +209,12 @@ def test_the_table_counts_every_outcome():
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
+    assert "| fused | prefix | note |" in text and "*prefix* = preference pairs" in text
+    assert (
+        "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on |"
+        in text
+    )
+    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - |" in text
 
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
@@ -144,8 +230,8 @@ def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
     text = render_markdown([verdict.to_dict()])
     assert (
-        "| grouped | short | fused | compiled | note |" in text
-        and "| on | on | RMSNorm+SwiGLU | on |" in text
+        "| grouped | short | fused | prefix | compiled | note |" in text
+        and "| on | on | RMSNorm+SwiGLU | on | on |" in text
     )
 
 

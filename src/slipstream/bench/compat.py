@@ -828,8 +828,9 @@ def _note(verdict: dict[str, Any]) -> str:
     return "; ".join(notes + refusals) if verdict["status"] == "pass" else verdict["detail"]
 
 
-def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None) -> str:
-    """``docs/compatibility.md``: the per-architecture table and how it was made."""
+def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None, workers: int = 2) -> str:
+    """``docs/compatibility.md``: the per-architecture table and how it was made (``seconds``: the
+    sweep's wall time, with ``workers`` worker processes)."""
 
     counts = Counter(v["status"] for v in verdicts)
     compiled = any("compiled" in (v.get("speedups") or {}) for v in verdicts)  # the sweep's --compile
@@ -847,7 +848,11 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "feature; the fallback it advises is run and compared too.",
         "",
         f"Machine: {cpu_name()} ({os.cpu_count()} cores), torch {torch.__version__}"
-        + (f"; the sweep took {seconds:.0f} s with 2 worker processes." if seconds else "."),
+        + (
+            f"; the sweep took {seconds:.0f} s with {workers} worker process{'es' if workers != 1 else ''}."
+            if seconds
+            else "."
+        ),
         "",
         "| outcome | architectures |",
         "|---|---:|",
