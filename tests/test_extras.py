@@ -7,7 +7,9 @@ from slipstream import extras
 
 def test_a_missing_extra_names_the_feature_and_the_install_command(monkeypatch):
     monkeypatch.setattr(extras, "installed", lambda module: module != "bitsandbytes")
-    with pytest.raises(extras.MissingExtra, match=r"quantization.four_bit needs bitsandbytes.*slipstream\[qlora\]"):
+    with pytest.raises(
+        extras.MissingExtra, match=r"quantization.four_bit needs bitsandbytes.*slipstream\[qlora\]"
+    ):
         extras.require("bitsandbytes.functional", "quantization.four_bit")
     assert extras.require("json", "anything").dumps([]) == "[]"  # present: imported and returned
 
@@ -20,7 +22,9 @@ def test_qlora_loading_without_bitsandbytes_says_which_extra(monkeypatch, tmp_pa
         load_for_qlora(str(tmp_path))
 
 
-def test_train_with_four_bit_and_no_bitsandbytes_is_one_line_and_writes_nothing(monkeypatch, tmp_path, capsys):
+def test_train_with_four_bit_and_no_bitsandbytes_is_one_line_and_writes_nothing(
+    monkeypatch, tmp_path, capsys
+):
     from slipstream.cli import main
 
     monkeypatch.setattr(extras, "installed", lambda module: module != "bitsandbytes")
@@ -42,6 +46,8 @@ def test_train_with_four_bit_and_no_bitsandbytes_is_one_line_and_writes_nothing(
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1
-    assert err[-1].startswith("slipstream train: MissingExtra: quantization.four_bit (QLoRA) needs bitsandbytes")
+    assert err[-1].startswith(
+        "slipstream train: MissingExtra: quantization.four_bit (QLoRA) needs bitsandbytes"
+    )
     assert "pip install 'slipstream[qlora]'" in err[-1]
     assert not out.exists()

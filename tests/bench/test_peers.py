@@ -49,7 +49,10 @@ def test_trl_trains_our_bins_and_its_loss_curve_matches_ours_step_for_step(tmp_p
     assert "CUDA" in summary["stock-offload"]["skipped"]
     assert "CUDA GPU" in summary["liger"]["skipped"]
     text = markdown_report(json.loads(json.dumps(record)))
-    assert "| stock-offload | skipped: transformers' activation_checkpointing_enable(offload=True) copies" in text
+    assert (
+        "| stock-offload | skipped: transformers' activation_checkpointing_enable(offload=True) copies"
+        in text
+    )
     rows = report_rows([(tmp_path / "ab.json", record)])
     assert {row["arm"] for row in rows} == {"slipstream vs trl", "slipstream vs stock-packed"}
     report = report_markdown([(tmp_path / "ab.json", record)], rows)

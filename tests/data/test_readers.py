@@ -101,7 +101,9 @@ def test_parquet_rows_with_nested_messages(tmp_path):
 
 
 def test_datasets_directory_and_dataset_dict(tmp_path):
-    datasets = pytest.importorskip("datasets", reason="datasets is not installed (pip install 'slipstream[datasets]')")
+    datasets = pytest.importorskip(
+        "datasets", reason="datasets is not installed (pip install 'slipstream[datasets]')"
+    )
     datasets.Dataset.from_list(ROWS[:1] * 4).save_to_disk(str(tmp_path / "single"))
     assert [loc for _, loc in read_rows(tmp_path / "single")][-1] == f"{tmp_path / 'single'}: row 3"
 
