@@ -42,6 +42,7 @@ from ..data import (
     load_samples,
     pack_samples,
 )
+from ..data.cache import cache_root
 from ..data.labels import count_label_tokens
 from ..models import build_model
 from ..models.qlora import load_for_qlora
@@ -649,6 +650,7 @@ def _reference_pass(run: _Run) -> None:
 
     started = time.perf_counter()
     sets = [("train", run.bins)] + ([("eval", run.evals.bins)] if run.evals is not None else [])
+    computed = False
     for name, bins in sets:
         key = cache_key(weights, {**base, "set": name}, bins)
         if run.info.enabled and config.data.cache:  # rank 0 computes and writes; the others read it
@@ -656,12 +658,21 @@ def _reference_pass(run: _Run) -> None:
                 precomputed_reference(key, bins, compute, cache=True)
             run.info.barrier()
         sums, how = precomputed_reference(key, bins, compute, cache=config.data.cache)
+        computed = computed or "computed" in how
         if name == "train":
             run.reference = sums
         else:
             run.eval_reference = sums
     seconds = time.perf_counter() - started
-    line = how.replace(" once", f" once in {seconds:.1f} s", 1) if "computed" in how else how
+    count = sum(len(bins) for _, bins in sets)
+    where = cache_root() / "reference"
+    line = (
+        f"reference log-probs computed once in {seconds:.1f} s before step 0 ({count} bins, "
+        + ("train and eval" if len(sets) > 1 else "train")
+        + (f"; cached under {where})" if config.data.cache else ")")
+        if computed
+        else f"reference log-probs read from the cache ({where}; {count} bins)"
+    )
     run.policies.append(line)
     if run.info.is_main:
         tqdm.write(f"slipstream train: {line}")
