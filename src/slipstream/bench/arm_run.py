@@ -21,6 +21,7 @@ import torch
 
 from ..offload import device_activation_bytes
 from ..optimize import base_model
+from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
@@ -67,24 +68,6 @@ class ArmResult:
     reward_margin: list[float] | None = None
     reward_accuracy: list[float] | None = None
     reference_pass_s: float = 0.0
-
-
-def pair_tokens_counted(pairs: list[dict]) -> int:
-    """Tokens of pairs as every arm counts them: prompt + chosen + prompt + rejected."""
-    return sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
-
-
-def pair_documents(pairs: list[dict]) -> list[dict]:
-    """Pairs as the documents of the shared layout, for the model-FLOP count (the work a pair needs:
-    prompt + chosen, and the rejected answer; its attention to the prompt is left out)."""
-    docs = []
-    for p in pairs:
-        prompt = len(p["prompt_ids"])
-        docs.append(
-            {"input_ids": p["prompt_ids"] + p["chosen_ids"], "labels": [-100] * prompt + p["chosen_ids"]}
-        )
-        docs.append({"input_ids": p["rejected_ids"], "labels": [-100, *p["rejected_ids"]]})
-    return docs
 
 
 def peak_memory_mb(device: str) -> float:
@@ -277,7 +260,7 @@ class ArmSession:
         micro_docs = self.plan[step]
         micro = [self._inputs(docs, step, index) for index, docs in enumerate(micro_docs)]
         if self.pairs:
-            tokens = sum(pair_tokens_counted(pairs) for pairs in micro_docs)
+            tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
         else:
             tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
         self._sync()

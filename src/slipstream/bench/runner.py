@@ -53,6 +53,17 @@ __all__ = [
 from .stats import loss_parity, margin_parity, speedup
 
 
+def _plan(bins: list, config: ABConfig, source: str) -> list:
+    """The first steps x grad_accum bins, a step's micro-batches each; too few is an error naming ``source``."""
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
+        raise ABInputError(
+            f"{source} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
+            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
+        )
+    return [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+
+
 def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """``--objective dpo``: the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
     by their shared length (prompt once), the same pairs for every arm whatever its layout."""
@@ -68,15 +79,8 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
         raise ABInputError(message if isinstance(error, DataError) else f"{config.data}: {message}") from None
     docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
     check_token_ids(docs, vocab, config.data)
-    bins = pack_pairs(pairs, config.max_seq_len, seed=config.seed)
+    plan = _plan(pack_pairs(pairs, config.max_seq_len, seed=config.seed), config, config.data)
     needed = config.steps * config.grad_accum
-    if len(bins) < needed:
-        raise ABInputError(
-            f"{config.data} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
-            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
-        )
-    bins = bins[:needed]
-    plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
     used = [p for step in plan for mb in step for p in mb]
     shared_tokens = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
     return (
@@ -107,14 +111,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     bins, report = pack_samples(
         samples, config.max_seq_len, seed=config.seed, overflow=config.overflow, strategy=config.batching
     )
-    needed = config.steps * config.grad_accum
-    if len(bins) < needed:
-        raise ABInputError(
-            f"{source} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
-            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
-        )
-    bins = bins[:needed]
-    plan = [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+    plan = _plan(bins, config, source)
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]

@@ -306,15 +306,7 @@ class ChunkedLoss:
         if positions is not None:
             hidden_NH = hidden_NH.index_select(0, positions)
             targets = targets.index_select(0, positions)
-        if self.chunk_tokens is None:
-            self.chunk_tokens, reason = choose_chunk_tokens(
-                vocab_size, hidden.dtype, hidden.device, override=self.requested_chunk_tokens
-            )
-            self._log(f"chunked loss: {reason}")
-        head = self._head
-        params = [p for p in head.parameters() if p.requires_grad]
-        if self._is_plain_linear(head):
-            head = LinearHead(head.weight, head.bias)
+        head, params = self._chunked_head(vocab_size, hidden)
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = float(num_items_in_batch)
         return linear_cross_entropy(
@@ -328,14 +320,9 @@ class ChunkedLoss:
             ignore_index=ignore_index,
         )
 
-    def _answer_logprobs(self, call: _Call, vocab_size: int) -> torch.Tensor:
-        """A preference batch: every answer's summed log-prob, left on the batch
-        (:func:`answer_logprobs_of`); the forward's ``loss`` is the answers' mean NLL, detached
-        (a preference loss is computed from the sums, never by calling backward on it)."""
-        batch = call.packed_batch
-        answers = batch.answers
-        hidden = call.hidden
-        hidden_NH = hidden.reshape(-1, hidden.shape[-1]).index_select(0, answers.positions)
+    def _chunked_head(self, vocab_size: int, hidden: torch.Tensor):
+        """The head as the chunks run it (a plain linear one by its tensors) and its trainable
+        tensors; the chunk size decided (and logged) on first use."""
         if self.chunk_tokens is None:
             self.chunk_tokens, reason = choose_chunk_tokens(
                 vocab_size, hidden.dtype, hidden.device, override=self.requested_chunk_tokens
@@ -345,6 +332,17 @@ class ChunkedLoss:
         params = [p for p in head.parameters() if p.requires_grad]
         if self._is_plain_linear(head):
             head = LinearHead(head.weight, head.bias)
+        return head, params
+
+    def _answer_logprobs(self, call: _Call, vocab_size: int) -> torch.Tensor:
+        """A preference batch: every answer's summed log-prob, left on the batch
+        (:func:`answer_logprobs_of`); the forward's ``loss`` is the answers' mean NLL, detached
+        (a preference loss is computed from the sums, never by calling backward on it)."""
+        batch = call.packed_batch
+        answers = batch.answers
+        hidden = call.hidden
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1]).index_select(0, answers.positions)
+        head, params = self._chunked_head(vocab_size, hidden)
         sums = answer_logprobs(
             hidden_NH,
             answers.targets,

@@ -36,6 +36,24 @@ def pair_tokens(pair: dict[str, Any], prefix_sharing: bool = True) -> int:
     return prompt + chosen + rejected + (0 if prefix_sharing else prompt)
 
 
+def counted_tokens(pairs: Sequence[dict[str, Any]]) -> int:
+    """Tokens of pairs as every layout is counted (benchmarks, tokens/s): prompt + chosen + prompt +
+    rejected, so tokens/s ratios between layouts are pairs/s ratios."""
+    return sum(pair_tokens(pair, prefix_sharing=False) for pair in pairs)
+
+
+def pair_documents(pairs: Sequence[dict[str, Any]]) -> list[dict[str, list[int]]]:
+    """The pairs as the shared layout's documents (``input_ids`` / ``labels``), for a model-FLOP
+    count or a token-id check: prompt + chosen, then the rejected answer (its attention to the
+    prompt is not counted: a slight undercount of the work a pair needs)."""
+    docs = []
+    for pair in pairs:
+        prompt, chosen, rejected = (list(pair[key]) for key in PAIR_KEYS)
+        docs.append({"input_ids": prompt + chosen, "labels": [IGNORE_INDEX] * len(prompt) + chosen})
+        docs.append({"input_ids": rejected, "labels": [IGNORE_INDEX, *rejected]})
+    return docs
+
+
 def collate_pairs(
     pairs: Sequence[dict[str, Any]],
     prefix_sharing: bool = True,

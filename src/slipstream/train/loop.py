@@ -50,7 +50,7 @@ from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..optimize import optimize, state_of
 from ..packing import collate_packed
-from ..packing.pairs import collate_pairs
+from ..packing.pairs import collate_pairs, counted_tokens, pair_documents
 from ..preference import PairReport, evaluate_pairs, load_pairs, pack_pairs, preference_step, split_pairs
 from ..preference.objective import reference_sums
 from ..preference.reference import cache_key, precomputed_reference, weights_fingerprint
@@ -351,26 +351,6 @@ def _pair_data(config: TrainConfig, tokenizer, info: Distributed):
     return pairs, bins, packing, report, evals
 
 
-def _pair_row_tokens(pair: dict) -> int:
-    """A pair's tokens as every arm counts them: prompt + chosen + prompt + rejected."""
-    return 2 * len(pair["prompt_ids"]) + len(pair["chosen_ids"]) + len(pair["rejected_ids"])
-
-
-def _pair_docs(pairs: list[dict]) -> list[dict]:
-    """The pairs as documents, for the token-id check and the FLOP count: prompt + chosen and
-    rejected (the work of the shared layout; its rejected answer's attention to the prompt is not counted)."""
-    docs = []
-    for pair in pairs:
-        docs.append(
-            {
-                "input_ids": pair["prompt_ids"] + pair["chosen_ids"],
-                "labels": [-100] * len(pair["prompt_ids"]) + pair["chosen_ids"],
-            }
-        )
-        docs.append({"input_ids": pair["rejected_ids"], "labels": [-100] + pair["rejected_ids"]})
-    return docs
-
-
 def _data(config: TrainConfig, tokenizer, info: Distributed):
     """Samples and their bins, and the eval set; the rows skipped and the samples cut are always said."""
     if config.training.objective != "sft":
@@ -431,11 +411,11 @@ def _trainable_model(
     check_lora_targets(model, config)
     preference = config.training.objective != "sft"
     check_token_ids(
-        _pair_docs(samples) if preference else samples, model, config.data.path or "the demo data"
+        pair_documents(samples) if preference else samples, model, config.data.path or "the demo data"
     )
     if evals is not None and config.data.eval_path is not None:
         held_out = [d for b in evals.bins for d in b]
-        check_token_ids(_pair_docs(held_out) if preference else held_out, model, config.data.eval_path)
+        check_token_ids(pair_documents(held_out) if preference else held_out, model, config.data.eval_path)
     if not config.quantization.four_bit:
         model.to(device)
     try:
@@ -704,7 +684,7 @@ def _preference_train_step(run: _Run, step: int) -> dict:
         reduce=run.info.sum_tensor,
     )
     run.scheduler.step()
-    result["tokens"] = sum(_pair_row_tokens(p) for index in step_bins for p in run.bins[index])
+    result["tokens"] = sum(counted_tokens(run.bins[index]) for index in step_bins)
     result["pairs"] = sum(len(run.bins[index]) for index in step_bins)
     return result
 
@@ -763,7 +743,7 @@ def _step_flops(run: _Run, step: int) -> int:
     """Model FLOPs of step ``step`` on every rank: each bin's documents, the LM head on its labelled rows."""
     if run.preference:
         return run.flops.step_flops(
-            docs_micro_batch(_pair_docs(run.bins[index])) for index in run.bins_for(step)
+            docs_micro_batch(pair_documents(run.bins[index])) for index in run.bins_for(step)
         )
     return run.flops.step_flops(docs_micro_batch(run.bins[index]) for index in run.bins_for(step))
 

@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .trl_step import checkpointing_argument
+from .trl_step import ForwardClock, checkpointing_argument
 
 # TRL's per-micro-batch metrics this arm returns, by the name it returns them under.
 REWARD_METRICS = {
@@ -111,11 +111,9 @@ class TrlDpoStep:
         self.trainer.create_optimizer_and_scheduler(num_training_steps=steps)
         # Only the active adapter: TRL's frozen "ref" copy, where it made one, is not trained.
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self._forward_s = 0.0
-        self._forward_start = 0.0
+        self.clock = ForwardClock(device)
         # Both forwards run through the trainer's model: the policy's and the reference's are timed.
-        self.model.register_forward_pre_hook(self._start_forward)
-        self.model.register_forward_hook(self._end_forward)
+        self.clock.watch(self.model)
         if "ref" in getattr(self.model, "peft_config", {}):
             reference = "a frozen copy of the initial adapter"
         else:
@@ -125,18 +123,6 @@ class TrlDpoStep:
             f"a no-grad reference forward every micro-batch ({reference}), its reward and logit metrics "
             "read to the host every micro-batch, training_step, its adamw_torch optimizer and clipping",
         ]
-
-    def _sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def _start_forward(self, module, args):
-        self._sync()
-        self._forward_start = time.perf_counter()
-
-    def _end_forward(self, module, args, output):
-        self._sync()
-        self._forward_s += time.perf_counter() - self._forward_start
 
     def collate(self, pairs: list[dict]) -> tuple[dict, int]:
         """TRL's padded micro-batch of ``pairs`` on the device, and the number of pairs in it."""
@@ -149,7 +135,7 @@ class TrlDpoStep:
     def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; the step's DPO loss and TRL's reward metrics, pair means."""
         start = time.perf_counter()
-        self._forward_s = 0.0
+        self.clock.seconds = 0.0
         trainer = self.trainer
         lr = trainer.lr_scheduler.get_last_lr()[0]  # what this step's update runs with
         # The Trainer's loop sets it to the number of micro-batches in the update; training_step divides by it.
@@ -174,15 +160,15 @@ class TrlDpoStep:
             for name, key in REWARD_METRICS.items()
         }
         metrics.clear()  # as Trainer.log does every logging step
-        self._sync()
+        self.clock.sync()
         total = time.perf_counter() - start
         return {
             "loss": loss,
             "grad_norm": float(grad_norm),
             "lr": lr,
-            "forward_s": self._forward_s,
+            "forward_s": self.clock.seconds,
             # backward, TRL's metric reads, clipping and the optimizer step
-            "backward_s": total - self._forward_s,
+            "backward_s": total - self.clock.seconds,
             **result,
         }
 

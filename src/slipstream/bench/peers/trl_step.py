@@ -28,6 +28,30 @@ import torch
 IGNORE_INDEX = -100
 
 
+class ForwardClock:
+    """The time a trainer's model spends in its forwards (synced on CUDA), for a peer arm's
+    forward / backward split: ``seconds`` adds up every forward since it was last zeroed."""
+
+    def __init__(self, device: str):
+        self.device, self.seconds, self._started = device, 0.0, 0.0
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def watch(self, model: torch.nn.Module) -> None:
+        model.register_forward_pre_hook(self._start)
+        model.register_forward_hook(self._end)
+
+    def _start(self, module, args):
+        self.sync()
+        self._started = time.perf_counter()
+
+    def _end(self, module, args, output):
+        self.sync()
+        self.seconds += time.perf_counter() - self._started
+
+
 def checkpointing_argument(arguments_class) -> str:
     """The training arguments' checkpointing switch: transformers renamed it ``activation_checkpointing``
     (the old name warns a FutureWarning); 5.17 knows only ``gradient_checkpointing``."""
@@ -79,26 +103,12 @@ class TrlStep:
         self.model = self.trainer.model
         self.trainer.create_optimizer_and_scheduler(num_training_steps=config.steps)
         self.parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self._forward_s = 0.0
-        self._forward_start = 0.0
-        self.model.register_forward_pre_hook(self._start_forward)
-        self.model.register_forward_hook(self._end_forward)
+        self.clock = ForwardClock(device)
+        self.clock.watch(self.model)
         self.policies = [
             "TRL SFTTrainer: padding-free collator, compute_loss (fused LM head, entropy and token "
             "accuracy read every micro-batch), training_step, its adamw_torch optimizer and clipping",
         ]
-
-    def _sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def _start_forward(self, module, args):
-        self._sync()
-        self._forward_start = time.perf_counter()
-
-    def _end_forward(self, module, args, output):
-        self._sync()
-        self._forward_s += time.perf_counter() - self._forward_start
 
     def collate(self, docs: list[dict]) -> tuple[dict, int]:
         """TRL's padding-free row of ``docs`` on the device, and its label tokens counted as the Trainer counts."""
@@ -112,7 +122,7 @@ class TrlStep:
     def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; the metrics ``train_step`` returns."""
         start = time.perf_counter()
-        self._forward_s = 0.0
+        self.clock.seconds = 0.0
         lr = self.trainer.lr_scheduler.get_last_lr()[0]  # what this step's update runs with
         items = torch.tensor(sum(count for _, count in micro_batches), device=self.device)
         losses = []
@@ -124,15 +134,15 @@ class TrlStep:
         self.trainer.lr_scheduler.step()
         self.model.zero_grad()
         loss = float(torch.stack(losses).sum())
-        self._sync()
+        self.clock.sync()
         total = time.perf_counter() - start
         return {
             "loss": loss,
             "grad_norm": float(grad_norm),
             "lr": lr,
-            "forward_s": self._forward_s,
+            "forward_s": self.clock.seconds,
             # backward, TRL's metric reads, clipping and the optimizer step
-            "backward_s": total - self._forward_s,
+            "backward_s": total - self.clock.seconds,
         }
 
     def close(self) -> None:
