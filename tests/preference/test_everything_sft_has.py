@@ -78,9 +78,18 @@ def test_a_nonfinite_step_stops_the_run_and_names_it(tmp_path, monkeypatch):
 
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
-def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
+@pytest.mark.parametrize(
+    "strategy, reference", [("ddp", "precomputed"), ("fsdp2", "precomputed"), ("fsdp2", "per_step")]
+)
+def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, strategy, reference):
     pairs = write_pairs(tmp_path)
-    config = dpo_config(tmp_path, pairs, training={"steps": 3}, data={"eval_fraction": 0.25})
+    config = dpo_config(
+        tmp_path,
+        pairs,
+        training={"steps": 3, "distributed": strategy},
+        data={"eval_fraction": 0.25},
+        preference={"reference": reference},
+    )
 
     def launch(args):
         done = subprocess.run(
@@ -94,7 +103,7 @@ def test_two_ddp_ranks_match_one_process_with_the_same_global_batch(tmp_path):
 
     single = ["-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'single'}"]
     launch([*single, "--set", "training.grad_accum=2"])
-    port = str(29500 + (os.getpid() + 7) % 1000)
+    port = str(29500 + (os.getpid() + 7 + len(strategy) + len(reference)) % 1000)
     ranks = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     launch([*ranks, "-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'ranks'}"])
     one, two = losses(tmp_path / "single"), losses(tmp_path / "ranks")

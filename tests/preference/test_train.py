@@ -208,7 +208,6 @@ def test_ipo_and_simpo_train(tmp_path, objective):
 REFUSALS = [
     ({"data": {"path": None}}, "data.path"),
     ({"speedups": {"packed_attention": False}}, "speedups.packed_attention"),
-    ({"training": {"distributed": "fsdp2"}}, "training.distributed"),
     ({"preference": {"reference": "per_step"}, "lora": {"enabled": False}}, "preference.reference"),
     ({"data": {"overflow": "split"}}, "data.overflow"),
 ]

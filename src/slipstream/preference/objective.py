@@ -135,7 +135,9 @@ def preference_step(
 
 def evaluate_pairs(
     model: torch.nn.Module,
-    batches: Sequence[tuple[PackedBatch, torch.Tensor | None]],
+    batches: Sequence[
+        tuple[PackedBatch, torch.Tensor | None] | tuple[PackedBatch, torch.Tensor | None, bool]
+    ],
     *,
     loss: str,
     beta: float,
@@ -143,21 +145,24 @@ def evaluate_pairs(
     chunked: bool = True,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """The ``METRICS`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same."""
+    """The ``METRICS`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same.
+    A batch given as ``(batch, reference, False)`` runs but does not count (under FSDP2 every rank
+    runs as many forwards, the last ones padded with a repeated batch)."""
     was_training = [(m, m.training) for m in model.modules()]
     model.eval()
     sums, pairs = None, 0
     try:
         with torch.no_grad():
-            for batch, ref in batches:
+            for batch, ref, *counted in batches:
                 policy = answer_sums(model, batch, chunked)
                 lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to(policy.device)
                 terms = preference_terms(
                     loss, policy, None if ref is None else ref.to(policy.device), lengths, beta, simpo_gamma
                 )
-                found = metric_sums(terms)
+                counts = not counted or counted[0]
+                found = metric_sums(terms) * (1.0 if counts else 0.0)
                 sums = found if sums is None else sums + found
-                pairs += batch.answers.num_pairs
+                pairs += batch.answers.num_pairs if counts else 0
     finally:
         for module, mode in was_training:
             module.train(mode)

@@ -62,6 +62,11 @@ def cache_key(weights: str, settings: dict, bins: Sequence[Sequence[dict]]) -> s
     return digest.hexdigest()[:32]
 
 
+def reference_cached(key: str) -> bool:
+    """Whether the cache holds an entry for ``key`` (FSDP2's ranks agree on this before any computes)."""
+    return (cache_root() / "reference" / f"{key}.pt").exists()
+
+
 def precomputed_reference(
     key: str,
     bins: Sequence[Sequence[dict]],

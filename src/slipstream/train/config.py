@@ -209,11 +209,6 @@ class TrainConfig:
                 "speedups.packed_attention",
                 f"{objective} trains packed pairs: speedups.packed_attention false is not supported",
             )
-        if self.training.distributed == "fsdp2":
-            fail(
-                "training.distributed",
-                f"{objective} with training.distributed 'fsdp2' is not supported yet (use ddp)",
-            )
         if self.data.overflow == "split":
             fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
         if self.preference.reference == "per_step" and self.training.objective != "simpo":

@@ -53,7 +53,7 @@ from ..packing import collate_packed
 from ..packing.pairs import collate_pairs, counted_tokens, pair_documents
 from ..preference import PairReport, evaluate_pairs, load_pairs, pack_pairs, preference_step, split_pairs
 from ..preference.objective import reference_sums
-from ..preference.reference import cache_key, precomputed_reference, weights_fingerprint
+from ..preference.reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
 from ..utilisation import FlopProfile, docs_micro_batch, flop_profile, matmul_peak
 from .checkpoints import (
     Checkpoint,
@@ -68,7 +68,7 @@ from .checkpoints import (
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, full_trainable_state, setup, shutdown, unwrap, wrap
 from .errors import TrainError, TrainInterrupted
-from .evaluation import EvalSet, eval_set, evaluate, split_rows
+from .evaluation import EvalSet, eval_set, evaluate, rank_share, split_rows
 from .fingerprint import fingerprint as run_fingerprint
 from .interrupt import GracefulStop, stop_agreed
 from .lock import RunLock
@@ -633,11 +633,22 @@ def _reference_pass(run: _Run) -> None:
     computed = False
     for name, bins in sets:
         key = cache_key(weights, {**base, "set": name}, bins)
-        if run.info.enabled and config.data.cache:  # rank 0 computes and writes; the others read it
+        if run.info.enabled and config.data.cache and run.info.strategy != "fsdp2":
+            # DDP: rank 0 computes and writes, the others read it
             if run.info.is_main:
                 precomputed_reference(key, bins, compute, cache=True)
             run.info.barrier()
-        sums, how = precomputed_reference(key, bins, compute, cache=config.data.cache)
+        if run.info.strategy == "fsdp2":
+            # every forward is a collective (the parameters are gathered): every rank reads, or every
+            # rank computes (and rank 0 writes), as the cache says before any of them writes
+            cached = config.data.cache and reference_cached(key)
+            run.info.barrier()
+            sums, how = precomputed_reference(
+                key, bins, compute, cache=cached or (config.data.cache and run.info.is_main)
+            )
+            run.info.barrier()
+        else:
+            sums, how = precomputed_reference(key, bins, compute, cache=config.data.cache)
         computed = computed or "computed" in how
         if name == "train":
             run.reference = sums
@@ -691,16 +702,14 @@ def _preference_train_step(run: _Run, step: int) -> dict:
 
 def _preference_evaluate(run: _Run) -> dict:
     settings, info = run.config.preference, run.info
-    indices = list(range(info.rank, len(run.evals.bins), info.world_size))
     batches = []
-    for index in indices:
+    # every rank as many forwards (FSDP2 gathers in each), the last ones repeated and not counted
+    for index, counts in rank_share(len(run.evals.bins), info.rank, info.world_size):
         batch = collate_pairs(run.evals.bins[index], settings.prefix_sharing, device=run.device)
-        batches.append((batch, run.eval_reference[index] if run.eval_reference is not None else None))
-    if not batches:
-        raise TrainError("fewer eval bins than ranks: evaluate on more pairs")
+        batches.append((batch, run.eval_reference[index] if run.eval_reference is not None else None, counts))
     if run.config.training.objective != "simpo" and run.eval_reference is None:  # per_step
         chunked = _chunked(run)
-        batches = [(b, reference_sums(run.model, b, chunked, adapter=True)) for b, _ in batches]
+        batches = [(b, reference_sums(run.model, b, chunked, adapter=True), c) for b, _, c in batches]
     return evaluate_pairs(
         run.model,
         batches,
