@@ -26,7 +26,12 @@ REQUIRED = {
     "matplotlib": "matplotlib",
 }
 # extras: a check that needs one is skipped, named, where it is missing
-OPTIONAL = {"trl": "trl", "datasets": "datasets", "bitsandbytes": "bitsandbytes", "liger_kernel": "liger-kernel"}
+OPTIONAL = {
+    "trl": "trl",
+    "datasets": "datasets",
+    "bitsandbytes": "bitsandbytes",
+    "liger_kernel": "liger-kernel",
+}
 
 
 def version(module: str) -> str | None:
@@ -47,9 +52,13 @@ def main() -> int:
             missing.append(package)
     import torch
 
-    print(f"cuda: {torch.cuda.is_available()} ({torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'})")
+    print(
+        f"cuda: {torch.cuda.is_available()} ({torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-'})"
+    )
     if missing:
-        print(f"gpu_check: missing {', '.join(missing)}: bring the wheels (bash benchmarks/gpu_wheels.sh, carry .whl)")
+        print(
+            f"gpu_check: missing {', '.join(missing)}: bring the wheels (bash benchmarks/gpu_wheels.sh, carry .whl)"
+        )
         return 1
     return 0
 
