@@ -45,7 +45,9 @@ def answer_sums(model: torch.nn.Module, batch: PackedBatch, chunked: bool) -> to
         sums = answer_logprobs_of(batch)
         if sums is None:
             raise RuntimeError(
-                "the chunked loss did not run on this preference batch (is speedups.chunked_loss on?)"
+                "the chunked loss did not run on this preference batch: the model's forward hooks were "
+                "skipped (a PEFT older than 0.21 calls the wrapped model's forward() directly; pip install "
+                "'peft>=0.21'), or speedups.chunked_loss is off"
             )
         return sums
     answers = batch.answers
