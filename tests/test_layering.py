@@ -15,6 +15,7 @@ LAYERS = [
         "extras",
         "fields",
         "hardware",
+        "modes",
         "host_reads",
         "noise",
         "data",

@@ -9,6 +9,7 @@ object itself: when the batch goes away so does the memo, and nothing can go sta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -102,10 +103,7 @@ class PackedBatch:
             lengths: list[int] = []
             for length in self.seq_lens:
                 lengths += [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
-            cu = [0]
-            for length in lengths:
-                cu.append(cu[-1] + length)
-            cu_seqlens = torch.tensor(cu, dtype=torch.int32)
+            cu_seqlens = torch.tensor(cumulative(lengths), dtype=torch.int32)
             if self.cu_seqlens.device.type != "cpu":
                 pinned = cu_seqlens.pin_memory() if torch.cuda.is_available() else cu_seqlens
                 cu_seqlens = pinned.to(self.cu_seqlens.device, non_blocking=True)
@@ -199,6 +197,7 @@ class AnswerSpans:
     targets: torch.Tensor
     index: torch.Tensor
     lengths: tuple[int, ...]
+    token_counts: torch.Tensor  # ``lengths`` as an fp32 [answers] tensor, moved with the batch
 
     @property
     def num_answers(self) -> int:
@@ -209,7 +208,14 @@ class AnswerSpans:
         return len(self.lengths) // 2
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
-        return AnswerSpans(move(self.positions), move(self.targets), move(self.index), self.lengths)
+        return AnswerSpans(
+            move(self.positions), move(self.targets), move(self.index), self.lengths, move(self.token_counts)
+        )
+
+
+def cumulative(lengths) -> list[int]:
+    """``[0, l0, l0 + l1, ...]``: cu_seqlens from the host lengths."""
+    return [0, *itertools.accumulate(lengths)]
 
 
 def _as_int_list(values: Any, name: str, index: int) -> list[int]:
@@ -264,9 +270,7 @@ def collate_packed(
             labels += [IGNORE_INDEX] * pad
             position_ids += range(pad)
             seq_lens.append(pad)
-    cu_seqlens = [0]
-    for length in seq_lens:
-        cu_seqlens.append(cu_seqlens[-1] + length)
+    cu_seqlens = cumulative(seq_lens)
     # Position t predicts labels[t + 1]; the first label of every document is -100, so these
     # are exactly the num_label_tokens positions the loss counts.
     loss_positions = [t for t in range(len(labels) - 1) if labels[t + 1] != IGNORE_INDEX]

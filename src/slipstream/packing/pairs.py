@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
+from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch, cumulative
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -107,20 +107,18 @@ def collate_pairs(
             labels.extend([IGNORE_INDEX] * P)
         add_answer(rejected, predicted_from, 2 * number + 1)
         labels.extend(rejected)
-    cu_seqlens = [0]
-    for length in seq_lens:
-        cu_seqlens.append(cu_seqlens[-1] + length)
     answers = AnswerSpans(
         positions=torch.tensor(positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         index=torch.tensor(index, dtype=torch.long),
         lengths=tuple(lengths),
+        token_counts=torch.tensor(lengths, dtype=torch.float32),
     )
     batch = PackedBatch(
         input_ids=torch.tensor([input_ids], dtype=torch.long),
         labels=torch.tensor([labels], dtype=torch.long),
         position_ids=torch.tensor([position_ids], dtype=torch.long),
-        cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32),
+        cu_seqlens=torch.tensor(cumulative(seq_lens), dtype=torch.int32),
         seq_lens=tuple(seq_lens),
         max_seqlen=max(seq_lens),
         num_label_tokens=len(positions),

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..loss import answer_logprobs_from_logits, answer_logprobs_of
+from ..modes import eval_mode
 from ..packing.batch import PackedBatch
 from .losses import METRICS, metric_sums, preference_terms
 
@@ -67,14 +68,8 @@ def adapter_off(model: torch.nn.Module):
 
 def reference_sums(model: torch.nn.Module, batch: PackedBatch, chunked: bool, adapter: bool) -> torch.Tensor:
     """The reference's [answers] sums: ``no_grad``, eval mode (no dropout), the adapter off if ``adapter``."""
-    was_training = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad(), adapter_off(model) if adapter else nullcontext():
-            return answer_sums(model, batch, chunked).detach()
-    finally:
-        for module, mode in was_training:
-            module.train(mode)
+    with eval_mode(model), torch.no_grad(), adapter_off(model) if adapter else nullcontext():
+        return answer_sums(model, batch, chunked).detach()
 
 
 def preference_step(
@@ -107,9 +102,13 @@ def preference_step(
                 ref = reference(batch)
             started = time.perf_counter()
             policy = answer_sums(model, batch, chunked)
-            lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to(policy.device)
             terms = preference_terms(
-                loss, policy, None if ref is None else ref.to(policy.device), lengths, beta, simpo_gamma
+                loss,
+                policy,
+                None if ref is None else ref.to(policy.device),
+                batch.answers.token_counts,
+                beta,
+                simpo_gamma,
             )
             step_loss = terms.losses.sum() / pairs
             forwarded = time.perf_counter()
@@ -150,24 +149,22 @@ def evaluate_pairs(
     """The ``METRICS`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same.
     A batch given as ``(batch, reference, False)`` runs but does not count (under FSDP2 every rank
     runs as many forwards, the last ones padded with a repeated batch)."""
-    was_training = [(m, m.training) for m in model.modules()]
-    model.eval()
     sums, pairs = None, 0
-    try:
-        with torch.no_grad():
-            for batch, ref, *counted in batches:
-                policy = answer_sums(model, batch, chunked)
-                lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to(policy.device)
-                terms = preference_terms(
-                    loss, policy, None if ref is None else ref.to(policy.device), lengths, beta, simpo_gamma
-                )
-                counts = not counted or counted[0]
-                found = metric_sums(terms) * (1.0 if counts else 0.0)
-                sums = found if sums is None else sums + found
-                pairs += batch.answers.num_pairs if counts else 0
-    finally:
-        for module, mode in was_training:
-            module.train(mode)
+    with eval_mode(model), torch.no_grad():
+        for batch, ref, *counted in batches:
+            policy = answer_sums(model, batch, chunked)
+            terms = preference_terms(
+                loss,
+                policy,
+                None if ref is None else ref.to(policy.device),
+                batch.answers.token_counts,
+                beta,
+                simpo_gamma,
+            )
+            counts = not counted or counted[0]
+            found = metric_sums(terms) * (1.0 if counts else 0.0)
+            sums = found if sums is None else sums + found
+            pairs += batch.answers.num_pairs if counts else 0
     count = torch.tensor([float(pairs)], device=sums.device)
     both = torch.cat([sums.float(), count])
     if reduce is not None:

@@ -19,7 +19,6 @@ forwards (FSDP2 gathers parameters in each).
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ from ..data import pack_samples
 from ..data.labels import count_label_tokens
 from ..host_reads import read_to_host
 from ..loss import chunked_evaluation
+from ..modes import eval_mode
 from ..packing import collate_packed
 from .distributed import Distributed
 from .errors import TrainError
@@ -89,20 +89,6 @@ def rank_share(num_bins: int, rank: int, world_size: int) -> list[tuple[int, boo
         index = rank + j * world_size
         share.append((index, True) if index < num_bins else (index % num_bins, False))
     return share
-
-
-@contextmanager
-def eval_mode(model: torch.nn.Module):
-    """Inside, ``model`` is in eval mode; after, each module is back in the mode it was in."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(modes[0][1])  # through each module's own train(), as model.eval() went
-        for module, training in modes:
-            if module.training != training:  # a module that was not in the model's mode stays as it was
-                module.train(training)
 
 
 def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: torch.device) -> float:

@@ -50,7 +50,7 @@ from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..optimize import optimize, state_of
 from ..packing import collate_packed
-from ..packing.pairs import collate_pairs, counted_tokens, pair_documents
+from ..packing.pairs import collate_pairs, counted_tokens, pair_documents, pair_tokens
 from ..preference import PairReport, evaluate_pairs, load_pairs, pack_pairs, preference_step, split_pairs
 from ..preference.objective import reference_sums
 from ..preference.reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
@@ -331,8 +331,6 @@ def _pair_data(config: TrainConfig, tokenizer, info: Distributed):
     bins = pack_pairs(pairs, config.data.max_seq_len, config.seed)
     if info.is_main:
         tqdm.write(f"slipstream train: {report.summary()}")  # skipped rows and cut pairs are always said
-    from ..packing.pairs import pair_tokens
-
     real = sum(pair_tokens(pair, config.preference.prefix_sharing) for pair in pairs)
     # bins are filled by the shared length whichever layout runs (the same pairs per step either way);
     # unshared, a row runs each prompt twice and may pass max_seq_len: its slots are then its length

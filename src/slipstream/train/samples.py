@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from ..models.answer import Generator
+from ..modes import eval_mode
 from .distributed import unwrap
-from .evaluation import eval_mode
 from .output_dir import SAMPLES
 
 
