@@ -233,3 +233,106 @@ def test_inductor_availability_is_read_from_what_is_installed(monkeypatch):
 
     monkeypatch.setattr(cpp_builder, "get_cpp_compiler", no_compiler)
     assert regional.inductor_available("cpu") == (False, "inductor finds no C++ compiler (RuntimeError)")
+
+
+def _packed_paths():
+    """Every way the per-document SDPA backend can run a batch: (name, grouping, short kernel, lengths)."""
+    return [
+        ("grouped", "grouped", "off", [7, 7, 7, 7, 3]),
+        ("per document", "per_document", "off", [7, 7, 7, 7, 3]),
+        ("one document", "auto", "off", [40]),
+        ("short kernel, per document", "per_document", "on", [5, 17, 9]),
+        ("short kernel, grouped", "grouped", "on", [8, 8, 6]),
+        ("short kernel, one document", "auto", "on", [12]),
+    ]
+
+
+@pytest.mark.parametrize("name, grouping, short, lengths", _packed_paths())
+def test_every_packed_path_hands_the_next_graph_a_fresh_contiguous_row(name, grouping, short, lengths):
+    """Dynamo guards a view on its base's sizes, so an attention output that is a view in one batch
+    and a fresh tensor in the next rebuilt the compiled graph after it (issue 33: a recompile for
+    [7, 7, 7, 7, 3] whenever a calibration taken under load flipped the grouping). Every path of the
+    per-document backend returns the same kind: [1, T, H, D], contiguous, not a view."""
+    from slipstream.packing import attention, short_attention
+    from slipstream.packing import grouping as grouping_module
+
+    model = build_model("qwen3", vocab_size=VOCAB)
+    slipstream.optimize(model, attention_grouping=grouping, short_document_kernel=short)
+    module = model.model.layers[0].self_attn
+    assert grouping_module.GROUPING_CHOICE[module] == grouping
+    assert short_attention.SHORT_KERNEL_CHOICE[module] == short
+    batch = collate_packed(random_docs(lengths, vocab_size=VOCAB))
+    T = batch.num_tokens
+    heads, kv_heads, dim = 4, 2, 16
+    q = torch.randn(1, heads, T, dim, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, T, dim, requires_grad=True) for _ in range(2))
+    out, _ = attention.packed_sdpa_attention(module, q, k, v, None, **{PACKED_BATCH_KWARG: batch})
+    assert out.shape == (1, T, heads, dim) and out.is_contiguous() and not out._is_view(), name
+
+
+def test_the_boundary_into_a_compiled_graph_hands_over_a_fresh_tensor():
+    """varlen's output is a view (``unsqueeze``): where the attention runs between compiled graphs,
+    the wrapper hands it over as a fresh tensor with the same values (and gradient)."""
+    from slipstream.packing.attention import _disabled
+
+    def view_returning(x):
+        return (x * 2).unsqueeze(0), None
+
+    x = torch.randn(5, 3, requires_grad=True)
+    out, _ = _disabled(view_returning)(x)
+    assert not out._is_view() and torch.equal(out, (x * 2).unsqueeze(0))
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+def _data_file_batches(tokenizer) -> list:
+    """examples/data/chats.jsonl, tokenized (response-only) and packed into 128-token bins."""
+    from pathlib import Path
+
+    from slipstream.data import load_samples, pack_samples
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "data" / "chats.jsonl"
+    samples, _ = load_samples(path, tokenizer, response_only=True)
+    bins, _ = pack_samples(samples, max_seq_len=128)
+    return bins
+
+
+@pytest.mark.slow  # a traced compile per CPU class (about 20 s each on 2 cores): make test-slow
+def test_a_compiled_run_over_a_data_files_batches_compiles_once_on_each_cpu_class(
+    fake_cpu_class, monkeypatch
+):
+    """The real data file's packed batches through compiled layers, on each CPU class (its own dtype
+    and its own calibration): every graph is built on the first batch and ``graph_counts`` does not
+    move after it, while the batches themselves take every path the backend has: each class's
+    calibrated "auto", then grouped, per document and the short kernel forced in turn (what a
+    calibration under load could flip)."""
+    from slipstream.compile import graph_counts
+    from slipstream.data import demo_tokenizer
+    from slipstream.packing import grouping, short_attention
+    from slipstream.train.precision import resolve_dtype
+
+    monkeypatch.setattr(regional, "BACKEND", RecordingBackend())
+    dtype, _ = resolve_dtype("auto", torch.device("cpu"))
+    tokenizer = demo_tokenizer()
+    model = build_model("qwen3", vocab_size=len(tokenizer), seed=0, layers=2, dtype=dtype)
+    slipstream.optimize(model, compile="on")
+    model = with_lora(model)
+    attention_modules = [m for m in model.modules() if m in grouping.GROUPING_CHOICE]
+    assert attention_modules
+    choices = [("auto", "auto"), ("grouped", "off"), ("per_document", "off"), ("per_document", "on")]
+    first, seen_paths = None, set()
+    for index, docs in enumerate(_data_file_batches(tokenizer)[:12]):
+        group_mode, short = choices[index % len(choices)]
+        for module in attention_modules:
+            grouping.GROUPING_CHOICE[module] = group_mode
+            short_attention.SHORT_KERNEL_CHOICE[module] = short
+        model.zero_grad(set_to_none=True)
+        batch = collate_packed(docs)
+        model(**batch.model_inputs()).loss.backward()
+        seen_paths.add((group_mode, short, batch.num_docs > 1))
+        counts = graph_counts()
+        if first is None:
+            first = counts
+            assert first["graphs"] > 0
+        assert counts == first, f"batch {index} ({group_mode}, short kernel {short}): {counts} after {first}"
+    assert len(seen_paths) >= len(choices)

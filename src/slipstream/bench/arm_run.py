@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..compile import graph_counts
 from ..offload import device_activation_bytes
 from ..optimize import base_model
 from ..packing.pairs import counted_tokens, pair_documents
@@ -68,6 +69,9 @@ class ArmResult:
     reward_margin: list[float] | None = None
     reward_accuracy: list[float] | None = None
     reference_pass_s: float = 0.0
+    # a compiled arm: dynamo's frames, graphs and recompiles after its first step and after its last
+    # (compile.graph_counts; equal when no batch made it build again); None: not compiled
+    compile_graphs: dict[str, dict[str, int]] | None = None
 
 
 def peak_memory_mb(device: str) -> float:
@@ -274,6 +278,8 @@ class ArmSession:
             metrics = self._step_fn(micro)
         self._sync()
         result.step_s.append(time.perf_counter() - start)
+        if step == 0 and self.state is not None and self.state.compiled:
+            result.compile_graphs = {"after_first_step": graph_counts()}
         result.forward_s.append(metrics["forward_s"])
         result.backward_s.append(metrics["backward_s"])
         result.tokens.append(tokens)
@@ -290,6 +296,8 @@ class ArmSession:
         """The arm's figures (after every step), as a dict; the optional profiled step after them."""
         result, state = self.result, self.state
         result.peak_memory_mb = peak_memory_mb(self.device)
+        if result.compile_graphs is not None:
+            result.compile_graphs["after_last_step"] = graph_counts()
         if state is not None and state.packed_attention is not None:
             result.attention_grouping_counts = state.grouping_counts.to_dict()
         if (

@@ -170,6 +170,21 @@ def _compiled_call(layer: torch.nn.Module):
     return call
 
 
+def graph_counts() -> dict[str, int]:
+    """What dynamo has built in this process so far: frames compiled, distinct graphs, recompiles.
+
+    Hardware-independent: a compiled run should build its graphs on its first step and none after
+    (a later batch's length, document count, grouping or kernel choice must not change a guard);
+    compare this after the first step with it after the last."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "frames": int(counters["frames"]["ok"]),
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "recompiles": int(sum(counters["recompiles"].values())),
+    }
+
+
 def uncompile_layers(base: torch.nn.Module) -> int:
     """Every decoder layer back to its eager forward; returns how many were compiled."""
     layers = compiled_layers(base)

@@ -133,16 +133,24 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
     return torch.matmul(probs, value)
 
 
+def _row_output(out_BHLD: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, D]`` -> ``[B, L, H, D]``, contiguous and never a view: what every packed path
+    hands back, so a compiled layer's graph after the attention (``slipstream.compile``) sees the
+    same kind of tensor whichever path ran. Dynamo guards a view on its base's sizes: a view in one
+    batch and a fresh tensor in the next rebuilds that graph (a recompile mid-run)."""
+    return out_BHLD.transpose(1, 2).clone(memory_format=torch.contiguous_format)
+
+
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
-    """Run ``fn`` on every document and put the row back together: [1, H, T, D], a view of a
-    contiguous [1, T, H, D] (the caller's transpose back to the model's layout is then free).
+    """Run ``fn`` on every document and put the row back together: [1, T, H, D], contiguous and
+    not a view (:func:`_row_output`; one concatenation, no extra copy, for several documents).
 
     ``split`` rather than one slice per document: the backward of a split is a single
     concatenation, while each slice's backward would zero-fill and add a full [1, H, T, D]
     gradient (O(documents x T) work per layer).
     """
     if batch.num_docs == 1:
-        return fn(query, key, value, batch=batch, **kw)
+        return _row_output(fn(query, key, value, batch=batch, **kw))
     lengths = list(batch.seq_lens)
     keys, values = key.split(lengths, 2), value.split(lengths, 2)
     prefixes = batch.prefix_lens or (0,) * len(lengths)
@@ -154,7 +162,7 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
             k = torch.cat([keys[number - 1][:, :, :prefix], k], dim=2)
             v = torch.cat([values[number - 1][:, :, :prefix], v], dim=2)
         outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
-    return torch.cat(outputs, dim=1).transpose(1, 2)
+    return torch.cat(outputs, dim=1)
 
 
 def chunked_attention_size(module) -> int | None:
@@ -250,7 +258,7 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
         out = torch.cat([one(q, k, v) for q, k, v in parts], dim=2)
     else:
         out = one(query, key, value)
-    return out.transpose(1, 2).contiguous(), None
+    return _row_output(out), None
 
 
 # --------------------------------------------------------------------------- backends
@@ -290,8 +298,7 @@ def packed_sdpa_attention(
         counts.count(batch, grouped=groups is not None)
     if groups is not None:
         return run_grouped(fn, groups, query, key, value, batch=batch, **kw), None
-    out = _per_document(fn, batch, query, key, value, **kw)
-    return out.transpose(1, 2).contiguous(), None
+    return _per_document(fn, batch, query, key, value, **kw), None
 
 
 def _varlen_kernel() -> tuple[str, Callable] | None:
@@ -461,7 +468,7 @@ def packed_flex_attention(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    return out.transpose(1, 2).contiguous(), None
+    return _row_output(out), None
 
 
 # transformers runs its own SDPA / flex capability checks on any name containing "sdpa" or
@@ -501,7 +508,19 @@ _OUTSIDE_GRAPHS = False
 
 @functools.cache
 def _disabled(fn: Callable) -> Callable:
-    return torch.compiler.disable(fn)
+    """``fn`` run eagerly between two compiled graphs. Its output crosses into the next graph, which
+    dynamo guards on: a view there (varlen's ``unsqueeze``) is handed over as a fresh tensor, the
+    kind every other path returns (:func:`_row_output`), so no batch's path can trigger a recompile."""
+
+    @torch.compiler.disable
+    @functools.wraps(fn)
+    def outside_graphs(*args, **kwargs):
+        out, weights = fn(*args, **kwargs)
+        if out._is_view():
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out, weights
+
+    return outside_graphs
 
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)  # the varlen kernels are flash attention's
