@@ -65,3 +65,49 @@ def test_a_cached_figure_is_keyed_by_the_class_and_any_kernel_cap(monkeypatch):
     assert capped != real and "MKL_ENABLE_INSTRUCTIONS=AVX2" in capped["kernels"]
     monkeypatch.setenv(ENV_CPU_CLASS, "avx2")
     assert device_identity(CPU)["cpu_class"] == "avx2"
+
+
+@pytest.mark.parametrize(
+    "vendor, family, model, expected",
+    [
+        ("AuthenticAMD", 25, 1, "AMD family 25 model 1 (Zen 3)"),  # EPYC Milan: AVX2 only
+        ("AuthenticAMD", 25, 17, "AMD family 25 model 17 (Zen 4)"),  # EPYC Genoa: AVX512-BF16
+        ("AuthenticAMD", 26, 2, "AMD family 26 model 2 (Zen 5)"),  # EPYC Turin: AVX512-BF16
+        ("AuthenticAMD", 23, 49, "AMD family 23 model 49 (Zen / Zen 2)"),
+        ("GenuineIntel", 6, 143, "Intel family 6 model 143"),  # Sapphire Rapids: AMX
+    ],
+)
+def test_the_cpu_generation_is_named_from_vendor_family_and_model(vendor, family, model, expected):
+    from slipstream.hardware import cpu_generation
+
+    fields = {"vendor_id": vendor, "cpu family": str(family), "model": str(model)}
+    assert cpu_generation(fields) == expected
+    assert cpu_generation({}) == ""
+
+
+def test_other_load_counts_the_cores_others_took_beyond_the_spare_ones(monkeypatch):
+    """The machine's busy ticks less this process's, over the wall time: busy when they exceed the
+    cores the measurement left free by more than BUSY_CORES (ticks faked: 4 cores, 2 threads)."""
+    import os
+
+    from slipstream import hardware
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(hardware.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
+    for others_cores, busy in [(1.0, False), (2.2, False), (2.3, True)]:
+        machine = iter([0, int((others_cores + 1.5) * 2 * ticks)])  # others + our 1.5 cores, for 2 s
+        own = iter([0, int(1.5 * 2 * ticks)])
+        monkeypatch.setattr(hardware, "_machine_busy_ticks", lambda m=machine: next(m))
+        monkeypatch.setattr(hardware, "_own_ticks", lambda o=own: next(o))
+        clock = iter([100.0, 102.0])
+        with hardware.OtherLoad(threads=2) as load:
+            pass
+        assert load.spare_cores == 2 and abs(load.other_cores - others_cores) < 1e-6
+        assert load.busy is busy, load.describe()
+    monkeypatch.setattr(hardware.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(hardware, "_machine_busy_ticks", lambda: (_ for _ in ()).throw(OSError("no /proc")))
+    with hardware.OtherLoad(threads=2) as load:
+        pass
+    assert not load.known and not load.busy and "unknown" in load.describe()

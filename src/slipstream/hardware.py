@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -73,6 +74,46 @@ def cpu_class() -> CpuClass:
     return CpuClass(probed_cpu_class(), overridden=False)
 
 
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's ``key: value`` lines of /proc/cpuinfo ({} where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+# AMD's families and, for family 25, the model ranges of Zen 4 (the rest of 25 is Zen 3): what
+# separates an AVX2-only EPYC (Zen 3) from an AVX512-BF16 one (Zen 4, Zen 5) by name.
+_ZEN4_MODELS_OF_FAMILY_25 = (range(0x10, 0x20), range(0x60, 0x80), range(0xA0, 0xB0))
+
+
+def cpu_generation(fields: dict[str, str] | None = None) -> str:
+    """The CPU's vendor, family and model, and the generation they name where known:
+    'AMD family 26 model 2 (Zen 5)', 'Intel family 6 model 143', ... ('' where unknown)."""
+    fields = _cpuinfo_fields() if fields is None else fields
+    vendor = fields.get("vendor_id", "")
+    try:
+        family, model = int(fields["cpu family"]), int(fields["model"])
+    except (KeyError, ValueError):
+        return ""
+    name = {"AuthenticAMD": "AMD", "GenuineIntel": "Intel"}.get(vendor, vendor or "unknown vendor")
+    text = f"{name} family {family} model {model}"
+    generation = ""
+    if name == "AMD":
+        if family == 23:
+            generation = "Zen / Zen 2"
+        elif family == 25:
+            generation = "Zen 4" if any(model in r for r in _ZEN4_MODELS_OF_FAMILY_25) else "Zen 3"
+        elif family == 26:
+            generation = "Zen 5"
+    return f"{text} ({generation})" if generation else text
+
+
 # Environment variables that cap the instruction sets torch's CPU kernels use (read once, at import):
 # a figure measured under them is another machine's.
 KERNEL_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
@@ -103,3 +144,85 @@ def device_identity(device: torch.device) -> dict[str, str]:
         "kernels": torch.backends.cpu.get_cpu_capability() + (f" ({caps})" if caps else ""),
         "torch": torch.__version__,
     }
+
+
+# --------------------------------------------------------------------------- the machine's other work
+
+# A measurement is called busy when other work took more than this many cores beyond those the
+# measurement left free (cores - its threads), on average over the measurement.
+BUSY_CORES = 0.25
+
+
+def _machine_busy_ticks() -> int:
+    """Clock ticks every core spent on anything but idling, since boot (/proc/stat's "cpu" line:
+    user, nice, system, irq, softirq and steal: time the hypervisor gave our cores to others)."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return user + nice + system + irq + softirq + steal
+
+
+def _own_ticks() -> int:
+    """Clock ticks this process (all its threads) has run, user and system (/proc/self/stat)."""
+    with open("/proc/self/stat") as stat:
+        after_name = stat.read().rsplit(")", 1)[1].split()
+    return int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass
+class OtherLoad:
+    """The cores other processes (and the hypervisor's steal) took while a block ran, and whether that
+    crowded a measurement running ``threads`` threads: ``with OtherLoad(threads) as load: ...``.
+
+    A timing taken then is another machine's (every parallel region waits for a descheduled thread):
+    a calibration that sees ``load.busy`` keeps its built-in rule instead of caching what it timed.
+    Linux (/proc); elsewhere ``known`` is False and nothing is called busy."""
+
+    threads: int
+    other_cores: float = 0.0
+    seconds: float = 0.0
+    known: bool = True
+
+    def __enter__(self) -> OtherLoad:
+        self._started = time.monotonic()
+        try:
+            self._machine, self._own = _machine_busy_ticks(), _own_ticks()
+        except (OSError, ValueError, IndexError):
+            self.known = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.monotonic() - self._started
+        if not self.known or self.seconds <= 0:
+            return
+        try:
+            machine, own = _machine_busy_ticks(), _own_ticks()
+        except (OSError, ValueError, IndexError):
+            self.known = False
+            return
+        ticks = os.sysconf("SC_CLK_TCK")
+        others = (machine - self._machine) - (own - self._own)
+        self.other_cores = max(0.0, others / ticks / self.seconds)
+
+    @property
+    def spare_cores(self) -> int:
+        return max(0, usable_cores() - self.threads)
+
+    @property
+    def busy(self) -> bool:
+        return self.known and self.other_cores > self.spare_cores + BUSY_CORES
+
+    def describe(self) -> str:
+        if not self.known:
+            return "the machine's load is unknown here"
+        return (
+            f"other work took {self.other_cores:.2f} of {usable_cores()} cores while measuring at "
+            f"{self.threads} threads ({self.spare_cores} spare)"
+        )

@@ -18,6 +18,14 @@ CPU class and kernel caps, torch's version), dtype and thread count; ``slipstrea
 --recalibrate`` measures again (a figure taken while the machine was busy would otherwise stay).
 Only a CPU is measured: on CUDA the rules do not apply (varlen flash attends a row in one call,
 and the short kernel is a CPU kernel), so :data:`.costs.BUILTIN` stands there.
+
+A machine busy with other work while it measures (another training run, a test worker, a
+neighbour VM's steal) times every call slower, and those figures would decide the grouping and
+the short kernel for every later run. So the measurement watches the machine's other load
+(:class:`slipstream.hardware.OtherLoad`: the cores other processes took beyond those the
+measurement left free); when it was crowded it measures once more after a pause, and if it is
+crowded again it does not decide: the built-in figures stand, the policy line says why, nothing is
+cached (the next process measures again) and this process does not try again.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ import torch.nn.functional as F
 
 from ..atomic import write_text_atomically
 from ..data.cache import cache_root
-from ..hardware import device_identity
+from ..hardware import OtherLoad, device_identity
 from .collator import collate_packed
 from .costs import BUILTIN, AttentionCosts
 from .grouping import _FromSlots, _ToSlots, document_groups
@@ -46,6 +54,8 @@ SHORT_LENGTHS = (32, 64, 96, 128, 160, 192, 256)
 SHORT_MARGIN = 0.05  # the short kernel must be this much faster to be taken
 ROW = 1024
 REPEATS = 5
+QUIET_TRIES = 2  # measurements tried before a crowded machine leaves the built-in figures standing
+PAUSE_S = 2.0  # between two tries
 
 
 def _forward_backward(fn, inputs: list[torch.Tensor], grad: torch.Tensor) -> float:
@@ -208,12 +218,45 @@ def attention_costs(
             return AttentionCosts(**found)
         except (OSError, ValueError, TypeError, KeyError):
             pass  # unreadable: measured again below
+    if not remeasure and path.name in _UNDECIDED:
+        return _UNDECIDED[path.name]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        costs = measure(dtype)
+        costs, load = _measure_quietly(dtype, threads)
     finally:
         torch.set_num_threads(before)
+    if load.busy:
+        _UNDECIDED[path.name] = costs
+        return costs
+    _UNDECIDED.pop(path.name, None)
     with contextlib.suppress(OSError):  # an unwritable cache measures again next time; these still serve
         write_text_atomically(path, json.dumps(dataclasses.asdict(costs), indent=1) + "\n")
     return costs
+
+
+# What this process could not decide (the machine was crowded both times), by cache file name (the
+# device, dtype and threads it is for): not measured again here, never written to the cache.
+_UNDECIDED: dict[str, AttentionCosts] = {}
+
+
+def _measure_quietly(dtype: torch.dtype, threads: int) -> tuple[AttentionCosts, OtherLoad]:
+    """:func:`measure`, watched for other load; tried again after a pause when the machine was
+    crowded. Returns the figures and the last try's load: where that was still busy, the built-in
+    figures with a source saying why they stand."""
+    for attempt in range(QUIET_TRIES):
+        if attempt:
+            time.sleep(PAUSE_S)
+        with OtherLoad(threads) as load:
+            costs = measure(dtype)
+        if not load.busy:
+            return costs, load
+    undecided = dataclasses.replace(
+        BUILTIN,
+        source=f"{BUILTIN.source}; not measured here: the machine was busy ({load.describe()}, "
+        f"{QUIET_TRIES} tries), so the next run measures again",
+        figures={
+            "busy": {"other_cores": round(load.other_cores, 2), "threads": threads, "tries": QUIET_TRIES}
+        },
+    )
+    return undecided, load
