@@ -58,6 +58,9 @@ def test_every_path_is_ok_as_on_each_cpu_class(fake_cpu_class, tmp_path):
     """The probe faked to each CPU class: ``auto`` picks that class's dtype, and every path is ok in it."""
     report = check_every_path_and_the_marker("auto", tmp_path)
     assert report["model"]["dtype"] == ("float32" if fake_cpu_class == "avx2" else "bfloat16")
+    if not torch.cuda.is_available():  # doctor says which class it sees (the override named)
+        assert report["device"]["cpu_class"] == fake_cpu_class
+        assert f"SLIPSTREAM_CPU_CLASS={fake_cpu_class}" in report["device"]["cpu_class_text"]
 
 
 def check_every_path_and_the_marker(dtype: str, tmp_path) -> dict:

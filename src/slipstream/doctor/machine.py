@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..bench.fingerprint import cpu_name, fingerprint
+from ..hardware import cpu_class, cpu_generation
 from ..offload.policy import DeviceDescription
 from ..train.precision import fast_bf16
 
@@ -124,6 +125,11 @@ def describe_device(
         "bf16": bf16,
         "bf16_why": bf16_why,
     }
+    if device.type == "cpu":
+        found = cpu_class()
+        facts["cpu_class"] = found.name
+        facts["cpu_class_text"] = f"{found.name}: {found.describe()}"
+        facts["cpu_generation"] = cpu_generation()
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         description = DeviceDescription.detect(device)
@@ -170,6 +176,10 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     else:
         rows += [
             ("device", f"CPU: {facts['name']}"),
+            (
+                "CPU class",
+                facts["cpu_class_text"] + (f"; {facts['cpu_generation']}" if facts["cpu_generation"] else ""),
+            ),
             ("cores", f"{facts['cpu_cores']} ({facts['torch_threads']} torch threads)"),
             ("bf16", f"{'yes' if facts['bf16'] else 'no'} ({facts['bf16_why']})"),
         ]
