@@ -129,6 +129,14 @@ class ABConfig:
         "the arms' memory fits side by side",
     )
     threads: int | None = _option(None, "torch CPU threads per arm")
+    # Between two steps (CPU, untimed): hold the memory the arm's steps churn while it waits, so its
+    # next step starts as one straight after another does (bench/host_pages.py: on a VM the host takes
+    # a waiting process's freed pages back, and they fault in cold).
+    keep_pages_warm: bool = _option(
+        True,
+        "CPU: between two steps, hold the memory the arm's steps churn (untimed) and free it just before the "
+        "next, so an arm that waited (lockstep) pays no colder page faults than one stepping alone",
+    )
     out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
     # The memory ceiling: for each arm, the most packed tokens one step trains within this
     # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..compile import graph_counts
+from ..hardware import OtherLoad
 from ..offload import device_activation_bytes
 from ..optimize import base_model
 from ..packing.pairs import counted_tokens, pair_documents
@@ -29,6 +30,7 @@ from .ab_config import ABConfig, resolve_device
 from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
 from .ceiling import proc_status_kib
 from .counters import HostSyncCounter
+from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
 
 
@@ -72,6 +74,16 @@ class ArmResult:
     # a compiled arm: dynamo's frames, graphs and recompiles after its first step and after its last
     # (compile.graph_counts; equal when no batch made it build again); None: not compiled
     compile_graphs: dict[str, dict[str, int]] | None = None
+    # per step: the process's page faults inside the timed step (ru_minflt), and the memory held warm
+    # after it until the next (bench/host_pages.py: bytes and seconds; 0 where off or not on a CPU)
+    page_faults: list[int] = field(default_factory=list)
+    # per step: the process's CPU seconds in the kernel (ru_stime: page faults, zeroing pages, ...)
+    system_s: list[float] = field(default_factory=list)
+    # per step: the cores other work took while it ran (hardware.OtherLoad: other processes, the
+    # kernel's own threads, the hypervisor's steal; 0 on a quiet machine); None where unknown
+    other_cores: list[float | None] = field(default_factory=list)
+    held_bytes: list[int] = field(default_factory=list)
+    hold_s: list[float] = field(default_factory=list)
 
 
 def peak_memory_mb(device: str) -> float:
@@ -112,6 +124,7 @@ class ArmSession:
         moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
         self.model, self.state = model, state
         self.trl_step = None
+        self.warm_pages = WarmPages()
         self.pairs = spec.pairs
         self.reference: list[list[torch.Tensor]] | None = None
         if spec.pairs == "peer" and spec.peer == "trl":
@@ -261,6 +274,7 @@ class ArmSession:
         result = self.result
         if step != len(result.step_s):
             raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
+        self.warm_pages.release()  # what the wait held goes back warm, for this step (and before its inputs)
         micro_docs = self.plan[step]
         micro = [self._inputs(docs, step, index) for index, docs in enumerate(micro_docs)]
         if self.pairs:
@@ -268,16 +282,25 @@ class ArmSession:
         else:
             tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
         self._sync()
-        start = time.perf_counter()
-        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
-            syncs = HostSyncCounter()
-            metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
-            result.host_syncs_by_op = dict(syncs.by_op)
-            result.host_syncs_per_step = syncs.total
-        else:
-            metrics = self._step_fn(micro)
-        self._sync()
-        result.step_s.append(time.perf_counter() - start)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        with OtherLoad(torch.get_num_threads()) as load:
+            start = time.perf_counter()
+            if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
+                syncs = HostSyncCounter()
+                metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
+                result.host_syncs_by_op = dict(syncs.by_op)
+                result.host_syncs_per_step = syncs.total
+            else:
+                metrics = self._step_fn(micro)
+            self._sync()
+            result.step_s.append(time.perf_counter() - start)
+        result.other_cores.append(round(load.other_cores, 3) if load.known else None)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        result.page_faults.append(after.ru_minflt - usage.ru_minflt)
+        result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
+        held = self.warm_pages.hold() if self.config.keep_pages_warm and self.device == "cpu" else Held()
+        result.held_bytes.append(held.bytes)
+        result.hold_s.append(held.seconds)
         if step == 0 and self.state is not None and self.state.compiled:
             result.compile_graphs = {"after_first_step": graph_counts()}
         result.forward_s.append(metrics["forward_s"])
@@ -295,6 +318,7 @@ class ArmSession:
     def finish(self) -> dict:
         """The arm's figures (after every step), as a dict; the optional profiled step after them."""
         result, state = self.result, self.state
+        self.warm_pages.release()
         result.peak_memory_mb = peak_memory_mb(self.device)
         if result.compile_graphs is not None:
             result.compile_graphs["after_last_step"] = graph_counts()

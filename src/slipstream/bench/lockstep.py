@@ -11,6 +11,13 @@ timed within a few seconds of the others', so a slow phase slows every arm of th
 the paired interval (``stats.speedup``) measures the arms, not the machine's mood. Only one arm
 computes at a time; the others wait on a pipe.
 
+Waiting must not change what an arm measures. On a CPU each arm holds, between two of its steps,
+the memory its steps churn, and lets it go just before its next step (``host_pages.py``, on in every
+mode, ``--no-keep-pages-warm`` to measure without it): on a VM the host takes a waiting process's
+freed pages back, and an arm that waited would fault its next step's memory in cold. Each arm's
+steps also record their page faults and the other load beside them (``hardware.OtherLoad``), so a
+step that shared the machine is counted and said in the report.
+
 The price is memory: every arm's model lives at once. ``interleave="auto"`` opens the arms one by
 one, each running its first (untimed) step, and admits the next while the largest peak seen so far
 fits in what the machine still has available; where they do not all fit it says why and runs them

@@ -200,6 +200,7 @@ def markdown_report(record: dict) -> str:
     lines += preference_lines(record)
     lines += ablation_lines(summary)
     lines += ceiling_lines(record)
+    lines += machine_state_lines(record)
     lines += step_profile_lines(summary)
     arms = ran_arms(record)
     lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
@@ -299,6 +300,34 @@ def preference_lines(record: dict) -> list[str]:
     return lines
 
 
+def machine_state_lines(record: dict) -> list[str]:
+    """The page faults each arm's steps took, the memory it held warm between them, and any step that
+    ran beside other work (its time then is not this machine's alone)."""
+    ran = {arm: s for arm, s in record["summary"].items() if "skipped" not in s and "busy_steps" in s}
+    if not ran:
+        return []
+    faults = ", ".join(
+        f"{arm} {_count(round(s['median_page_faults']))}"
+        for arm, s in ran.items()
+        if s["median_page_faults"] is not None
+    )
+    held = max(s["held_bytes"] for s in ran.values())
+    lines = [
+        "",
+        f"Page faults a timed step (median): {faults or 'not counted here'}. Between steps each arm held "
+        + (f"up to {held / 2**30:.2f} GiB warm (--keep-pages-warm)" if held else "no memory warm")
+        + ", so a step after a wait starts as one straight after another would.",
+    ]
+    for arm, s in ran.items():
+        if s["busy_steps"]:
+            lines.append(
+                f"**Busy machine:** {s['busy_steps']} timed step(s) of {arm} ran while other work took up to "
+                f"{s['max_other_cores']:.2f} cores beyond those the arm left free: those times are not this "
+                "machine's alone (stop the other work, or use --repeats)."
+            )
+    return lines
+
+
 def ceiling_lines(record: dict) -> list[str]:
     """The memory-ceiling table of a record (none when it was not searched)."""
     ceiling = record.get("ceiling")
@@ -390,6 +419,8 @@ def print_tables(record: dict) -> None:
         console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
+    if state := machine_state_lines(record):
+        console.print("\n".join(line.replace("**", "") for line in state[1:]))
     console.print(f"measured on {describe(record['fingerprint'])}")
     if line := utilisation_line(record):
         console.print(line)

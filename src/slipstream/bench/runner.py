@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import pack_samples
+from ..hardware import BUSY_CORES, usable_cores
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, resolve_device
@@ -157,6 +158,23 @@ def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, pea
     return found
 
 
+def machine_state(config: ABConfig, runs: list[dict]) -> dict[str, Any]:
+    """What the machine did around an arm's timed steps: its page faults a step (median), the memory it
+    held warm between steps (``bench/host_pages.py``; the largest), and how many of its steps ran while
+    other work took cores beyond those the arm left free (``hardware.OtherLoad``: then that step's time
+    is not this machine's alone)."""
+    timed = slice(config.warmup, None)
+    faults = [f for run in runs for f in run.get("page_faults", [])[timed]]
+    others = [c for run in runs for c in run.get("other_cores", [])[timed] if c is not None]
+    spare = max(0, usable_cores() - (config.threads or torch.get_num_threads()))
+    return {
+        "median_page_faults": _median(faults) if faults else None,
+        "held_bytes": max((b for run in runs for b in run.get("held_bytes", [])), default=0),
+        "max_other_cores": max(others) if others else None,
+        "busy_steps": sum(c > spare + BUSY_CORES for c in others),
+    }
+
+
 def summarize(
     config: ABConfig,
     arms: dict[str, list[dict]],
@@ -202,6 +220,7 @@ def summarize(
             + first.get("probe_forward_s", 0.0)
             - config.warmup * statistics.median(first["step_s"][config.warmup :]),
             **utilisation(config, runs, flops, peak),
+            **machine_state(config, runs),
         }
         if first.get("pairs"):
             pairs = [n for run in runs for n in run["pairs"][config.warmup :]]
