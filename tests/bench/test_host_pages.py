@@ -81,8 +81,13 @@ def test_the_report_counts_the_steps_that_shared_the_machine(monkeypatch):
     lines = machine_state_lines(record)
     assert "Page faults a timed step (median): slipstream 200" in lines[1]
     assert "held up to 1.00 GiB warm" in lines[1]
-    assert lines[2].startswith(
+    assert lines[2].startswith("Intervals resample the steps of one process per arm")
+    assert lines[3].startswith(
         "**Busy machine:** 1 timed step(s) of slipstream ran while other work took up to 2.50"
     )
-    quiet = {**state, "busy_steps": 0}
-    assert len(machine_state_lines({"summary": {"slipstream": quiet}})) == 2
+    quiet = {"summary": {"slipstream": {**state, "busy_steps": 0}}, "config": {"repeats": 3}}
+    assert (
+        machine_state_lines(quiet)[2]
+        == "Intervals resample the 3 repeats (a fresh process of each arm), then their steps."
+    )
+    assert len(machine_state_lines(quiet)) == 3

@@ -96,3 +96,19 @@ def test_a_one_ulp_kick_larger_than_the_arms_own_difference_bounds_the_drift_dir
     assert judged.verdict == "drift within sensitivity", judged.detail
     calm = [r * (1 + 5e-5) for r in reference]  # the run does not carry a kick far: the arm's 12% is its own
     assert loss_parity(reference, arm, "bfloat16", sensitivity=calm).verdict == "diverged"
+
+
+def test_with_repeats_the_interval_is_as_wide_as_the_processes_disagree():
+    """Two repeats whose processes disagree (the candidate 2x faster in one, 1.2x in the other, each
+    steady within itself): resampled by repeat the interval reaches both processes' ratios and is wider
+    than the steps' alone. One repeat: the interval is the step-level one, as before."""
+    from slipstream.bench.stats import speedup
+
+    base = [1.0, 1.02, 0.98, 1.01] * 2
+    candidate = [0.5, 0.51, 0.49, 0.5] + [0.83, 0.84, 0.82, 0.83]
+    pooled = speedup(base, candidate)
+    by_repeat = speedup(base, candidate, repeats=2)
+    assert pooled.ratio == by_repeat.ratio
+    assert by_repeat.low <= 1.21 and by_repeat.high >= 1.99  # each process's own ratio (1.2x, 2.0x) inside
+    assert by_repeat.high - by_repeat.low > pooled.high - pooled.low
+    assert speedup(base, candidate, repeats=1) == pooled

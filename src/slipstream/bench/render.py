@@ -318,6 +318,13 @@ def machine_state_lines(record: dict) -> list[str]:
         + (f"up to {held / 2**30:.2f} GiB warm (--keep-pages-warm)" if held else "no memory warm")
         + ", so a step after a wait starts as one straight after another would.",
     ]
+    repeats = record.get("config", {}).get("repeats", 1)
+    lines.append(
+        f"Intervals resample the {repeats} repeats (a fresh process of each arm), then their steps."
+        if repeats > 1
+        else "Intervals resample the steps of one process per arm: two processes of one arm, or one run and "
+        "the next, can differ by more (this machine's speed drifts); --repeats N resamples processes too."
+    )
     for arm, s in ran.items():
         if s["busy_steps"]:
             lines.append(

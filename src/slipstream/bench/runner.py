@@ -254,7 +254,7 @@ def summarize(
         unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
         for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
-            interval = speedup(timed[base], timed[arm], seed=config.seed)
+            interval = speedup(timed[base], timed[arm], seed=config.seed, repeats=config.repeats)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, config.seed)

@@ -40,8 +40,15 @@ def speedup(
     resamples: int = 2000,
     seed: int = 0,
     confidence: float = 0.95,
+    repeats: int = 1,
 ) -> Speedup:
-    """Speedup of ``candidate`` over ``baseline`` (step times) with a bootstrap interval."""
+    """Speedup of ``candidate`` over ``baseline`` (step times) with a bootstrap interval.
+
+    ``repeats``: the paired steps are that many equal blocks, one per repeat (a fresh process of each
+    arm). Processes of the same arm differ by more than its steps do (memory layout, where the host
+    backed its pages, the machine's phase that run), so the interval then resamples the repeats
+    first and the steps within each: it is as wide as the repeats disagree. With one repeat it covers
+    the step-to-step noise of one process per arm only."""
     if not baseline_s or not candidate_s:
         raise ValueError("speedup needs timed steps in both arms")
     rng = random.Random(seed)
@@ -52,9 +59,14 @@ def speedup(
         ratio = statistics.median(baseline_s) / statistics.median(candidate_s)
     samples = []
     n = len(baseline_s)
+    block = n // repeats if paired and repeats > 1 and n % repeats == 0 else n
     for _ in range(resamples):
         if paired:
-            picks = [rng.randrange(n) for _ in range(n)]
+            if block == n:
+                picks = [rng.randrange(n) for _ in range(n)]
+            else:  # the repeats first, then the steps within each
+                starts = [rng.randrange(n // block) * block for _ in range(n // block)]
+                picks = [start + rng.randrange(block) for start in starts for _ in range(block)]
             samples.append(sum(baseline_s[i] for i in picks) / sum(candidate_s[i] for i in picks))
         else:
             base = statistics.median(rng.choices(baseline_s, k=len(baseline_s)))
