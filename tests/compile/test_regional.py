@@ -251,8 +251,9 @@ def _packed_paths():
 def test_every_packed_path_hands_the_next_graph_a_fresh_contiguous_row(name, grouping, short, lengths):
     """Dynamo guards a view on its base's sizes, so an attention output that is a view in one batch
     and a fresh tensor in the next rebuilt the compiled graph after it (issue 33: a recompile for
-    [7, 7, 7, 7, 3] whenever a calibration taken under load flipped the grouping). Every path of the
-    per-document backend returns the same kind: [1, T, H, D], contiguous, not a view."""
+    [7, 7, 7, 7, 3] whenever a calibration taken under load flipped the grouping). Through the
+    wrapper compiled layers call it by, every path of the per-document backend returns the same kind:
+    [1, T, H, D], contiguous, not a view, with the eager path's values."""
     from slipstream.packing import attention, short_attention
     from slipstream.packing import grouping as grouping_module
 
@@ -266,8 +267,11 @@ def test_every_packed_path_hands_the_next_graph_a_fresh_contiguous_row(name, gro
     heads, kv_heads, dim = 4, 2, 16
     q = torch.randn(1, heads, T, dim, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, T, dim, requires_grad=True) for _ in range(2))
-    out, _ = attention.packed_sdpa_attention(module, q, k, v, None, **{PACKED_BATCH_KWARG: batch})
+    inputs = {PACKED_BATCH_KWARG: batch}
+    out, _ = attention._disabled(attention.packed_sdpa_attention)(module, q, k, v, None, **inputs)
     assert out.shape == (1, T, heads, dim) and out.is_contiguous() and not out._is_view(), name
+    eager, _ = attention.packed_sdpa_attention(module, q, k, v, None, **inputs)
+    assert torch.equal(out, eager)
 
 
 def test_the_boundary_into_a_compiled_graph_hands_over_a_fresh_tensor():

@@ -74,14 +74,15 @@ class ArmResult:
     # a compiled arm: dynamo's frames, graphs and recompiles after its first step and after its last
     # (compile.graph_counts; equal when no batch made it build again); None: not compiled
     compile_graphs: dict[str, dict[str, int]] | None = None
-    # per step: the process's page faults inside the timed step (ru_minflt), and the memory held warm
-    # after it until the next (bench/host_pages.py: bytes and seconds; 0 where off or not on a CPU)
+    # per step: the process's page faults inside the timed step (ru_minflt, every thread)
     page_faults: list[int] = field(default_factory=list)
     # per step: the process's CPU seconds in the kernel (ru_stime: page faults, zeroing pages, ...)
     system_s: list[float] = field(default_factory=list)
     # per step: the cores other work took while it ran (hardware.OtherLoad: other processes, the
     # kernel's own threads, the hypervisor's steal; 0 on a quiet machine); None where unknown
     other_cores: list[float | None] = field(default_factory=list)
+    # per step: the memory held warm after it until the next (bench/host_pages.py: bytes and seconds;
+    # 0 where --no-keep-pages-warm or not on a CPU)
     held_bytes: list[int] = field(default_factory=list)
     hold_s: list[float] = field(default_factory=list)
 

@@ -133,24 +133,16 @@ def _sinks_one(module, query, key, value, scaling, dropout, window, sinks, batch
     return torch.matmul(probs, value)
 
 
-def _row_output(out_BHLD: torch.Tensor) -> torch.Tensor:
-    """``[B, H, L, D]`` -> ``[B, L, H, D]``, contiguous and never a view: what every packed path
-    hands back, so a compiled layer's graph after the attention (``slipstream.compile``) sees the
-    same kind of tensor whichever path ran. Dynamo guards a view on its base's sizes: a view in one
-    batch and a fresh tensor in the next rebuilds that graph (a recompile mid-run)."""
-    return out_BHLD.transpose(1, 2).clone(memory_format=torch.contiguous_format)
-
-
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
-    """Run ``fn`` on every document and put the row back together: [1, T, H, D], contiguous and
-    not a view (:func:`_row_output`; one concatenation, no extra copy, for several documents).
+    """Run ``fn`` on every document and put the row back together: [1, T, H, D], contiguous (for
+    several documents one concatenation, a fresh tensor: no copy beyond it).
 
     ``split`` rather than one slice per document: the backward of a split is a single
     concatenation, while each slice's backward would zero-fill and add a full [1, H, T, D]
     gradient (O(documents x T) work per layer).
     """
     if batch.num_docs == 1:
-        return _row_output(fn(query, key, value, batch=batch, **kw))
+        return fn(query, key, value, batch=batch, **kw).transpose(1, 2).contiguous()
     lengths = list(batch.seq_lens)
     keys, values = key.split(lengths, 2), value.split(lengths, 2)
     prefixes = batch.prefix_lens or (0,) * len(lengths)
@@ -258,7 +250,7 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
         out = torch.cat([one(q, k, v) for q, k, v in parts], dim=2)
     else:
         out = one(query, key, value)
-    return _row_output(out), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 # --------------------------------------------------------------------------- backends
@@ -468,7 +460,7 @@ def packed_flex_attention(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
     )
-    return _row_output(out), None
+    return out.transpose(1, 2).contiguous(), None
 
 
 # transformers runs its own SDPA / flex capability checks on any name containing "sdpa" or
@@ -508,9 +500,12 @@ _OUTSIDE_GRAPHS = False
 
 @functools.cache
 def _disabled(fn: Callable) -> Callable:
-    """``fn`` run eagerly between two compiled graphs. Its output crosses into the next graph, which
-    dynamo guards on: a view there (varlen's ``unsqueeze``) is handed over as a fresh tensor, the
-    kind every other path returns (:func:`_row_output`), so no batch's path can trigger a recompile."""
+    """``fn`` run eagerly between two compiled graphs (``slipstream.compile``). Its output crosses
+    into the next graph, which dynamo guards on, and it guards a view on its base's sizes: an output
+    that is a view for one batch (one document: SDPA's output transposed back; varlen's ``unsqueeze``)
+    and a fresh tensor for the next (several documents, grouped) rebuilt that graph mid-run. So a view
+    is handed over as a fresh copy (one [T, H, D] copy, only where compiled layers run): every batch,
+    whatever its path, gives the graph the same kind of tensor."""
 
     @torch.compiler.disable
     @functools.wraps(fn)
