@@ -45,46 +45,17 @@ def own_train(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     from transformers import TrainerCallback
 
     from slipstream.bench.ab_config import ABConfig, resolve_device
+    from slipstream.bench.arm_run import trl_peer_step
     from slipstream.bench.arms import build_arm_model
-    from slipstream.bench.inputs import ab_tokenizer
 
     config = ABConfig.from_dict(config_dict)
     device = resolve_device(config.device)
     if config.threads:
         torch.set_num_threads(config.threads)
     model, _ = build_arm_model(config, arm, vocab_size, device)
-    tokenizer = ab_tokenizer(config)
-    if arm == "trl-dpo":
-        from slipstream.bench.peers.trl_dpo_step import TrlDpoStep
-
-        peer = TrlDpoStep(
-            model,
-            tokenizer,
-            steps=config.steps,
-            lr=config.lr,
-            schedule=config.schedule,
-            warmup_steps=config.lr_warmup_steps,
-            seed=config.seed,
-            beta=config.beta,
-            grad_accum=config.grad_accum,
-            device=device,
-        )
-        rows = [
-            {key: pair[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")}
-            for step in plan
-            for micro in step
-            for pair in micro
-        ]
-    else:
-        from slipstream.bench.peers.trl_step import TrlStep
-
-        peer = TrlStep(model, config, tokenizer, device)
-        rows = [
-            {"input_ids": d["input_ids"], "labels": d["labels"]}
-            for step in plan
-            for micro in step
-            for d in micro
-        ]
+    peer = trl_peer_step(config, arm, model, device)  # the very trainer the arm drives
+    keys = ("prompt_ids", "chosen_ids", "rejected_ids") if arm == "trl-dpo" else ("input_ids", "labels")
+    rows = [{key: row[key] for key in keys} for step in plan for micro in step for row in micro]
     trainer = peer.trainer
     # the plan's micro-batches, in order: row indices per micro-batch
     groups, start = [], 0

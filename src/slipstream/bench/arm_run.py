@@ -114,6 +114,32 @@ def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
     return moved
 
 
+def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str):
+    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` arm's steps (``peers/trl_step.py``,
+    ``peers/trl_dpo_step.py``), built on ``model`` for the run's workload; None for any other arm."""
+    spec = ARM_SPECS[arm]
+    if spec.peer != "trl":
+        return None
+    if spec.pairs == "peer":
+        from .peers.trl_dpo_step import TrlDpoStep
+
+        return TrlDpoStep(
+            model,
+            ab_tokenizer(config),
+            steps=config.steps,
+            lr=config.lr,
+            schedule=config.schedule,
+            warmup_steps=config.lr_warmup_steps,
+            seed=config.seed,
+            beta=config.beta,
+            grad_accum=config.grad_accum,
+            device=device,
+        )
+    from .peers.trl_step import TrlStep
+
+    return TrlStep(model, config, ab_tokenizer(config), device)
+
+
 class ArmSession:
     """An arm set up in this process, ready to train its planned steps one at a time (see the module)."""
 
@@ -128,26 +154,8 @@ class ArmSession:
         self.warm_pages = WarmPages()
         self.pairs = spec.pairs
         self.reference: list[list[torch.Tensor]] | None = None
-        if spec.pairs == "peer" and spec.peer == "trl":
-            from .peers.trl_dpo_step import TrlDpoStep
-
-            self.trl_step = TrlDpoStep(
-                model,
-                ab_tokenizer(config),
-                steps=config.steps,
-                lr=config.lr,
-                schedule=config.schedule,
-                warmup_steps=config.lr_warmup_steps,
-                seed=config.seed,
-                beta=config.beta,
-                grad_accum=config.grad_accum,
-                device=device,
-            )
-            state.policies.extend(self.trl_step.policies)
-        elif spec.peer == "trl":
-            from .peers.trl_step import TrlStep
-
-            self.trl_step = TrlStep(model, config, ab_tokenizer(config), device)
+        self.trl_step = trl_peer_step(config, arm, model, device)
+        if self.trl_step is not None:
             state.policies.extend(self.trl_step.policies)
         self.profile = flop_profile(model)
         as_docs = pair_documents if spec.pairs else (lambda docs: docs)
