@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -148,22 +149,29 @@ def test_a_machine_busy_while_measuring_keeps_the_built_in_rule_and_says_so(monk
     assert calibration.attention_costs(CPU, torch.bfloat16, threads=1) == costs  # read back
 
 
-@pytest.mark.slow  # busy-loops every core for ~15 s: make test-slow
+@pytest.mark.slow  # busy-loops every core for ~30 s: make test-slow
 @pytest.mark.empty_cache
 def test_a_calibration_beside_a_competing_process_does_not_decide(monkeypatch):
-    """For real: one spinning process per core beside the measurement. The load probe sees them and
-    the calibration keeps the built-in rule, saying so, instead of caching figures timed under them."""
+    """For real: busy loops beside the measurement, two per core and one more (so a one-thread
+    measurement gets about a third of a core on 2 cores, half of one on 64). The load probe sees them
+    and the calibration keeps the built-in rule, saying so, instead of caching figures timed under them."""
     import subprocess
     import sys
 
     from slipstream.hardware import OtherLoad, usable_cores
 
     monkeypatch.setattr(calibration, "_UNDECIDED", {})
-    spin = "import time\nend = time.monotonic() + 60\nwhile time.monotonic() < end: pass\n"
-    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(usable_cores())]
+    # each loop ends by itself after two minutes, whatever happens to this test
+    spin = [
+        sys.executable,
+        "-c",
+        "import time\nend = time.monotonic() + 120\nwhile time.monotonic() < end: pass",
+    ]
+    spinners = [subprocess.Popen(spin) for _ in range(2 * usable_cores() + 1)]
     try:
+        time.sleep(1.0)  # the loops started
         with OtherLoad(1) as load:
-            sum(range(3 * 10**6))
+            sum(range(10**7))
         assert load.known and load.busy, load.describe()
         costs = calibration.attention_costs(CPU, torch.float32, threads=1, remeasure=True)
     finally:
