@@ -121,13 +121,7 @@ KERNEL_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU
 
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def device_identity(device: torch.device) -> dict[str, str]:
@@ -167,6 +161,13 @@ def _own_ticks() -> int:
     with open("/proc/self/stat") as stat:
         after_name = stat.read().rsplit(")", 1)[1].split()
     return int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15)
+
+
+def crowded(other_cores: float, threads: int) -> bool:
+    """Did other work (``other_cores``, on average) take more than the cores a measurement running
+    ``threads`` threads left free, by more than :data:`BUSY_CORES`? Then its timing is not this
+    machine's alone."""
+    return other_cores > max(0, usable_cores() - threads) + BUSY_CORES
 
 
 def usable_cores() -> int:
@@ -217,7 +218,7 @@ class OtherLoad:
 
     @property
     def busy(self) -> bool:
-        return self.known and self.other_cores > self.spare_cores + BUSY_CORES
+        return self.known and crowded(self.other_cores, self.threads)
 
     def describe(self) -> str:
         if not self.known:

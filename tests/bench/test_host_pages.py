@@ -64,11 +64,11 @@ def test_every_arm_step_records_its_faults_its_hold_and_the_other_load(monkeypat
 def test_the_report_counts_the_steps_that_shared_the_machine(monkeypatch):
     """``summary``'s machine state per arm (faults, held memory, steps beside other work beyond the
     cores the arm left free) and the report's lines saying so."""
-    from slipstream.bench import runner
+    from slipstream import hardware
     from slipstream.bench.render import machine_state_lines
     from slipstream.bench.runner import ABConfig, machine_state
 
-    monkeypatch.setattr(runner, "usable_cores", lambda: 4)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
     config = ABConfig(steps=4, warmup=1, threads=2)  # 2 spare cores: busy past 2 + BUSY_CORES
     run = {
         "page_faults": [900, 100, 300, 200],

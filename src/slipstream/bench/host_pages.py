@@ -1,29 +1,27 @@
 """An arm that waits keeps the memory its steps churn, so its next step starts as one straight after
 another would: lockstep then measures what each arm alone measures.
 
-Why (measured on this project's 2-core cloud VMs; BENCHMARKS.md, "Lockstep that measures what alone
-measures"): a training step allocates and frees the same GBs every step (activations, logits,
-gradients; TRL's DPO step faults in ~9 GB of pages a step on SmolLM2). Freed memory goes back to the
-kernel and the next allocation takes it again, a page fault per 4 KiB page. Taken straight back, a
-page costs ~1 µs; taken back after the process waited a few seconds, 2-3x that: the guest's free
-pages were handed to the hypervisor meanwhile (virtio-balloon free page reporting, ~2 s after they
-are freed) and each one faults in from the host when touched again. Alone, an arm's next step starts
-at once; in lockstep it waits while every other arm trains, and its memory goes cold. The issue that
-found it (a Zen 5 VM): TRL's DPO arm 1.64x slower in lockstep than alone, slipstream's 1.30x, and the
-ratio between them off by 15-25%.
+Why (BENCHMARKS.md, "A verdict that does not depend on how it was measured (issue 33)"): a training
+step allocates and frees the same GBs every step (activations, logits, gradients; TRL's DPO step on
+SmolLM2 faults in ~2.4 million pages a step). Freed memory goes back to the kernel and the next
+allocation takes it again, a page fault per 4 KiB page. On a VM whose balloon reports free pages to the
+host, memory freed a few seconds earlier can be handed over meanwhile and fault in from the host when
+touched again: a 1.5 GB touch took 0.32-0.42 s straight after a free and 0.75-1.05 s after a 4 s wait
+in one probe on a Zen 4 VM (not in another an hour later: the host's reclaim comes and goes). Alone, an
+arm's next step starts at once; in lockstep it waits while every other arm trains.
 
 So after each step's clock stops, the arm touches and holds as much memory as its steps took beyond
 what it holds at rest (its peak RSS less its RSS now): pages it just freed, still warm, now its own, so
 the kernel has nothing of it to hand over while the arm waits. Just before the next step's clock
 starts it lets them go, and the step's allocations take them back warm, as straight after a previous
-step. Untimed, it costs wall time only (a touch of hot pages, ~0.2-0.4 s a GB here), it never raises
-the arm's peak RSS (it holds at most what the peak held beyond now), and it is done in every mode,
-alone and in lockstep, so both measure the same thing: the step as a training run takes it.
+step. Untimed, it costs wall time only (0.2-1.0 s a step for the TRL arms there, nothing for arms that
+churn nothing), it never raises the arm's peak RSS (it holds at most what the peak held beyond now),
+and it is done in every mode, alone and in lockstep, so both measure the same thing. Its effect on the
+figures there was below the machine's drift between runs.
 """
 
 from __future__ import annotations
 
-import resource
 import time
 from dataclasses import dataclass
 
@@ -37,10 +35,9 @@ MAX_SHARE_OF_AVAILABLE = 0.5
 
 @dataclass(frozen=True)
 class Held:
-    """One hold: the bytes touched and kept, the page faults that took, and its wall time."""
+    """One hold: the bytes touched and kept, and its wall time."""
 
     bytes: int = 0
-    faults: int = 0
     seconds: float = 0.0
 
 
@@ -67,13 +64,12 @@ class WarmPages:
         self.release()
         if nbytes is None:
             nbytes = churn_bytes() or 0
-        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         started = time.perf_counter()
         if nbytes > 0:
             self._block = torch.empty(nbytes, dtype=torch.uint8)
             self._block.fill_(1)  # a write to every page: each is this process's until released
         seconds = time.perf_counter() - started
-        return Held(nbytes, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before, seconds)
+        return Held(nbytes, seconds)
 
     @property
     def held_bytes(self) -> int:

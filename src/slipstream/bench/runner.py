@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..data import pack_samples
-from ..hardware import BUSY_CORES, usable_cores
+from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, resolve_device
@@ -166,12 +166,12 @@ def machine_state(config: ABConfig, runs: list[dict]) -> dict[str, Any]:
     timed = slice(config.warmup, None)
     faults = [f for run in runs for f in run.get("page_faults", [])[timed]]
     others = [c for run in runs for c in run.get("other_cores", [])[timed] if c is not None]
-    spare = max(0, usable_cores() - (config.threads or torch.get_num_threads()))
+    threads = config.threads or torch.get_num_threads()
     return {
         "median_page_faults": _median(faults) if faults else None,
         "held_bytes": max((b for run in runs for b in run.get("held_bytes", [])), default=0),
         "max_other_cores": max(others) if others else None,
-        "busy_steps": sum(c > spare + BUSY_CORES for c in others),
+        "busy_steps": sum(crowded(c, threads) for c in others),
     }
 
 
