@@ -71,6 +71,14 @@ class ABConfig:
         "sft", "sft (documents) or dpo (--data holds preference pairs; arms: --preset dpo)"
     )
     beta: float = _option(0.1, "DPO's beta (--objective dpo)")
+    # Rows that start with the same tokens (a system prompt, a prompt with several answers) packed as
+    # groups, the shared start once (data.prefix_groups); the arms that cannot share (stock, peers,
+    # slipstream-no-prefix-sharing) get every step's rows packed whole, best-fit into --max-seq-len bins.
+    share_prefixes: Literal["auto", "on", "off"] = _option(
+        "auto",
+        "pack rows that start with the same tokens with that start once (as train's data.share_prefixes); "
+        "auto: where it saves tokens",
+    )
     max_seq_len: int = _option(1024, "tokens per packed micro-batch")
     overflow: Literal["truncate", "split"] = _option(
         "truncate",
@@ -190,6 +198,11 @@ class ABConfig:
                 )
         elif any(ARM_SPECS[arm].pairs for arm in self.arms):
             raise ValueError("the dpo arms train preference pairs: add --objective dpo")
+        if self.share_prefixes == "on" and self.batching == "sequential":
+            raise ValueError(
+                "share_prefixes on packs groups of rows best-fit by their shared length; batching "
+                "sequential packs rows in order: use --batching bfd or --share-prefixes off"
+            )
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets is empty: name the modules the LoRA wraps")
         speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from ..compile import graph_counts
+from ..data.prefix_groups import group_documents, is_grouped, unshared_tokens, whole_rows_plan
 from ..hardware import OtherLoad
 from ..offload import device_activation_bytes
 from ..optimize import base_model
@@ -27,7 +28,7 @@ from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
-from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs
+from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs, shares_prefixes
 from .ceiling import proc_status_kib
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
@@ -158,11 +159,16 @@ class ArmSession:
         if self.trl_step is not None:
             state.policies.extend(self.trl_step.policies)
         self.profile = flop_profile(model)
-        as_docs = pair_documents if spec.pairs else (lambda docs: docs)
+        grouped = is_grouped(plan)  # rows sharing a start, in groups (--share-prefixes)
+        # every arm counts the model FLOPs of the grouped rows (the start once): the work the rows need
+        as_docs = pair_documents if spec.pairs else group_documents if grouped else (lambda docs: docs)
         model_flops = [
             self.profile.step_flops(docs_micro_batch(as_docs(docs)) for docs in micro_docs)
             for micro_docs in plan
         ]
+        self.grouped = grouped and shares_prefixes(arm)
+        if grouped and not self.grouped:  # the same rows a step, packed whole
+            self.plan = plan = whole_rows_plan(plan, config.max_seq_len, config.seed)
         reference_pass_s = 0.0
         if spec.pairs in ("shared", "unshared"):
             reference_pass_s = self._reference_pass()
@@ -289,7 +295,7 @@ class ArmSession:
         if self.pairs:
             tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
         else:
-            tokens = sum(len(d["input_ids"]) for docs in micro_docs for d in docs)
+            tokens = sum(unshared_tokens(docs) for docs in micro_docs)
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         with OtherLoad(torch.get_num_threads()) as load:
@@ -345,7 +351,12 @@ class ArmSession:
             result.step_profile = profile_step(
                 lambda: self._step_fn(micro),
                 self.device,
-                linear_flops=sum(self.profile.linear_flops(*docs_micro_batch(docs)) for docs in last),
+                linear_flops=sum(
+                    self.profile.linear_flops(
+                        *docs_micro_batch(group_documents(docs) if self.grouped else docs)
+                    )
+                    for docs in last
+                ),
                 peak_flops_per_s=peak["flops_per_s"],
             )
         if self.trl_step:

@@ -49,6 +49,9 @@ class Arm:
     # a preference (DPO) arm: its pairs packed with the prompt once ("shared"), as two documents
     # ("unshared"), or as its peer collates them ("peer")
     pairs: Literal["shared", "unshared", "peer"] | None = None
+    # rows that share a start (--share-prefixes): "unshared" packs every step's rows whole even where
+    # this arm could share (the leave-one-out of the sharing); None shares where the arm can
+    prefixes: Literal["unshared"] | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -73,6 +76,7 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
     "slipstream-no-compile": Arm("packed", SLIPSTREAM.replace(compile="off")),
     "slipstream-no-fused-kernels": Arm("packed", SLIPSTREAM.replace(fused_kernels="off")),
+    "slipstream-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared"),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -107,6 +111,9 @@ ARM_PRESETS = {
     ),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
+    # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
+    # whole (bfd), slipstream without and with the start run once
+    "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
     # the tools users would pick instead, each on the same bins, weights, LoRA and seed
@@ -183,9 +190,31 @@ def _is_moe(config) -> bool:
     return is_moe_model(SimpleNamespace(config=model_config))  # it reads only the model's config
 
 
-def micro_batch_inputs(arm: str, docs: list[dict], device: str):
-    """The model kwargs of one micro-batch in ``arm``'s layout, and its label-token count."""
+def shares_prefixes(arm: str) -> bool:
+    """Whether ``arm`` packs groups of rows with their shared start once, given a grouped plan: a
+    slipstream arm with its packed attention (which honours the groups) and its chunked loss (which
+    reads a continuation's first target across the shared start); every other arm gets the rows whole."""
     spec = ARM_SPECS[arm]
+    return (
+        not spec.stock
+        and spec.peer is None
+        and spec.pairs is None
+        and spec.prefixes != "unshared"
+        and spec.layout == "packed"
+        and spec.speedups.packed_attention
+        and spec.speedups.chunked_loss
+    )
+
+
+def micro_batch_inputs(arm: str, docs: list[dict], device: str):
+    """The model kwargs of one micro-batch in ``arm``'s layout, and its label-token count. ``docs``:
+    documents, or groups of rows sharing a start (``data.prefix_groups``) for an arm that shares them."""
+    spec = ARM_SPECS[arm]
+    if docs and "continuations" in docs[0]:
+        from ..packing.groups import collate_groups
+
+        batch = collate_groups(docs, device=device)
+        return batch.model_inputs(), batch.num_label_tokens
     if spec.layout == "padded":
         inputs = {k: (v.to(device) if hasattr(v, "to") else v) for k, v in collate_padded(docs).items()}
         return inputs, count_label_tokens(docs)  # the same count the packed layouts carry

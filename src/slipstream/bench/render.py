@@ -131,6 +131,13 @@ def inputs_lines(record: dict) -> list[str]:
         )
     if config.get("train_config"):
         lines.append(f"Read from: {config['train_config']}")
+    policy = record.get("packing", {}).get("sharing_policy")
+    if policy and record.get("packing", {}).get("sharing"):
+        lines.append(
+            f"Rows sharing a start: {policy}. tokens/s counts every row whole (its start included), so "
+            "tokens/s ratios are rows/s ratios; the arms without sharing train each step's rows packed "
+            "whole, best-fit into as many bins as they need"
+        )
     return lines
 
 

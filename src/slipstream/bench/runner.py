@@ -26,12 +26,13 @@ import torch
 from tqdm import tqdm
 
 from ..data import pack_samples
+from ..data.prefix_groups import decide_sharing, pack_shared
 from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, resolve_device
 from .arm_run import ArmResult, ArmSession, open_arm, perturb_by_one_ulp, run_arm
-from .arms import ARM_SPECS
+from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
 from .inputs import ABInputError, ab_samples, ab_tokenizer, check_token_ids, inputs_record, vocab_size
@@ -109,6 +110,17 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     vocab = vocab_size(config, tokenizer)
     source = config.data or "the demo rows"
     check_token_ids(samples, vocab, source)
+    policy = decide_sharing("off", None)[1]
+    if config.share_prefixes != "off" and config.batching != "bfd":
+        policy = "shared prefixes off (auto): batching sequential packs rows in order, not by shared start"
+    elif config.share_prefixes != "off":
+        groups, report, sharing = pack_shared(
+            samples, config.max_seq_len, seed=config.seed, overflow=config.overflow
+        )
+        share, policy = decide_sharing(config.share_prefixes, sharing)
+        if share:  # [step][micro_batch] -> groups; the arms that cannot share get the rows whole (arm_run)
+            record = {**dataclasses.asdict(report), "sharing": sharing.as_dict(), "sharing_policy": policy}
+            return _plan(groups, config, source), vocab, record
     bins, report = pack_samples(
         samples, config.max_seq_len, seed=config.seed, overflow=config.overflow, strategy=config.batching
     )
@@ -116,7 +128,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
-    return slim, vocab, dataclasses.asdict(report)
+    return slim, vocab, {**dataclasses.asdict(report), "sharing_policy": policy}
 
 
 def _median(values) -> float:
@@ -252,6 +264,8 @@ def summarize(
             continue
         # the prompt shared against the same packing without it: that optimization's own share
         unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
+        # rows' shared start run once against the same rows packed whole: that optimization's own share
+        unshared += [a for a in ran if shares_prefixes(arm) and ARM_SPECS[a].prefixes == "unshared"]
         for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed, repeats=config.repeats)

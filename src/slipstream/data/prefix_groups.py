@@ -72,7 +72,9 @@ class SharingReport:
 
     def summary(self) -> str:
         if not self.groups:
-            return f"shared prefixes: no two of {self.rows} rows start with the same {MIN_SHARED_TOKENS}+ tokens"
+            return (
+                f"shared prefixes: no two of {self.rows} rows start with the same {MIN_SHARED_TOKENS}+ tokens"
+            )
         return (
             f"shared prefixes: {self.rows_in_groups} of {self.rows} rows in {self.groups} groups "
             f"({self.parts} packed parts, longest shared start {self.longest_shared} tokens); "
@@ -106,7 +108,9 @@ def common_prefix(a: Sample, b: Sample) -> int:
     return lo
 
 
-def find_groups(samples: Sequence[Sample], min_shared: int = MIN_SHARED_TOKENS) -> list[tuple[int, list[int]]]:
+def find_groups(
+    samples: Sequence[Sample], min_shared: int = MIN_SHARED_TOKENS
+) -> list[tuple[int, list[int]]]:
     """``[(shared_length, [row indices])]``: the rows grouped by the start they share (see the module
     docstring); a row that shares nothing is a group of one with shared length 0."""
     order = sorted(range(len(samples)), key=lambda i: list(samples[i]["input_ids"]))
@@ -159,7 +163,8 @@ def as_group(shared: int, rows: Sequence[Sample]) -> Group:
         "prefix_ids": list(first["input_ids"][:shared]),
         "prefix_labels": list(first["labels"][:shared]),
         "continuations": [
-            {"input_ids": list(row["input_ids"][shared:]), "labels": list(row["labels"][shared:])} for row in rows
+            {"input_ids": list(row["input_ids"][shared:]), "labels": list(row["labels"][shared:])}
+            for row in rows
         ],
     }
 
@@ -237,15 +242,65 @@ def pack_shared(
     return bins, packing, sharing
 
 
-def decide_sharing(mode: str, sharing: SharingReport) -> tuple[bool, str]:
-    """``data.share_prefixes``: whether to pack the groups, and the policy line that says why."""
-    if mode == "off":
+def decide_sharing(mode: str, sharing: SharingReport | None) -> tuple[bool, str]:
+    """``data.share_prefixes``: whether to pack the groups, and the policy line that says why
+    (``sharing`` may be None for ``off``: nothing was looked for)."""
+    if mode == "off" or sharing is None:
         return False, "shared prefixes off (data.share_prefixes: off): every row runs whole"
     if mode == "on":
         return True, f"shared prefixes on (data.share_prefixes: on): {sharing.summary()}"
     if sharing.saved_fraction >= AUTO_MIN_SAVING:
-        return True, f"shared prefixes on (auto: saves {sharing.saved_fraction:.1%} of the tokens): {sharing.summary()}"
+        return (
+            True,
+            f"shared prefixes on (auto: saves {sharing.saved_fraction:.1%} of the tokens): {sharing.summary()}",
+        )
     return False, (
         f"shared prefixes off (auto: would save {sharing.saved_fraction:.1%} of the tokens, "
         f"under {AUTO_MIN_SAVING:.0%}): {sharing.summary()}"
     )
+
+
+def is_grouped(plan: Sequence) -> bool:
+    """Whether an A/B plan (``[step][micro_batch] -> items``) holds groups rather than documents."""
+    return bool(plan and plan[0] and plan[0][0] and "continuations" in plan[0][0][0])
+
+
+def group_documents(groups: Sequence[Group]) -> list[Sample]:
+    """The groups as the documents their packed row runs (the start with the first continuation,
+    then each other continuation alone), for a model-FLOP count: a continuation's attention to the
+    start is not counted, a slight undercount of the work, as for preference pairs."""
+    docs: list[Sample] = []
+    for group in groups:
+        first, *others = group["continuations"]
+        docs.append(
+            {
+                "input_ids": group["prefix_ids"] + first["input_ids"],
+                "labels": group["prefix_labels"] + first["labels"],
+            }
+        )
+        docs += [{"input_ids": c["input_ids"], "labels": c["labels"]} for c in others]
+    return docs
+
+
+def unshared_tokens(items: Sequence[Sample | Group]) -> int:
+    """The tokens of the rows in ``items`` (documents or groups) counted whole, every row its start
+    included: what tokens/s counts in every layout, so tokens/s ratios are rows/s ratios."""
+    return sum(
+        sum(len(row["input_ids"]) for row in group_rows(item))
+        if "continuations" in item
+        else len(item["input_ids"])
+        for item in items
+    )
+
+
+def whole_rows_plan(plan: Sequence, max_seq_len: int, seed: int = 0) -> list[list[list[Sample]]]:
+    """A grouped plan as an arm that cannot share runs it: every step's rows whole, packed
+    best-fit-decreasing into bins of ``max_seq_len`` (as TRL's bfd packing does), so each step
+    trains the very same rows in as many micro-batches as they need."""
+    from .binpack import pack_samples
+
+    whole = []
+    for step, micro_batches in enumerate(plan):
+        rows = [row for groups in micro_batches for group in groups for row in group_rows(group)]
+        whole.append(pack_samples(rows, max_seq_len, seed=seed + step)[0])
+    return whole
