@@ -202,7 +202,7 @@ def shares_prefixes(arm: str) -> bool:
         and spec.prefixes != "unshared"
         and spec.layout == "packed"
         and spec.speedups.packed_attention
-        and spec.speedups.chunked_loss
+        and spec.speedups.chunked_loss is not False  # None: on where the model supports it
     )
 
 
