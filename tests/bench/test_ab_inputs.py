@@ -233,3 +233,36 @@ def test_bad_models_and_data_are_one_line_errors(model_dir, chats, tmp_path, cap
         assert code == 2, (options, err)
         assert message in err and len(err.strip().splitlines()) == 1, (options, err)
     assert not (tmp_path / "out").exists()
+
+
+def test_chat_template_renders_the_arms_rows_with_another_template(model_dir, chats, tmp_path):
+    """``ab --chat-template FILE`` (or a train config's data.chat_template): the tokenizer every arm
+    uses renders with that template, the samples differ accordingly, the record names the template."""
+    from slipstream.bench.command import workload_of_train_config
+    from slipstream.bench.inputs import ab_samples, ab_tokenizer, data_fingerprint
+
+    template = tmp_path / "shouted.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>ASSISTANT\n{% endif %}"
+    )
+    stock, other = _config(model_dir, chats), _config(model_dir, chats, chat_template=str(template))
+    tokenizer = ab_tokenizer(other)
+    assert tokenizer.chat_template == template.read_text() != ab_tokenizer(stock).chat_template
+    own, shouted = ab_samples(stock, ab_tokenizer(stock)), ab_samples(other, tokenizer)
+    assert own[0]["input_ids"] != shouted[0]["input_ids"]
+    assert tokenizer.decode(shouted[0]["input_ids"]).startswith("<|im_start|>USER\n")
+    assert "chat_template_sha256" in data_fingerprint(
+        other
+    ) and "chat_template_sha256" not in data_fingerprint(stock)
+    parser = build_parser()
+    assert ab_config_from_args(
+        parser.parse_args(["ab", "--chat-template", str(template)])
+    ).chat_template == str(template)
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        f"model:\n  path: {model_dir}\ndata:\n  path: {chats}\n  chat_template: {template}\ntraining:\n  steps: 5\n"
+    )
+    assert workload_of_train_config(str(run))["chat_template"] == str(template)
+    with pytest.raises(ValueError, match=f"^chat_template {tmp_path / 'nowhere.jinja'}: no such file"):
+        _config(model_dir, chats, chat_template=str(tmp_path / "nowhere.jinja"))

@@ -48,6 +48,8 @@ def with_(section, **values):
         (with_("speedups", loss_chunk_tokens=0), "'speedups.loss_chunk_tokens' must be >= 1, got 0"),
         ({**BASE, "seed": -3}, "'seed' must be >= 0, got -3"),
         ({**BASE, "output_dir": " "}, "'output_dir' is empty"),
+        (with_("data", chat_template=" "), "'data.chat_template' is empty"),
+        (with_("data", chat_template=3), "'data.chat_template' must be a string, got 3"),
         (with_("training", sample_prompts=3), "'training.sample_prompts' must be a list, got int"),
         (
             with_("training", sample_prompts=["hi", 7]),

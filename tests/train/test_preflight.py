@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.models import build_model
-from slipstream.train.config import TrainConfig
+from slipstream.train.config import DataConfig, ModelConfig, TrainConfig
 from slipstream.train.errors import TrainError
 from slipstream.train.preflight import (
     check_labels_left,
@@ -75,3 +75,62 @@ def test_a_refusal_is_said_in_config_terms():
         == " (in the config: speedups.moe_routing: stock)"
     )
     assert config_advice("no advice") == ""
+
+
+# ---- data.chat_template: another template than the tokenizer's ----
+
+# The demo tokenizer's ChatML with the roles in capitals: the same special tokens, other ids.
+SHOUTED = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] | upper }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>ASSISTANT\n{% endif %}"
+)
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "Which lantern glows teal?"},
+        {"role": "assistant", "content": "Lantern four glows teal."},
+    ]
+}
+
+
+def _templated_config(source):
+    return TrainConfig(model=ModelConfig(preset="demo"), data=DataConfig(chat_template=str(source)))
+
+
+def test_the_chat_template_option_renders_every_row_with_the_given_template(tmp_path):
+    """A .jinja file, or a tokenizer directory: its template replaces the tokenizer's, so the rows
+    render (and tokenize) differently; the labels are still the assistant's tokens only."""
+    from slipstream.data import tokenize_row
+    from slipstream.train.loop import load_tokenizer
+
+    stock = load_tokenizer(TrainConfig(model=ModelConfig(preset="demo")))
+    (tmp_path / "shouted.jinja").write_text(SHOUTED)
+    from_file = load_tokenizer(_templated_config(tmp_path / "shouted.jinja"))
+    assert from_file.chat_template == SHOUTED != stock.chat_template
+    own, other = (tokenize_row(CHAT, t, response_only=True) for t in (stock, from_file))
+    assert own["input_ids"] != other["input_ids"]
+    assert "<|im_start|>USER\n" in from_file.decode(other["input_ids"])
+    answer = [t for t, label in zip(other["input_ids"], other["labels"], strict=True) if label != -100]
+    assert from_file.decode(answer).startswith("Lantern four glows teal.")
+    from_file.save_pretrained(tmp_path / "tokenizer")  # a directory: its tokenizer's template
+    assert load_tokenizer(_templated_config(tmp_path / "tokenizer")).chat_template == SHOUTED
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (None, "no such file or directory"),
+        (lambda p: p.write_bytes(b"\xff\xfe\x00binary"), "not a text file"),
+        (lambda p: p.write_text("model:\n  preset: demo\n"), "not a chat template"),
+        (lambda p: p.write_text("{% for m in messages %}{{ m['content'] }"), "not a valid Jinja template"),
+        (lambda p: p.mkdir(), "a directory without a chat template"),
+    ],
+)
+def test_a_chat_template_that_cannot_be_used_is_one_line_naming_the_key(tmp_path, write, message):
+    from slipstream.train.loop import load_tokenizer
+
+    path = tmp_path / "template.jinja"
+    if write is not None:
+        write(path)
+    with pytest.raises(TrainError, match=f"^data.chat_template {path}: {message}") as raised:
+        load_tokenizer(_templated_config(path))
+    assert "\n" not in str(raised.value)

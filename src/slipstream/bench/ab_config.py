@@ -19,7 +19,7 @@ from ..offload.policy import Checkpointing
 from ..train.config import Schedule
 from .adapter import LORA_TARGETS
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS
-from .inputs import check_model, is_model_dir
+from .inputs import check_model, is_model_dir, read_chat_template_option
 
 # How the arms' processes share the machine (bench/lockstep.py)
 Interleave = Literal["auto", "steps", "arms"]
@@ -64,6 +64,12 @@ class ABConfig:
     )
     response_only: bool = _option(
         False, "labels on the assistant's turns only (as train's data.response_only)"
+    )
+    chat_template: str | None = _option(
+        None,
+        "render chats with this template instead of the tokenizer's: a .jinja file or a tokenizer directory "
+        "(as train's data.chat_template)",
+        metavar="FILE_OR_DIR",
     )
     # What every arm trains for: next-token SFT on the documents, or DPO on preference pairs
     # ({"prompt", "chosen", "rejected"} rows in --data, read as slipstream train reads them).
@@ -188,6 +194,8 @@ class ABConfig:
             )
         if self.data is not None and not Path(self.data).exists():
             raise ValueError(f"data {self.data}: no such file or directory")
+        if self.chat_template is not None:
+            read_chat_template_option(self.chat_template)  # raises ValueError naming chat_template
         if self.objective == "dpo":
             if self.data is None:
                 raise ValueError("objective dpo: --data must name a file of preference pairs")

@@ -180,6 +180,7 @@ def workload_of_train_config(path: str) -> dict:
         "data": config.data.path,
         "num_rows": config.data.demo_rows,
         "response_only": config.data.response_only,
+        "chat_template": config.data.chat_template,
         "max_seq_len": config.data.max_seq_len,
         "overflow": config.data.overflow,
         "dtype": str(dtype).removeprefix("torch."),

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..data import demo_samples, demo_tokenizer, load_samples
+from ..data.chat import read_chat_template
 from ..data.samples import hash_path
 from ..models import build_model, model_names, preset_vocab_size
 
@@ -54,17 +55,30 @@ def check_model(model: str) -> None:
 
 
 def ab_tokenizer(config):
-    """The model directory's own tokenizer (and chat template), or the demo tokenizer for a preset."""
+    """The model directory's own tokenizer (and chat template), or the demo tokenizer for a preset;
+    with ``config.chat_template``'s template in place of its own where one is given."""
     if not is_model_dir(config.model):
-        return demo_tokenizer()
-    from transformers import AutoTokenizer
+        tokenizer = demo_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(
+                f"model {config.model}: no usable tokenizer saved beside the model ({error})"
+            ) from None
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template_option(config.chat_template)
+    return tokenizer
+
+
+def read_chat_template_option(source: str) -> str:
+    """The template ``--chat-template`` names; ABInputError naming the option when it cannot be used."""
     try:
-        return AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ValueError(
-            f"model {config.model}: no usable tokenizer saved beside the model ({error})"
-        ) from None
+        return read_chat_template(source)
+    except ValueError as error:
+        raise ABInputError(f"chat_template {error}") from None
 
 
 def vocab_size(config, tokenizer) -> int:
@@ -169,11 +183,23 @@ def model_fingerprint(model: str) -> dict:
 
 
 def data_fingerprint(config) -> dict:
-    """What names the data in a record: the demo rows (count, seed), or the file's path and SHA-256."""
+    """What names the data in a record: the demo rows (count, seed), or the file's path and SHA-256;
+    with the SHA-256 of the chat template it was rendered with where ``chat_template`` replaced the
+    tokenizer's."""
     if config.data is None:
-        return {"kind": "demo", "rows": config.num_rows, "seed": config.seed}
-    sha, size = hash_path(config.data)
-    return {"kind": "data file", "path": str(Path(config.data).resolve()), "sha256": sha, "bytes": size}
+        fingerprint = {"kind": "demo", "rows": config.num_rows, "seed": config.seed}
+    else:
+        sha, size = hash_path(config.data)
+        fingerprint = {
+            "kind": "data file",
+            "path": str(Path(config.data).resolve()),
+            "sha256": sha,
+            "bytes": size,
+        }
+    if config.chat_template is not None:
+        template = read_chat_template_option(config.chat_template)
+        fingerprint["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
+    return fingerprint
 
 
 def inputs_record(config) -> dict:

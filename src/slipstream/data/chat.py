@@ -30,9 +30,11 @@ exactly.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,51 @@ _MAX_SHIFT = 25
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def read_chat_template(source: str | Path) -> str:
+    """The chat template ``source`` holds: a text file of Jinja (``.jinja``), or a model or
+    tokenizer directory (its ``chat_template.jinja``, else ``tokenizer_config.json``'s
+    ``chat_template``, the ``default`` one of a list). ValueError saying why it cannot be used."""
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
+    try:
+        template = _directory_template(path) if path.is_dir() else path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file (a chat template is Jinja text)") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    if "messages" not in template:  # every chat template loops over the conversation's messages
+        raise ValueError(f"{path}: not a chat template (it never reads 'messages')")
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)  # the environment apply_chat_template renders in
+    except TemplateError as error:
+        raise ValueError(f"{path}: not a valid Jinja template ({error})") from None
+    return template
+
+
+def _directory_template(path: Path) -> str:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text(encoding="utf-8")
+    config = path / "tokenizer_config.json"
+    try:
+        template = (
+            json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+        )
+    except (json.JSONDecodeError, AttributeError):
+        template = None
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template.strip():
+        raise ValueError(
+            f"{path}: a directory without a chat template (no chat_template.jinja, no 'chat_template' "
+            "in tokenizer_config.json)"
+        )
+    return template
 
 
 def render_chat(

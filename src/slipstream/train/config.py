@@ -58,6 +58,9 @@ class DataConfig:
     max_seq_len: Annotated[int, Range(ge=2)] = 1024
     overflow: Literal["truncate", "split"] = "truncate"
     cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
+    # render chats with this template instead of the tokenizer's: a .jinja (text) file, or a
+    # model / tokenizer directory whose template is taken
+    chat_template: str | None = None
     # validation: a second data file, tokenized and packed like the training data; or
     eval_path: str | None = None
     # a seeded share of the training rows, split off by row before packing (never trained on)
@@ -185,6 +188,11 @@ class TrainConfig:
                 "data.eval_path",
                 "give one of 'data.eval_path' (a second data file) or 'data.eval_fraction' "
                 "(a share of the training rows), not both",
+            )
+        if self.data.chat_template is not None and not self.data.chat_template.strip():
+            fail(
+                "data.chat_template",
+                "'data.chat_template' is empty: give a template file or a tokenizer directory, or leave it out",
             )
         if self.quantization.four_bit and not self.lora.enabled:
             fail("quantization.four_bit", "quantization.four_bit trains adapters only: set lora.enabled true")
@@ -327,7 +335,12 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         _apply_override(data, override, source, lines)
     config = _build(TrainConfig, data, "", source, lines)
     base = path.parent
-    for section, key in (("model", "path"), ("data", "path"), ("data", "eval_path")):
+    for section, key in (
+        ("model", "path"),
+        ("data", "path"),
+        ("data", "eval_path"),
+        ("data", "chat_template"),
+    ):
         value = getattr(getattr(config, section), key)
         if value is not None and not Path(value).is_absolute():
             setattr(

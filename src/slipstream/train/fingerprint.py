@@ -14,7 +14,8 @@ Every checkpoint's ``state.json`` holds a fingerprint of three things:
   ``training.sample_prompts`` and ``training.sample_max_new_tokens`` (evaluation and greedy
   answers read the model, never change it or any RNG; ``data.eval_fraction`` is
   fingerprinted, since it takes rows out of training); ``data.path`` too, since the data's content is
-  hashed instead (a moved file resumes, an edited one does not). A key added to the config
+  hashed instead (a moved file resumes, an edited one does not), and ``data.chat_template``,
+  whose template is in the tokenizer's fingerprint. A key added to the config
   later is fingerprinted unless it is added here;
 - the data: a SHA-256 of the file's bytes (of every file, with its relative path, for a
   ``datasets`` directory), or of the built-in demo rows when ``data.path`` is unset;
@@ -47,6 +48,7 @@ FINGERPRINT_FORMAT = 1
 NOT_FINGERPRINTED = (
     "output_dir",
     "data.path",
+    "data.chat_template",  # the template itself is in the tokenizer's fingerprint
     "data.cache",
     "data.eval_path",
     "training.checkpoint_every",

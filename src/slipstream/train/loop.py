@@ -84,7 +84,14 @@ from .output_dir import (
     rewind_metrics,
 )
 from .precision import resolve_dtype
-from .preflight import check_labels_left, check_lora_targets, check_model_dir, check_token_ids, weights_error
+from .preflight import (
+    check_labels_left,
+    check_lora_targets,
+    check_model_dir,
+    check_token_ids,
+    weights_error,
+    with_chat_template,
+)
 from .samples import Samples
 from .step import train_step
 
@@ -104,18 +111,19 @@ __all__ = [
 # ----------------------------------------------------------------------------- set-up
 def load_tokenizer(config: TrainConfig):
     if config.model.preset is not None:
-        return demo_tokenizer()
+        return with_chat_template(demo_tokenizer(), config)
     check_model_dir(
         config.model.path
     )  # before anything reads it: a missing directory is not a network problem
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code
         )
     except (OSError, ValueError) as error:
         raise TrainError(
             f"{config.model.path}: no usable tokenizer saved beside the model ({error})"
         ) from None
+    return with_chat_template(tokenizer, config)  # data.chat_template: another template than the model's
 
 
 def _samples(config: TrainConfig, tokenizer, path: str | None = None):

@@ -1,7 +1,7 @@
 """Checks that run before the first step, so a mistake costs seconds, not a crash minutes in.
 
 Each raises a ``TrainError`` whose one line names the config key or file and says what to do:
-the model directory and its weight files, LoRA's target modules against the model's module
+the model directory and its weight files, the chat template ``data.chat_template`` names, LoRA's target modules against the model's module
 names, the data's token ids against the model's vocabulary, and samples that the chosen
 ``max_seq_len`` would leave with no label.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..data.chat import read_chat_template
 from .config import TrainConfig
 from .errors import TrainError
 
@@ -31,6 +32,17 @@ def check_model_dir(path: str | Path) -> Path:
     if not (path / "config.json").exists():
         raise TrainError(f"model.path {path}: not a model directory (no config.json)")
     return path
+
+
+def with_chat_template(tokenizer, config: TrainConfig):
+    """The tokenizer with ``data.chat_template``'s template in place of its own (unset: as it is)."""
+    if config.data.chat_template is None:
+        return tokenizer
+    try:
+        tokenizer.chat_template = read_chat_template(config.data.chat_template)
+    except ValueError as error:
+        raise TrainError(f"data.chat_template {error}") from None
+    return tokenizer
 
 
 def weights_error(path: str | Path, error: Exception) -> TrainError:
