@@ -145,14 +145,17 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
         return fn(query, key, value, batch=batch, **kw).transpose(1, 2).contiguous()
     lengths = list(batch.seq_lens)
     keys, values = key.split(lengths, 2), value.split(lengths, 2)
-    prefixes = batch.prefix_lens or (0,) * len(lengths)
+    spans = batch.prefix_spans()
+    sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
     outputs = []
     for number, (q, k, v) in enumerate(zip(query.split(lengths, 2), keys, values, strict=True)):
-        prefix = prefixes[number]
-        if prefix:
-            # a shared prompt: the first ``prefix`` keys of the previous document, then its own
-            k = torch.cat([keys[number - 1][:, :, :prefix], k], dim=2)
-            v = torch.cat([values[number - 1][:, :, :prefix], v], dim=2)
+        span = spans[number]
+        if span is not None:
+            # a shared prefix (a pair's prompt, a group's prefix): the first keys of its source
+            # document (a slice of that document's split, not of the row), then the document's own
+            prefix, source = span[1] - span[0], sources[number]
+            k = torch.cat([keys[source][:, :, :prefix], k], dim=2)
+            v = torch.cat([values[source][:, :, :prefix], v], dim=2)
         outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
     return torch.cat(outputs, dim=1)
 
@@ -396,15 +399,15 @@ def flex_block_mask(batch: PackedBatch, window: int | None):
     def build():
         from torch.nn.attention.flex_attention import create_block_mask
 
-        # per token, from the host lengths: where its document starts, and the shared prompt it
-        # also sees (a range at the start of the previous document; empty for most documents)
+        # per token, from the host lengths: where its document starts, and the shared prefix it
+        # also sees (a range at the start of an earlier document, empty for most documents)
         starts, prefix_starts, prefix_ends = [], [], []
-        previous, start = 0, 0
-        for length, prefix in zip(batch.seq_lens, batch.prefix_lens or (0,) * batch.num_docs, strict=True):
+        for (start, end), span in zip(batch.doc_bounds(), batch.prefix_spans(), strict=True):
+            length = end - start
+            span = span or (start, start)
             starts += [start] * length
-            prefix_starts += [previous] * length
-            prefix_ends += [previous + prefix] * length
-            previous, start = start, start + length
+            prefix_starts += [span[0]] * length
+            prefix_ends += [span[1]] * length
         doc_start = torch.tensor(starts, device=batch.device)
         prefix_start = torch.tensor(prefix_starts, device=batch.device)
         prefix_end = torch.tensor(prefix_ends, device=batch.device)
