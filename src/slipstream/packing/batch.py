@@ -134,8 +134,8 @@ class PackedBatch:
 
         if self.has_prefixes:
             raise NotImplementedError(
-                "chunked attention (attention_chunk_size) with shared prompts: not supported; "
-                "set preference.prefix_sharing false"
+                "chunked attention (attention_chunk_size) with shared prompts or prefixes: not supported; "
+                "set preference.prefix_sharing false (prefix groups: collate_groups(..., prefix_sharing=False))"
             )
 
         def build() -> PackedBatch:
