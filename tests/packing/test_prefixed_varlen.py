@@ -31,7 +31,7 @@ def _scores(q, k, scale, is_causal):
     return s.masked_fill(~allowed, float("-inf")), allowed
 
 
-def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, window, enable_gqa, *rest):
+def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale=None, enable_gqa=False):
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     outs, lses = [], []
@@ -42,7 +42,7 @@ def reference_forward(q, k, v, cu_q, cu_k, max_q, max_k, is_causal, scale, windo
     return torch.cat(outs), torch.cat(lses, dim=1), torch.zeros(2)
 
 
-def reference_backward(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng, scale, window):
+def reference_backward(g, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, is_causal, rng, scale=None):
     hkv = k.shape[1]
     groups = q.shape[1] // hkv
     kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)

@@ -415,6 +415,17 @@ def _varlen_ops() -> tuple[Callable, Callable] | None:
     return None if forward is None or backward is None else (forward, backward)
 
 
+def _op_kwargs(op: Callable, **wanted: Any) -> dict[str, Any]:
+    """The keyword arguments of ``wanted`` that ``op``'s schema takes (the varlen ops' signatures grew
+    across torch releases); a plain function (a test's stand-in) takes them all. Causality is the
+    ``is_causal`` flag, so no window is passed: call 1 is causal, call 2 sees every prefix key."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    if schema is None:
+        return wanted
+    names = {argument.name for argument in schema.arguments}
+    return {key: value for key, value in wanted.items() if key in names}
+
+
 class PrefixPlan:
     """What the second varlen call of a row with shared prefixes reads, built once per batch on the
     host: the row positions of every query that has a prefix (its document's tokens, concatenated)
@@ -467,18 +478,17 @@ class _PrefixedVarlen(torch.autograd.Function):
     def forward(ctx, q_THD, k_THD, v_THD, batch, scale, enable_gqa):
         forward_op, _ = _varlen_ops()
         plan = PrefixPlan.of(batch)
-        n, m = batch.max_seqlen, batch.max_seqlen
+        n = batch.max_seqlen
+        extra = _op_kwargs(forward_op, scale=scale, enable_gqa=enable_gqa)
         out1, lse1_HT, rng1 = forward_op(
-            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, n, m, True, scale, [-1, 0], enable_gqa,
-            None, None, None,
-        )  # fmt: skip
+            q_THD, k_THD, v_THD, batch.cu_seqlens, batch.cu_seqlens, n, n, True, **extra
+        )
         q2 = q_THD.index_select(0, plan.query_rows)
         k2 = k_THD.index_select(0, plan.key_rows)
         v2 = v_THD.index_select(0, plan.key_rows)
         out2, lse2_HQ, rng2 = forward_op(
-            q2, k2, v2, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, False, scale, [-1, -1], enable_gqa,
-            None, None, None,
-        )  # fmt: skip
+            q2, k2, v2, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, False, **extra
+        )
         lse1_HQ = lse1_HT.index_select(1, plan.query_rows)
         lse_HQ = torch.logaddexp(lse1_HQ, lse2_HQ)
         w1_QH1 = torch.exp(lse1_HQ - lse_HQ).transpose(0, 1).unsqueeze(-1)
@@ -499,15 +509,16 @@ class _PrefixedVarlen(torch.autograd.Function):
         plan = PrefixPlan.of(batch)
         grad_THD = grad_THD.contiguous()
         n = batch.max_seqlen
+        extra = _op_kwargs(backward_op, scale=scale)
         dq, dk, dv = backward_op(
             grad_THD, q_THD, k_THD, v_THD, out, lse_HT, batch.cu_seqlens, batch.cu_seqlens, n, n, True, rng1,
-            scale, [-1, 0],
+            **extra,
         )  # fmt: skip
         rows, keys = plan.query_rows, plan.key_rows
         dq2, dk2, dv2 = backward_op(
             grad_THD.index_select(0, rows), q_THD.index_select(0, rows), k_THD.index_select(0, keys),
             v_THD.index_select(0, keys), out.index_select(0, rows), lse_HT.index_select(1, rows).contiguous(),
-            plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, False, rng2, scale, [-1, -1],
+            plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, False, rng2, **extra,
         )  # fmt: skip
         dq = dq.index_add(0, rows, dq2.to(dq.dtype))
         dk = dk.index_add(0, keys, dk2.to(dk.dtype))
