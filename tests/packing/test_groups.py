@@ -212,9 +212,7 @@ def lora_pair(model):
     """(stock, packed): the same LoRA weights (B random, so every adapter has a gradient)."""
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
-    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
     stock = copy.deepcopy(model)
     packed = slipstream.optimize(copy.deepcopy(model))  # the chunked loss on (the default)
     models = []
@@ -247,7 +245,7 @@ def stock_alone_loss(model, groups) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral-window-4"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "mistral-window-4", "lfm2"])
 def test_group_loss_and_lora_grads_match_the_unshared_rows(model_type, n):
     stock, packed = lora_pair(tiny(model_type))
     groups = random_groups(shapes_of(n), seed=n, vocab=stock.config.vocab_size)
