@@ -283,6 +283,7 @@ class ChunkedLoss:
 
     def _finish(self, module, args, kwargs, output):
         call, self._call = self._call, None
+        self._unarmed_batch = None
         if call is None or call.phase == "armed":
             return None  # not a training forward, or the model never called its head module
         if call.phase != "done":
