@@ -95,6 +95,15 @@ def test_layout_shares_the_prefix_and_counts_shared_labels_once_per_row():
     assert moved.prefix_sources == batch.prefix_sources and moved.loss_targets.device.type == "meta"
 
 
+def test_groups_that_share_nothing_are_collate_packeds_batch():
+    groups = random_groups([(0, [5]), (4, [3]), (0, [2, 6])])
+    batch, plain = collate_groups(groups), collate_packed(unshared_documents(groups))
+    assert batch.prefix_lens is None and batch.loss_targets is None
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_positions"):
+        assert torch.equal(getattr(batch, name), getattr(plain, name)), name
+    assert batch.seq_lens == plain.seq_lens and batch.num_label_tokens == plain.num_label_tokens
+
+
 def test_pairs_keep_the_previous_document_as_their_source():
     from slipstream.packing.pairs import collate_pairs
 

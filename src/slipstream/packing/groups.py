@@ -129,7 +129,9 @@ def collate_groups(
     batch = row.batch(
         num_label_tokens=len(positions),
         loss_positions=torch.tensor(positions, dtype=torch.long),
-        loss_targets=torch.tensor(targets, dtype=torch.long),
+        # nothing shared (every group one continuation, or no prefix): the shifted labels say it all,
+        # and the batch is collate_packed's, which the stock loss computes too
+        loss_targets=torch.tensor(targets, dtype=torch.long) if any(row.prefix_lens) else None,
     )
     return batch.to(device) if device is not None else batch
 
