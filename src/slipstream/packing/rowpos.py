@@ -315,10 +315,11 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                 if prefix and (alone[number] > threshold) != (alone[source] > threshold):
                     raise UnsupportedArchitecture(
                         f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
-                        f"and a shared prefix's first sequence ({alone[source]} tokens: a pair's prompt + "
-                        f"chosen) and another that shares it ({alone[number]}: prompt + rejected) fall on "
-                        f"either side of {threshold}, so they cannot share one prompt or prefix: set "
-                        "preference.prefix_sharing false (collate_groups(..., prefix_sharing=False))"
+                        f"and two sequences that share a prompt or prefix ({alone[source]} and {alone[number]} "
+                        "tokens: a pair's prompt + chosen and prompt + rejected, or a group's prefix + "
+                        f"continuations) fall on either side of {threshold}, so they cannot share one prompt: "
+                        "set preference.prefix_sharing false (prefix groups: collate_groups(..., "
+                        "prefix_sharing=False))"
                     )
         runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
