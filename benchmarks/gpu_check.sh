@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (< 8 minutes on one H200: the timeouts add up to 480 s). Results go under $OUT (default ./out).
+# Every GPU check in one run (< 8.5 minutes on one H200: the timeouts add up to 495 s). Results go under $OUT (default ./out).
 # The lent machine is bare and offline: torch, transformers, peft, accelerate, tokenizers, pyyaml, rich,
 # tqdm and setuptools are there; what slipstream needs beyond them travels as wheels in .whl/
 # (benchmarks/gpu_wheels.sh downloads them here; the device call carries .whl). Nothing is fetched.
@@ -27,7 +27,10 @@ timeout 40 slipstream doctor --json "$OUT/doctor.json" > "$OUT/doctor.txt" 2>&1
 echo "doctor exit: $?" >> "$OUT/doctor.txt"
 
 # 1. Packing (issue 2): no host sync in a packed step (sync debug "error"), varlen backend used.
-timeout 40 python -m pytest -q -m gpu tests/packing/test_gpu.py tests/offload/test_gpu.py -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
+#    Shared prefixes (issue 34): prefix groups on varlen (two calls merged by log-sum-exp, slipstream's
+#    backward) against per-document SDPA, attention and a whole SFT step, no sync (test_gpu_groups.py).
+timeout 55 python -m pytest -q -m gpu tests/packing/test_gpu.py tests/packing/test_gpu_groups.py tests/offload/test_gpu.py \
+  -p no:cacheprovider > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests exit: $?" >> "$OUT/gpu_tests.txt"
 
 # 2. The A/B harness (issues 2, 6, 9 and 13): the peers preset on a Qwen3-8B shape (4 layers, bf16,

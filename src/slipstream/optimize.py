@@ -104,7 +104,21 @@ def _padding_guard(module, args, kwargs):
     silently dropped by transformers' mask builders, so refuse it instead. Only the unpacked
     path pays for this check (one sync), never a PackedBatch.
     """
-    if kwargs.get(PACKED_BATCH_KWARG) is not None:
+    batch = kwargs.get(PACKED_BATCH_KWARG)
+    if batch is not None:
+        if (
+            batch.loss_targets is not None
+            and kwargs.get("labels") is not None
+            and not isinstance(vars(module).get("_loss_function"), ChunkedLoss)
+        ):
+            raise ValueError(
+                "this PackedBatch shares prefixes (slipstream.packing.collate_groups): its loss is read at "
+                "batch.loss_positions / batch.loss_targets, which the stock loss (shifted labels) cannot "
+                "express, so it would differ from the unshared rows' loss. Turn the chunked loss on "
+                "(slipstream.optimize(model, chunked_loss=True), speedups.chunked_loss: true), or run the "
+                "forward without labels and take slipstream.loss.packed_loss_from_logits(out.logits, batch), "
+                "or collate_groups(..., prefix_sharing=False)"
+            )
         return None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):

@@ -51,6 +51,7 @@ PREFIX_SHARING_REFUSED = {
     # longrope: the pairs' prompt + chosen and prompt + rejected straddle the threshold (PAIR_LENGTHS)
     "phi3": "cannot share one prompt",
 }
+# (the prefix groups' column: refused for the same architectures, GROUP_SHAPES crossing the same thresholds)
 
 
 @pytest.mark.parametrize("model_type", sorted(SUBSET))
@@ -65,6 +66,14 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
         assert verdict.speedups["prefix_sharing"] == "on", verdict.ablations["prefix_sharing"].detail
     elif verdict.speedups.get("packed attention") == "off":
         assert verdict.speedups["prefix_sharing"] == "-"
+    if model_type in PREFIX_SHARING_REFUSED:  # prefix groups: refused where pairs are, for the same reason
+        assert verdict.speedups["prefix_groups"] == "refused"
+        assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations["prefix_groups"].detail
+    elif verdict.speedups.get("packed attention") == "on":
+        assert verdict.speedups["prefix_groups"] == "on", verdict.ablations["prefix_groups"].detail
+        assert verdict.ablations["prefix_groups"].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
+    elif verdict.speedups.get("packed attention") == "off":
+        assert verdict.speedups["prefix_groups"] == "-"
     if verdict.status == "refused":
         assert "slipstream.optimize(model, " in verdict.detail
         assert verdict.fallback["result"].status == "pass"
@@ -81,6 +90,7 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             # MoE model has a dense gate/up/down MLP here
             "fused": "RMSNorm" if model_type == "qwen3_moe" else "-",
             "prefix_sharing": "on",
+            "prefix_groups": "on",
         }
     if verdict.speedups.get("fused", "-") != "-":
         assert verdict.ablations["fused"].status == "pass"
@@ -194,6 +204,47 @@ def test_the_prefix_check_reads_the_sums_from_the_logits_without_the_chunked_los
     assert result.status == "pass" and "from the logits" in result.detail, result.detail
 
 
+def test_the_groups_cross_the_windows_and_thresholds():
+    """A prefix longer than the windows; prefix + continuation on both sides of the position
+    thresholds and below the dynamic-RoPE threshold, the packed row above it; N = 4."""
+    (prefix, continuations), *_ = compat.GROUP_SHAPES
+    alone = [p + n for p, ns in compat.GROUP_SHAPES for n in ns]
+    assert len(continuations) == 4 and prefix > WINDOW
+    assert min(alone) <= POSITION_THRESHOLD < max(alone)
+    assert max(alone) < DYNAMIC_ROPE_POSITIONS < sum(p + sum(ns) for p, ns in compat.GROUP_SHAPES)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss", "lfm3"])  # window; sinks + routing; mixer
+def test_prefix_groups_match_each_continuation_run_alone(model_type):
+    """(llama, qwen3_moe, roberta, phi3, llama4_text: through check_architecture above.)"""
+    stock = tiny_model(model_type, seed=compat.SEED)
+    result = compat.check_prefix_groups(stock, compat.prefix_groups(stock), {})
+    assert result.status == "pass", result.detail
+    assert result.logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
+    assert result.loss_error <= compat.TOLERANCE["loss"] and result.grad_error <= compat.TOLERANCE["grad"]
+    assert any(p.startswith("chunked loss: on") for p in result.policies)  # the loss: the chunked loss
+
+
+def test_the_group_check_sees_a_continuation_without_its_prefix(monkeypatch, tiny_llama):
+    from slipstream.packing import groups as groups_module
+
+    collate = groups_module.collate_groups
+
+    def without_prefixes(groups, prefix_sharing=True, device=None):
+        batch = collate(groups, prefix_sharing, device)
+        return dataclasses.replace(batch, prefix_lens=None, prefix_sources=None, _memo={})
+
+    monkeypatch.setattr(groups_module, "collate_groups", without_prefixes)
+    result = compat.check_prefix_groups(tiny_llama, compat.prefix_groups(tiny_llama), {})
+    assert result.status == "WRONG" and "log-probs off" in result.detail and "loss off" in result.detail
+
+
+def test_the_group_check_reads_the_loss_from_the_logits_without_the_chunked_loss(tiny_llama):
+    result = compat.check_prefix_groups(tiny_llama, compat.prefix_groups(tiny_llama), {"chunked_loss": False})
+    assert result.status == "pass", result.detail
+    assert "packed_loss_from_logits" in result.detail
+
+
 def test_advice_is_read_from_the_refusal():
     assert advice("... Use slipstream.optimize(model, packed_attention=False)") == {"packed_attention": False}
     assert advice("x. Use slipstream.optimize(model, moe_routing='stock').") == {"moe_routing": "stock"}
@@ -209,12 +260,13 @@ def test_the_table_counts_every_outcome():
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
-    assert "| fused | prefix | note |" in text and "*prefix* = preference pairs" in text
+    assert "| fused | prefix | groups | note |" in text and "*prefix* = preference pairs" in text
+    assert "*groups* = prefix groups" in text
     assert (
-        "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on |"
+        "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on | on |"
         in text
     )
-    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - |" in text
+    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - | - |" in text
 
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
@@ -230,8 +282,8 @@ def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
     text = render_markdown([verdict.to_dict()])
     assert (
-        "| grouped | short | fused | prefix | compiled | note |" in text
-        and "| on | on | RMSNorm+SwiGLU | on | on |" in text
+        "| grouped | short | fused | prefix | groups | compiled | note |" in text
+        and "| on | on | RMSNorm+SwiGLU | on | on | on |" in text
     )
 
 

@@ -219,13 +219,15 @@ def test_backward_by_hand_matches_the_engine(family):
 @pytest.mark.parametrize("family", ["llama", "qwen3-sliding", "gpt-oss"])
 def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
     """A preference step's forward and backward on fake CUDA with the prompt shared: the varlen
-    backend hands shared prompts to per-document SDPA, the answers' log-probs come from the chunked
-    head, the DPO loss is built on the device, and nothing is read to the host."""
+    backend runs shared prompts as two varlen calls merged by log-sum-exp (per-document SDPA where
+    the window cuts a sequence, or with sinks), the answers' log-probs come from the chunked head,
+    the DPO loss is built on the device, and nothing is read to the host."""
     from slipstream.loss import answer_logprobs_of
     from slipstream.packing.pairs import collate_pairs
     from slipstream.preference import preference_terms
 
     seen = varlen_windows(monkeypatch)
+    merged = prefixed_varlen_calls(monkeypatch)
     pairs = [
         {"prompt_ids": d[:20], "chosen_ids": d[20:27], "rejected_ids": d[27:]}
         for d in (doc["input_ids"] for doc in DOCS[:2])
@@ -240,6 +242,54 @@ def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
         lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to("cuda")
         terms = preference_terms("dpo", policy, policy.detach() * 0.5, lengths, beta=0.1)
         grads = backward_by_hand([terms.losses.sum()])
-    assert seen == []  # every attention call had a shared prompt: per-document SDPA, never varlen
+    assert seen == []  # every attention call had a shared prompt: never the one-call varlen path
+    assert len(merged) == {"llama": 2, "qwen3-sliding": 1, "gpt-oss": 0}[family]  # layers merged by lse
     assert policy.device.type == "cuda" and policy.shape == (4,)
     assert all(p in grads for p in model.parameters() if p.requires_grad)
+
+
+def prefixed_varlen_calls(monkeypatch) -> list[int]:
+    """Record the two-call varlen path for shared prefixes: the batch's document count per layer call."""
+    calls: list[int] = []
+    real = attention.prefixed_varlen_attention
+
+    def recorded(query, key, value, batch, scaling):
+        calls.append(batch.num_docs)
+        return real(query, key, value, batch, scaling)
+
+    monkeypatch.setattr(attention, "prefixed_varlen_attention", recorded)
+    return calls
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3-sliding", "qwen3-moe"])
+def test_prefix_groups_sft_step_on_cuda_has_no_host_read(monkeypatch, family):
+    """An SFT step on prefix groups (N = 4 and a plain document) on fake CUDA: the varlen backend's
+    two calls merged by log-sum-exp (per-document SDPA where the window of 8 cuts a sequence), the
+    chunked loss read at loss_positions / loss_targets, the backward by hand: no host read."""
+    from slipstream.packing.groups import collate_groups
+
+    merged = prefixed_varlen_calls(monkeypatch)
+    ids = DOCS[1]["input_ids"]
+    groups = [
+        {
+            "prefix_ids": ids[:12],
+            "prefix_labels": [-100] * 6 + ids[6:12],
+            "continuations": [{"input_ids": ids[12 + 9 * j : 21 + 9 * j]} for j in range(4)],
+        },
+        {"prefix_ids": [], "continuations": [{"input_ids": DOCS[2]["input_ids"]}]},
+    ]
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model(family)
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        batch = collate_groups(groups, device="cuda")
+        assert batch.loss_targets.device.type == "cuda"
+        loss, grads = train_step(model, batch)  # a host read anywhere would raise
+    assert slipstream.state_of(model).packed_attention == "slipstream_varlen"
+    layers = model.config.num_hidden_layers
+    windows = getattr(model.config, "layer_types", None) or []
+    expected = layers - sum(kind == "sliding_attention" for kind in windows)
+    assert merged == [5] * expected
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    assert all(p in grads and grads[p].dtype == p.dtype for p in model.parameters() if p.requires_grad)

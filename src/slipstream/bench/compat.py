@@ -23,6 +23,13 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
   the chunked loss off, must give every answer token the log-prob the stock model gives it with
   ``prompt + answer`` run alone (eval, no grad); with the chunked loss on, the summed log-probs
   it leaves on the batch (``answer_logprobs_of``) must match the stock sums (:func:`check_prefix_sharing`);
+* a packed verdict that passed runs a **prefix-group check**: :data:`GROUP_SHAPES` (a prefix and
+  N = 4 continuations, a prefix and 2) packed by ``collate_groups`` (each continuation attends to
+  its group's prefix and itself, never a sibling), under the passing arm's options: every
+  position's log-probs (chunked loss off, eval, no grad) within
+  ``GROUP_TOLERANCE["token_logprob"]`` of each ``prefix + continuation`` run alone, and the SFT
+  loss and every gradient (training mode, the chunked loss as set, labelled prefix tokens
+  counted once per row) against the unshared rows run alone (:func:`check_prefix_groups`);
 * opt-in (``compile=True``, the sweep's ``--compile``: a cold inductor compile costs 45-55 s per
   architecture on a 2-core CPU, hours for the registry), the passing arm runs again with its
   decoder layers compiled (``compile="on"``), which must match too;
@@ -91,6 +98,13 @@ PAIR_LENGTHS = ((11, 7, 5), (6, 8, 12))
 # Bounds of the prefix-sharing check in fp32: each answer token's log-prob (absolute), each
 # answer's summed log-prob through the chunked loss (relative).
 PAIR_TOLERANCE = {"token_logprob": 1e-5, "summed_logprob": 1e-4}
+
+# Prefix groups of the prefix-groups column, (prefix, [continuations]) tokens: N = 4 continuations
+# after a prefix longer than the windows (8), prefix + continuation on both sides of the position
+# thresholds (16) and below the dynamic-RoPE model's max_position_embeddings (32); a second group of
+# two; the packed row (50) above it.
+GROUP_SHAPES = ((11, (3, 7, 9, 5)), (5, (4, 6)))
+GROUP_TOLERANCE = {"token_logprob": 1e-5}
 
 # Registry entries a plain token-ids training step cannot exercise, and why: the sweep reports
 # them as "not checked" rather than pretending a verdict.
@@ -616,6 +630,156 @@ def _check_prefix_sharing(verdict: Verdict, stock, options: dict[str, Any], seed
     _record_column(verdict, "prefix_sharing", result, "on", "collate_pairs(prefix_sharing=True)")
 
 
+# --------------------------------------------------------------------------- prefix groups
+
+
+def prefix_groups(model: torch.nn.Module, shapes=GROUP_SHAPES, seed: int = SEED) -> list[dict[str, Any]]:
+    """Random prefix groups (``collate_groups``' input) of ``shapes``, from the sweep's random
+    documents; the second half of every prefix labelled, so shared labels are counted."""
+    lengths = [n for prefix, continuations in shapes for n in (prefix, *continuations)]
+    flat = iter(documents(model, lengths=lengths, seed=seed + 1))
+    groups = []
+    for prefix_len, continuations in shapes:
+        prefix = next(flat)
+        labels = [-100 if i < prefix_len // 2 else t for i, t in enumerate(prefix)]
+        groups.append(
+            {
+                "prefix_ids": prefix,
+                "prefix_labels": labels,
+                "continuations": [{"input_ids": next(flat)} for _ in continuations],
+            }
+        )
+    return groups
+
+
+def _rows_loss(model: torch.nn.Module, rows: list[dict[str, list[int]]]) -> torch.Tensor:
+    """The unshared rows, each alone: summed cross-entropy over their labels / the label count."""
+    total, count = 0.0, 0
+    for row in rows:
+        logits = model(input_ids=torch.tensor([row["input_ids"]])).logits[0, :-1].float()
+        targets = torch.tensor(row["labels"][1:])
+        keep = targets != -100
+        total = total + torch.nn.functional.cross_entropy(logits[keep], targets[keep], reduction="sum")
+        count += int(keep.sum())
+    return total / count
+
+
+def check_prefix_groups(
+    stock: torch.nn.Module, groups: list[dict[str, Any]], options: dict[str, Any]
+) -> ArmResult:
+    """``groups`` packed with their prefixes shared (``collate_groups``) through copies of ``stock``
+    under ``optimize(**options)``, against every ``prefix + continuation`` run alone through the stock
+    model: log-probs at every position (chunked loss off, eval, no grad, absolute
+    ``GROUP_TOLERANCE["token_logprob"]``), then the SFT loss and every gradient (training mode, the
+    chunked loss as ``options`` set it; where it is off, the loss from the logits with
+    ``packed_loss_from_logits``) within the sweep's :data:`TOLERANCE`."""
+    from slipstream.loss import packed_loss_from_logits
+    from slipstream.packing.groups import collate_groups, unshared_documents
+
+    model = stock
+    try:
+        rows = unshared_documents(groups)
+        was_training = stock.training
+        stock.eval()
+        try:
+            with torch.no_grad():
+                expected = [
+                    stock(input_ids=torch.tensor([row["input_ids"]])).logits[0].float().log_softmax(-1)
+                    for row in rows
+                ]
+        finally:
+            stock.train(was_training)
+        model = _copy_model(stock)
+        optimize(model, **{**options, "chunked_loss": False})
+        model.eval()
+        batch = collate_groups(groups)
+        with torch.no_grad():
+            logprobs = model(**{k: v for k, v in batch.model_inputs().items() if k != "labels"}).logits[0]
+        logprobs = logprobs.float().log_softmax(-1)
+        errors = [
+            (logprobs[positions] - want).abs().max().item()
+            for positions, want in zip(_shared_rows(groups), expected, strict=True)
+        ]
+        result = ArmResult("pass")
+        result.logits_error = max(errors)
+        problems = []
+        if not result.logits_error <= GROUP_TOLERANCE["token_logprob"]:
+            problems.append(
+                f"log-probs off by {result.logits_error:.2g} (per prefix + continuation: "
+                + ", ".join(f"{e:.1g}" for e in errors)
+                + ")"
+            )
+
+        reference_model = _copy_model(stock).train()
+        reference_model.zero_grad(set_to_none=True)
+        want_loss = _rows_loss(reference_model, rows)
+        want_loss.backward()
+        want_grads = _grads(reference_model)
+        del reference_model
+        model = _copy_model(stock)
+        model.zero_grad(set_to_none=True)
+        optimize(model, **options)
+        model.train()
+        batch = collate_groups(groups)
+        if getattr(state_of(model), "chunked_loss", None) is not None:
+            loss = model(**batch.model_inputs()).loss
+        else:
+            out = model(**{k: v for k, v in batch.model_inputs().items() if k != "labels"})
+            loss = packed_loss_from_logits(out.logits, batch)
+            result.detail = "the loss from the logits (packed_loss_from_logits): the chunked loss is off"
+        loss.backward()
+        result.loss_error = abs(loss.item() - want_loss.item()) / max(abs(want_loss.item()), 1e-12)
+        if not result.loss_error <= TOLERANCE["loss"]:
+            problems.append(f"loss off by {result.loss_error:.2g}")
+        grad_errors = gradient_errors(_grads(model), want_grads)
+        worst = max(grad_errors, key=grad_errors.__getitem__, default=None)
+        result.grad_error = grad_errors.get(worst, 0.0)
+        result.worst_param = worst if result.grad_error > 0 else None
+        if not result.grad_error <= TOLERANCE["grad"]:
+            problems.append(f"gradient of {worst} off by {result.grad_error:.2g}")
+        if problems:
+            result.status, result.detail = "WRONG", "; ".join(problems)
+    except Exception as error:  # noqa: BLE001 - every failure is an outcome here
+        status = "refused" if _is_refusal(error) else "CRASH"
+        detail = _short(error) if status == "refused" else _short(error) + " @ " + _where(error)
+        result = ArmResult(status, detail)
+    state = state_of(model)
+    result.policies = list(getattr(state, "policies", []) or [])
+    return result
+
+
+def _shared_rows(groups: list[dict[str, Any]]) -> list[list[int]]:
+    """Per ``prefix + continuation``, the positions of its tokens in the shared row, from the groups
+    alone (not from the batch's metadata, which is what is checked): a group's first document holds
+    the prefix and continuation 0, each further continuation follows in its own document."""
+    rows, start = [], 0
+    for group in groups:
+        P = len(group["prefix_ids"])
+        prefix = list(range(start, start + P))
+        start += P
+        for continuation in group["continuations"]:
+            C = len(continuation["input_ids"])
+            rows.append(prefix + list(range(start, start + C)))
+            start += C
+    return rows
+
+
+def _check_prefix_groups(verdict: Verdict, stock, options: dict[str, Any], seed: int = SEED) -> None:
+    """A packed verdict that passed (or whose packed fallback did), on prefix groups
+    (:func:`check_prefix_groups`); the ``prefix_groups`` column ("-": not packed), a refusal kept as
+    the column only, WRONG / CRASH the verdict."""
+    if verdict.speedups.get("packed attention") != "on":
+        verdict.speedups["prefix_groups"] = "-"
+        return
+    try:
+        groups = prefix_groups(stock, seed=seed)
+    except Exception as error:  # noqa: BLE001
+        result = ArmResult("CRASH", "the groups: " + _short(error) + " @ " + _where(error))
+    else:
+        result = check_prefix_groups(stock, groups, options)
+    _record_column(verdict, "prefix_groups", result, "on", "collate_groups (N=4)")
+
+
 def check_architecture(model_type: str, seed: int = SEED, compile: bool = False) -> Verdict:
     """The verdict for one registry ``model_type`` (never raises); ``compile``: also the compiled
     arm (see the module docstring)."""
@@ -673,6 +837,8 @@ def check_architecture(model_type: str, seed: int = SEED, compile: bool = False)
             _check_fused(verdict, stock, docs, ref, dict(advised), inductor=compile)
         if verdict.status in ("pass", "refused"):
             _check_prefix_sharing(verdict, stock, dict(advised), seed=seed)
+        if verdict.status in ("pass", "refused"):
+            _check_prefix_groups(verdict, stock, dict(advised), seed=seed)
         if compile and verdict.status in ("pass", "refused"):
             _check_compile(verdict, stock, docs, ref, dict(advised))
     if verdict.status in ("WRONG", "CRASH"):
@@ -695,9 +861,11 @@ __all__ = [
     "advice",
     "causal_lm_model_types",
     "check_architecture",
+    "check_prefix_groups",
     "check_prefix_sharing",
     "pair_reference",
     "preference_pairs",
+    "prefix_groups",
     "run_arm",
 ]
 
@@ -897,13 +1065,21 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         f"the chunked loss (`answer_logprobs_of`) within {PAIR_TOLERANCE['summed_logprob']:g} (relative);"
         " *refused*: slipstream refuses shared",
         "prompts for this model (train its pairs with `preference.prefix_sharing: false`); `-`: not packed.",
+        "*groups* = prefix groups packed with their prefix shared (`collate_groups`: a prefix and N = 4",
+        "continuations, a prefix and 2; each continuation attends to its prefix and itself, never a sibling):",
+        "every position's log-probs within "
+        f"{GROUP_TOLERANCE['token_logprob']:g} (absolute, fp32) of each `prefix + continuation` run alone, and the",
+        "SFT loss and every gradient (labelled prefix tokens counted once per continuation) as the unshared",
+        "rows give them, within the tolerances above; *refused*: slipstream refuses shared prefixes for this",
+        "model (pack its groups with `collate_groups(..., prefix_sharing=False)`); `-`: not packed.",
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
         "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
         "| model type | class | verdict | packed | MoE | loss | offload | grouped | short | fused | prefix | "
+        + "groups | "
         + ("compiled | " if compiled else "")
         + "note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if compiled else "") + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -919,6 +1095,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             speedups.get("short kernel", ""),
             speedups.get("fused", ""),
             speedups.get("prefix_sharing", ""),
+            speedups.get("prefix_groups", ""),
             *([speedups.get("compiled", "")] if compiled else []),
             _note(verdict),
         ]

@@ -14,6 +14,7 @@ from .chunked_loss import (
     answer_logprobs_of,
     check_supported,
     chunked_evaluation,
+    packed_loss_from_logits,
     transform_candidates,
 )
 from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
@@ -32,5 +33,6 @@ __all__ = [
     "chunked_evaluation",
     "choose_chunk_tokens",
     "linear_cross_entropy",
+    "packed_loss_from_logits",
     "transform_candidates",
 ]

@@ -161,6 +161,7 @@ class ChunkedLoss:
     _had_loss_function: bool = False
     _previous_loss_function: Any = None
     evaluating: int = 0  # > 0 inside chunked_evaluation(): eval / no_grad forwards with labels arm too
+    _unarmed_batch: Any = None  # the PackedBatch of the running forward, armed or not
 
     # ------------------------------------------------------------------ install / remove
     @classmethod
@@ -206,6 +207,7 @@ class ChunkedLoss:
     # ------------------------------------------------------------------ the three seams
     def _arm(self, module, args, kwargs):
         self._call = None
+        self._unarmed_batch = kwargs.get(PACKED_BATCH_KWARG)
         labels = kwargs.get("labels")
         keep = kwargs.get("logits_to_keep")
         training = module.training and torch.is_grad_enabled()
@@ -253,6 +255,11 @@ class ChunkedLoss:
         """The model's ``loss_function``: chunked for a training forward, stock otherwise."""
         call = self._call
         if call is None or call.phase != "head-skipped":
+            batch = self._unarmed_batch
+            if _explicit_targets(batch, labels):
+                # an evaluation / no_grad forward of a prefix group's row: the logits exist, and shifted
+                # labels cannot say what the row predicts, so the loss is read at the batch's targets
+                return packed_loss_from_logits(logits, batch, num_items_in_batch)
             return self._stock_loss(
                 logits,
                 labels,
@@ -276,6 +283,7 @@ class ChunkedLoss:
 
     def _finish(self, module, args, kwargs, output):
         call, self._call = self._call, None
+        self._unarmed_batch = None
         if call is None or call.phase == "armed":
             return None  # not a training forward, or the model never called its head module
         if call.phase != "done":
@@ -302,10 +310,17 @@ class ChunkedLoss:
                 f"{type(self.model).__name__}: {targets.shape[0]} label positions for {hidden_NH.shape[0]} "
                 "hidden states reaching the LM head; use slipstream.optimize(model, chunked_loss=False)"
             )
-        positions = self._labelled_positions(call, labels, shift_labels, targets, ignore_index)
-        if positions is not None:
-            hidden_NH = hidden_NH.index_select(0, positions)
-            targets = targets.index_select(0, positions)
+        batch = call.packed_batch
+        if _explicit_targets(batch, labels):
+            # a prefix group's row (:mod:`..packing.groups`): the predictions its unshared rows count,
+            # a position repeated where a shared label counts once per row, each with its target
+            hidden_NH = hidden_NH.index_select(0, batch.loss_positions.to(hidden.device))
+            targets = batch.loss_targets.to(hidden.device)
+        else:
+            positions = self._labelled_positions(call, labels, shift_labels, targets, ignore_index)
+            if positions is not None:
+                hidden_NH = hidden_NH.index_select(0, positions)
+                targets = targets.index_select(0, positions)
         head, params = self._chunked_head(vocab_size, hidden)
         if num_items_in_batch is not None and not isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = float(num_items_in_batch)
@@ -412,6 +427,28 @@ class ChunkedLoss:
     def _log(self, policy: str) -> None:
         self.policies.append(policy)
         logger.info(policy)
+
+
+def _explicit_targets(batch, labels) -> bool:
+    """``batch`` says which row position predicts which token itself (``loss_targets``), for these labels."""
+    return batch is not None and getattr(batch, "loss_targets", None) is not None and labels is batch.labels
+
+
+def packed_loss_from_logits(
+    logits: torch.Tensor, batch, num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """The SFT loss of a batch with explicit targets (``loss_positions`` / ``loss_targets``: a prefix
+    group's row, :func:`slipstream.packing.groups.collate_groups`) from its ``[1, T, V]`` logits:
+    the summed cross-entropy at those positions, divided by ``num_items_in_batch`` (default: the
+    batch's ``num_label_tokens``), in fp32 like transformers' ForCausalLMLoss."""
+    logits_NV = logits.reshape(-1, logits.shape[-1]).index_select(0, batch.loss_positions.to(logits.device))
+    total = torch.nn.functional.cross_entropy(
+        logits_NV.float(), batch.loss_targets.to(logits.device), reduction="sum"
+    )
+    divisor = batch.num_label_tokens if num_items_in_batch is None else num_items_in_batch
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.to(total.device)
+    return total / divisor
 
 
 ANSWER_LOGPROBS = "answer_logprobs"  # the memo key under which a preference batch gets its sums

@@ -3,6 +3,7 @@
 from .attention import BACKENDS, UnsupportedAttentionFeature, register_attention_functions
 from .batch import IGNORE_INDEX, PACKED_BATCH_KWARG, PackedBatch, collate_packed, collate_padded
 from .collator import PackedCollator, PackedInputs
+from .groups import collate_groups
 
 __all__ = [
     "BACKENDS",
@@ -12,6 +13,7 @@ __all__ = [
     "PackedCollator",
     "PackedInputs",
     "UnsupportedAttentionFeature",
+    "collate_groups",
     "collate_packed",
     "collate_padded",
     "register_attention_functions",

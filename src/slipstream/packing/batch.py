@@ -29,9 +29,11 @@ class PackedBatch:
     Tensors are ``[1, T]`` (``input_ids``, ``labels``, ``position_ids``), ``[N+1]``
     (``cu_seqlens``, int32) and ``[num_label_tokens]`` (``loss_positions``: the positions t
     whose next-token label ``labels[t + 1]`` counts, which the chunked loss projects through
-    the LM head; nothing else is). ``seq_lens``, ``max_seqlen`` and ``num_label_tokens`` are
-    plain Python values, so reading them never touches the device. The metadata describes
-    the labels as collated: change labels after collating and collate again.
+    the LM head; nothing else is; with ``loss_targets``, the position of every counted
+    prediction and ``loss_targets`` its token, a position repeated where it counts more than
+    once). ``seq_lens``, ``max_seqlen`` and ``num_label_tokens`` are plain Python values, so
+    reading them never touches the device. The metadata describes the labels as collated:
+    change labels after collating and collate again.
     """
 
     input_ids: torch.Tensor
@@ -42,16 +44,53 @@ class PackedBatch:
     max_seqlen: int
     num_label_tokens: int
     loss_positions: torch.Tensor | None = None
-    # Per document: how many tokens at the start of the *previous* document it also attends to,
-    # before its own (a preference pair's rejected answer sees the prompt its chosen answer
-    # follows, :mod:`.pairs`). None: every document attends to itself only.
+    # Per document: how many tokens at the start of another document (its *source*) it also
+    # attends to, before its own, its positions continuing from them (a preference pair's
+    # rejected answer sees the prompt its chosen answer follows, :mod:`.pairs`; a group's
+    # continuations see the group's shared prefix, :mod:`.groups`). None: every document attends
+    # to itself only.
     prefix_lens: tuple[int, ...] | None = None
     answers: AnswerSpans | None = None  # the answers whose summed log-probs a preference loss reads
+    # Per document with a prefix: the document whose first ``prefix_lens[i]`` tokens it attends to
+    # (an earlier one, itself without a prefix). None: the previous document (i - 1), as for pairs.
+    prefix_sources: tuple[int, ...] | None = None
+    # [num_label_tokens]: the token each of ``loss_positions`` predicts, where that is not simply
+    # the next token of the row (a group's continuation is predicted from its prefix's last
+    # token; a labelled prefix token counts once per continuation). None: ``labels[t + 1]``.
+    loss_targets: torch.Tensor | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def has_prefixes(self) -> bool:
         return self.prefix_lens is not None and any(self.prefix_lens)
+
+    def prefix_spans(self) -> tuple[tuple[int, int] | None, ...]:
+        """Per document, the ``(start, end)`` row range of the prefix it attends to before its own
+        tokens, or None (memoised; Python ints). Every consumer of prefixes reads this."""
+
+        def build() -> tuple[tuple[int, int] | None, ...]:
+            if self.prefix_lens is None:
+                return (None,) * self.num_docs
+            bounds = self.doc_bounds()
+            sources = self.prefix_sources or tuple(i - 1 for i in range(self.num_docs))
+            spans: list[tuple[int, int] | None] = []
+            for number, (prefix, source) in enumerate(zip(self.prefix_lens, sources, strict=True)):
+                if not prefix:
+                    spans.append(None)
+                    continue
+                if not 0 <= source < number or self.prefix_lens[source]:
+                    raise ValueError(
+                        f"document {number}'s prefix source {source} must be an earlier document without a prefix"
+                    )
+                start, end = bounds[source]
+                if prefix > end - start:
+                    raise ValueError(
+                        f"document {number}'s prefix of {prefix} tokens is longer than document {source}"
+                    )
+                spans.append((start, start + prefix))
+            return tuple(spans)
+
+        return self.memo("prefix_spans", build)
 
     @property
     def alone_lengths(self) -> tuple[int, ...]:
@@ -95,8 +134,8 @@ class PackedBatch:
 
         if self.has_prefixes:
             raise NotImplementedError(
-                "chunked attention (attention_chunk_size) with shared prompts: not supported; "
-                "set preference.prefix_sharing false"
+                "chunked attention (attention_chunk_size) with shared prompts or prefixes: not supported; "
+                "set preference.prefix_sharing false (prefix groups: collate_groups(..., prefix_sharing=False))"
             )
 
         def build() -> PackedBatch:
@@ -144,6 +183,8 @@ class PackedBatch:
             loss_positions=None if self.loss_positions is None else move(self.loss_positions),
             prefix_lens=self.prefix_lens,
             answers=None if self.answers is None else self.answers.to(move),
+            prefix_sources=self.prefix_sources,
+            loss_targets=None if self.loss_targets is None else move(self.loss_targets),
         )
 
     def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:

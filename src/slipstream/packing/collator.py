@@ -54,6 +54,7 @@ class PackedInputs(dict):
             position_ids=batch.position_ids.pin_memory(),
             cu_seqlens=batch.cu_seqlens.pin_memory(),
             loss_positions=None if batch.loss_positions is None else batch.loss_positions.pin_memory(),
+            loss_targets=None if batch.loss_targets is None else batch.loss_targets.pin_memory(),
             _memo={},
         )
         return self._rebuilt(pinned, None)

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch, cumulative
+from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
+from .groups import GroupRow
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -67,46 +68,28 @@ def collate_pairs(
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
-    input_ids: list[int] = []
-    labels: list[int] = []
-    position_ids: list[int] = []
-    seq_lens: list[int] = []
-    prefix_lens: list[int] = []
+    row = GroupRow()  # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
     positions: list[int] = []
     targets: list[int] = []
     index: list[int] = []
     lengths: list[int] = []
-
-    def add_document(ids: list[int], first_position: int, prefix: int) -> int:
-        start = len(input_ids)
-        input_ids.extend(ids)
-        position_ids.extend(range(first_position, first_position + len(ids)))
-        seq_lens.append(len(ids))
-        prefix_lens.append(prefix)
-        return start
-
-    def add_answer(answer: list[int], predicted_from: list[int], number: int) -> None:
-        positions.extend(predicted_from)
-        targets.extend(answer)
-        index.extend([number] * len(answer))
-        lengths.append(len(answer))
-
     for number, pair in enumerate(pairs):
         prompt, chosen, rejected = (_ids(pair, key, number) for key in PAIR_KEYS)
-        P, C, R = len(prompt), len(chosen), len(rejected)
-        start = add_document(prompt + chosen, 0, 0)
-        add_answer(chosen, list(range(start + P - 1, start + P + C - 1)), 2 * number)
-        labels.extend([IGNORE_INDEX] * P + chosen)
+        P = len(prompt)
         if prefix_sharing:
             # the rejected answer follows the prompt (positions P..), not the chosen answer
-            r_start = add_document(rejected, P, P)
-            predicted_from = [start + P - 1, *range(r_start, r_start + R - 1)]
+            alone_rows = row.add_group(prompt, [chosen, rejected])
+            row.labels.extend([IGNORE_INDEX] * P + chosen + rejected)
         else:
-            r_start = add_document(prompt + rejected, 0, 0)
-            predicted_from = list(range(r_start + P - 1, r_start + P + R - 1))
-            labels.extend([IGNORE_INDEX] * P)
-        add_answer(rejected, predicted_from, 2 * number + 1)
-        labels.extend(rejected)
+            alone_rows = row.add_group([], [prompt + chosen, prompt + rejected])
+            row.labels.extend([IGNORE_INDEX] * P + chosen + [IGNORE_INDEX] * P + rejected)
+        for side, (answer, rows) in enumerate(zip((chosen, rejected), alone_rows, strict=True)):
+            # answer token k is predicted from position P + k - 1 of prompt + answer run alone (the
+            # rejected answer's first token from the prompt's last row position when shared)
+            positions.extend(rows[P - 1 : P + len(answer) - 1])
+            targets.extend(answer)
+            index.extend([2 * number + side] * len(answer))
+            lengths.append(len(answer))
     answers = AnswerSpans(
         positions=torch.tensor(positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
@@ -114,18 +97,7 @@ def collate_pairs(
         lengths=tuple(lengths),
         token_counts=torch.tensor(lengths, dtype=torch.float32),
     )
-    batch = PackedBatch(
-        input_ids=torch.tensor([input_ids], dtype=torch.long),
-        labels=torch.tensor([labels], dtype=torch.long),
-        position_ids=torch.tensor([position_ids], dtype=torch.long),
-        cu_seqlens=torch.tensor(cumulative(seq_lens), dtype=torch.int32),
-        seq_lens=tuple(seq_lens),
-        max_seqlen=max(seq_lens),
-        num_label_tokens=len(positions),
-        loss_positions=answers.positions,
-        prefix_lens=tuple(prefix_lens) if prefix_sharing else None,
-        answers=answers,
-    )
+    batch = row.batch(num_label_tokens=len(positions), loss_positions=answers.positions, answers=answers)
     return batch.to(device) if device is not None else batch
 
 

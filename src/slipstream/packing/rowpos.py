@@ -304,17 +304,22 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             return forward(*args, **kwargs)
         threshold = _longrope_threshold(module, layer_type)
         if batch.has_prefixes:
-            # a shared prompt is rotated once, with its first document's factors: exact only when the
-            # answer that shares it falls on the same side of the threshold (run alone, prompt + answer
-            # rotates every position, the prompt's too, with the factors of its own length)
+            # a shared prefix is rotated once, with its source document's factors: exact only when
+            # every continuation that shares it falls on the same side of the threshold (run alone,
+            # prefix + continuation rotates every position, the prefix's too, with the factors of
+            # its own length)
             alone = batch.alone_lengths
+            sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
             for number, prefix in enumerate(batch.prefix_lens):
-                if prefix and (alone[number] > threshold) != (alone[number - 1] > threshold):
+                source = sources[number]
+                if prefix and (alone[number] > threshold) != (alone[source] > threshold):
                     raise UnsupportedArchitecture(
                         f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
-                        f"and a pair's prompt + chosen ({alone[number - 1]} tokens) and prompt + rejected "
-                        f"({alone[number]}) fall on either side of {threshold}, so they cannot share one "
-                        "prompt: set preference.prefix_sharing false"
+                        f"and two sequences that share a prompt or prefix ({alone[source]} and {alone[number]} "
+                        "tokens: a pair's prompt + chosen and prompt + rejected, or a group's prefix + "
+                        f"continuations) fall on either side of {threshold}, so they cannot share one prompt: "
+                        "set preference.prefix_sharing false (prefix groups: collate_groups(..., "
+                        "prefix_sharing=False))"
                     )
         runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)

@@ -365,14 +365,16 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             )
         pieces = []
         bounds = batch.doc_bounds()
-        prefixes = batch.prefix_lens or (0,) * len(bounds)
+        spans = batch.prefix_spans()
         for number, (start, end) in enumerate(bounds):
-            # a document that attends to a shared prompt (a preference pair's rejected answer,
-            # :mod:`.pairs`): the mixer runs causally over the prompt's tokens, then its own
-            prefix = prefixes[number]
+            # a document that attends to a shared prefix (a preference pair's rejected answer,
+            # :mod:`.pairs`; a group's continuation, :mod:`.groups`): the mixer runs causally over
+            # the prefix's tokens, then its own
+            span = spans[number]
+            prefix = 0 if span is None else span[1] - span[0]
             ranges = [(start, end)]
-            if prefix:
-                ranges.insert(0, (bounds[number - 1][0], bounds[number - 1][0] + prefix))
+            if span is not None:
+                ranges.insert(0, span)
             doc_args = [_take_tokens(a, ranges, length) for a in args]
             doc_kwargs = {
                 k: _take_tokens(v, ranges, length) for k, v in kwargs.items() if k not in _ROW_KWARGS
