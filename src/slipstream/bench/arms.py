@@ -46,9 +46,11 @@ class Arm:
     stock: bool = False
     peer_loss: Literal["trl-fused"] | None = None
     peer: Peer | None = None
-    # a preference (DPO) arm: its pairs packed with the prompt once ("shared"), as two documents
+    # a preference arm: its pairs packed with the prompt once ("shared"), as two documents
     # ("unshared"), or as its peer collates them ("peer")
     pairs: Literal["shared", "unshared", "peer"] | None = None
+    # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
+    objective: str | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -84,10 +86,13 @@ ARM_SPECS: dict[str, Arm] = {
     # DPO on preference pairs (--objective dpo): TRL's DPOTrainer as users run it (padded pairs, the
     # prompt twice, a reference forward per step), Unsloth's patched one, and slipstream's packed
     # pairs without and with the prompt shared (the reference computed once before step 0)
-    "trl-dpo": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer"),
-    "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer"),
-    "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared"),
-    "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared"),
+    "trl-dpo": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer", objective="dpo"),
+    "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer", objective="dpo"),
+    "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="dpo"),
+    "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="dpo"),
+    # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
+    "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
+    "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
@@ -107,6 +112,8 @@ ARM_PRESETS = {
     ),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
+    # --objective orpo: slipstream's packed pairs, with and without the prompt shared
+    "orpo": ("slipstream-orpo-no-prefix-sharing", "slipstream-orpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
     # the tools users would pick instead, each on the same bins, weights, LoRA and seed
