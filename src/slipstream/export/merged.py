@@ -219,7 +219,9 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
     from ..models.qlora import dequantize_model
     from ..moe.experts import use_sorted_experts
     from ..moe.lora import load_expert_lora
-    from ..train.setup import apply_lora, load_model  # the run's own builders: the same base, the same adapter
+
+    # the run's own builders: the same base, the same adapter
+    from ..train.setup import apply_lora, load_model
 
     try:
         base = load_model(config, len(tokenizer), dtype)
