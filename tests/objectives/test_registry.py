@@ -46,7 +46,9 @@ def test_an_unknown_objective_is_refused_by_key_with_the_registered_names(tmp_pa
         load_config(write_config(tmp_path, data))
     message = str(error.value)
     assert re.match(r".*config\.yaml:\d+: ", message), message  # file:line
-    assert "'training.objective'" in message and "dpo, ipo, orpo, sft, simpo" in message and "'kto'" in message
+    assert (
+        "'training.objective'" in message and "dpo, ipo, orpo, sft, simpo" in message and "'kto'" in message
+    )
 
 
 class HalfSFT(SFT):

@@ -11,12 +11,15 @@ its name. What an objective says, method by method:
   model FLOPs); ``weight(rows)``: what weighs a bin in the step's loss (label tokens, pairs);
   ``tokens(rows)``: the tokens a bin trains (tokens/s); ``pairs(rows)``: pairs it holds (0: none);
 - ``collate(rows, device, prepared)``: one micro-batch, with what ``before_training`` prepared
-  for its bin (``prepared("train", index)``), e.g. the reference log-probs;
+  for its bin (``prepared("train", index)``), e.g. the reference log-probs; ``micro_weight(micro)``:
+  its weight, ``model_device(micro)``: its device;
 - ``before_training(context)``: what runs before step 0 (DPO / IPO: the reference pass);
   returns the policy line it logs, or None;
 - ``step_weight(total, device)``: the step's weight as the micro-batches' losses divide by it;
-  ``micro_batch(model, micro, weight)``: the loss one micro-batch backpropagates (its share of
-  the step's mean) and its detached metric sums ``[len(metrics)]`` (``metrics[0]`` is "loss");
+  ``ready(model, micro)``: what a micro-batch needs before its forward, outside the step's clock
+  (a per-step reference forward); ``micro_batch(model, micro, weight)``: the loss one micro-batch
+  backpropagates (its share of the step's mean) and its detached metric sums ``[len(metrics)]``
+  (``metrics[0]`` is "loss");
   ``divisor(total)``: what the step's summed metrics are divided by (1 where they are means);
 - ``evaluate(model, evals, info, device)``: the held-out metrics (``"loss"`` first);
 - ``summary(bins, last)``: its keys of ``run.json`` ({}: none).
