@@ -39,6 +39,7 @@ class _Metrics:
 
     def __init__(self, run: _Run) -> None:
         self.every, self.total = run.config.training.log_every, run.total
+        self.objective_metrics = run.objective.metrics[1:]  # beyond the loss: the reward metrics, say
         main = run.info.is_main
         self.writer = _tensorboard(run.out) if run.config.training.tensorboard and main else None
         self.stream = (run.out / METRICS).open("a") if main else None
@@ -52,11 +53,12 @@ class _Metrics:
         self.stream.write(json.dumps(record, allow_nan=False) + "\n")
         self.stream.flush()
         if self.writer is not None:
-            for key in ("loss", "grad_norm", "lr", "tokens_per_s"):
-                if record[key] is not None:
+            for key in ("loss", "grad_norm", "lr", "tokens_per_s", *self.objective_metrics):
+                if record.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", record[key], step)
-            if record.get("eval_loss") is not None:
-                self.writer.add_scalar("eval/loss", record["eval_loss"], step)
+            for key in ("loss", *self.objective_metrics):
+                if record.get(f"eval_{key}") is not None:
+                    self.writer.add_scalar(f"eval/{key}", record[f"eval_{key}"], step)
 
     def close(self) -> None:
         if self.stream is not None:
