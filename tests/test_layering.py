@@ -33,7 +33,9 @@ LAYERS = [
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     {"models"},  # model builders and loaders
     {"preference"},  # preference tuning: pairs, their losses, the reference pass
-    {"train"},  # the training loop
+    # the training loop and its objectives (slipstream.objectives: the plug-ins it calls, which read
+    # its eval sets and errors)
+    {"train", "objectives"},
     {"export"},  # slipstream export: a run's adapter merged into its base model
     {"generation"},  # slipstream generate: text from a run's base model + adapter
     {"bench"},  # the A/B harness, the compatibility sweep
@@ -98,7 +100,7 @@ def test_the_walk_sees_relative_absolute_and_function_level_imports(tmp_path):
     assert "data" in components  # from ..data.labels import IGNORE_INDEX
     components = {c for c, _ in _imported_components(ROOT / "optimize.py")}
     assert {"speedups", "packing", "moe", "offload", "loss"} <= components
-    components = {c for c, _ in _imported_components(ROOT / "train" / "loop.py")}
+    components = {c for c, _ in _imported_components(ROOT / "train" / "setup.py")}
     assert "models" in components  # a function-level import (the QLoRA loader)
 
 

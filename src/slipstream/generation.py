@@ -157,7 +157,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Generator:
-    from .train.loop import load_model as train_model
+    from .train.setup import load_model as train_model
 
     adapter = run / ADAPTER
     if not adapter.is_dir():

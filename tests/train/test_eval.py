@@ -9,7 +9,9 @@ import torch
 from slipstream.cli import main
 from slipstream.data import demo_samples, demo_tokenizer
 from slipstream.data.labels import IGNORE_INDEX
+from slipstream.objectives import sft as sft_objective
 from slipstream.train import loop
+from slipstream.train import metrics as train_metrics
 from slipstream.train.config import ConfigError, load_config
 from slipstream.train.distributed import Distributed
 from slipstream.train.errors import TrainError, TrainInterrupted
@@ -55,7 +57,7 @@ def test_the_eval_loss_falls_is_logged_and_matches_a_stock_computation(tmp_path,
         def close(self):
             pass
 
-    monkeypatch.setattr(loop, "_tensorboard", lambda out: Writer())
+    monkeypatch.setattr(train_metrics, "_tensorboard", lambda out: Writer())
     data = {**EVAL, "training": {"steps": 6, "eval_every": 3, "log_every": 4, "tensorboard": True}}
     model, summary = train(load_config(write_config(tmp_path, data)), progress=False)
     metrics = records(tmp_path / "out")
@@ -188,7 +190,7 @@ def test_bad_eval_settings_are_one_line_errors(tmp_path, capsys):
 
 
 def test_a_non_finite_eval_loss_is_null_and_said(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(loop, "evaluate", lambda *args: float("nan"))
+    monkeypatch.setattr(sft_objective, "evaluate", lambda *args: float("nan"))
     data = {**EVAL, "training": {"steps": 2, "eval_every": 1}}
     _, summary = train(load_config(write_config(tmp_path, data)), progress=False)
     assert [r["eval_loss"] for r in records(tmp_path / "out")] == [None, None]

@@ -71,12 +71,14 @@ class ABConfig:
         "(as train's data.chat_template)",
         metavar="FILE_OR_DIR",
     )
-    # What every arm trains for: next-token SFT on the documents, or DPO on preference pairs
-    # ({"prompt", "chosen", "rejected"} rows in --data, read as slipstream train reads them).
-    objective: Literal["sft", "dpo"] = _option(
-        "sft", "sft (documents) or dpo (--data holds preference pairs; arms: --preset dpo)"
+    # What every arm trains for (slipstream.objectives): next-token SFT on the documents, or a
+    # preference objective on pairs ({"prompt", "chosen", "rejected"} rows in --data, read as
+    # slipstream train reads them) whose arms exist: dpo (--preset dpo), orpo (--preset orpo).
+    objective: str = _option(
+        "sft",
+        "sft (documents), or dpo / orpo (--data holds preference pairs; arms: --preset dpo / --preset orpo)",
     )
-    beta: float = _option(0.1, "DPO's beta (--objective dpo)")
+    beta: float = _option(0.1, "the preference objective's beta (dpo; orpo: its lambda)")
     # Rows that start with the same tokens (a system prompt, a prompt with several answers) packed as
     # groups, the shared start once (data.prefix_groups); the arms that cannot share (stock, peers,
     # slipstream-no-prefix-sharing) get every step's rows packed whole, best-fit into --max-seq-len bins.
@@ -170,7 +172,8 @@ class ABConfig:
     train_config: str | None = _option(
         None,
         "A/B the run a slipstream train config describes: its model, data (path, response_only, "
-        "max_seq_len, overflow), LoRA, dtype, lr, seed, grad_accum and speedups; options given here win",
+        "max_seq_len, overflow), LoRA, dtype, lr, seed, grad_accum, speedups and objective (a preference "
+        "objective: its beta and its arms); options given here win",
         flag="--config",
         metavar="RUN.yaml",
     )
@@ -196,16 +199,7 @@ class ABConfig:
             raise ValueError(f"data {self.data}: no such file or directory")
         if self.chat_template is not None:
             read_chat_template_option(self.chat_template)  # raises ValueError naming chat_template
-        if self.objective == "dpo":
-            if self.data is None:
-                raise ValueError("objective dpo: --data must name a file of preference pairs")
-            wrong = [arm for arm in self.arms if not ARM_SPECS[arm].pairs]
-            if wrong:
-                raise ValueError(
-                    f"objective dpo: arm(s) {wrong} train documents, not pairs (use --preset dpo)"
-                )
-        elif any(ARM_SPECS[arm].pairs for arm in self.arms):
-            raise ValueError("the dpo arms train preference pairs: add --objective dpo")
+        self._check_objective()
         if self.share_prefixes == "on" and self.batching == "sequential":
             raise ValueError(
                 "share_prefixes on packs groups of rows best-fit by their shared length; batching "
@@ -218,6 +212,40 @@ class ABConfig:
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
         if self.max_tokens_within is not None:
             parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
+
+    def _check_objective(self) -> None:
+        """A registered objective; its arms train what it reads (pairs of this objective, or documents)."""
+        from ..objectives import objective_for, objective_names
+
+        try:
+            pairs = objective_for(self.objective).reads == "pairs"
+        except KeyError:
+            raise ValueError(
+                f"objective {self.objective!r}: not a registered objective ({', '.join(objective_names())})"
+            ) from None
+        if pairs:
+            if self.data is None:
+                raise ValueError(f"objective {self.objective}: --data must name a file of preference pairs")
+            own = [arm for arm in ARMS if ARM_SPECS[arm].objective == self.objective]
+            if not own:
+                raise ValueError(f"objective {self.objective}: no A/B arm trains it yet")
+            documents = [arm for arm in self.arms if not ARM_SPECS[arm].pairs]
+            if documents:
+                raise ValueError(
+                    f"objective {self.objective}: arm(s) {documents} train documents, not pairs "
+                    f"(use --preset {self.objective})"
+                )
+            other = [arm for arm in self.arms if ARM_SPECS[arm].objective != self.objective]
+            if other:
+                raise ValueError(
+                    f"objective {self.objective}: arm(s) {other} train another objective "
+                    f"(use --preset {self.objective}: {', '.join(own)})"
+                )
+        elif any(ARM_SPECS[arm].pairs for arm in self.arms):
+            wanted = sorted({ARM_SPECS[arm].objective for arm in self.arms if ARM_SPECS[arm].pairs})
+            raise ValueError(
+                f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
+            )
 
     def _apply_defaults(self) -> None:
         """Fill the fields left None from ``workload_defaults`` and note which (``self.defaults``);

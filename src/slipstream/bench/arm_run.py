@@ -66,7 +66,7 @@ class ArmResult:
     lr: list[float] | None = None
     # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
     perturbed_weights: int = 0
-    # --objective dpo: pairs per step, the DPO reward margin and accuracy of each step, and the
+    # a preference objective (--objective dpo, orpo): pairs per step, the reward margin and accuracy of each step, and the
     # untimed reference pass run before step 0 (slipstream's arms; a peer's reference is in its steps)
     pairs: list[int] | None = None
     reward_margin: list[float] | None = None
@@ -154,7 +154,15 @@ class ArmSession:
         self.trl_step = None
         self.warm_pages = WarmPages()
         self.pairs = spec.pairs
-        self.reference: list[list[torch.Tensor]] | None = None
+        self.reference: list[list[torch.Tensor | None]] | None = None
+        self.objective = None  # SFT (train_step's default); a pair arm's preference objective
+        if spec.pairs in ("shared", "unshared"):
+            from ..objectives import objective_for
+            from ..objectives.pairs import PairSettings
+
+            settings = PairSettings(beta=config.beta, prefix_sharing=spec.pairs == "shared")
+            self.objective = objective_for(config.objective)(None, settings)
+            self.objective.chunked = state is not None and state.chunked_loss is not None
         self.trl_step = trl_peer_step(config, arm, model, device)
         if self.trl_step is not None:
             state.policies.extend(self.trl_step.policies)
@@ -224,25 +232,14 @@ class ArmSession:
     def _reference_pass(self) -> float:
         """Every planned micro-batch's reference sums, once, before step 0 (``no_grad``, eval mode;
         the adapter starts at zero, so this is the base model): slipstream's ``precomputed``
-        reference. Returns its time (reported, never inside a step's)."""
-        from ..packing.pairs import collate_pairs
-        from ..preference import reference_sums
-
-        chunked = self.state is not None and self.state.chunked_loss is not None
+        reference, the pass ``slipstream train`` runs (``preference.reference_pass``); none for a
+        reference-free objective. Returns its time (reported, never inside a step's)."""
         self._sync()
         started = time.perf_counter()
-        self.reference = [
-            [
-                reference_sums(
-                    self.model,
-                    collate_pairs(pairs, self.pairs == "shared", self.device),
-                    chunked,
-                    adapter=False,
-                )
-                for pairs in micro_pairs
-            ]
-            for micro_pairs in self.plan
-        ]
+        flat = [pairs for micro_pairs in self.plan for pairs in micro_pairs]
+        sums = self.objective.reference_log_probs(self.model, flat, self.device) or [None] * len(flat)
+        found = iter(sums)
+        self.reference = [[next(found) for _ in micro_pairs] for micro_pairs in self.plan]
         self._sync()
         return time.perf_counter() - started
 
@@ -250,9 +247,7 @@ class ArmSession:
         if self.trl_step:
             return self.trl_step.collate(docs)
         if self.pairs:
-            from ..packing.pairs import collate_pairs
-
-            return collate_pairs(docs, self.pairs == "shared", self.device), self.reference[step][index]
+            return self.objective.collate(docs, self.device, self.reference[step][index])
         return micro_batch_inputs(self.arm, docs, self.device)
 
     def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
@@ -262,21 +257,10 @@ class ArmSession:
                 found["reward_accuracy"] = found.pop("accuracy")
             return found
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.pairs:
-            from ..preference import preference_step
-
-            metrics = preference_step(
-                self.model,
-                micro,
-                self.optimizer,
-                loss="dpo",
-                beta=self.config.beta,
-                chunked=self.state is not None and self.state.chunked_loss is not None,
-                model_context=model_context,
-            )
-            self.scheduler.step()
-            return {**metrics, "lr": lr}
-        metrics = train_step(self.model, micro, self.optimizer, model_context=model_context)
+        # the one optimizer step of every objective (SFT: train_step's default)
+        metrics = train_step(
+            self.model, micro, self.optimizer, model_context=model_context, objective=self.objective
+        )
         self.scheduler.step()
         return {**metrics, "lr": lr}
 

@@ -46,12 +46,14 @@ class Arm:
     stock: bool = False
     peer_loss: Literal["trl-fused"] | None = None
     peer: Peer | None = None
-    # a preference (DPO) arm: its pairs packed with the prompt once ("shared"), as two documents
+    # a preference arm: its pairs packed with the prompt once ("shared"), as two documents
     # ("unshared"), or as its peer collates them ("peer")
     pairs: Literal["shared", "unshared", "peer"] | None = None
     # rows that share a start (--share-prefixes): "unshared" packs every step's rows whole even where
     # this arm could share (the leave-one-out of the sharing); None shares where the arm can
     prefixes: Literal["unshared"] | None = None
+    # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
+    objective: str | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -88,10 +90,13 @@ ARM_SPECS: dict[str, Arm] = {
     # DPO on preference pairs (--objective dpo): TRL's DPOTrainer as users run it (padded pairs, the
     # prompt twice, a reference forward per step), Unsloth's patched one, and slipstream's packed
     # pairs without and with the prompt shared (the reference computed once before step 0)
-    "trl-dpo": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer"),
-    "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer"),
-    "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared"),
-    "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared"),
+    "trl-dpo": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer", objective="dpo"),
+    "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer", objective="dpo"),
+    "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="dpo"),
+    "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="dpo"),
+    # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
+    "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
+    "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
 }
 ARMS = tuple(ARM_SPECS)
 ARM_PRESETS = {
@@ -114,6 +119,8 @@ ARM_PRESETS = {
     # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
     # whole (bfd), slipstream without and with the start run once
     "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),
+    # --objective orpo: slipstream's packed pairs, with and without the prompt shared
+    "orpo": ("slipstream-orpo-no-prefix-sharing", "slipstream-orpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
     "ceiling": ("stock-packed", "trl-fused-head", "slipstream", "slipstream-offload"),
     # the tools users would pick instead, each on the same bins, weights, LoRA and seed

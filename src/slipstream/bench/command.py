@@ -16,7 +16,7 @@ import torch
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
 from .ab_config import ABConfig, resolve_device
-from .arms import ARM_PRESETS, preset_arms
+from .arms import ARM_PRESETS, ARM_SPECS, preset_arms
 from .render import print_tables, write_record
 from .runner import parity_failures, run_ab
 
@@ -143,9 +143,28 @@ def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
     return config
 
 
+def _objective_of_train_config(path: str, config) -> dict:
+    """The objective a train config trains and its settings, as ABConfig fields: a preference
+    objective's ``beta`` and its arms (the preset of its name: its slipstream arms, with and
+    without the prompt shared, and the peers where they exist; ``--arms`` / ``--preset`` win)."""
+    from ..objectives import objective_for
+
+    name = config.training.objective
+    if objective_for(name).reads != "pairs":
+        return {"objective": name}
+    if name not in ARM_PRESETS:
+        with_arms = sorted({spec.objective for spec in ARM_SPECS.values() if spec.objective})
+        raise ValueError(
+            f"{path}: 'training.objective' {name!r}: slipstream ab has no arms for it yet "
+            f"(it A/Bs {', '.join(with_arms)})"
+        )
+    return {"objective": name, "beta": config.preference.beta, "arms": ARM_PRESETS[name]}
+
+
 def workload_of_train_config(path: str) -> dict:
     """The ABConfig fields a ``slipstream train`` config sets (its model, data, LoRA, dtype, lr,
-    seed, grad_accum and speedups); ValueError naming the file's key for what an A/B cannot run."""
+    seed, grad_accum, speedups, and its objective with its settings); ValueError naming the file's
+    key for what an A/B cannot run."""
     from ..train.config import load_config  # the train config's reader, errors naming file:line
     from ..train.precision import resolve_dtype
 
@@ -175,6 +194,7 @@ def workload_of_train_config(path: str) -> dict:
     speedups = dataclasses.asdict(config.speedups)
     checkpointing = speedups.pop("checkpointing") or "off"  # None: the model as it is, not checkpointed
     return {
+        **_objective_of_train_config(path, config),
         "model": config.model.path or config.model.preset,
         "layers": config.model.layers,
         "data": config.data.path,

@@ -67,7 +67,7 @@ def _plan(bins: list, config: ABConfig, source: str) -> list:
 
 
 def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
-    """``--objective dpo``: the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
+    """A preference objective (``--objective dpo``, orpo): the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
     by their shared length (prompt once), the same pairs for every arm whatever its layout."""
     from ..data import DataError
     from ..preference import load_pairs, pack_pairs
@@ -103,7 +103,9 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
-    if config.objective == "dpo":
+    from ..objectives import objective_for
+
+    if objective_for(config.objective).reads == "pairs":
         return prepare_pair_bins(config)
     tokenizer = ab_tokenizer(config)
     samples = ab_samples(config, tokenizer)

@@ -219,7 +219,9 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
     from ..models.qlora import dequantize_model
     from ..moe.experts import use_sorted_experts
     from ..moe.lora import load_expert_lora
-    from ..train.loop import apply_lora, load_model  # the run's own builders: the same base, the same adapter
+
+    # the run's own builders: the same base, the same adapter
+    from ..train.setup import apply_lora, load_model
 
     try:
         base = load_model(config, len(tokenizer), dtype)
@@ -364,7 +366,7 @@ def export_merged(
     """
     from transformers import AutoModelForCausalLM
 
-    from ..train.loop import load_tokenizer
+    from ..train.setup import load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype is not None and dtype not in DTYPES:

@@ -7,6 +7,7 @@ With ``s`` a summed log-prob and ``a`` its per-token mean (``s / answer tokens``
 - ``ipo`` (Azar et al. 2023): ``(((a_c - a_c^ref) - (a_r - a_r^ref)) - 1 / (2 beta))^2`` on per-token means,
   as TRL computes it; rewards ``beta * (a - a^ref)``.
 - ``simpo`` (Meng et al. 2024, reference-free): ``-log sigmoid(beta * (a_c - a_r) - gamma)``; rewards ``beta * a``.
+- ``orpo`` (Hong et al. 2024, reference-free): ``-a_c - beta * log sigmoid(log_odds)``, see :func:`orpo_terms`.
 
 Every one returns per-pair losses and rewards; the step averages over the step's pairs, so a
 pair weighs the same whichever micro-batch it was packed into.
@@ -20,17 +21,66 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-PreferenceLossName = Literal["dpo", "ipo", "simpo"]
-REFERENCE_FREE = frozenset({"simpo"})
+PreferenceLossName = Literal["dpo", "ipo", "simpo", "orpo"]
 
 
 @dataclass(frozen=True)
 class PairTerms:
-    """Per-pair losses and rewards, [pairs] each (fp32)."""
+    """Per-pair losses and rewards, [pairs] each (fp32); ``extra``: further per-pair values an
+    objective reports (ORPO: its NLL and log-odds), detached."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor
     rejected_rewards: torch.Tensor
+    extra: tuple[torch.Tensor, ...] = ()
+
+
+def _ratios(policy: torch.Tensor, reference: torch.Tensor | None, name: str):
+    if reference is None:
+        raise ValueError(f"the {name} loss needs the reference log-probs")
+    return policy[0::2] - reference[0::2], policy[1::2] - reference[1::2]
+
+
+def dpo_terms(policy, reference, lengths, beta: float) -> PairTerms:
+    """``policy`` / ``reference``: [2 x pairs] summed log-probs, chosen at even, rejected at odd
+    indices; ``lengths``: the answers' token counts (same layout)."""
+    chosen_ratio, rejected_ratio = _ratios(policy, reference, "dpo")
+    losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    return PairTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+def ipo_terms(policy, reference, lengths, beta: float) -> PairTerms:
+    if reference is None:
+        raise ValueError("the ipo loss needs the reference log-probs")
+    chosen_ratio, rejected_ratio = _ratios(policy / lengths, reference / lengths, "ipo")
+    losses = ((chosen_ratio - rejected_ratio) - 1.0 / (2.0 * beta)) ** 2
+    return PairTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+
+
+def simpo_terms(policy, lengths, beta: float, gamma: float) -> PairTerms:
+    means = policy / lengths
+    chosen, rejected = means[0::2], means[1::2]
+    losses = -F.logsigmoid(beta * (chosen - rejected) - gamma)
+    return PairTerms(losses, beta * chosen.detach(), beta * rejected.detach())
+
+
+def log1m_exp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for ``x <= 0``, stable at both ends (Maechler 2012)."""
+    return torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def orpo_terms(policy, lengths, beta: float) -> PairTerms:
+    """ORPO (Hong et al. 2024, as TRL's ORPOTrainer computes it) on per-token means ``a``: the chosen
+    answer's NLL ``-a_c`` minus ``beta * log sigmoid(log_odds)``, ``log_odds = (a_c - a_r) -
+    (log(1 - exp(a_c)) - log(1 - exp(a_r)))``; rewards ``beta * a``; extra: (NLL, log-odds)."""
+    means = policy / lengths
+    chosen, rejected = means[0::2], means[1::2]
+    log_odds = (chosen - rejected) - (log1m_exp(chosen) - log1m_exp(rejected))
+    nll = -chosen
+    losses = nll - beta * F.logsigmoid(log_odds)
+    return PairTerms(
+        losses, beta * chosen.detach(), beta * rejected.detach(), (nll.detach(), log_odds.detach())
+    )
 
 
 def preference_terms(
@@ -41,28 +91,16 @@ def preference_terms(
     beta: float,
     simpo_gamma: float = 1.0,
 ) -> PairTerms:
-    """``policy`` / ``reference``: [2 x pairs] summed log-probs, chosen at even, rejected at odd
-    indices; ``lengths``: the answers' token counts (same layout)."""
-    if name in REFERENCE_FREE:
-        reference = None
-    elif reference is None:
-        raise ValueError(f"the {name} loss needs the reference log-probs")
-    if name in ("ipo", "simpo"):  # per-token means
-        policy = policy / lengths
-        reference = None if reference is None else reference / lengths
-    chosen, rejected = policy[0::2], policy[1::2]
-    if reference is not None:
-        chosen_ratio, rejected_ratio = chosen - reference[0::2], rejected - reference[1::2]
-    if name == "dpo":
-        losses = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio))
-        return PairTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
-    if name == "ipo":
-        losses = ((chosen_ratio - rejected_ratio) - 1.0 / (2.0 * beta)) ** 2
-        return PairTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
-    if name == "simpo":
-        losses = -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma)
-        return PairTerms(losses, beta * chosen.detach(), beta * rejected.detach())
-    raise ValueError(f"unknown preference loss {name!r} (expected dpo, ipo or simpo)")
+    """The terms of the loss ``name`` (a table lookup: each objective calls its own function)."""
+    table = {
+        "dpo": lambda: dpo_terms(policy, reference, lengths, beta),
+        "ipo": lambda: ipo_terms(policy, reference, lengths, beta),
+        "simpo": lambda: simpo_terms(policy, lengths, beta, simpo_gamma),
+        "orpo": lambda: orpo_terms(policy, lengths, beta),
+    }
+    if name not in table:
+        raise ValueError(f"unknown preference loss {name!r} (expected {', '.join(table)})")
+    return table[name]()
 
 
 # The metrics every step and evaluation reports, in the order ``metric_sums`` stacks them.
@@ -79,5 +117,6 @@ def metric_sums(terms: PairTerms) -> torch.Tensor:
             terms.rejected_rewards.sum(),
             margin.sum(),
             (margin > 0).float().sum(),
+            *(value.sum() for value in terms.extra),
         ]
     )

@@ -1,10 +1,10 @@
-"""The preference objective's step, reference pass and evaluation, on packed pair batches.
+"""A preference micro-batch's loss and metric sums, the reference pass and evaluation, on packed pairs.
 
-One optimizer step mirrors ``train.step.train_step`` (which the SFT objective uses): forward +
-backward every micro-batch, each micro-batch's summed pair losses divided by the pair count of
-the whole step (every pair weighs the same wherever it was packed), clip, and one host read of
-the loss, the gradient norm and the reward metrics together before the update, which is dropped
-when either is not finite.
+The optimizer step is the one every objective takes (``train.step.train_step``): forward +
+backward every micro-batch through :func:`pair_loss` (each micro-batch's summed pair losses
+divided by the pair count of the whole step: every pair weighs the same wherever it was packed),
+clip, and one host read of the loss, the gradient norm and the reward metrics together before
+the update, which is dropped when either is not finite.
 
 A micro-batch is a :class:`PackedBatch` from :func:`slipstream.packing.pairs.collate_pairs`. The
 model's forward gives every answer's summed log-prob: through the chunked loss (no logits; the
@@ -18,8 +18,6 @@ each micro-batch's reference forward runs in the step, under ``disable_adapter()
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -29,7 +27,8 @@ import torch
 from ..loss import answer_logprobs_from_logits, answer_logprobs_of
 from ..modes import eval_mode
 from ..packing.batch import PackedBatch
-from .losses import METRICS, metric_sums, preference_terms
+from ..packing.pairs import collate_pairs
+from .losses import METRICS, PairTerms, metric_sums
 
 
 def _inputs(batch: PackedBatch, chunked: bool) -> dict[str, Any]:
@@ -72,66 +71,38 @@ def reference_sums(model: torch.nn.Module, batch: PackedBatch, chunked: bool, ad
         return answer_sums(model, batch, chunked).detach()
 
 
-def preference_step(
+def pair_loss(
     model: torch.nn.Module,
-    micro_batches: Sequence[tuple[PackedBatch, torch.Tensor | None]],
-    optimizer: torch.optim.Optimizer,
+    batch: PackedBatch,
+    reference: torch.Tensor | None,
+    terms: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], PairTerms],
+    chunked: bool,
+    pairs: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch of pairs: the loss it backpropagates (its pairs' summed losses over the
+    step's ``pairs``, so every pair weighs the same wherever it was packed) and its metric sums."""
+    policy = answer_sums(model, batch, chunked)
+    found = terms(
+        policy, None if reference is None else reference.to(policy.device), batch.answers.token_counts
+    )
+    return found.losses.sum() / pairs, metric_sums(found)
+
+
+def reference_pass(
+    model: torch.nn.Module,
+    bins: Sequence[Sequence[dict]],
     *,
-    loss: str,
-    beta: float,
-    simpo_gamma: float = 1.0,
-    chunked: bool = True,
-    reference: Callable[[PackedBatch], torch.Tensor] | None = None,
-    max_grad_norm: float | None = 1.0,
-    global_pairs: int | None = None,
-    loss_scale: float = 1.0,
-    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    model_context: Callable = nullcontext,
-) -> dict[str, Any]:
-    """One optimizer step over ``micro_batches``: ``(batch, reference sums or None)`` each; a None is
-    computed by ``reference(batch)`` in the step (``per_step``). Returns the step's mean loss,
-    reward metrics (``METRICS``), grad norm and whether it was applied (``finite``)."""
-    pairs = global_pairs if global_pairs is not None else sum(b.answers.num_pairs for b, _ in micro_batches)
-    if pairs == 0:
-        raise ValueError("a preference step with no pairs")
-    sums = None
-    forward_s = backward_s = 0.0
-    for batch, ref in micro_batches:
-        with model_context():
-            if ref is None and reference is not None:
-                ref = reference(batch)
-            started = time.perf_counter()
-            policy = answer_sums(model, batch, chunked)
-            terms = preference_terms(
-                loss,
-                policy,
-                None if ref is None else ref.to(policy.device),
-                batch.answers.token_counts,
-                beta,
-                simpo_gamma,
-            )
-            step_loss = terms.losses.sum() / pairs
-            forwarded = time.perf_counter()
-            (step_loss * loss_scale if loss_scale != 1.0 else step_loss).backward()
-            forward_s += forwarded - started
-            backward_s += time.perf_counter() - forwarded
-        found = metric_sums(terms)
-        sums = found if sums is None else sums + found
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-        grad_norm = grad_norm.full_tensor()
-    if reduce is not None:
-        sums = reduce(sums)
-    # the step's one host read: the metrics and the grad norm together, before the update
-    values = torch.cat([sums.float(), grad_norm.float().reshape(1).to(sums.device)]).tolist()
-    norm = values[-1]
-    metrics = {name: value / pairs for name, value in zip(METRICS, values[:-1], strict=True)}
-    finite = math.isfinite(metrics["loss"]) and math.isfinite(norm)
-    if finite:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**metrics, "grad_norm": norm, "finite": finite, "forward_s": forward_s, "backward_s": backward_s}
+    prefix_sharing: bool,
+    device: torch.device | str,
+    chunked: bool,
+    adapter: bool = False,
+) -> list[torch.Tensor]:
+    """Every bin's reference sums, once (``no_grad``, eval mode): the one reference pass ``train``
+    (cached, ``preference.reference``) and the A/B's pair arms run before step 0."""
+    return [
+        reference_sums(model, collate_pairs(pairs, prefix_sharing, device), chunked, adapter)
+        for pairs in bins
+    ]
 
 
 def evaluate_pairs(
@@ -140,29 +111,23 @@ def evaluate_pairs(
         tuple[PackedBatch, torch.Tensor | None] | tuple[PackedBatch, torch.Tensor | None, bool]
     ],
     *,
-    loss: str,
-    beta: float,
-    simpo_gamma: float = 1.0,
+    terms: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], PairTerms],
+    metrics: Sequence[str] = METRICS,
     chunked: bool = True,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """The ``METRICS`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same.
+    """The ``metrics`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same.
     A batch given as ``(batch, reference, False)`` runs but does not count (under FSDP2 every rank
     runs as many forwards, the last ones padded with a repeated batch)."""
     sums, pairs = None, 0
     with eval_mode(model), torch.no_grad():
         for batch, ref, *counted in batches:
             policy = answer_sums(model, batch, chunked)
-            terms = preference_terms(
-                loss,
-                policy,
-                None if ref is None else ref.to(policy.device),
-                batch.answers.token_counts,
-                beta,
-                simpo_gamma,
+            found_terms = terms(
+                policy, None if ref is None else ref.to(policy.device), batch.answers.token_counts
             )
             counts = not counted or counted[0]
-            found = metric_sums(terms) * (1.0 if counts else 0.0)
+            found = metric_sums(found_terms) * (1.0 if counts else 0.0)
             sums = found if sums is None else sums + found
             pairs += batch.answers.num_pairs if counts else 0
     count = torch.tensor([float(pairs)], device=sums.device)
@@ -170,4 +135,4 @@ def evaluate_pairs(
     if reduce is not None:
         both = reduce(both)
     values = both.tolist()
-    return {name: value / values[-1] for name, value in zip(METRICS, values[:-1], strict=True)}
+    return {name: value / values[-1] for name, value in zip(metrics, values[:-1], strict=True)}

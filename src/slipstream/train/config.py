@@ -101,16 +101,18 @@ class OptimizerConfig:
     max_grad_norm: Annotated[float, Range(ge=0)] = 1.0  # 0 = no clipping
 
 
-# What the run trains for: next-token SFT, or a preference loss on {prompt, chosen, rejected}
-# pairs (slipstream.preference: dpo, ipo, the reference-free simpo).
-Objective = Literal["sft", "dpo", "ipo", "simpo"]
+# What the run trains for: a name registered in slipstream.objectives (next-token sft, or a
+# preference loss on {prompt, chosen, rejected} pairs: dpo, ipo, the reference-free simpo and orpo),
+# checked against the registry when the config is validated.
+Objective = str
 
 
 @dataclass
 class PreferenceConfig:
-    """The preference objectives' settings (``training.objective`` dpo / ipo / simpo)."""
+    """The preference objectives' settings (``training.objective`` dpo / ipo / simpo / orpo)."""
 
-    beta: Annotated[float, Range(gt=0)] = 0.1  # how far from the reference the policy may move
+    # how far from the reference the policy may move (orpo: the odds-ratio term's weight, lambda)
+    beta: Annotated[float, Range(gt=0)] = 0.1
     simpo_gamma: Annotated[float, Range(ge=0)] = 1.0  # SimPO's target reward margin
     # a pair packed as prompt | chosen | rejected, the prompt run once (else prompt+chosen, prompt+rejected)
     prefix_sharing: bool = True
@@ -200,37 +202,18 @@ class TrainConfig:
             fail("lora.target_modules", "'lora.target_modules' is empty: name the modules the adapter wraps")
         if not self.output_dir.strip():
             fail("output_dir", "'output_dir' is empty")
-        if self.training.objective != "sft":
-            self._validate_preference(fail)
-        return self
+        from ..objectives.base import objective_for, objective_names  # the registry (importing it registers)
 
-    def _validate_preference(self, fail) -> None:
-        """What the preference objectives cannot do yet is refused by name."""
-        objective = f"training.objective {self.training.objective!r}"
-        if self.data.path is None:
+        try:
+            objective = objective_for(self.training.objective)
+        except KeyError:
             fail(
-                "data.path",
-                f"{objective} needs preference pairs: set data.path (there is no built-in demo of pairs)",
+                "training.objective",
+                f"'training.objective' must be a registered objective ({', '.join(objective_names())}), "
+                f"got {self.training.objective!r}",
             )
-        if self.speedups.packed_attention is False:
-            fail(
-                "speedups.packed_attention",
-                f"{objective} trains packed pairs: speedups.packed_attention false is not supported",
-            )
-        if self.data.overflow == "split":
-            fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
-        if self.preference.reference == "per_step" and self.training.objective != "simpo":
-            if not self.lora.enabled:
-                fail(
-                    "preference.reference",
-                    "preference.reference 'per_step' is the base with the adapter off: it needs lora.enabled "
-                    "(a full fine-tune's reference is 'precomputed')",
-                )
-            if self.lora.experts:
-                fail(
-                    "preference.reference",
-                    "preference.reference 'per_step' cannot switch lora.experts adapters off: use 'precomputed'",
-                )
+        objective.validate(self, fail)
+        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -1,4 +1,4 @@
-"""One optimizer step over micro-batches, weighting every label token the same.
+"""The one optimizer step over micro-batches, for every objective, weighting every label token (pair) the same.
 
 Gradient accumulation that averages per-micro-batch mean losses over-weights the tokens of
 short micro-batches. Here each micro-batch's summed loss is divided by the label-token count
@@ -20,71 +20,75 @@ from typing import Any
 
 import torch
 
-# A micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
+# An SFT micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
 MicroBatch = tuple[dict[str, Any], int]
 
 
 def train_step(
     model: torch.nn.Module,
-    micro_batches: Sequence[MicroBatch],
+    micro_batches: Sequence[Any],
     optimizer: torch.optim.Optimizer,
     max_grad_norm: float | None = 1.0,
     model_context: Callable[[], AbstractContextManager] = nullcontext,
     global_tokens: int | None = None,
     loss_scale: float = 1.0,
     reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    objective: Any = None,
 ) -> dict[str, Any]:
-    """Forward + backward every micro-batch, clip, step (if finite), zero. Returns loss and grad norm.
+    """Forward + backward every micro-batch, clip, step (if finite), zero; the one step of every objective.
 
-    The returned loss is the token-weighted mean over the whole step, the number a single
-    batch holding all micro-batches would report. ``model_context`` wraps each forward +
-    backward (and nothing else), e.g. a host-sync counter.
+    ``objective`` (``slipstream.objectives``; default SFT, whose micro-batches are
+    ``(model kwargs, label tokens)``) gives each micro-batch's loss and metric sums. The returned
+    metrics (``objective.metrics``: "loss" and, e.g., the reward metrics) are the step's means, the
+    numbers a single batch holding all micro-batches would report. ``model_context`` wraps each
+    forward + backward (and nothing else), e.g. a host-sync counter.
 
-    Data parallel: ``global_tokens`` is the label-token count of the step over all ranks
-    (this rank's loss is then its share of the global mean) and ``loss_scale`` the world
-    size, undoing the gradient averaging of DDP / FSDP2; ``reduce_loss`` sums this rank's
-    share over the ranks on the device, so every rank reads the same loss and grad norm and
+    Data parallel: ``global_tokens`` is the step's weight over all ranks (its label tokens, its
+    pairs: this rank's loss is then its share of the global mean) and ``loss_scale`` the world
+    size, undoing the gradient averaging of DDP / FSDP2; ``reduce_loss`` sums this rank's metric
+    sums over the ranks on the device, so every rank reads the same loss and grad norm and
     makes the same decision. ``finite`` in the result is False when the update was dropped.
     """
-    total_tokens = global_tokens if global_tokens is not None else sum(tokens for _, tokens in micro_batches)
-    if total_tokens == 0:
-        raise ValueError("a training step with no label tokens")
-    device = micro_batches[0][0]["input_ids"].device if micro_batches else torch.device("cpu")
-    items = torch.tensor(total_tokens, dtype=torch.float32).to(device)  # moved once per step
-    loss_sum: torch.Tensor | None = None  # stays on the device: one read per step, at the end
+    if objective is None:
+        from ..objectives.sft import SFT
+
+        objective = SFT(None)
+    total = (
+        global_tokens if global_tokens is not None else sum(objective.micro_weight(m) for m in micro_batches)
+    )
+    if total == 0:
+        raise ValueError("a training step with nothing to weigh its loss (no label tokens, no pairs)")
+    device = objective.model_device(micro_batches[0]) if micro_batches else torch.device("cpu")
+    weight = objective.step_weight(total, device)
+    sums: torch.Tensor | None = None  # stays on the device: one read per step, at the end
     clock = _PhaseClock()
-    for inputs, _ in micro_batches:
-        if "num_items_in_batch" not in inputs:
-            inputs = {**inputs, "num_items_in_batch": items}
+    for micro in micro_batches:
         with model_context():
-            clock.mark(inputs["input_ids"].device)
-            loss = model(**inputs).loss
-            clock.mark(inputs["input_ids"].device)
+            micro = objective.ready(model, micro)  # e.g. a per-step reference forward, outside the clock
+            clock.mark(device)
+            loss, found = objective.micro_batch(model, micro, weight)
+            clock.mark(device)
             (loss * loss_scale if loss_scale != 1.0 else loss).backward()
-            clock.mark(inputs["input_ids"].device)
-        loss_sum = loss.detach().float() if loss_sum is None else loss_sum + loss.detach().float()
+            clock.mark(device)
+        sums = found if sums is None else sums + found
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
-    if loss_sum is None:
-        loss_sum = torch.zeros((), device=device)
+    if sums is None:
+        sums = torch.zeros(len(objective.metrics), device=device)
     if reduce_loss is not None:
-        loss_sum = reduce_loss(loss_sum)
-    # The step's one host read: loss and grad norm in one transfer, before the update.
-    loss, norm = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
-    finite = math.isfinite(loss) and math.isfinite(norm)
+        sums = reduce_loss(sums)
+    # The step's one host read: the metric sums and the grad norm in one transfer, before the update.
+    values = torch.cat([sums.float(), grad_norm.float().reshape(1).to(sums.device)]).tolist()
+    norm, divisor = values[-1], objective.divisor(total)
+    metrics = {name: value / divisor for name, value in zip(objective.metrics, values[:-1], strict=True)}
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(norm)
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     forward_s, backward_s = clock.phases()
-    return {
-        "loss": loss,
-        "grad_norm": norm,
-        "finite": finite,
-        "forward_s": forward_s,
-        "backward_s": backward_s,
-    }
+    return {**metrics, "grad_norm": norm, "finite": finite, "forward_s": forward_s, "backward_s": backward_s}
 
 
 class _PhaseClock:

@@ -1,0 +1,323 @@
+"""What every preference objective shares (DPO, IPO, SimPO, ORPO): pairs read, packed and collated
+with the prompt once, the reference pass, the step's loss through ``pair_terms``, evaluation.
+
+A subclass says its ``name``, its ``pair_terms`` (``preference.losses``), whether it needs the
+reference log-probs (``reference_free``) and, where it reports more than the reward metrics,
+``metrics``. The settings are the config's ``preference`` section (``beta``, ``simpo_gamma``,
+``prefix_sharing``, ``reference``); a reference-free objective ignores ``reference``.
+
+The reference (for DPO and IPO) is the base model: with LoRA the same model with the adapter off.
+``precomputed`` (the default): one ``no_grad`` pass over every bin before step 0
+(:func:`slipstream.preference.reference_pass`), with the policy as it starts (a LoRA adapter starts
+at zero, so this is the base), kept per bin and cached; ``per_step``: each micro-batch's reference
+forward runs in the step, under ``disable_adapter()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from tqdm import tqdm
+
+from ..data import DataError, PackingReport
+from ..data.cache import cache_root
+from ..optimize import state_of
+from ..packing.pairs import collate_pairs, counted_tokens, pair_documents, pair_tokens
+from ..preference import METRICS, PairReport, evaluate_pairs, load_pairs, pack_pairs, split_pairs
+from ..preference import objective as pair_forward
+from ..preference.losses import PairTerms
+from ..preference.reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
+from ..train.errors import TrainError
+from ..train.evaluation import rank_share
+from .base import Objective, ObjectiveData
+
+logger = logging.getLogger("slipstream")
+
+
+@dataclass
+class PairEvalSet:
+    """The held-out pairs, packed as training packs its own, and what ``run.json`` says of them."""
+
+    bins: list[list[dict]]
+    source: str
+    rows: int
+
+    def summary(self) -> dict:
+        return {"source": self.source, "pairs": self.rows}
+
+
+@dataclass(frozen=True)
+class PairSettings:
+    """What a preference objective's step needs (from ``preference:``, or from an A/B's arm)."""
+
+    beta: float = 0.1
+    simpo_gamma: float = 1.0
+    prefix_sharing: bool = True
+    reference: str = "precomputed"  # or "per_step"
+
+
+class PairObjective(Objective):
+    """The base of the preference objectives (see the module docstring)."""
+
+    reads = "pairs"
+    metrics: ClassVar[tuple[str, ...]] = METRICS
+    reference_free: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None, settings: PairSettings | None = None) -> None:
+        super().__init__(config)
+        if settings is None:
+            section = config.preference
+            settings = PairSettings(
+                section.beta, section.simpo_gamma, section.prefix_sharing, section.reference
+            )
+        self.settings = settings
+        self.chunked = True  # the model's chunked loss gives the answer sums; set by before_training
+        self.reference: list[torch.Tensor] | None = None
+        self.eval_reference: list[torch.Tensor] | None = None
+        self.per_step_reference = False
+
+    def pair_terms(
+        self, policy: torch.Tensor, reference: torch.Tensor | None, lengths: torch.Tensor
+    ) -> PairTerms:
+        raise NotImplementedError
+
+    @classmethod
+    def validate(cls, config, fail) -> None:
+        """What the preference objectives cannot do yet is refused by name."""
+        objective = f"training.objective {config.training.objective!r}"
+        if config.data.path is None:
+            fail(
+                "data.path",
+                f"{objective} needs preference pairs: set data.path (there is no built-in demo of pairs)",
+            )
+        if config.speedups.packed_attention is False:
+            fail(
+                "speedups.packed_attention",
+                f"{objective} trains packed pairs: speedups.packed_attention false is not supported",
+            )
+        if config.data.overflow == "split":
+            fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
+        if config.preference.reference == "per_step" and not cls.reference_free:
+            if not config.lora.enabled:
+                fail(
+                    "preference.reference",
+                    "preference.reference 'per_step' is the base with the adapter off: it needs lora.enabled "
+                    "(a full fine-tune's reference is 'precomputed')",
+                )
+            if config.lora.experts:
+                fail(
+                    "preference.reference",
+                    "preference.reference 'per_step' cannot switch lora.experts adapters off: use 'precomputed'",
+                )
+
+    # ------------------------------------------------------------------ rows and bins
+    def read(self, tokenizer, info) -> ObjectiveData:
+        """The pairs, their bins and the held-out pairs; what was skipped or cut is said."""
+        config, sharing = self.config, self.settings.prefix_sharing
+
+        def load(path: str) -> tuple[list[dict], PairReport]:
+            try:
+                return load_pairs(
+                    path,
+                    tokenizer,
+                    max_seq_len=config.data.max_seq_len,
+                    on_bad_row="skip" if config.data.skip_bad_rows else "error",
+                )
+            except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
+                if isinstance(error, DataError):
+                    raise
+                raise TrainError(
+                    f"{path}: {error} (the tokenizer of {config.model.path or config.model.preset})"
+                ) from None
+
+        pairs, report = load(config.data.path)
+        evals = None
+        if config.data.eval_fraction is not None:
+            pairs, held_out = split_pairs(pairs, config.data.eval_fraction, config.seed, config.data.path)
+            evals = PairEvalSet(
+                pack_pairs(held_out, config.data.max_seq_len, config.seed),
+                f"data.eval_fraction {config.data.eval_fraction:g} of {config.data.path}",
+                len(held_out),
+            )
+        elif config.data.eval_path is not None:
+            try:
+                held_out, eval_report = load(config.data.eval_path)
+            except DataError as error:
+                raise TrainError(f"{error} (data.eval_path)") from None
+            if info.is_main and (eval_report.data.skipped or eval_report.truncated):
+                tqdm.write(f"slipstream train: eval pairs: {eval_report.summary()}")
+            evals = PairEvalSet(
+                pack_pairs(held_out, config.data.max_seq_len, config.seed),
+                config.data.eval_path,
+                len(held_out),
+            )
+        bins = pack_pairs(pairs, config.data.max_seq_len, config.seed)
+        if info.is_main:
+            tqdm.write(f"slipstream train: {report.summary()}")  # skipped rows and cut pairs are always said
+        real = sum(pair_tokens(pair, sharing) for pair in pairs)
+        # bins are filled by the shared length whichever layout runs (the same pairs per step either way);
+        # unshared, a row runs each prompt twice and may pass max_seq_len: its slots are then its length
+        capacity = sum(max(config.data.max_seq_len, sum(pair_tokens(p, sharing) for p in b)) for b in bins)
+        packing = PackingReport(
+            num_samples=len(pairs),
+            num_bins=len(bins),
+            real_tokens=real,
+            capacity=capacity,
+            efficiency=real / capacity,
+        )
+        logger.info("%s (pairs)", packing.summary())
+        return ObjectiveData(pairs, bins, packing, report, evals)
+
+    def documents(self, rows: Sequence[dict]) -> list[dict]:
+        return pair_documents(rows)
+
+    def weight(self, rows: Sequence[dict]) -> int:
+        return len(rows)  # every pair weighs the same
+
+    def tokens(self, rows: Sequence[dict]) -> int:
+        return counted_tokens(rows)
+
+    def pairs(self, rows: Sequence[dict]) -> int:
+        return len(rows)
+
+    # ------------------------------------------------------------------ before step 0
+    def before_training(self, context) -> str | None:
+        """``preference.reference: precomputed``: every bin's reference sums (train and eval), once,
+        cached; ``context``: the run (its config, info, model, device, dtype, bins and evals)."""
+        state = state_of(context.base_model)
+        self.chunked = state is not None and state.chunked_loss is not None
+        if self.reference_free:
+            return f"reference: none ({self.name} is reference-free)"
+        if self.settings.reference != "precomputed":
+            self.per_step_reference = True
+            return "reference: per_step (a no_grad forward with the adapter off in every step)"
+        return self._precompute(context)
+
+    def _precompute(self, context) -> str:
+        config, info = context.config, context.info
+        model, chunked, sharing = context.base_model, self.chunked, self.settings.prefix_sharing
+        preset = None
+        if config.model.path is None:
+            preset = {"preset": config.model.preset, "layers": config.model.layers, "seed": config.seed}
+        weights = weights_fingerprint(config.model.path, preset)
+        base = {
+            "dtype": str(context.dtype),
+            "device": context.device.type,
+            "four_bit": config.quantization.four_bit,
+            "double_quant": config.quantization.double_quant,
+            "prefix_sharing": sharing,
+            "chunked": chunked,
+            "torch": torch.__version__,
+        }
+
+        def compute(pairs):
+            return self.reference_log_probs(model, [pairs], context.device)[0]
+
+        started = time.perf_counter()
+        sets = [("train", context.bins)] + (
+            [("eval", context.evals.bins)] if context.evals is not None else []
+        )
+        computed = False
+        cache = config.data.cache
+        for part, bins in sets:
+            key = cache_key(weights, {**base, "set": part}, bins)
+            if info.enabled and cache and info.strategy != "fsdp2":
+                # DDP: rank 0 computes and writes, the others read it
+                if info.is_main:
+                    precomputed_reference(key, bins, compute, cache=True)
+                info.barrier()
+            if info.strategy == "fsdp2":
+                # every forward is a collective (the parameters are gathered): every rank reads, or every
+                # rank computes (and rank 0 writes), as the cache says before any of them writes
+                cached = cache and reference_cached(key)
+                info.barrier()
+                sums, how = precomputed_reference(
+                    key, bins, compute, cache=cached or (cache and info.is_main)
+                )
+                info.barrier()
+            else:
+                sums, how = precomputed_reference(key, bins, compute, cache=cache)
+            computed = computed or "computed" in how
+            if part == "train":
+                self.reference = sums
+            else:
+                self.eval_reference = sums
+        seconds = time.perf_counter() - started
+        count = sum(len(bins) for _, bins in sets)
+        where = cache_root() / "reference"
+        if computed:
+            return (
+                f"reference log-probs computed once in {seconds:.1f} s before step 0 ({count} bins, "
+                + ("train and eval" if len(sets) > 1 else "train")
+                + (f"; cached under {where})" if cache else ")")
+            )
+        return f"reference log-probs read from the cache ({where}; {count} bins)"
+
+    def reference_log_probs(self, model, bins, device) -> list[torch.Tensor] | None:
+        """Every bin's reference sums (the one reference pass, ``preference.reference_pass``), as this
+        objective packs them; None for a reference-free objective."""
+        if self.reference_free:
+            return None
+        return pair_forward.reference_pass(
+            model, bins, prefix_sharing=self.settings.prefix_sharing, device=device, chunked=self.chunked
+        )
+
+    def prepared(self, part: str, index: int):
+        found = self.reference if part == "train" else self.eval_reference
+        return None if found is None else found[index]
+
+    # ------------------------------------------------------------------ the step
+    def collate(self, rows, device, prepared=None):
+        return collate_pairs(rows, self.settings.prefix_sharing, device=device), prepared
+
+    def micro_weight(self, micro) -> int:
+        return micro[0].answers.num_pairs
+
+    def model_device(self, micro) -> torch.device:
+        return micro[0].input_ids.device
+
+    def ready(self, model, micro):
+        batch, reference = micro
+        if reference is None and self.per_step_reference:
+            reference = pair_forward.reference_sums(model, batch, self.chunked, adapter=True)
+        return batch, reference
+
+    def micro_batch(self, model, micro, weight):
+        batch, reference = micro
+        return pair_forward.pair_loss(model, batch, reference, self.pair_terms, self.chunked, weight)
+
+    def divisor(self, total: int) -> float:
+        return float(total)
+
+    def evaluate(self, model, evals, info, device) -> dict[str, float]:
+        batches = []
+        # every rank as many forwards (FSDP2 gathers in each), the last ones repeated and not counted
+        for index, counts in rank_share(len(evals.bins), info.rank, info.world_size):
+            micro = self.ready(model, self.collate(evals.bins[index], device, self.prepared("eval", index)))
+            batches.append((*micro, counts))
+        return evaluate_pairs(
+            model,
+            batches,
+            terms=self.pair_terms,
+            metrics=self.metrics,
+            chunked=self.chunked,
+            reduce=info.sum_tensor,
+        )
+
+    def summary(self, bins, last) -> dict:
+        settings = self.settings
+        return {
+            "preference": {
+                "objective": self.name,
+                "beta": settings.beta,
+                "prefix_sharing": settings.prefix_sharing,
+                "reference": "none" if self.reference_free else settings.reference,
+                "pairs": sum(len(b) for b in bins),
+                "last_step": None if last is None else {k: last[k] for k in self.metrics},
+            }
+        }

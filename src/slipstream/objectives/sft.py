@@ -1,0 +1,137 @@
+"""``training.objective: sft``: next-token loss on packed documents, every label token weighing the same.
+
+Rows are SFT samples (``data.load_samples``, or the built-in demo rows), packed best-fit
+decreasing into bins; a micro-batch is a ``PackedBatch``'s model inputs and its label-token
+count. Each micro-batch's summed loss is divided by the label tokens of the whole step
+(``num_items_in_batch``), so the step's loss is that of one big batch. Nothing runs before
+step 0; the eval loss is the token-weighted loss of the held-out samples (``train.evaluation``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from ..data import DataError, demo_samples, load_samples, pack_samples
+from ..data.labels import count_label_tokens
+from ..packing import collate_packed
+from ..train.errors import TrainError
+from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
+from ..train.preflight import check_labels_left
+from .base import Objective, ObjectiveData, register_objective
+
+logger = logging.getLogger("slipstream")
+
+
+@register_objective
+class SFT(Objective):
+    name = "sft"
+    reads = "samples"
+    metrics = ("loss",)
+
+    # ------------------------------------------------------------------ rows and bins
+    def samples(self, tokenizer, path: str | None = None):
+        """The samples of the training data (``path`` None), or of another file read the same way."""
+        config = self.config
+        if path is None and config.data.path is None:
+            samples = demo_samples(
+                tokenizer,
+                num_rows=config.data.demo_rows,
+                seed=config.seed,
+                response_only=config.data.response_only,
+            )
+            return samples, None
+        path = config.data.path if path is None else path
+        try:
+            samples, report = load_samples(
+                path,
+                tokenizer,
+                response_only=config.data.response_only,
+                on_bad_row="skip" if config.data.skip_bad_rows else "error",
+                cache=config.data.cache,
+            )
+        except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
+            if isinstance(error, DataError):
+                raise
+            where = config.model.path or f"model.preset {config.model.preset}"
+            raise TrainError(f"{path}: {error} (the tokenizer of {where})") from None
+        if not samples:
+            raise TrainError(f"{path}: no usable rows ({report.summary()})")
+        return samples, report
+
+    def _eval_set(self, samples: list[dict], source: str) -> EvalSet:
+        config = self.config
+        return eval_set(
+            samples,
+            source,
+            max_seq_len=config.data.max_seq_len,
+            seed=config.seed,
+            overflow=config.data.overflow,
+        )
+
+    def read(self, tokenizer, info) -> ObjectiveData:
+        """Samples and their bins, and the eval set; the rows skipped and the samples cut are always said."""
+        config = self.config
+        samples, data_report = self.samples(tokenizer)
+        evals = None
+        if config.data.eval_fraction is not None:
+            source = config.data.path or "the demo data"
+            samples, held_out = split_rows(samples, config.data.eval_fraction, config.seed, source)
+            evals = self._eval_set(held_out, f"data.eval_fraction {config.data.eval_fraction:g} of {source}")
+        elif config.data.eval_path is not None:
+            try:
+                held_out, eval_report = self.samples(tokenizer, config.data.eval_path)
+            except DataError as error:
+                raise TrainError(f"{error} (data.eval_path)") from None
+            if info.is_main and eval_report.skipped:
+                tqdm.write(
+                    f"slipstream train: eval data: {eval_report.summary()}"
+                )  # skipped rows are always said
+            evals = self._eval_set(held_out, config.data.eval_path)
+        bins, packing = pack_samples(
+            samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
+        )
+        check_labels_left(packing.no_labels, config)
+        if not bins:
+            raise TrainError(
+                f"{config.data.path or 'the demo data'}: no sample left to train on ({packing.summary()})"
+            )
+        if info.is_main and data_report is not None and (data_report.skipped or data_report.cached):
+            tqdm.write(f"slipstream train: {data_report.summary()}")  # skipped rows are always said
+        if info.is_main and (packing.no_labels or packing.truncated):
+            tqdm.write(f"slipstream train: {packing.summary()}")
+        logger.info("%s", packing.summary())
+        if evals is not None:
+            logger.info("eval set: %s", evals.summary())
+        return ObjectiveData(samples, bins, packing, data_report, evals)
+
+    def weight(self, rows: Sequence[dict]) -> int:
+        return count_label_tokens(rows)
+
+    # ------------------------------------------------------------------ the step
+    def collate(self, rows, device, prepared: Any = None):
+        batch = collate_packed(rows, device=device)
+        return batch.model_inputs(), batch.num_label_tokens
+
+    def micro_weight(self, micro) -> int:
+        return micro[1]
+
+    def model_device(self, micro) -> torch.device:
+        return micro[0]["input_ids"].device
+
+    def step_weight(self, total: int, device: torch.device) -> torch.Tensor:
+        return torch.tensor(total, dtype=torch.float32).to(device)  # moved once per step
+
+    def micro_batch(self, model, micro, weight):
+        inputs, _ = micro
+        if "num_items_in_batch" not in inputs:
+            inputs = {**inputs, "num_items_in_batch": weight}
+        loss = model(**inputs).loss
+        return loss, loss.detach().float().reshape(1)
+
+    def evaluate(self, model, evals, info, device) -> dict[str, float]:
+        return {"loss": evaluate(model, evals, info, device)}
