@@ -203,6 +203,7 @@ def workload_of_train_config(path: str) -> dict:
         "chat_template": config.data.chat_template,
         "max_seq_len": config.data.max_seq_len,
         "overflow": config.data.overflow,
+        "share_prefixes": config.data.share_prefixes,
         "dtype": str(dtype).removeprefix("torch."),
         "grad_accum": config.training.grad_accum,
         "lr": config.optimizer.lr,

@@ -18,7 +18,9 @@ from tqdm import tqdm
 
 from ..data import DataError, demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
+from ..data.prefix_groups import decide_sharing, group_documents, group_rows, pack_shared, unshared_tokens
 from ..packing import collate_packed
+from ..packing.groups import collate_groups
 from ..train.errors import TrainError
 from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
 from ..train.preflight import check_labels_left
@@ -32,6 +34,22 @@ class SFT(Objective):
     name = "sft"
     reads = "samples"
     metrics = ("loss",)
+
+    @classmethod
+    def validate(cls, config, fail) -> None:
+        if config.data.share_prefixes == "on":
+            if config.speedups.packed_attention is False:
+                fail(
+                    "data.share_prefixes",
+                    "data.share_prefixes on needs the packed attention (a row's own tokens attend to a start "
+                    "another row holds): set speedups.packed_attention true, or data.share_prefixes off",
+                )
+            if config.speedups.chunked_loss is False:
+                fail(
+                    "data.share_prefixes",
+                    "data.share_prefixes on needs the chunked loss (it reads a row's first target across the "
+                    "shared start): set speedups.chunked_loss true (or leave it out), or data.share_prefixes off",
+                )
 
     # ------------------------------------------------------------------ rows and bins
     def samples(self, tokenizer, path: str | None = None):
@@ -92,9 +110,7 @@ class SFT(Objective):
                     f"slipstream train: eval data: {eval_report.summary()}"
                 )  # skipped rows are always said
             evals = self._eval_set(held_out, config.data.eval_path)
-        bins, packing = pack_samples(
-            samples, config.data.max_seq_len, seed=config.seed, overflow=config.data.overflow
-        )
+        bins, packing = self._bins(samples, info)
         check_labels_left(packing.no_labels, config)
         if not bins:
             raise TrainError(
@@ -109,12 +125,51 @@ class SFT(Objective):
             logger.info("eval set: %s", evals.summary())
         return ObjectiveData(samples, bins, packing, data_report, evals)
 
+    def _bins(self, samples: list[dict], info) -> tuple[list[list[dict]], Any]:
+        """Bins of samples, or, where ``data.share_prefixes`` decides so, bins of prefix groups
+        (rows that start with the same tokens, the start once): the policy line says which and why."""
+        config = self.config
+        data = config.data
+        mode = data.share_prefixes
+        if mode != "off":
+            groups, packing, sharing = pack_shared(
+                samples, data.max_seq_len, seed=config.seed, overflow=data.overflow
+            )
+            unable = _cannot_share(config)
+            share, policy = decide_sharing(mode, sharing)
+            if share and unable:  # "on" was refused by validate(): only auto gets here
+                share, policy = False, f"shared prefixes off (auto: {unable}): {sharing.summary()}"
+            self.policy, self.sharing = policy, sharing if share else None
+            if info.is_main and (share or sharing.groups):
+                tqdm.write(f"slipstream train: {policy}")
+            logger.info("%s", policy)
+            if share:
+                return groups, packing
+        else:
+            self.policy = decide_sharing("off", None)[1]
+        return pack_samples(samples, data.max_seq_len, seed=config.seed, overflow=data.overflow)
+
+    def summary(self, bins, last) -> dict:
+        """``data.share_prefixes``' decision, and what the sharing saved where it shared."""
+        found = {"shared_prefixes": {"policy": getattr(self, "policy", None)}}
+        if getattr(self, "sharing", None) is not None:
+            found["shared_prefixes"].update(self.sharing.as_dict())
+        return found
+
     def weight(self, rows: Sequence[dict]) -> int:
-        return count_label_tokens(rows)
+        return count_label_tokens(_whole_rows(rows))
+
+    def documents(self, rows: Sequence[dict]) -> list[dict]:
+        """A bin's documents as its packed row runs them (a group: its start once)."""
+        return group_documents(rows) if _grouped(rows) else list(rows)
+
+    def tokens(self, rows: Sequence[dict]) -> int:
+        """The tokens of a bin's rows, every row whole: tokens/s with or without sharing counts the same."""
+        return unshared_tokens(rows)
 
     # ------------------------------------------------------------------ the step
     def collate(self, rows, device, prepared: Any = None):
-        batch = collate_packed(rows, device=device)
+        batch = collate_groups(rows, device=device) if _grouped(rows) else collate_packed(rows, device=device)
         return batch.model_inputs(), batch.num_label_tokens
 
     def micro_weight(self, micro) -> int:
@@ -135,3 +190,20 @@ class SFT(Objective):
 
     def evaluate(self, model, evals, info, device) -> dict[str, float]:
         return {"loss": evaluate(model, evals, info, device)}
+
+
+def _grouped(rows: Sequence[dict]) -> bool:
+    return bool(rows) and "continuations" in rows[0]
+
+
+def _whole_rows(rows: Sequence[dict]) -> list[dict]:
+    return [row for group in rows for row in group_rows(group)] if _grouped(rows) else list(rows)
+
+
+def _cannot_share(config) -> str | None:
+    """Why this run's model path cannot honour prefix groups, or None."""
+    if config.speedups.packed_attention is False:
+        return "speedups.packed_attention is off"
+    if config.speedups.chunked_loss is False:
+        return "speedups.chunked_loss is off"
+    return None

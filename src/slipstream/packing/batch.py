@@ -135,7 +135,8 @@ class PackedBatch:
         if self.has_prefixes:
             raise NotImplementedError(
                 "chunked attention (attention_chunk_size) with shared prompts or prefixes: not supported; "
-                "set preference.prefix_sharing false (prefix groups: collate_groups(..., prefix_sharing=False))"
+                "set preference.prefix_sharing false (pairs) or data.share_prefixes off (SFT rows; "
+                "collate_groups(..., prefix_sharing=False))"
             )
 
         def build() -> PackedBatch:
