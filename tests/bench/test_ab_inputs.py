@@ -76,7 +76,7 @@ def test_every_arm_trains_the_directory_weights_on_the_file_rows_and_the_record_
     assert data["kind"] == "data file" and data["path"] == str(chats.resolve()) and len(data["sha256"]) == 64
     assert record["config"]["model"] == str(model_dir)
     # response-only: the labels are the assistant turns of the file's rows
-    plan, _, _ = prepare_bins(_config(model_dir, chats))
+    plan, _, _ = prepare_bins(_config(model_dir, chats, share_prefixes="off"))  # the rows whole
     tokenizer = demo_tokenizer()
     labelled = [t for d in plan[0][0] for t in d["labels"] if t != -100]
     assert "glows" in tokenizer.decode(labelled) and "What is" not in tokenizer.decode(labelled)
