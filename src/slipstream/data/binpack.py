@@ -81,7 +81,7 @@ def pack_samples(
     if strategy == "sequential":
         bins = _fill_in_order(pieces, max_seq_len)
     else:
-        bins = _best_fit_decreasing(pieces, max_seq_len)
+        bins = best_fit_decreasing(pieces, max_seq_len)
         rng.shuffle(bins)
 
     report.num_bins = len(bins)
@@ -104,17 +104,24 @@ def _fill_in_order(pieces: list[Sample], max_seq_len: int) -> list[list[Sample]]
     return [b for b in bins if b]
 
 
-def _best_fit_decreasing(pieces: list[Sample], max_seq_len: int) -> list[list[Sample]]:
-    pieces = sorted(pieces, key=lambda piece: len(piece["input_ids"]), reverse=True)
-    bins: list[list[Sample]] = []
+def _tokens(piece: Sample) -> int:
+    return len(piece["input_ids"])
+
+
+def best_fit_decreasing(pieces: Sequence[Any], capacity: int, size=_tokens) -> list[list[Any]]:
+    """``pieces`` (of ``size(piece)`` tokens each, none over ``capacity``) into bins of ``capacity``:
+    largest first, each into the open bin it fills most tightly (a stable sort: equal sizes keep
+    the order given)."""
+    pieces = sorted(pieces, key=size, reverse=True)
+    bins: list[list[Any]] = []
     rooms: list[tuple[int, int]] = []  # (room left, bin index) of bins with room, ascending
     for piece in pieces:
-        length = len(piece["input_ids"])
+        length = size(piece)
         slot = bisect.bisect_left(rooms, (length, -1))  # the tightest bin the piece fits in
         if slot < len(rooms):
             room, index = rooms.pop(slot)
         else:
-            room, index = max_seq_len, len(bins)
+            room, index = capacity, len(bins)
             bins.append([])
         bins[index].append(piece)
         if room > length:

@@ -33,13 +33,12 @@ common prefixes):
 
 from __future__ import annotations
 
-import bisect
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .binpack import Overflow, PackingReport, Sample, _fit_to_length
+from .binpack import Overflow, PackingReport, Sample, _fit_to_length, best_fit_decreasing
 
 # A shared start shorter than this is not worth a group: a chat template's role header
 # (``<|im_start|>user\n``) is 3-4 tokens; the shortest system prompts are tens.
@@ -138,22 +137,7 @@ def find_groups(
 def _split_to_fit(shared: int, rows: list[Sample], max_seq_len: int) -> list[list[Sample]]:
     """The rows of one group in parts of at most ``max_seq_len`` tokens, each holding the start once:
     the continuations best-fit-decreasing into the room the start leaves."""
-    room = max_seq_len - shared
-    rows = sorted(rows, key=lambda row: len(row["input_ids"]), reverse=True)
-    parts: list[list[Sample]] = []
-    rooms: list[tuple[int, int]] = []
-    for row in rows:
-        length = len(row["input_ids"]) - shared
-        slot = bisect.bisect_left(rooms, (length, -1))
-        if slot < len(rooms):
-            left, index = rooms.pop(slot)
-        else:
-            left, index = room, len(parts)
-            parts.append([])
-        parts[index].append(row)
-        if left > length:
-            bisect.insort(rooms, (left - length, index))
-    return parts
+    return best_fit_decreasing(rows, max_seq_len - shared, size=lambda row: len(row["input_ids"]) - shared)
 
 
 def as_group(shared: int, rows: Sequence[Sample]) -> Group:
@@ -219,20 +203,7 @@ def pack_shared(
             items.append(as_group(0, rows))
     rng = random.Random(seed)
     rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
-    items.sort(key=group_tokens, reverse=True)
-    bins: list[list[Group]] = []
-    rooms: list[tuple[int, int]] = []
-    for item in items:
-        size = group_tokens(item)
-        slot = bisect.bisect_left(rooms, (size, -1))
-        if slot < len(rooms):
-            room, index = rooms.pop(slot)
-        else:
-            room, index = max_seq_len, len(bins)
-            bins.append([])
-        bins[index].append(item)
-        if room > size:
-            bisect.insort(rooms, (room - size, index))
+    bins = best_fit_decreasing(items, max_seq_len, size=group_tokens)
     rng.shuffle(bins)
     sharing.shared_tokens = sum(group_tokens(item) for item in items)
     packing.num_bins = len(bins)
