@@ -33,14 +33,14 @@ WORDS = [
 ]
 
 
-def chat_file(tmp_path, rows: int = 40, seed: int = 0):
+def chat_file(path, rows: int = 40, seed: int = 0, system_words: int = 120, longest: int = 30):
+    """``rows`` chats (JSONL at ``path``) that all start with one system prompt of ``system_words`` words."""
     rng = random.Random(seed)
-    system = " ".join(rng.choice(WORDS) for _ in range(120))  # every row's long shared start
-    path = tmp_path / "chats.jsonl"
+    system = " ".join(rng.choice(WORDS) for _ in range(system_words))  # every row's long shared start
     with path.open("w") as f:
         for _ in range(rows):
             question = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 20)))
-            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 30)))
+            answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, longest)))
             messages = [
                 {"role": "system", "content": system},
                 {"role": "user", "content": question},
@@ -53,7 +53,7 @@ def chat_file(tmp_path, rows: int = 40, seed: int = 0):
 def config(tmp_path, **overrides) -> ABConfig:
     options = dict(
         model="qwen3",
-        data=str(chat_file(tmp_path)),
+        data=str(chat_file(tmp_path / "chats.jsonl")),
         response_only=True,
         max_seq_len=512,
         steps=3,

@@ -2,46 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 
 from slipstream.train.config import ConfigError, load_config
 from slipstream.train.loop import train
+from tests.bench.test_ab_shared_prefixes import chat_file
 from tests.train.test_train import TINY, losses, write_config
-
-WORDS = [
-    "the",
-    "agent",
-    "reads",
-    "a",
-    "ticket",
-    "checks",
-    "order",
-    "then",
-    "calls",
-    "tool",
-    "answers",
-    "care",
-]
-
-
-def chats(path, rows: int = 12, seed: int = 0):
-    rng = random.Random(seed)
-    system = " ".join(rng.choice(WORDS) for _ in range(60))
-    with path.open("w") as f:
-        for _ in range(rows):
-            messages = [
-                {"role": "system", "content": system},
-                {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 8)))},
-                {
-                    "role": "assistant",
-                    "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 10))),
-                },
-            ]
-            f.write(json.dumps({"messages": messages}) + "\n")
-    return path
 
 
 def config(tmp_path, mode: str, name: str, response_only: bool = True, **speedups):
@@ -51,7 +17,7 @@ def config(tmp_path, mode: str, name: str, response_only: bool = True, **speedup
         **TINY,
         # every row fits one bin either way: each step trains the very same rows, shared or not
         "data": {
-            "path": str(chats(tmp_path / "chats.jsonl")),
+            "path": str(chat_file(tmp_path / "chats.jsonl", rows=12, system_words=60, longest=10)),
             "response_only": response_only,
             "max_seq_len": 4096,
             "share_prefixes": mode,
