@@ -271,6 +271,7 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
         ["slipstream", "generate"],
         ["slipstream", "export"],
         ["slipstream", "ab"],
+        ["slipstream", "ab"],  # ab --config examples/orpo.yaml: the config's objective and its arms
     ]
     (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
     (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
@@ -288,7 +289,11 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
                 # two arms instead of the preset (TRL's run takes minutes), fewer steps
                 drop = {"--steps", "--preset"}
                 words = [w for i, w in enumerate(words) if w not in drop and words[i - 1] not in drop]
-                words += ["--out", str(tmp_path / "ab")]
+                from_config = "--config" in words  # its own arms (the orpo preset), fewer steps
+                words += ["--out", str(tmp_path / ("ab-config" if from_config else "ab"))]
+                if from_config:
+                    assert main([*words, "--steps", "3", "--warmup", "1"]) == 0, capsys.readouterr().err
+                    continue
             assert main([*words, *shortened.get(words[0], [])]) == 0, capsys.readouterr().err
             continue
         env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
@@ -314,3 +319,5 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
     shared = record["summary"]["slipstream-dpo"]
     assert shared["loss_vs_slipstream-dpo-no-prefix-sharing"] != "diverged"
     assert shared["pairs_per_s"] > 0
+    orpo = json.loads((tmp_path / "ab-config" / "ab.json").read_text())
+    assert orpo["config"]["objective"] == "orpo" and "slipstream-orpo" in orpo["summary"]
