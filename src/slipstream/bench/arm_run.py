@@ -20,10 +20,11 @@ from typing import Any
 import torch
 
 from ..compile import graph_counts
-from ..data.prefix_groups import group_documents, is_grouped, unshared_tokens, whole_rows_plan
+from ..data.prefix_groups import is_grouped, unshared_tokens, whole_rows_plan
 from ..hardware import OtherLoad
 from ..offload import device_activation_bytes
 from ..optimize import base_model
+from ..packing.groups import group_documents
 from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step

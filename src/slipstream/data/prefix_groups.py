@@ -236,23 +236,6 @@ def is_grouped(plan: Sequence) -> bool:
     return bool(plan and plan[0] and plan[0][0] and "continuations" in plan[0][0][0])
 
 
-def group_documents(groups: Sequence[Group]) -> list[Sample]:
-    """The groups as the documents their packed row runs (the start with the first continuation,
-    then each other continuation alone), for a model-FLOP count: a continuation's attention to the
-    start is not counted, a slight undercount of the work, as for preference pairs."""
-    docs: list[Sample] = []
-    for group in groups:
-        first, *others = group["continuations"]
-        docs.append(
-            {
-                "input_ids": group["prefix_ids"] + first["input_ids"],
-                "labels": group["prefix_labels"] + first["labels"],
-            }
-        )
-        docs += [{"input_ids": c["input_ids"], "labels": c["labels"]} for c in others]
-    return docs
-
-
 def unshared_tokens(items: Sequence[Sample | Group]) -> int:
     """The tokens of the rows in ``items`` (documents or groups) counted whole, every row its start
     included: what tokens/s counts in every layout, so tokens/s ratios are rows/s ratios."""

@@ -18,9 +18,9 @@ from tqdm import tqdm
 
 from ..data import DataError, demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
-from ..data.prefix_groups import decide_sharing, group_documents, group_rows, pack_shared, unshared_tokens
+from ..data.prefix_groups import decide_sharing, group_rows, pack_shared, unshared_tokens
 from ..packing import collate_packed
-from ..packing.groups import collate_groups
+from ..packing.groups import collate_groups, group_documents
 from ..train.errors import TrainError
 from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
 from ..train.preflight import check_labels_left
