@@ -16,6 +16,7 @@ import torch.distributed as dist
 from slipstream.preference import objective
 from slipstream.train.errors import TrainError
 
+from ..ports import free_port
 from .test_train import LN2, dpo_config, losses, records, run, write_pairs
 
 
@@ -103,7 +104,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, strate
 
     single = ["-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'single'}"]
     launch([*single, "--set", "training.grad_accum=2"])
-    port = str(29500 + (os.getpid() + 7 + len(strategy) + len(reference)) % 1000)
+    port = free_port()
     ranks = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
     launch([*ranks, "-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'ranks'}"])
     one, two = losses(tmp_path / "single"), losses(tmp_path / "ranks")

@@ -36,6 +36,7 @@ from slipstream.train.errors import TrainError, TrainInterrupted
 from slipstream.train.fingerprint import compare
 from slipstream.train.loop import train
 
+from ..ports import free_port
 from .fault_runner import faulty_train, interrupt_after, signal_after
 from .test_train import TINY, losses
 
@@ -357,7 +358,7 @@ def test_ctrl_c_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(30500 + os.getpid() % 1000),
+            free_port(),
             str(FAULT_RUNNER),
             "--interrupt-after",
             "2",

@@ -14,6 +14,8 @@ import pytest
 import torch.distributed as dist
 import yaml
 
+from ..ports import free_port
+
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed"),
@@ -75,7 +77,7 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, strate
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(29500 + os.getpid() % 1000),
+            free_port(),
             "-m",
             "slipstream",
             "train",
@@ -116,7 +118,7 @@ def test_ddp_answers_the_sample_prompts_once_from_rank_0_without_changing_the_lo
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(29500 + (os.getpid() + 1) % 1000),
+            free_port(),
             "-m",
             "slipstream",
             "train",
