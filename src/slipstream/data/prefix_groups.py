@@ -153,9 +153,11 @@ def as_group(shared: int, rows: Sequence[Sample]) -> Group:
     }
 
 
-def group_tokens(group: Group) -> int:
-    """Tokens the group takes in a packed row: its start once, plus every continuation."""
-    return len(group["prefix_ids"]) + sum(len(c["input_ids"]) for c in group["continuations"])
+def group_tokens(group: Group, prefix_sharing: bool = True) -> int:
+    """Tokens the group takes in a packed row: P + sum(C_j) shared, sum(P + C_j) otherwise."""
+    prefix = len(group.get("prefix_ids", ()))
+    continuations = [len(c["input_ids"]) for c in group["continuations"]]
+    return sum(continuations) + prefix * (1 if prefix_sharing else len(continuations))
 
 
 def group_rows(group: Group) -> list[Sample]:
@@ -240,9 +242,7 @@ def unshared_tokens(items: Sequence[Sample | Group]) -> int:
     """The tokens of the rows in ``items`` (documents or groups) counted whole, every row its start
     included: what tokens/s counts in every layout, so tokens/s ratios are rows/s ratios."""
     return sum(
-        sum(len(row["input_ids"]) for row in group_rows(item))
-        if "continuations" in item
-        else len(item["input_ids"])
+        group_tokens(item, prefix_sharing=False) if "continuations" in item else len(item["input_ids"])
         for item in items
     )
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..data.prefix_groups import group_tokens
 from .batch import IGNORE_INDEX, PackedBatch, collate_packed, cumulative
 
 
@@ -145,13 +146,6 @@ def unshared_documents(groups: Sequence[dict[str, Any]]) -> list[dict[str, list[
         for ids, labels in continuations:
             docs.append({"input_ids": prefix + ids, "labels": prefix_labels + labels})
     return docs
-
-
-def group_tokens(group: dict[str, Any], prefix_sharing: bool = True) -> int:
-    """Tokens the group takes in a packed row: P + sum(C_j) shared, sum(P + C_j) otherwise."""
-    prefix = len(group.get("prefix_ids", ()))
-    continuations = [len(c["input_ids"]) for c in group["continuations"]]
-    return sum(continuations) + prefix * (1 if prefix_sharing else len(continuations))
 
 
 def counted_tokens(groups: Sequence[dict[str, Any]]) -> int:
