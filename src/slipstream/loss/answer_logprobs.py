@@ -43,6 +43,9 @@ def _d_logp_d_z(z: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | 
 
 def _linear_chain(head: LinearHead, transform: LogitTransform, logits: torch.Tensor, grad: torch.Tensor):
     """d/d(head output) of ``transform``, by hand (a plain linear head runs no autograd)."""
+    if transform.temperature is not None:  # y / T, applied last: its chain first, on y before it
+        grad = grad / transform.temperature
+        logits = logits.float() * transform.temperature
     if transform.softcap is not None:  # d(cap * tanh(u / cap))/du = 1 - (y / cap)^2
         grad = grad * (1 - (logits.float() / transform.softcap).square())
     if transform.scale is not None:
@@ -177,8 +180,12 @@ def answer_logprobs(
     )
 
 
-def answer_logprobs_from_logits(logits_1TV: torch.Tensor, positions, targets, index, num_answers: int):
+def answer_logprobs_from_logits(
+    logits_1TV: torch.Tensor, positions, targets, index, num_answers: int, temperature: float = 1.0
+):
     """The same sums from full logits (the stock path, with the chunked loss off): [num_answers] fp32."""
     rows = logits_1TV[0].index_select(0, positions).float()
+    if temperature != 1.0:
+        rows = rows / temperature
     logp = rows.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
     return torch.zeros(num_answers, dtype=torch.float32, device=rows.device).index_add(0, index, logp)

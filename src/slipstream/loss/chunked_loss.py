@@ -48,6 +48,7 @@ on CUDA (all positions are projected; the ignored ones weigh zero), so no sync e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Iterator
@@ -358,6 +359,9 @@ class ChunkedLoss:
         hidden = call.hidden
         hidden_NH = hidden.reshape(-1, hidden.shape[-1]).index_select(0, answers.positions)
         head, params = self._chunked_head(vocab_size, hidden)
+        transform = self.transform
+        if answers.temperature != 1.0:  # online RL: the log-probs of the distribution it sampled from
+            transform = dataclasses.replace(transform or LogitTransform(), temperature=answers.temperature)
         sums = answer_logprobs(
             hidden_NH,
             answers.targets,
@@ -365,7 +369,7 @@ class ChunkedLoss:
             answers.num_answers,
             head,
             params,
-            transform=self.transform,
+            transform=transform,
             chunk_tokens=self.chunk_tokens,
         )
         batch.memo(ANSWER_LOGPROBS, dict).clear()

@@ -56,17 +56,22 @@ class LogitTransform:
 
     scale: float | None = None
     softcap: float | None = None
+    # sampling's temperature, applied last (online RL's log-probs of the distribution it sampled from)
+    temperature: float | None = None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             logits = logits * self.scale
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.temperature is not None:
+            logits = logits / self.temperature
         return logits
 
     def describe(self) -> str:
         parts = [f"scale {self.scale:g}"] if self.scale is not None else []
         parts += [f"softcap {self.softcap:g}"] if self.softcap is not None else []
+        parts += [f"temperature {self.temperature:g}"] if self.temperature is not None else []
         return ", ".join(parts) or "none"
 
 
@@ -281,6 +286,8 @@ def _linear_chunk(
     if bias is not None:
         logits.add_(bias)
     # The transform in place, with the ops (and in the dtype) transformers runs them.
+    if transform.temperature is not None:
+        raise ValueError("the SFT loss has no sampling temperature (it is online RL's log-probs' alone)")
     if transform.scale is not None:
         logits.mul_(transform.scale)
     if transform.softcap is not None:

@@ -22,7 +22,10 @@ its name. What an objective says, method by method:
   (``metrics[0]`` is "loss");
   ``divisor(total)``: what the step's summed metrics are divided by (1 where they are means);
 - ``evaluate(model, evals, info, device)``: the held-out metrics (``"loss"`` first);
-- ``summary(bins, last)``: its keys of ``run.json`` ({}: none).
+- ``summary(bins, last)``: its keys of ``run.json`` ({}: none);
+- ``plan_step(run, step, step_bins)``: what one optimizer step trains, as a :class:`StepPlan`
+  (this rank's micro-batches, the step's weight, tokens and documents, extra record fields); by
+  default the bins collated as they are. An online objective (GRPO) samples its rollouts here.
 
 :func:`register_objective` adds a class under its ``name``; :func:`objective_for` returns it;
 :func:`objective_names` lists them. A new objective is one module here (plus, where it needs
@@ -32,7 +35,7 @@ settings of its own, a small dataclass next to its code).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -47,6 +50,19 @@ class ObjectiveData:
     packing: Any  # data.PackingReport
     report: Any  # data.DataReport, preference.PairReport, or None (the demo data)
     evals: Any  # an eval set with .bins and .summary(), or None
+
+
+@dataclass
+class StepPlan:
+    """What one optimizer step trains: this rank's micro-batches and what the loop records of it."""
+
+    micro: list  # this rank's collated micro-batches
+    total: Any  # the step's weight over every rank (label tokens, pairs, completion tokens)
+    tokens: int  # the step's tokens over every rank (tokens/s)
+    documents: list[list[dict]]  # the step's documents, per bin (model FLOPs)
+    pairs: int = 0  # preference pairs the step holds (pairs/s)
+    # host values added to the step's metrics record (GRPO: rewards, lengths, generation time)
+    record: dict = field(default_factory=dict)
 
 
 class Objective:
@@ -117,6 +133,22 @@ class Objective:
     def summary(self, bins: Sequence[Sequence[dict]], last: dict | None) -> dict:
         """Its keys of ``run.json`` (the preference objectives: ``preference``); {}: none."""
         return {}
+
+    def plan_step(self, run: Any, step: int, step_bins: Sequence[int]) -> StepPlan:
+        """Step ``step``'s bins (``step_bins``, every rank's): this rank's share collated, with
+        whatever ``before_training`` prepared for each bin."""
+        info = run.info
+        micro = [
+            self.collate(run.bins[index], run.device, self.prepared("train", index))
+            for index in step_bins[info.rank :: info.world_size]
+        ]
+        return StepPlan(
+            micro=micro,
+            total=sum(run.label_tokens[index] for index in step_bins),
+            tokens=sum(self.tokens(run.bins[index]) for index in step_bins),
+            documents=[self.documents(run.bins[index]) for index in step_bins],
+            pairs=sum(self.pairs(run.bins[index]) for index in step_bins),
+        )
 
     def model_device(self, micro: Any) -> torch.device:
         """The device a micro-batch lives on (the step's clock and its weight tensor)."""

@@ -240,6 +240,8 @@ class AnswerSpans:
     index: torch.Tensor
     lengths: tuple[int, ...]
     token_counts: torch.Tensor  # ``lengths`` as an fp32 [answers] tensor, moved with the batch
+    # the log-probs of the distribution logits / temperature (online RL reads the one it sampled from)
+    temperature: float = 1.0
 
     @property
     def num_answers(self) -> int:
@@ -251,7 +253,12 @@ class AnswerSpans:
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
         return AnswerSpans(
-            move(self.positions), move(self.targets), move(self.index), self.lengths, move(self.token_counts)
+            move(self.positions),
+            move(self.targets),
+            move(self.index),
+            self.lengths,
+            move(self.token_counts),
+            self.temperature,
         )
 
 

@@ -52,7 +52,12 @@ def answer_sums(model: torch.nn.Module, batch: PackedBatch, chunked: bool) -> to
         return sums
     answers = batch.answers
     return answer_logprobs_from_logits(
-        out.logits, answers.positions, answers.targets, answers.index, answers.num_answers
+        out.logits,
+        answers.positions,
+        answers.targets,
+        answers.index,
+        answers.num_answers,
+        answers.temperature,
     )
 
 

@@ -56,47 +56,45 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
     """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm,
     tokens, and whether it was finite (applied); every rank gets the same loss and verdict. The
     step's metrics (and its pairs) are kept in ``run.last_metrics``."""
-    objective, step_bins = run.objective, run.bins_for(step)
-    micro = [
-        objective.collate(run.bins[index], run.device, objective.prepared("train", index))
-        for index in step_bins[run.info.rank :: run.info.world_size]
-    ]
+    objective = run.objective
+    plan = objective.plan_step(run, step, run.bins_for(step))  # GRPO samples its rollouts here
     result = train_step(
         run.model,
-        micro,
+        plan.micro,
         run.optimizer,
         max_grad_norm=run.config.optimizer.max_grad_norm,
-        global_tokens=sum(run.label_tokens[i] for i in step_bins),
+        global_tokens=plan.total,
         loss_scale=run.info.world_size,
         reduce_loss=run.info.sum_tensor,
         objective=objective,
     )
     run.scheduler.step()  # a skipped step keeps the plan: the lr stays a function of the step
-    result["pairs"] = sum(objective.pairs(run.bins[index]) for index in step_bins)
+    result["pairs"] = plan.pairs
     run.last_metrics = result
-    tokens = sum(objective.tokens(run.bins[index]) for index in step_bins)
-    return result["loss"], result["grad_norm"], tokens, result["finite"]
+    run.last_plan = plan
+    return result["loss"], result["grad_norm"], plan.tokens, result["finite"]
 
 
-def _step_flops(run: _Run, step: int) -> int:
-    """Model FLOPs of step ``step`` on every rank: each bin's documents, the LM head on its labelled rows."""
-    documents = run.objective.documents
-    return run.flops.step_flops(docs_micro_batch(documents(run.bins[index])) for index in run.bins_for(step))
+def _step_flops(run: _Run) -> int:
+    """Model FLOPs of the last step on every rank: each bin's documents, the LM head on its labelled rows."""
+    return run.flops.step_flops(docs_micro_batch(documents) for documents in run.last_plan.documents)
 
 
-def _evaluate(run: _Run, step: int) -> float | None:
-    """The eval loss after step ``step`` (every rank), kept in ``run.eval_losses``; a non-finite one is None, and said."""
+def _evaluate(run: _Run, step: int) -> dict[str, float | None]:
+    """The eval metrics after step ``step`` (every rank); the loss, where the objective has one, kept
+    in ``run.eval_losses``; a non-finite value is None, and said."""
     metrics = {
         k: finite_or_none(v)
         for k, v in run.objective.evaluate(run.model, run.evals, run.info, run.device).items()
     }
-    if len(metrics) > 1:  # more than a loss: the reward metrics, say
+    if len(metrics) > 1 or "loss" not in metrics:  # more than a loss: the reward metrics, say
         run.eval_metrics.append((step, metrics))
-    loss = metrics["loss"]
-    if loss is None and run.info.is_main:
-        tqdm.write(f"slipstream train: the eval loss after step {step} is not finite: recorded as null")
-    run.eval_losses.append((step, loss))
-    return loss
+    if "loss" in metrics:
+        loss = metrics["loss"]
+        if loss is None and run.info.is_main:
+            tqdm.write(f"slipstream train: the eval loss after step {step} is not finite: recorded as null")
+        run.eval_losses.append((step, loss))
+    return metrics
 
 
 def _evaluation_point(run: _Run, step: int) -> bool:
@@ -181,7 +179,7 @@ def _run_steps(
         for step in bar:
             stepped = time.perf_counter()
             loss, grad_norm, tokens, finite = _train_step(run, step)  # (its loss is read: the step is done)
-            run.step_work.append((_step_flops(run, step), time.perf_counter() - stepped, tokens))
+            run.step_work.append((_step_flops(run), time.perf_counter() - stepped, tokens))
             tokens_seen += tokens
             elapsed = time.perf_counter() - begin
             record = {
@@ -195,17 +193,18 @@ def _run_steps(
             result = run.last_metrics
             for name in run.objective.metrics[1:]:  # beyond the loss: the reward metrics, say
                 record[name] = finite_or_none(result[name])
+            record.update(run.last_plan.record)  # the objective's host values (GRPO: rewards, lengths)
             if result["pairs"]:
                 pairs_seen += result["pairs"]
                 record["pairs_per_s"] = pairs_seen / max(elapsed - eval_seconds, 1e-9)
             if _due_for_eval(run, step + 1):
                 evaluated = time.perf_counter()
-                record["eval_loss"] = _evaluate(run, step + 1)
-                if run.eval_metrics and run.eval_metrics[-1][0] == step + 1:
-                    for name, value in list(run.eval_metrics[-1][1].items())[1:]:  # after the loss
-                        record[f"eval_{name}"] = value
+                found = _evaluate(run, step + 1)
+                for name, value in found.items():  # the loss first, where the objective has one
+                    record[f"eval_{name}"] = value
                 eval_seconds += time.perf_counter() - evaluated
-                postfix["eval_loss"] = "null" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
+                name, value = next(iter(found.items()))
+                postfix[f"eval_{name}"] = "null" if value is None else f"{value:.4f}"
             if finite:
                 nonfinite.finite()
                 losses.append(loss)

@@ -47,7 +47,7 @@ class _Metrics:
     def log(self, record: dict) -> None:
         """Every ``log_every`` steps, the last, every non-finite step and every evaluated one (always kept)."""
         step = record["step"]
-        event = "nonfinite" in record or "eval_loss" in record
+        event = "nonfinite" in record or any(key.startswith("eval_") for key in record)
         if self.stream is None or (step % self.every != 0 and step != self.total and not event):
             return
         self.stream.write(json.dumps(record, allow_nan=False) + "\n")

@@ -187,6 +187,7 @@ class _Run:
     # an objective that evaluates more than a loss: (step, its eval metrics)
     eval_metrics: list[tuple[int, dict]] = field(default_factory=list)
     last_metrics: dict | None = None  # the last step's metrics (loss first)
+    last_plan: Any = None  # the last step's objectives.StepPlan (its documents, its record)
 
     @property
     def base_model(self) -> torch.nn.Module:
