@@ -19,8 +19,9 @@ LAYERS = [
         "host_reads",
         "noise",
         "data",
+        "rewards",
         "utilisation",
-    },  # shared helpers, data, FLOPs
+    },  # shared helpers, data (and online RL's reward functions), FLOPs
     {
         "packing",
         "moe",
@@ -31,7 +32,7 @@ LAYERS = [
         "fused",
     },  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
-    {"models"},  # model builders and loaders
+    {"models", "rollouts"},  # model builders and loaders; the sampler that runs them for online RL
     {"preference"},  # preference tuning: pairs, their losses, the reference pass
     # the training loop and its objectives (slipstream.objectives: the plug-ins it calls, which read
     # its eval sets and errors)

@@ -321,3 +321,66 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
     assert shared["pairs_per_s"] > 0
     orpo = json.loads((tmp_path / "ab-config" / "ab.json").read_text())
     assert orpo["config"]["objective"] == "orpo" and "slipstream-orpo" in orpo["summary"]
+
+
+def rl_walkthrough() -> list[str]:
+    """The "Reinforcement learning (GRPO)" section's command lines."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Reinforcement learning (GRPO)", 1)[1].split("\n## ", 1)[0]
+    (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
+    return [line for line in lines if line]
+
+
+def test_the_rl_section_names_the_example_its_prompts_and_its_reward_file():
+    commands = rl_walkthrough()
+    assert any(c.startswith("slipstream train examples/grpo.yaml") for c in commands)
+    config = load_config(ROOT / "examples" / "grpo.yaml", ["model.path=MODEL_DIR"])
+    assert config.training.objective == "grpo" and Path(config.data.path).exists()
+    rows = [json.loads(line) for line in Path(config.data.path).read_text().splitlines()]
+    assert rows and all({"prompt", "answer"} <= set(row) for row in rows)
+    files = [spec["function"] for spec in config.grpo.rewards if ".py:" in spec["function"]]
+    assert files and all(Path(f.rpartition(":")[0]).is_file() for f in files)
+
+
+@pytest.mark.realmodel
+def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
+    """Every line of the RL section, in order, as written, on SmolLM2 and examples/grpo.yaml, shortened
+    to 2 steps of 16-token completions: the rollouts, the rewards and the held-out reward are logged."""
+    commands = rl_walkthrough()
+    assert [c.split()[:2] for c in commands] == [
+        ["python", "benchmarks/real_model.py"],
+        ["slipstream", "train"],
+        ["grep", "eval_reward"],
+    ]
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    shortened = [
+        "--set",
+        "training.steps=2",
+        "--set",
+        "training.eval_every=1",
+        "--set",
+        "grpo.max_new_tokens=16",
+    ]
+    model_dir = None
+    for command in commands:
+        if command.startswith("slipstream "):
+            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
+            assert main([*words, *shortened]) == 0, capsys.readouterr().err
+            continue
+        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
+        words = shlex.split(command)
+        if words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        if words[1] == "benchmarks/real_model.py":
+            model_dir = Path(done.stdout.strip().splitlines()[-1])
+        else:
+            records = [json.loads(line) for line in done.stdout.splitlines()]
+            assert [r["step"] for r in records] == [1, 2]
+            assert all(0.0 <= r["eval_reward"] <= 1.5 for r in records)
+    run = json.loads((tmp_path / "runs" / "grpo" / "run.json").read_text())
+    assert run["grpo"]["num_generations"] == 4 and run["eval"]["metrics"][-1]["step"] == 2

@@ -17,13 +17,15 @@ from tests.train.test_train import TINY, losses, write_config
 
 ROOT = Path(slipstream.__file__).parent
 # a comparison of an objective's name: `objective == "dpo"`, `... != 'sft'`, `x == "simpo"`
-NAME_COMPARISON = re.compile(r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo)['"]""")
+NAME_COMPARISON = re.compile(
+    r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo|grpo|dapo|dr_grpo)['"]"""
+)
 
 
 def test_the_registered_objectives():
-    assert {"sft", "dpo", "ipo", "simpo", "orpo"} <= set(objective_names())
+    assert {"sft", "dpo", "ipo", "simpo", "orpo", "grpo"} <= set(objective_names())
     assert objective_for("orpo").reads == "pairs" and objective_for("sft").reads == "samples"
-    with pytest.raises(KeyError, match="registered: dpo, ipo, orpo, sft, simpo"):
+    with pytest.raises(KeyError, match="registered: dpo, grpo, ipo, orpo, sft, simpo"):
         objective_for("kto")
 
 
@@ -47,7 +49,9 @@ def test_an_unknown_objective_is_refused_by_key_with_the_registered_names(tmp_pa
     message = str(error.value)
     assert re.match(r".*config\.yaml:\d+: ", message), message  # file:line
     assert (
-        "'training.objective'" in message and "dpo, ipo, orpo, sft, simpo" in message and "'kto'" in message
+        "'training.objective'" in message
+        and "dpo, grpo, ipo, orpo, sft, simpo" in message
+        and "'kto'" in message
     )
 
 

@@ -126,6 +126,36 @@ class PreferenceConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """Online RL's settings (``training.objective: grpo``): rollouts, rewards and the clipped update."""
+
+    num_generations: Annotated[int, Range(ge=2)] = 8  # completions sampled per prompt (G)
+    prompts_per_batch: Positive = 2  # prompts per micro-batch, each with its G completions
+    max_new_tokens: Positive = 128
+    temperature: Annotated[float, Range(gt=0)] = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0  # 0: no top-k cut
+    # the reward functions: "module:function" (a .py file next to the config, or an importable
+    # module) or a built-in's name (answer_tag, format_regex, length_penalty), or a mapping
+    # {function, weight, args}; TRL's convention f(prompts, completions, completion_ids, **columns)
+    rewards: list[Any] = field(default_factory=list)
+    # dapo: every completion token weighs the same over the step (TRL's default); grpo: each
+    # completion's token mean, then the mean over completions; dr_grpo: the token sum over
+    # completions x max_new_tokens
+    loss: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    # advantages: reward minus its group's mean, divided by the group's std, the batch's, or nothing
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    epsilon: Annotated[float, Range(gt=0, lt=1)] = 0.2  # the ratio's clip below 1
+    epsilon_high: Annotated[float, Range(gt=0)] | None = None  # and above 1 (None: epsilon)
+    beta: Annotated[float, Range(ge=0)] = 0.0  # the KL to the reference (the adapter off); 0: none
+    num_iterations: Positive = 1  # updates per batch of rollouts
+    mask_truncated_completions: bool = False  # leave completions cut at max_new_tokens out of the loss
+    # the prompt run once for its G completions in the update (else prompt + completion, G times)
+    prefix_sharing: bool = True
+    eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
+
+
+@dataclass
 class TrainingConfig:
     objective: Objective = "sft"
     steps: Positive | None = None  # optimizer steps; or
@@ -160,6 +190,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes
     output_dir: str = "runs/train"
     seed: NonNegative = 0
@@ -335,7 +366,31 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
                 key,
                 str((base / value).resolve()) if (base / value).exists() else value,
             )
+    config.grpo.rewards = [_reward_near(spec, base) for spec in config.grpo.rewards]
     return config.validate(source, lines)
+
+
+def _reward_near(spec: Any, base: Path) -> Any:
+    """A ``grpo.rewards`` entry naming a file next to the config (``rewards.py:fn``, ``rewards:fn``),
+    made absolute; a built-in or an importable module is left as it is."""
+    entry = {"function": spec} if isinstance(spec, str) else spec
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("function"), str)
+        or ":" not in entry["function"]
+    ):
+        return spec
+    module, _, name = entry["function"].rpartition(":")
+    if module.endswith(".py"):
+        candidate = Path(module) if Path(module).is_absolute() else base / module
+    elif "." not in module and "/" not in module:
+        candidate = base / f"{module}.py"
+    else:
+        return spec
+    if not candidate.is_file():
+        return spec
+    resolved = f"{candidate.resolve()}:{name}"
+    return resolved if isinstance(spec, str) else {**spec, "function": resolved}
 
 
 def run_config(path: str | Path) -> TrainConfig:

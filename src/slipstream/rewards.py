@@ -1,0 +1,267 @@
+"""Reward functions for online RL (``training.objective: grpo``): named in the config, called in
+TRL's convention, and checked before a single value is used.
+
+A reward function is ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``,
+TRL's convention, so a reward file written for TRL's ``GRPOTrainer`` works unchanged: one value
+per completion, in order; ``prompts[i]`` is the prompt completion i answers (a string, or the
+message list when the row's prompt was one, in which case ``completions[i]`` is
+``[{"role": "assistant", "content": text}]``); every other column of the prompt rows comes as a
+keyword argument holding one value per completion. None means "does not apply to this
+completion": it is left out of that function's mean and adds 0 to the weighted sum (TRL's
+``nansum``).
+
+A function is named ``module:function`` (``grpo.rewards``): a ``.py`` file next to the config
+(``rewards.py:correct``) or an importable module (``my_pkg.rewards:correct``), or a built-in by its
+bare name (:data:`BUILTINS`), each with a ``weight`` and ``args`` bound as keyword arguments.
+
+What a function does wrong stops the run with one line that names it (:class:`RewardError`):
+it raised, returned something that is not a list of the completions' length, or a value that is
+neither a finite number nor None.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class RewardError(ValueError):
+    """A reward function could not be loaded or returned what cannot be used; the message names it."""
+
+
+def _text(completion: Any) -> str:
+    """A completion's text: the string itself, or the content of its last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+_TAGS: dict[str, re.Pattern] = {}
+
+
+def tagged(text: str, tag: str) -> str | None:
+    """The text inside the last ``<tag>...</tag>`` of ``text`` (stripped), or None."""
+    pattern = _TAGS.setdefault(tag, re.compile(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", re.DOTALL))
+    found = pattern.findall(text)
+    return found[-1].strip() if found else None
+
+
+def _same_answer(given: str, expected: Any) -> bool:
+    """Equal as numbers where both read as one (``42`` = ``42.0``), else as stripped strings."""
+    expected = str(expected).strip()
+    try:
+        return math.isclose(float(given.replace(",", "")), float(expected.replace(",", "")), rel_tol=1e-9)
+    except ValueError:
+        return given == expected
+
+
+def answer_tag(
+    prompts, completions, completion_ids=None, *, tag: str = "answer", column: str = "answer", **columns
+):
+    """1.0 where the last ``<tag>...</tag>`` of the completion equals the row's ``column`` value, else 0.0."""
+    if column not in columns:
+        raise KeyError(
+            f"the prompt rows have no column {column!r} (columns: {', '.join(sorted(columns)) or 'none'})"
+        )
+    out = []
+    for completion, expected in zip(completions, columns[column], strict=True):
+        found = tagged(_text(completion), tag)
+        out.append(1.0 if found is not None and _same_answer(found, expected) else 0.0)
+    return out
+
+
+def format_regex(prompts, completions, completion_ids=None, *, pattern: str, **columns):
+    """1.0 where the whole completion (stripped) matches ``pattern`` (``re.DOTALL``), else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+    return [1.0 if compiled.fullmatch(_text(c).strip()) else 0.0 for c in completions]
+
+
+def length_penalty(prompts, completions, completion_ids, *, limit: int, **columns):
+    """``-(tokens over limit) / limit``: 0 for a completion of at most ``limit`` tokens."""
+    if limit <= 0:
+        raise ValueError(f"length_penalty: limit must be > 0, got {limit}")
+    return [-max(0, len(ids) - limit) / limit for ids in completion_ids]
+
+
+# The built-in rewards, named without a module.
+BUILTINS: dict[str, Callable] = {
+    "answer_tag": answer_tag,
+    "format_regex": format_regex,
+    "length_penalty": length_penalty,
+}
+
+
+@dataclass
+class RewardFunction:
+    """One configured reward: what the config named it, the function (its ``args`` bound), its weight."""
+
+    name: str  # the function's own name (metrics: ``reward_<name>``)
+    fn: Callable
+    weight: float = 1.0
+    source: str = ""  # where it came from, as the config named it (a file's path made absolute)
+
+    @property
+    def described(self) -> str:
+        return self.name if self.source in ("", self.name) else f"{self.name} ({self.source})"
+
+    def __call__(self, prompts, completions, completion_ids, columns: dict[str, list]) -> list[float]:
+        """The function's values, checked: one per completion, each finite (None read as NaN: left out)."""
+        try:
+            values = self.fn(prompts, completions, completion_ids, **columns)
+        except Exception as error:  # a user's function: whatever it raised, named with it
+            raise RewardError(f"reward {self.described} raised {type(error).__name__}: {error}") from error
+        if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+            raise RewardError(
+                f"reward {self.described} returned {type(values).__name__}; it must return a list of "
+                f"{len(completions)} numbers (None where it does not apply)"
+            )
+        values = values.tolist() if hasattr(values, "tolist") else list(values)
+        if len(values) != len(completions):
+            raise RewardError(
+                f"reward {self.described} returned {len(values)} values for {len(completions)} completions"
+            )
+        out = []
+        for index, value in enumerate(values):
+            if value is None:
+                out.append(math.nan)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RewardError(
+                    f"reward {self.described} returned {value!r} for completion {index}: a reward must be a "
+                    "finite number, or None where it does not apply"
+                )
+            out.append(float(value))
+        return out
+
+
+def _import(module: str, base: Path | None) -> Any:
+    """A module by file (``x.py``, or ``x`` with ``x.py`` next to the config) or by import name."""
+    candidates = []
+    if module.endswith(".py"):
+        candidates.append(Path(module) if base is None else base / module)
+    elif base is not None and "." not in module:
+        candidates.append(base / f"{module}.py")
+    for path in candidates:
+        path = Path(path)
+        if path.is_file():
+            name = f"slipstream_rewards_{abs(hash(str(path.resolve())))}"
+            if name in sys.modules:
+                return sys.modules[name]
+            spec = importlib.util.spec_from_file_location(name, path)
+            loaded = importlib.util.module_from_spec(spec)
+            sys.modules[name] = loaded
+            try:
+                spec.loader.exec_module(loaded)
+            except Exception as error:
+                del sys.modules[name]
+                raise RewardError(f"{path}: importing it raised {type(error).__name__}: {error}") from error
+            return loaded
+        if module.endswith(".py"):
+            raise RewardError(f"{path}: no such reward file")
+    try:
+        return importlib.import_module(module)
+    except Exception as error:
+        raise RewardError(f"cannot import {module!r} ({type(error).__name__}: {error})") from error
+
+
+def _check_args(fn: Callable, args: dict, name: str, key: str, builtin: bool) -> None:
+    """``args`` must fit ``fn``: every keyword a built-in takes is known and its required ones given;
+    a user's function is checked as far as its signature says."""
+    signature = inspect.signature(fn)
+    if builtin:
+        options = {
+            p.name: p for p in signature.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        unknown = sorted(set(args) - set(options))
+        if unknown:
+            raise RewardError(
+                f"'{key}.args' do not fit {name}: unknown {', '.join(unknown)} (it takes {', '.join(options)})"
+            )
+        missing = [n for n, p in options.items() if p.default is inspect.Parameter.empty and n not in args]
+        if missing:
+            raise RewardError(f"'{key}.args' do not fit {name}: it needs {', '.join(missing)}")
+        return
+    try:
+        signature.bind_partial(None, None, None, **args)
+    except TypeError as error:
+        raise RewardError(f"'{key}.args' do not fit {name}: {error}") from None
+
+
+def load_reward(spec: Any, base: Path | None = None, key: str = "grpo.rewards") -> RewardFunction:
+    """One ``grpo.rewards`` entry: ``"module:function"`` / a built-in's name, or a mapping
+    ``{function, weight, args}``; ``base`` is the config's directory (reward files are found next to it)."""
+    if isinstance(spec, str):
+        spec = {"function": spec}
+    if not isinstance(spec, dict):
+        raise RewardError(f"'{key}' must be 'module:function' or a mapping with 'function', got {spec!r}")
+    unknown = set(spec) - {"function", "weight", "args"}
+    if unknown:
+        raise RewardError(
+            f"'{key}': unknown key(s) {', '.join(sorted(unknown))} (valid: function, weight, args)"
+        )
+    name = spec.get("function")
+    if not isinstance(name, str) or not name.strip():
+        raise RewardError(
+            f"'{key}.function' must name a reward: 'module:function' or one of {', '.join(BUILTINS)}"
+        )
+    weight = spec.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+        raise RewardError(f"'{key}.weight' must be a finite number, got {weight!r}")
+    args = spec.get("args") or {}
+    if not isinstance(args, dict):
+        raise RewardError(f"'{key}.args' must be a mapping of keyword arguments, got {args!r}")
+    if ":" in name:
+        module, _, attribute = name.rpartition(":")
+        fn = getattr(_import(module, base), attribute, None)
+        if fn is None or not callable(fn):
+            raise RewardError(f"'{key}.function': {module!r} has no function {attribute!r}")
+    elif name in BUILTINS:
+        fn = BUILTINS[name]
+    else:
+        raise RewardError(
+            f"'{key}.function': {name!r} is neither 'module:function' nor a built-in ({', '.join(BUILTINS)})"
+        )
+    _check_args(fn, args, name, key, builtin=name in BUILTINS)
+    bound = functools.partial(fn, **args) if args else fn
+    short = name.rpartition(":")[2]
+    return RewardFunction(name=short, fn=bound, weight=float(weight), source=name)
+
+
+def load_rewards(specs: Sequence[Any], base: Path | None = None) -> list[RewardFunction]:
+    """Every ``grpo.rewards`` entry loaded (errors name ``grpo.rewards[i]``); a name used twice gets
+    ``_2``, ``_3``, ... (each function's metrics keep their own key)."""
+    functions = [load_reward(spec, base, f"grpo.rewards[{index}]") for index, spec in enumerate(specs)]
+    seen: dict[str, int] = {}
+    for function in functions:
+        seen[function.name] = seen.get(function.name, 0) + 1
+        if seen[function.name] > 1:
+            function.name = f"{function.name}_{seen[function.name]}"
+    return functions
+
+
+def score(
+    functions: Sequence[RewardFunction],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> list[list[float]]:
+    """``[completions][functions]``: every function's checked values (NaN where it returned None)."""
+    per_function = [fn(prompts, completions, completion_ids, columns) for fn in functions]
+    return [list(values) for values in zip(*per_function, strict=True)]
+
+
+def weighted(values: Sequence[float], functions: Sequence[RewardFunction]) -> float:
+    """One completion's reward: the weighted sum of its functions' values, a None (NaN) adding 0."""
+    return sum(v * fn.weight for v, fn in zip(values, functions, strict=True) if not math.isnan(v))

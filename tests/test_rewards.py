@@ -1,0 +1,107 @@
+"""Reward functions (slipstream.rewards): TRL's convention, built-ins, files next to the config, and
+one-line errors naming the function for every way a function can go wrong."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from slipstream.rewards import (
+    RewardError,
+    answer_tag,
+    format_regex,
+    length_penalty,
+    load_reward,
+    load_rewards,
+    score,
+    weighted,
+)
+
+
+def test_builtins():
+    completions = ["so <answer>42</answer>", "<answer> 41 </answer>", "no tag", "<answer>4.2e1</answer>"]
+    assert answer_tag(None, completions, None, answer=["42", "42", "42", 42]) == [1.0, 0.0, 0.0, 1.0]
+    chat = [[{"role": "assistant", "content": "<sum>7</sum>"}]]
+    assert answer_tag(None, chat, None, tag="sum", column="total", total=["7"]) == [1.0]
+    with pytest.raises(KeyError, match="no column 'answer'"):
+        answer_tag(None, ["x"], None, label=["1"])
+    assert format_regex(
+        None,
+        ["<think>a</think> <answer>1</answer>", "1"],
+        None,
+        pattern=r"<think>.*</think>\s*<answer>.*</answer>",
+    ) == [1.0, 0.0]
+    assert length_penalty(None, ["a", "b"], [[1] * 10, [1] * 30], limit=20) == [0.0, -0.5]
+
+
+def test_a_file_next_to_the_config_and_args(tmp_path):
+    (tmp_path / "my_rewards.py").write_text(
+        "def shout(prompts, completions, completion_ids, bonus=0.0, **columns):\n"
+        "    return [float(c.isupper()) + bonus for c in completions]\n"
+    )
+    by_name = load_reward({"function": "my_rewards:shout", "weight": 2, "args": {"bonus": 0.5}}, tmp_path)
+    by_file = load_reward(f"{tmp_path / 'my_rewards.py'}:shout")
+    assert (
+        by_name.name == by_file.name == "shout"
+        and by_name.weight == 2.0
+        and by_name(["p", "q"], ["HI", "hi"], [[1], [2]], {}) == [1.5, 0.5]
+    )
+    assert by_file(["p"], ["HI"], [[1]], {}) == [1.0]
+    builtin = load_reward({"function": "length_penalty", "args": {"limit": 4}})
+    assert builtin(["p"], ["x"], [[1] * 6], {}) == [-0.5]
+
+
+def test_none_is_left_out_of_the_sum(tmp_path):
+    (tmp_path / "r.py").write_text(
+        "def odd_only(prompts, completions, completion_ids, **c):\n"
+        "    return [1.0 if len(ids) % 2 else None for ids in completion_ids]\n"
+    )
+    functions = load_rewards(
+        [
+            {"function": "answer_tag", "weight": 1.0},
+            {"function": "length_penalty", "weight": 0.5, "args": {"limit": 1}},
+            {"function": "r.py:odd_only", "weight": 3.0},
+        ],
+        tmp_path,
+    )
+    values = score(functions, ["p", "p"], ["<answer>1</answer>", "x"], [[1, 2], [1]], {"answer": ["1", "2"]})
+    assert values[0][:2] == [1.0, -1.0] and math.isnan(values[0][2])
+    assert values[1] == [0.0, 0.0, 1.0]
+    assert weighted(values[0], functions) == 0.5 and weighted(values[1], functions) == 3.0
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("raise RuntimeError('boom')", r"reward f \(r.py:f\) raised RuntimeError: boom"),
+        ("return [1.0]", r"reward f \(r.py:f\) returned 1 values for 2 completions"),
+        ("return 1.0", r"reward f \(r.py:f\) returned float; it must return a list of 2 numbers"),
+        ("return [1.0, float('nan')]", r"reward f \(r.py:f\) returned nan for completion 1"),
+        ("return [1.0, 'yes']", r"reward f \(r.py:f\) returned 'yes' for completion 1"),
+    ],
+)
+def test_a_function_that_goes_wrong_is_named(tmp_path, body, message):
+    (tmp_path / "r.py").write_text(f"def f(prompts, completions, completion_ids, **columns):\n    {body}\n")
+    function = load_reward("r.py:f", tmp_path)
+    with pytest.raises(RewardError, match=message):
+        function(["p", "p"], ["a", "b"], [[1], [2]], {})
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("nothing_here", r"neither 'module:function' nor a built-in"),
+        ("no_such_module_xyz:f", r"cannot import 'no_such_module_xyz'"),
+        ("missing.py:f", r"missing.py: no such reward file"),
+        ({"function": "answer_tag", "wieght": 1}, r"unknown key\(s\) wieght"),
+        ({"function": "answer_tag", "weight": "high"}, r"weight' must be a finite number"),
+        ({"function": "length_penalty", "args": {"limt": 3}}, r"args' do not fit length_penalty"),
+        ({"function": "math:nothing"}, r"'math' has no function 'nothing'"),
+    ],
+)
+def test_bad_specs_are_refused_by_key(tmp_path, spec, message):
+    with pytest.raises(RewardError, match=message):
+        load_rewards([spec], tmp_path)
+    with pytest.raises(RewardError, match=r"grpo\.rewards\[0\]|missing.py|cannot import|has no function"):
+        load_rewards([spec], tmp_path)

@@ -1,0 +1,97 @@
+"""Rollouts (slipstream.rollouts): each prompt prefilled once for its G samples, padded prompts that
+never see their padding, rows that stop leaving the batch, and seeded sampling."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import slipstream
+from slipstream.models import build_model
+from slipstream.rollouts import CachedSampler, Sampling, sample_next
+
+VOCAB = 512
+PROMPTS = [[5, 17, 42, 9, 100, 7], [3, 8], [250, 11, 64, 2]]  # different lengths: left padding
+
+
+@pytest.fixture(scope="module")
+def models():
+    stock = build_model("llama", vocab_size=VOCAB).eval()
+    return stock, slipstream.optimize(copy.deepcopy(stock)).eval()
+
+
+def greedy_alone(model, prompt, max_new_tokens, stops=()):
+    """The stock model's greedy completion of one prompt, no cache, stopped at a stop token."""
+    ids = list(prompt)
+    out = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids.append(token)
+            if token in stops:
+                break
+    return out
+
+
+GREEDY = Sampling(temperature=1.0, top_k=1, max_new_tokens=6)  # top_k 1: the argmax, drawn
+
+
+def test_top_k_1_is_each_prompts_greedy_completion_run_alone(models):
+    stock, packed = models
+    rollouts = CachedSampler(stop_ids=()).generate(packed, PROMPTS, 3, GREEDY, seed=0)
+    for prompt, completions in zip(PROMPTS, rollouts.completions, strict=True):
+        expected = greedy_alone(stock, prompt, 6)
+        assert [c.ids for c in completions] == [expected] * 3
+        assert not any(c.finished for c in completions)  # cut at max_new_tokens
+    stats = rollouts.stats
+    assert stats.prefill_tokens == sum(len(p) for p in PROMPTS)  # each prompt once, not 3 times
+    assert stats.completions == 9 and stats.generated_tokens == 9 * 6 and stats.decode_steps == 5
+
+
+def test_a_stop_token_ends_its_row_and_the_others_go_on(models):
+    stock, packed = models
+    free = greedy_alone(stock, PROMPTS[0], 6)
+    stop = free[2]  # prompt 0's third greedy token
+    rollouts = CachedSampler(stop_ids=(stop,)).generate(packed, PROMPTS, 2, GREEDY, seed=0)
+    for prompt, completions in zip(PROMPTS, rollouts.completions, strict=True):
+        expected = greedy_alone(stock, prompt, 6, stops=(stop,))
+        for completion in completions:
+            assert completion.ids == expected
+            assert completion.finished == (expected[-1] == stop)
+    cut = free.index(stop) + 1
+    assert rollouts.completions[0][0].ids == free[:cut] and rollouts.completions[0][0].finished
+
+
+def test_sampling_is_seeded():
+    stock = build_model("llama", vocab_size=VOCAB).eval()
+    sampler, sampling = CachedSampler(stop_ids=()), Sampling(temperature=1.0, max_new_tokens=5)
+    first = sampler.generate(stock, PROMPTS, 4, sampling, seed=11).completions
+    again = sampler.generate(stock, PROMPTS, 4, sampling, seed=11).completions
+    other = sampler.generate(stock, PROMPTS, 4, sampling, seed=12).completions
+    ids = [[c.ids for c in group] for group in first]
+    assert ids == [[c.ids for c in group] for group in again]
+    assert ids != [[c.ids for c in group] for group in other]
+    assert len({tuple(c) for c in ids[0]}) > 1  # the G samples of a prompt differ
+
+
+def test_top_k_and_top_p_cut_the_distribution():
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]]).repeat(2000, 1)
+    generator = torch.Generator().manual_seed(0)
+    top2 = sample_next(logits, Sampling(top_k=2), generator)
+    assert set(top2.tolist()) == {1, 2}
+    probs = logits[0].softmax(-1)  # 0.64, 0.23, 0.09, ...: top_p 0.7 keeps the first two ranked
+    assert probs[1] < 0.7 < probs[1] + probs[2]
+    nucleus = sample_next(logits, Sampling(top_p=0.7), generator)
+    assert set(nucleus.tolist()) == {1, 2}
+    cold = sample_next(logits, Sampling(temperature=0.05), generator)
+    assert set(cold.tolist()) == {1}
+
+
+def test_empty_prompts_are_refused(models):
+    _, packed = models
+    with pytest.raises(ValueError, match="a prompt is empty"):
+        CachedSampler(stop_ids=()).generate(packed, [[1], []], 2, GREEDY, seed=0)
