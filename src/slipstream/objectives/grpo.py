@@ -483,9 +483,15 @@ class GRPO(Objective):
         """The held-out prompts' mean reward (``eval_generations`` completions each, a fixed seed)."""
         model = getattr(model, "module", model)
         sums = torch.zeros(2 + len(self.rewards) * 2, dtype=torch.float64)
-        for index, counts in rank_share(len(evals.bins), info.rank, info.world_size):
-            prompts = evals.bins[index]
-            seed = (self.config.seed * 1_000_003 + 7) * 1_009 + index
+        # this rank's share of the held-out prompts, sampled in one batch (no collective while sampling)
+        prompts = [
+            row
+            for index, counts in rank_share(len(evals.bins), info.rank, info.world_size)
+            if counts
+            for row in evals.bins[index]
+        ]
+        if prompts:
+            seed = (self.config.seed * 1_000_003 + 7) * 1_009 + info.rank
             with eval_mode(model), torch.no_grad():
                 rollouts = self.engine.generate(
                     model,
@@ -495,11 +501,9 @@ class GRPO(Objective):
                     seed,
                 )
             try:
-                per_function, groups = self._score(prompts, rollouts, self.settings.eval_generations)
+                per_function, _ = self._score(prompts, rollouts, self.settings.eval_generations)
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
-            if not counts:
-                continue
             rewards = [weighted(values, self.rewards) for values in per_function]
             sums[0] += sum(rewards)
             sums[1] += len(rewards)
