@@ -52,15 +52,16 @@ def test_advantages_are_trls(scale):
 # ----------------------------------------------------------------------------- the loss
 
 
-def reference_loss(logp, ref, groups, advantages, settings, mask):
-    """TRL's GRPO loss from per-completion token log-probs (old = logp detached: one update per batch)."""
+def reference_loss(logp, ref, groups, advantages, settings, mask, old=None):
+    """TRL's GRPO loss from per-completion token log-probs (old: the sampling policy's; None: logp
+    detached, one update per batch)."""
     eps_low = settings.epsilon
     eps_high = settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon
     lengths = [len(c) for g in groups for c in g["completions"]]
     per_seq, tokens, start = [], 0.0, 0
     for number, length in enumerate(lengths):
         lp = logp[start : start + length]
-        ratio = torch.exp(lp - lp.detach())
+        ratio = torch.exp(lp - (lp.detach() if old is None else old[start : start + length]))
         A = advantages[number]
         loss_t = -torch.minimum(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
         if ref is not None:
@@ -94,16 +95,18 @@ def lora_models(init_zero: bool):
 
 
 @pytest.mark.parametrize(
-    "loss, beta, truncated",
+    "loss, beta, truncated, stale",
     [
-        ("dapo", 0.0, False),
-        ("grpo", 0.0, False),
-        ("dr_grpo", 0.0, False),
-        ("dapo", 0.04, True),
-        ("grpo", 0.1, True),
+        ("dapo", 0.0, False, False),
+        ("grpo", 0.0, False, False),
+        ("dr_grpo", 0.0, False, False),
+        ("dapo", 0.04, True, False),
+        ("grpo", 0.1, True, False),
+        ("dapo", 0.0, False, True),  # num_iterations > 1: old log-probs of another policy, ratios clip
+        ("dr_grpo", 0.04, True, True),
     ],
 )
-def test_the_update_is_trls_loss_on_each_completion_run_alone(loss, beta, truncated):
+def test_the_update_is_trls_loss_on_each_completion_run_alone(loss, beta, truncated, stale):
     stock, packed = lora_models(init_zero=False)  # a random adapter: the KL and every gradient act
     settings = GRPOConfig(loss=loss, beta=beta, rewards=["answer_tag"], max_new_tokens=8, temperature=0.9)
     objective = GRPO(SimpleNamespace(grpo=settings, seed=0), settings)
@@ -124,6 +127,14 @@ def test_the_update_is_trls_loss_on_each_completion_run_alone(loss, beta, trunca
         reference=reference_sums(packed, completions.batch, True, adapter=True) if beta else None,
         tokens_in_step=sum(n * m for n, m in zip(lengths, mask, strict=True)),
     )
+    old = None
+    if (
+        stale
+    ):  # the sampling policy's log-probs: these, moved by up to +-0.5 (some ratios leave the clip range)
+        with torch.no_grad():
+            moved = torch.linspace(-0.5, 0.5, len(owner)).roll(3)
+            old = stock_token_logprobs(stock, groups, 0.9) + moved
+        micro.old = old.clone()
     weight = {"dapo": micro.tokens_in_step, "grpo": 8, "dr_grpo": 8 * 8}[loss]
     ours, metrics = objective.micro_batch(packed, micro, float(weight))
     ours.backward()
@@ -132,12 +143,13 @@ def test_the_update_is_trls_loss_on_each_completion_run_alone(loss, beta, trunca
     if beta:
         with torch.no_grad(), stock.disable_adapter():
             ref = stock_token_logprobs(stock, groups, 0.9)
-    theirs = reference_loss(logp, ref, groups, advantages, settings, mask)
+    theirs = reference_loss(logp, ref, groups, advantages, settings, mask, old)
     theirs.backward()
     assert abs(ours.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
     assert metrics[0].item() == pytest.approx(ours.item())
     if beta:
         assert metrics[2].item() > 0  # the adapter moved the policy off the base
+    assert (metrics[1].item() > 0) == stale  # tokens clipped only when the sampling policy differs
     found, expected = grads_of(packed), grads_of(stock)
     assert found.keys() == expected.keys() and found
     worst = max(rel(found[name], expected[name]) for name in expected)
@@ -250,10 +262,30 @@ def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_step(tmp_
     assert not (tmp_path / "cli" / "adapter").exists()
 
 
+def test_num_iterations_trains_each_round_of_rollouts_k_times(tmp_path):
+    config = grpo_config(tmp_path, training={"steps": 4}, grpo={"num_iterations": 2}, optimizer={"lr": 5e-2})
+    train(load_config(config), progress=False)
+    found = records(tmp_path / "out")
+    assert [r["iteration"] for r in found] == [1, 2, 1, 2]
+    for first, again in (found[0:2], found[2:4]):
+        assert again["generation_s"] == 0.0 and first["generation_s"] > 0.0
+        assert (
+            again["reward"] == first["reward"]
+            and again["completion_mean_tokens"] == first["completion_mean_tokens"]
+        )
+        assert first["clip_fraction"] == 0.0  # the first update: the policy that sampled
+        assert again["loss"] != first["loss"]  # the second: ratios off 1
+    assert found[2]["reward"] != found[0]["reward"]  # a new round, new rollouts
+
+
 REFUSALS = [
     ({"grpo": {"rewards": []}}, "grpo.rewards"),
     ({"grpo": {"rewards": ["nothing_here"]}}, "grpo.rewards"),
-    ({"grpo": {"num_iterations": 2}}, "grpo.num_iterations"),
+    (
+        {"grpo": {"num_iterations": 2}, "training": {"steps": 4, "checkpoint_every": 3}},
+        "training.checkpoint_every",
+    ),
+    ({"grpo": {"num_iterations": 2}, "training": {"steps": None, "epochs": 1}}, "training.epochs"),
     ({"grpo": {"beta": 0.1}, "lora": {"enabled": False}}, "grpo.beta"),
     ({"grpo": {"max_new_tokens": 64}}, "data.max_seq_len"),
     ({"grpo": {"num_generations": 1}}, "grpo.num_generations"),

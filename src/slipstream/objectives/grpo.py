@@ -24,7 +24,9 @@ micro-batch):
 
    ``logp_old`` is the log-prob of the policy that sampled; with one update per rollout batch
    (``num_iterations: 1``) that is the policy being updated, so ``r`` is 1 in value and only its
-   gradient acts. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
+   gradient acts. With ``num_iterations: k`` > 1 a batch of rollouts (a *round*: the bins of
+   ``bins_for(round)``) is updated on in k steps; ``logp_old`` is read once, after sampling, by a
+   ``no_grad`` forward in the same packed layout, and kept for the round. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
    step / their count, TRL's default), ``grpo`` (each completion's token mean, then the mean over
    completions), ``dr_grpo`` (token sum / (completions x max_new_tokens)). The reference (``beta``
    > 0) is the base model: the same packed forward with the adapter off, no grad, before the step.
@@ -86,6 +88,7 @@ class GRPOMicro:
     seq_tokens: torch.Tensor  # [completions] fp32: tokens each completion counts (grpo's mean)
     reference: torch.Tensor | None  # [tokens] fp32: the reference's log-probs (beta > 0)
     tokens_in_step: float  # every rank's counted completion tokens this step (metric divisor)
+    old: torch.Tensor | None = None  # [tokens] fp32: the sampling policy's log-probs (num_iterations > 1)
 
 
 def stop_ids(tokenizer, model) -> tuple[int, ...]:
@@ -138,6 +141,7 @@ class GRPO(Objective):
         self.tokenizer = None
         self.chunked = True
         self.last_groups: list[dict] = []  # this rank's groups of the last step (its FLOPs)
+        self.kept: tuple[int, StepPlan] | None = None  # (round, its plan): num_iterations > 1
 
     @property
     def sampling(self) -> Sampling:
@@ -175,11 +179,17 @@ class GRPO(Objective):
                 "training.objective 'grpo' trains packed completion groups: "
                 "speedups.packed_attention false is not supported",
             )
-        if grpo.num_iterations > 1:
+        if grpo.num_iterations > 1 and config.training.epochs is not None:
             fail(
-                "grpo.num_iterations",
-                "grpo.num_iterations > 1 (several updates per batch of rollouts, the old log-probs kept) "
-                "is not supported yet: use 1",
+                "training.epochs",
+                "training.epochs with grpo.num_iterations > 1: give training.steps instead (each batch of "
+                "rollouts is trained num_iterations steps)",
+            )
+        if grpo.num_iterations > 1 and config.training.checkpoint_every % grpo.num_iterations:
+            fail(
+                "training.checkpoint_every",
+                f"training.checkpoint_every must be a multiple of grpo.num_iterations "
+                f"{grpo.num_iterations}: a checkpoint inside a round could not resume it exactly",
             )
         if grpo.beta > 0 and not config.lora.enabled:
             fail("grpo.beta", "grpo.beta > 0 compares with the base (the adapter off): it needs lora.enabled")
@@ -326,6 +336,34 @@ class GRPO(Objective):
         return TrainError(f"step {step + 1}: {error}; nothing of this step was applied ({where})")
 
     def plan_step(self, run, step: int, step_bins: Sequence[int]) -> StepPlan:
+        """Step ``step``: a new round of rollouts every ``num_iterations`` steps, the kept one between."""
+        k = self.settings.num_iterations
+        number, iteration = divmod(step, k)
+        if iteration == 0:
+            plan = self._round(run, step, step_bins if k == 1 else run.bins_for(number))
+            if k > 1:
+                plan.record["iteration"] = 1
+            self.kept = (number, plan)
+            return plan
+        if self.kept is None or self.kept[0] != number:  # resumed inside a round (validate prevents it)
+            raise TrainError(
+                f"step {step + 1} is update {iteration + 1} of {k} on round {number + 1}'s rollouts, which this "
+                "process did not sample: resume from a checkpoint at a multiple of grpo.num_iterations"
+            )
+        kept = self.kept[1]
+        repeat = {
+            **kept.record,
+            "generation_s": 0.0,
+            "reward_s": 0.0,
+            "reference_s": 0.0,
+            "iteration": iteration + 1,
+        }
+        return StepPlan(
+            micro=kept.micro, total=kept.total, tokens=kept.tokens, documents=kept.documents, record=repeat
+        )
+
+    def _round(self, run, step: int, step_bins: Sequence[int]) -> StepPlan:
+        """Sample, score and pack this rank's share of ``step_bins``; the old log-probs where kept."""
         config, settings, info = self.config, self.settings, run.info
         G = settings.num_generations
         mine = [run.bins[i] for i in step_bins[info.rank :: info.world_size]]
@@ -388,6 +426,10 @@ class GRPO(Objective):
         if settings.beta > 0:  # the reference: the same packed forward with the adapter off, before the clock
             for item in micro:
                 item.reference = reference_sums(run.model, item.completions.batch, self.chunked, adapter=True)
+        if settings.num_iterations > 1:  # the sampling policy's log-probs, kept for the round's k updates
+            with torch.no_grad():
+                for item in micro:
+                    item.old = answer_sums(run.model, item.completions.batch, self.chunked).detach()
         referenced = time.perf_counter()
         self.last_groups = groups
         if settings.loss == "dapo":
@@ -447,7 +489,8 @@ class GRPO(Objective):
     def micro_batch(self, model, micro: GRPOMicro, weight):
         settings = self.settings
         logp = answer_sums(model, micro.completions.batch, self.chunked)  # [tokens]: one "answer" a token
-        old = logp.detach()  # num_iterations 1: the policy that sampled is the one being updated
+        # num_iterations 1: the policy that sampled is the one being updated (r = 1, its gradient acts)
+        old = logp.detach() if micro.old is None else micro.old
         ratio = torch.exp(logp - old)
         low, high = (
             settings.epsilon,
