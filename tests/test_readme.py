@@ -239,13 +239,18 @@ def test_the_walkthrough_runs_from_data_to_a_merged_model(smollm2, tmp_path, mon
     assert namespace["model"].config.model_type == "llama" and "lora" not in str(namespace["model"]).lower()
 
 
-def preference_walkthrough() -> list[str]:
-    """The "Preference tuning" section's command lines."""
+def section_commands(title: str) -> list[str]:
+    """The command lines of the README section whose heading starts with ``title``."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("## Preference tuning", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
     (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
     return [line for line in lines if line]
+
+
+def preference_walkthrough() -> list[str]:
+    """The "Preference tuning" section's command lines."""
+    return section_commands("Preference tuning")
 
 
 def test_the_preference_section_names_the_example_and_its_pairs():
@@ -325,11 +330,7 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
 
 def rl_walkthrough() -> list[str]:
     """The "Reinforcement learning (GRPO)" section's command lines."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Reinforcement learning (GRPO)", 1)[1].split("\n## ", 1)[0]
-    (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
-    lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
-    return [line for line in lines if line]
+    return section_commands("Reinforcement learning (GRPO)")
 
 
 def test_the_rl_section_names_the_example_its_prompts_and_its_reward_file():

@@ -60,10 +60,6 @@ class RolloutStats:
     decode_steps: int = 0  # forwards after the prefill
     seconds: float = 0.0
 
-    def add(self, other: RolloutStats) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
     @property
     def tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds > 0 else 0.0

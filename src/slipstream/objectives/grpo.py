@@ -140,7 +140,6 @@ class GRPO(Objective):
         )
         self.tokenizer = None
         self.chunked = True
-        self.last_groups: list[dict] = []  # this rank's groups of the last step (its FLOPs)
         self.kept: tuple[int, StepPlan] | None = None  # (round, its plan): num_iterations > 1
 
     @property
@@ -201,8 +200,6 @@ class GRPO(Objective):
                 "training.objective 'grpo' under fsdp2 (sharded weights while sampling) "
                 "is not supported yet: use ddp",
             )
-        if config.training.sample_prompts:
-            pass  # answered greedily at evaluations, as for every objective
 
     # ------------------------------------------------------------------ rows and bins
     def read(self, tokenizer, info) -> ObjectiveData:
@@ -300,10 +297,8 @@ class GRPO(Objective):
         self.engine.sync(model)
         with eval_mode(model), torch.no_grad():
             return self.engine.generate(
-                model, [r["prompt_ids"] for r in prompts], self._group_size, self.sampling, seed
+                model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
             )
-
-    _group_size = property(lambda self: self.settings.num_generations)
 
     def _score(self, prompts: list[dict], rollouts: Rollouts, G: int) -> tuple[list[list[float]], list[dict]]:
         """Every completion's per-function rewards; and each group's completion ids."""
@@ -431,7 +426,6 @@ class GRPO(Objective):
                 for item in micro:
                     item.old = answer_sums(run.model, item.completions.batch, self.chunked).detach()
         referenced = time.perf_counter()
-        self.last_groups = groups
         if settings.loss == "dapo":
             total = max(1.0, tokens_all)
         elif settings.loss == "grpo":
