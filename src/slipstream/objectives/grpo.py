@@ -141,6 +141,8 @@ class GRPO(Objective):
         self.tokenizer = None
         self.chunked = True
         self.kept: tuple[int, StepPlan] | None = None  # (round, its plan): num_iterations > 1
+        self.keeps_samples = self.settings.eval_samples
+        self._eval_samples: list[dict] = []
 
     @property
     def sampling(self) -> Sampling:
@@ -377,10 +379,7 @@ class GRPO(Objective):
         # the step's counts over every rank: completions, counted tokens, and the rewards' sums (batch std)
         lengths = [len(c) for g in groups for c in g["completions"]]
         finished = [f for g in groups for f in g["finished"]]
-        counted = [
-            0 if (settings.mask_truncated_completions and not f) else n
-            for n, f in zip(lengths, finished, strict=True)
-        ]
+        counted = self.counted_tokens(groups)
         local = torch.tensor(
             [len(rewards), sum(counted), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64
         )
@@ -393,31 +392,9 @@ class GRPO(Objective):
                 max(0.0, (reward_squares - completions_all * mean * mean) / max(1.0, completions_all - 1))
             )
         advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
-        # micro-batches: each bin's groups packed, every token's advantage and mask
-        micro, offset = [], 0
-        for rows in mine:
-            count = len(rows)
-            batch_groups = groups[offset : offset + count]
-            first = offset * G
-            packed = collate_completions(
-                batch_groups, settings.prefix_sharing, device=None, temperature=settings.temperature
-            )
-            owner = packed.completion_index
-            adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
-            keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
-            seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
-            packed = packed.to(run.device)
-            micro.append(
-                GRPOMicro(
-                    completions=packed,
-                    advantages=adv.index_select(0, owner).to(run.device),
-                    mask=keep.index_select(0, owner).to(run.device),
-                    seq_tokens=seq_tokens.to(run.device),
-                    reference=None,
-                    tokens_in_step=max(1.0, tokens_all),
-                )
-            )
-            offset += count
+        micro = self.pack_update(
+            groups, [len(rows) for rows in mine], advantages, counted, tokens_all, run.device
+        )
         if settings.beta > 0:  # the reference: the same packed forward with the adapter off, before the clock
             for item in micro:
                 item.reference = reference_sums(run.model, item.completions.batch, self.chunked, adapter=True)
@@ -426,12 +403,7 @@ class GRPO(Objective):
                 for item in micro:
                     item.old = answer_sums(run.model, item.completions.batch, self.chunked).detach()
         referenced = time.perf_counter()
-        if settings.loss == "dapo":
-            total = max(1.0, tokens_all)
-        elif settings.loss == "grpo":
-            total = completions_all
-        else:  # dr_grpo
-            total = completions_all * settings.max_new_tokens
+        total = self.loss_divisor(completions_all, tokens_all)
         record = self._record(
             per_function,
             rewards,
@@ -450,6 +422,66 @@ class GRPO(Objective):
             documents=[completion_documents(groups, settings.prefix_sharing)],
             record=record,
         )
+
+    def counted_tokens(self, groups: list[dict]) -> list[int]:
+        """The tokens each completion of ``groups`` counts in the loss: its length, or 0 where it was
+        cut at ``max_new_tokens`` and ``mask_truncated_completions`` leaves it out."""
+        mask = self.settings.mask_truncated_completions
+        return [
+            0 if (mask and not finished) else len(ids)
+            for g in groups
+            for ids, finished in zip(g["completions"], g["finished"], strict=True)
+        ]
+
+    def pack_update(
+        self,
+        groups: list[dict],
+        sizes: Sequence[int],
+        advantages: Sequence[float],
+        counted: Sequence[int],
+        tokens_all: float,
+        device,
+    ) -> list[GRPOMicro]:
+        """The update's micro-batches: ``groups`` (one prompt's completions each, in order) cut into
+        micro-batches of ``sizes`` groups, each packed ``prompt | completions`` (or prompt + completion
+        G times without prefix sharing), with every token's advantage and loss mask. ``counted``: the
+        tokens each completion counts in the loss (0: masked out); ``tokens_all``: the step's counted
+        tokens over every rank."""
+        settings, G = self.settings, self.settings.num_generations
+        micro, offset = [], 0
+        for count in sizes:
+            first = offset * G
+            packed = collate_completions(
+                groups[offset : offset + count],
+                settings.prefix_sharing,
+                device=None,
+                temperature=settings.temperature,
+            )
+            owner = packed.completion_index
+            adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
+            keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
+            seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
+            micro.append(
+                GRPOMicro(
+                    completions=packed.to(device),
+                    advantages=adv.index_select(0, owner).to(device),
+                    mask=keep.index_select(0, owner).to(device),
+                    seq_tokens=seq_tokens.to(device),
+                    reference=None,
+                    tokens_in_step=max(1.0, tokens_all),
+                )
+            )
+            offset += count
+        return micro
+
+    def loss_divisor(self, completions: float, tokens: float) -> float:
+        """What the step's summed loss is divided by: ``dapo`` its counted tokens, ``grpo`` its
+        completions, ``dr_grpo`` completions x max_new_tokens (every rank's)."""
+        if self.settings.loss == "dapo":
+            return max(1.0, tokens)
+        if self.settings.loss == "grpo":
+            return completions
+        return completions * self.settings.max_new_tokens
 
     def _record(
         self, per_function, rewards, lengths, finished, G, rollouts, generation_s, scoring_s, reference_s
@@ -542,6 +574,7 @@ class GRPO(Objective):
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
             rewards = [weighted(values, self.rewards) for values in per_function]
+            self._keep_samples(prompts, rollouts, per_function, rewards)
             sums[0] += sum(rewards)
             sums[1] += len(rewards)
             for k in range(len(self.rewards)):
@@ -555,6 +588,31 @@ class GRPO(Objective):
         for k, fn in enumerate(self.rewards):
             found[f"reward_{fn.name}"] = values[2 + 2 * k] / values[3 + 2 * k] if values[3 + 2 * k] else None
         return found
+
+    def _keep_samples(self, prompts, rollouts, per_function, rewards) -> None:
+        """The first ``eval_samples`` held-out completions, decoded, with their rewards (samples.jsonl)."""
+        kept, index = [], 0
+        for row, completions in zip(prompts, rollouts.completions, strict=True):
+            for completion in completions:
+                if len(kept) < self.keeps_samples:
+                    kept.append(
+                        {
+                            "prompt": row["prompt"],
+                            "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
+                            "new_tokens": len(completion.ids),
+                            "finished": completion.finished,
+                            "reward": rewards[index],
+                            "rewards": {
+                                fn.name: (None if math.isnan(v) else v)
+                                for fn, v in zip(self.rewards, per_function[index], strict=True)
+                            },
+                        }
+                    )
+                index += 1
+        self._eval_samples = kept
+
+    def eval_samples(self) -> list[dict]:
+        return self._eval_samples
 
     def summary(self, bins, last) -> dict:
         s = self.settings
