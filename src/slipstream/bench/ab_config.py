@@ -178,6 +178,10 @@ class ABConfig:
         metavar="RUN.yaml",
     )
 
+    # An online-RL objective's settings (--objective grpo): ``slipstream train``'s ``grpo:`` section of
+    # --config RUN.yaml (rewards, G, sampling, loss), as a dict; empty: GRPOConfig's defaults.
+    grpo: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
+
     # What the workload took from its defaults (``workload_defaults``): {"source": ..., "fields": {...}};
     # set by __post_init__, kept in the record.
     defaults: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
@@ -218,11 +222,15 @@ class ABConfig:
         from ..objectives import objective_for, objective_names
 
         try:
-            pairs = objective_for(self.objective).reads == "pairs"
+            reads = objective_for(self.objective).reads
         except KeyError:
             raise ValueError(
                 f"objective {self.objective!r}: not a registered objective ({', '.join(objective_names())})"
             ) from None
+        pairs = reads == "pairs"
+        if reads == "prompts":
+            self._check_prompts_objective()
+            return
         if pairs:
             if self.data is None:
                 raise ValueError(f"objective {self.objective}: --data must name a file of preference pairs")
@@ -245,6 +253,23 @@ class ABConfig:
             wanted = sorted({ARM_SPECS[arm].objective for arm in self.arms if ARM_SPECS[arm].pairs})
             raise ValueError(
                 f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
+            )
+
+    def _check_prompts_objective(self) -> None:
+        """Online RL (grpo): prompt rows, its rewards from --config, and only its own arms."""
+        if self.data is None:
+            raise ValueError(f"objective {self.objective}: --data must name a file of prompt rows")
+        own = [arm for arm in ARMS if ARM_SPECS[arm].objective == self.objective]
+        other = [arm for arm in self.arms if ARM_SPECS[arm].objective != self.objective]
+        if other:
+            raise ValueError(
+                f"objective {self.objective}: arm(s) {other} train another objective "
+                f"(use --preset {self.objective}: {', '.join(own)})"
+            )
+        if not self.grpo.get("rewards"):
+            raise ValueError(
+                f"objective {self.objective}: no reward functions: give --config RUN.yaml whose "
+                f"{self.objective}.rewards names them"
             )
 
     def _apply_defaults(self) -> None:

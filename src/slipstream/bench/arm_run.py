@@ -87,6 +87,14 @@ class ArmResult:
     # 0 where --no-keep-pages-warm or not on a CPU)
     held_bytes: list[int] = field(default_factory=list)
     hold_s: list[float] = field(default_factory=list)
+    # --objective grpo (bench/grpo_arms.py), per step: the arm's own sampling of the step's prompts
+    # (generate) and scoring (rewards, advantages), the update on the shared rollouts, the completions
+    # it sampled and their tokens; None for any other objective
+    generation_s: list[float] | None = None
+    scoring_s: list[float] | None = None
+    update_s: list[float] | None = None
+    completions: list[int] | None = None
+    generated_tokens: list[int] | None = None
 
 
 def peak_memory_mb(device: str) -> float:
@@ -365,6 +373,13 @@ def open_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: 
             from .peers.unsloth_arm import run_unsloth_arm
 
             return run_unsloth_arm(config, arm, plan, vocab_size)
+    from ..objectives import objective_for
+
+    if spec.objective and objective_for(spec.objective).reads == "prompts":
+        # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
+        from .grpo_arms import GrpoArmSession
+
+        return GrpoArmSession(config, arm, plan, vocab_size, perturb)
     return ArmSession(config, arm, plan, vocab_size, perturb)
 
 

@@ -94,6 +94,13 @@ ARM_SPECS: dict[str, Arm] = {
     "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer", objective="dpo"),
     "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="dpo"),
     "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="dpo"),
+    # GRPO (--objective grpo; bench/grpo_arms.py): TRL's GRPOTrainer as users run it (no vLLM: its
+    # transformers generate with every prompt repeated G times, the padded update), slipstream's
+    # update with each completion packed after its own copy of the prompt, and slipstream's (the prompt
+    # once per group); every arm samples with its own engine and updates on the same rollouts
+    "trl-grpo": Arm("padded", STOCK, stock=True, peer="trl", objective="grpo"),
+    "slipstream-grpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared", objective="grpo"),
+    "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo"),
     # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
     "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
     "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
@@ -116,6 +123,8 @@ ARM_PRESETS = {
     ),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
+    # --objective grpo: TRL's GRPOTrainer, slipstream without and with each group's prompt run once
+    "grpo": ("trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo"),
     # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
     # whole (bfd), slipstream without and with the start run once
     "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),

@@ -150,7 +150,8 @@ def _objective_of_train_config(path: str, config) -> dict:
     from ..objectives import objective_for
 
     name = config.training.objective
-    if objective_for(name).reads != "pairs":
+    reads = objective_for(name).reads
+    if reads == "samples":
         return {"objective": name}
     if name not in ARM_PRESETS:
         with_arms = sorted({spec.objective for spec in ARM_SPECS.values() if spec.objective})
@@ -158,6 +159,12 @@ def _objective_of_train_config(path: str, config) -> dict:
             f"{path}: 'training.objective' {name!r}: slipstream ab has no arms for it yet "
             f"(it A/Bs {', '.join(with_arms)})"
         )
+    if reads == "prompts":  # online RL: its settings section (rewards, G, sampling, loss)
+        return {
+            "objective": name,
+            "grpo": dataclasses.asdict(getattr(config, name)),
+            "arms": ARM_PRESETS[name],
+        }
     return {"objective": name, "beta": config.preference.beta, "arms": ARM_PRESETS[name]}
 
 

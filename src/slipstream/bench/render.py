@@ -184,7 +184,7 @@ def markdown_report(record: dict) -> str:
         *inputs_lines(record),
         f"Workload: {config['steps']} steps ({config['warmup']} warm-up, untimed), grad_accum {config['grad_accum']}, "
         f"{config['dtype']}, seed {config['seed']}, repeats {config['repeats']}; batching {config['batching']}, "
-        f"packing efficiency {record['packing']['efficiency']:.1%}; checkpointing {config.get('checkpointing', 'off')}; "
+        f"{packing_words(record)}; checkpointing {config.get('checkpointing', 'off')}; "
         f"vocabulary {record.get('vocab_size', '?')}; {lora_words(config)}; {lr_words(config)}",
         *([line] if (line := defaults_line(config)) else []),
         *([line] if (line := utilisation_line(record)) else []),
@@ -205,6 +205,7 @@ def markdown_report(record: dict) -> str:
         )
     lines += loss_verdict_lines(record)
     lines += preference_lines(record)
+    lines += rollout_lines(record)
     lines += ablation_lines(summary)
     lines += ceiling_lines(record)
     lines += machine_state_lines(record)
@@ -303,6 +304,73 @@ def preference_lines(record: dict) -> list[str]:
         reference = f"{s['reference_pass_s']:.1f}" if s.get("reference_pass_s") else "- (in its steps)"
         lines.append(
             f"| {arm} | {s['pairs_per_s']:.3f} | {s['final_reward_margin']:.4f} | {shown} | {reference} |"
+        )
+    return lines
+
+
+def packing_words(record: dict) -> str:
+    """The workload's packing in words: the bins' fill, or (grpo) the rollouts' shape."""
+    packing = record.get("packing", {})
+    if "efficiency" in packing:
+        return f"packing efficiency {packing['efficiency']:.1%}"
+    if "completions_per_prompt" in packing:
+        return (
+            f"{packing['prompts_trained']} prompts x G = {packing['completions_per_prompt']} completions "
+            f"(prompts {packing['min_prompt_tokens']}-{packing['max_prompt_tokens']} tokens)"
+        )
+    return "packing -"
+
+
+def _interval_words(s: dict, key: str) -> str:
+    found = s.get(key)
+    return f" [{found['low']:.2f}, {found['high']:.2f}]" if found else ""
+
+
+def rollout_lines(record: dict) -> list[str]:
+    """``--objective grpo``: each arm's whole step, its sampling and its update in completions per
+    second and against every baseline, what it sampled, and the update's gradient norm per step (on
+    the shared rollouts: the loss can be equal whatever the model, the gradient cannot)."""
+    judged = {arm: s for arm, s in record["summary"].items() if "completions_per_s" in s}
+    if not judged:
+        return []
+    packing = record.get("packing", {})
+    lines = [
+        "",
+        f"GRPO rollouts: {packing.get('prompts_trained', '?')} prompts (mean {packing.get('mean_prompt_tokens', 0):.0f} "
+        f"tokens), G = {packing.get('completions_per_prompt', '?')}, up to {packing.get('max_new_tokens', '?')} new "
+        f"tokens. The update trains every arm on the same rollouts, sampled once by {packing.get('sampled_by', '?')}: "
+        f"completions {packing.get('mean_completion_tokens', 0):.1f} tokens on average, "
+        f"{packing.get('truncated_share', 0):.0%} cut at the limit, mean reward {packing.get('mean_reward', 0):.3f}, "
+        f"{packing.get('equal_rewards_share', 0):.0%} of the groups with equal rewards. Each arm samples the step's "
+        "prompts with its own engine (the same G, limit and settings; its completions are its own, their mean "
+        "length is shown).",
+        "",
+        "| arm | whole step (completions/s) | vs baselines [95%] | generation (s) | generation (completions/s) "
+        "| vs baselines [95%] | sampled tokens (mean) | generated tokens/s | scoring (s) | update (s) "
+        "| vs baselines [95%] | share generating |",
+        "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---|---:|",
+    ]
+
+    def cells(s: dict, prefix: str, interval: str) -> str:
+        bases = [k.removeprefix("speedup_vs_") for k in s if k.startswith("speedup_vs_")]
+        shown = [f"{s[f'{prefix}{b}']:.2f}x{_interval_words(s, f'{interval}{b}')} vs {b}" for b in bases]
+        return "<br>".join(shown) or "-"
+
+    for arm, s in judged.items():
+        lines.append(
+            f"| {arm} | {s['completions_per_s']:.3f} | {cells(s, 'speedup_vs_', 'interval_vs_')} | "
+            f"{s['median_generation_s']:.2f} | {s['generation_completions_per_s']:.3f} | "
+            f"{cells(s, 'generation_speedup_vs_', 'generation_interval_vs_')} | {s['sampled_mean_tokens']:.1f} | "
+            f"{s['generated_tokens_per_s']:.1f} | {s['median_scoring_s']:.3f} | {s['median_update_s']:.2f} | "
+            f"{cells(s, 'update_speedup_vs_', 'update_interval_vs_')} | {s['generation_share']:.0%} |"
+        )
+    arms = list(judged)
+    lines += ["", "Update gradient norm per step (the same rollouts for every arm):", ""]
+    lines += ["| step | " + " | ".join(arms) + " |", "|---:|" + "---:|" * len(arms)]
+    steps = len(record["runs"][arms[0]][0]["grad_norm"])
+    for step in range(steps):
+        lines.append(
+            f"| {step} | " + " | ".join(f"{record['runs'][a][0]['grad_norm'][step]:.6f}" for a in arms) + " |"
         )
     return lines
 
@@ -431,6 +499,8 @@ def print_tables(record: dict) -> None:
         console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
     if pairs := preference_lines(record):
         console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
+    if rollouts := rollout_lines(record):
+        console.print("\n".join(line.replace("**", "") for line in rollouts[1:]))
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
     if state := machine_state_lines(record):

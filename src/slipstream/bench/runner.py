@@ -107,6 +107,10 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
 
     if objective_for(config.objective).reads == "pairs":
         return prepare_pair_bins(config)
+    if objective_for(config.objective).reads == "prompts":  # online RL: rollouts sampled once (grpo_arms)
+        from .grpo_arms import prepare_rollouts
+
+        return prepare_rollouts(config)
     tokenizer = ab_tokenizer(config)
     samples = ab_samples(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
@@ -203,6 +207,7 @@ def summarize(
     (``utilisation.matmul_peak``). Skipped arms keep their reason."""
     summary: dict[str, Any] = {}
     timed: dict[str, list[float]] = {}
+    timed_parts: dict[str, dict[str, list[float]]] = {}  # grpo: per arm, its generation and update times
     ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
     flops = reference_model_flops(ran)
     for arm, runs in arms.items():
@@ -236,6 +241,12 @@ def summarize(
             **utilisation(config, runs, flops, peak),
             **machine_state(config, runs),
         }
+        if first.get("generation_s") is not None:  # --objective grpo: sampling and the update apart
+            summary[arm].update(_rollout_figures(config, runs))
+            timed_parts[arm] = {
+                part: [t for run in runs for t in run[part][config.warmup :]]
+                for part in ("generation_s", "update_s")
+            }
         if first.get("pairs"):
             pairs = [n for run in runs for n in run["pairs"][config.warmup :]]
             summary[arm]["pairs_per_s"] = sum(pairs) / sum(step_s)
@@ -272,9 +283,40 @@ def summarize(
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=config.seed, repeats=config.repeats)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
+            if arm in timed_parts and base in timed_parts:  # grpo: each half against the base's
+                for part, name in (("generation_s", "generation"), ("update_s", "update")):
+                    mine, theirs = timed_parts[arm][part], timed_parts[base][part]
+                    summary[arm][f"{name}_speedup_vs_{base}"] = (
+                        summary[arm][f"{name}_completions_per_s"] / summary[base][f"{name}_completions_per_s"]
+                    )
+                    interval = speedup(theirs, mine, seed=config.seed, repeats=config.repeats)
+                    summary[arm][f"{name}_interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, config.seed)
     return summary
+
+
+def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
+    """A GRPO arm's figures after warm-up: completions per second of the whole step, of its sampling
+    alone and of its update alone (every arm samples and trains the same number of completions a step),
+    its generated tokens per second and the mean length of what it sampled."""
+
+    def timed(key):
+        return [v for run in runs for v in run[key][config.warmup :]]
+
+    completions, generated = sum(timed("completions")), sum(timed("generated_tokens"))
+    generation, scoring, update = sum(timed("generation_s")), sum(timed("scoring_s")), sum(timed("update_s"))
+    return {
+        "completions_per_s": completions / (generation + scoring + update),
+        "generation_completions_per_s": completions / generation,
+        "update_completions_per_s": completions / update,
+        "generated_tokens_per_s": generated / generation,
+        "sampled_mean_tokens": generated / completions,
+        "median_generation_s": statistics.median(timed("generation_s")),
+        "median_scoring_s": statistics.median(timed("scoring_s")),
+        "median_update_s": statistics.median(timed("update_s")),
+        "generation_share": generation / (generation + scoring + update),
+    }
 
 
 def _compile_break_even(summary: dict, ran: dict[str, list[dict]]) -> None:

@@ -1,0 +1,323 @@
+"""``slipstream ab --objective grpo``: the rollouts every arm updates on, and one GRPO arm in its process.
+
+A GRPO step has two halves that are compared apart and together:
+
+- **Sampling**: every arm samples G completions of the step's prompts with its own engine (TRL's
+  ``generate`` path; slipstream's :class:`~slipstream.rollouts.CachedSampler`, each prompt prefilled
+  once) and scores them with the run's rewards. Sampling draws random tokens, so two arms' completions
+  differ; their lengths follow the same distribution (the same weights at step 0, the same settings),
+  and the table shows each arm's mean length next to its time.
+- **The update**: every arm trains on the **same rollouts**, sampled once before any arm runs
+  (:func:`prepare_rollouts`: slipstream's sampler on the starting weights, which every arm shares),
+  so their loss and gradient norm must agree within the dtype's tolerance at step 0 and are judged
+  like the DPO curves after.
+
+An arm's step is its sampling, its scoring and its update, timed one after another in one process;
+its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import resource
+import time
+
+import torch
+
+from ..data import DataError
+from ..data.prompts import load_prompts
+from ..hardware import OtherLoad
+from ..objectives.grpo import GRPO, advantages_of, stop_ids
+from ..optimize import base_model
+from ..packing.completions import completion_documents
+from ..rewards import RewardError, weighted
+from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
+from ..train.step import train_step
+from ..utilisation import docs_micro_batch, flop_profile
+from .ab_config import ABConfig, resolve_device
+from .arm_run import ArmResult, peak_memory_mb
+from .arms import ARM_SPECS, build_arm_model
+from .inputs import ABInputError, ab_tokenizer, vocab_size
+
+
+def grpo_settings_of(values: dict, **changes):
+    """The run's ``grpo:`` settings (``slipstream train``'s ``GRPOConfig``) from ``ABConfig.grpo``."""
+    from ..train.config import GRPOConfig
+
+    return dataclasses.replace(GRPOConfig(**values), **changes)
+
+
+def _seed(config: ABConfig, step: int) -> int:
+    """The sampling seed of ``step`` (as ``slipstream train`` draws it on rank 0)."""
+    return (config.seed * 1_000_003 + step) * 1_009
+
+
+def _objective(config: ABConfig, arm: str, tokenizer, model) -> GRPO:
+    """Slipstream's GRPO objective for ``arm`` (its prefix sharing), with our sampler."""
+    settings = grpo_settings_of(config.grpo, prefix_sharing=ARM_SPECS[arm].prefixes != "unshared")
+    objective = GRPO(None, settings)
+    objective.tokenizer = tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    objective.engine = CachedSampler(stop_ids(tokenizer, base_model(model)), int(pad))
+    return objective
+
+
+def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
+    """The rollouts of every step, ``[step][micro_batch] -> groups`` (a prompt's row, its G completions,
+    whether each ended, their rewards), sampled once by slipstream's sampler on the starting weights."""
+    settings = grpo_settings_of(config.grpo)
+    if not settings.rewards:
+        raise ABInputError(
+            "objective grpo: the workload names no reward function (--config RUN.yaml with grpo.rewards)"
+        )
+    tokenizer = ab_tokenizer(config)
+    vocab = vocab_size(config, tokenizer)
+    room = config.max_seq_len - settings.max_new_tokens
+    if room <= 0:
+        raise ABInputError(
+            f"max_seq_len {config.max_seq_len} leaves no room for a prompt beside max_new_tokens {settings.max_new_tokens}"
+        )
+    try:
+        rows, _ = load_prompts(config.data, tokenizer, room=room)
+    except DataError as error:
+        raise ABInputError(str(error)) from None
+    per_step = settings.prompts_per_batch * config.grad_accum
+    needed = config.steps * per_step
+    if len(rows) < needed:
+        raise ABInputError(
+            f"{config.data}: {len(rows)} prompts, fewer than steps x grad_accum x prompts_per_batch = {needed}"
+        )
+    order = list(range(len(rows)))
+    random.Random(f"slipstream ab grpo {config.seed}").shuffle(order)
+    device = resolve_device(config.device)
+    model, _ = build_arm_model(config, "slipstream-grpo", vocab, device)
+    try:
+        check_sampleable(base_model(model), config.max_seq_len)
+    except UnsupportedRollout as error:
+        raise ABInputError(f"model {config.model}: {error}") from None
+    objective = _objective(config, "slipstream-grpo", tokenizer, model)
+    G = settings.num_generations
+    plan, started = [], time.perf_counter()
+    all_rewards, lengths, finished = [], [], []
+    for step in range(config.steps):
+        prompts = [rows[i] for i in order[step * per_step : (step + 1) * per_step]]
+        rollouts = objective._generate(model, prompts, _seed(config, step))
+        try:
+            per_function, groups = objective._score(prompts, rollouts, G)
+        except RewardError as error:
+            raise ABInputError(f"step {step + 1} of the shared rollouts: {error}") from None
+        rewards = weighted_all(per_function, objective)
+        for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
+            group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
+            group["rewards"] = rewards[index * G : (index + 1) * G]
+        size = settings.prompts_per_batch
+        plan.append([groups[start : start + size] for start in range(0, len(groups), size)])
+        all_rewards += rewards
+        lengths += [len(c) for g in groups for c in g["completions"]]
+        finished += [f for g in groups for f in g["finished"]]
+    stds = [max(all_rewards[i : i + G]) - min(all_rewards[i : i + G]) for i in range(0, len(all_rewards), G)]
+    used = [g["row"] for step in plan for micro in step for g in micro]
+    return (
+        plan,
+        vocab,
+        {
+            "prompts_trained": len(used),
+            "completions_per_prompt": G,
+            "mean_prompt_tokens": sum(len(r["prompt_ids"]) for r in used) / len(used),
+            "min_prompt_tokens": min(len(r["prompt_ids"]) for r in used),
+            "max_prompt_tokens": max(len(r["prompt_ids"]) for r in used),
+            "mean_completion_tokens": sum(lengths) / len(lengths),
+            "max_new_tokens": settings.max_new_tokens,
+            "truncated_share": sum(1 for f in finished if not f) / len(finished),
+            "mean_reward": sum(all_rewards) / len(all_rewards),
+            "equal_rewards_share": sum(1 for s in stds if s == 0) / len(stds),
+            "sampled_in_s": time.perf_counter() - started,
+            "sampled_by": "slipstream's CachedSampler on the starting weights (the adapter at zero)",
+        },
+    )
+
+
+def weighted_all(per_function: list[list[float]], objective: GRPO) -> list[float]:
+    return [weighted(values, objective.rewards) for values in per_function]
+
+
+class GrpoArmSession:
+    """One GRPO arm in this process (the lockstep scheduler's session interface: ``step``, ``finish``)."""
+
+    def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+        from .arm_run import perturb_by_one_ulp
+
+        self.config, self.arm, self.plan = config, arm, plan
+        self.device = device = resolve_device(config.device)
+        spec = ARM_SPECS[arm]
+        model, state = build_arm_model(config, arm, vocab_size, device)
+        moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
+        self.model, self.state = model, state
+        tokenizer = ab_tokenizer(config)
+        self.objective = _objective(config, arm, tokenizer, model)
+        self.objective.chunked = state is not None and state.chunked_loss is not None
+        self.settings = self.objective.settings
+        self.trl = None
+        if spec.peer == "trl":
+            from .peers.trl_grpo_step import TrlGrpoStep
+
+            self.trl = TrlGrpoStep(
+                model,
+                tokenizer,
+                self.settings,
+                self.objective.rewards,
+                steps=config.steps,
+                lr=config.lr,
+                schedule=config.schedule,
+                warmup_steps=config.lr_warmup_steps,
+                seed=config.seed,
+                grad_accum=config.grad_accum,
+                device=device,
+            )
+            state.policies.extend(self.trl.policies)
+        else:
+            from transformers import get_scheduler
+
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+            )
+            self.scheduler = get_scheduler(
+                config.schedule,
+                self.optimizer,
+                num_warmup_steps=config.lr_warmup_steps,
+                num_training_steps=config.steps,
+            )
+            state.policies.append(
+                "grpo: each prompt prefilled once, its KV cache shared by its G samples (CachedSampler); the "
+                "update packs "
+                + (
+                    "prompt | completions (the prompt once)"
+                    if self.settings.prefix_sharing
+                    else "prompt + completion, G times"
+                )
+            )
+        profile = flop_profile(model)
+        model_flops = [
+            profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
+            for step in plan
+        ]
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.result = ArmResult(
+            arm=arm,
+            step_s=[],
+            forward_s=[],
+            backward_s=[],
+            tokens=[],
+            loss=[],
+            grad_norm=[],
+            host_syncs_per_step=None,
+            host_syncs_by_op={},
+            peak_memory_mb=0.0,
+            memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
+            attn_implementation=base_model(model).config._attn_implementation,
+            policies=state.policies if state else [],
+            activation_bytes=None,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            model_flops=model_flops,
+            lr=[],
+            perturbed_weights=moved,
+            generation_s=[],
+            scoring_s=[],
+            update_s=[],
+            completions=[],
+            generated_tokens=[],
+        )
+
+    def _sample(self, rows: list[dict], step: int) -> dict:
+        """Sampling and scoring of this step's prompts with this arm's engine (its own completions)."""
+        if self.trl is not None:
+            return self.trl.sample(rows, step)
+        objective, G = self.objective, self.settings.num_generations
+        started = time.perf_counter()
+        rollouts = objective._generate(self.model, rows, _seed(self.config, step))
+        generated = time.perf_counter()
+        per_function, groups = objective._score(rows, rollouts, G)
+        advantages_of(weighted_all(per_function, objective), G, self.settings.scale_rewards, 0.0)
+        return {
+            "generation_s": generated - started,
+            "scoring_s": time.perf_counter() - generated,
+            "completions": len(rows) * G,
+            "generated_tokens": sum(len(c) for g in groups for c in g["completions"]),
+        }
+
+    def _update(self, micro_groups: list[list[dict]]) -> dict:
+        """One optimizer step on the shared rollouts of this step."""
+        objective, settings, G = self.objective, self.settings, self.settings.num_generations
+        groups = [g for micro in micro_groups for g in micro]
+        rewards = [r for g in groups for r in g["rewards"]]
+        batch_std = None
+        if settings.scale_rewards == "batch":
+            batch_std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0
+        advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
+        counted = objective.counted_tokens(groups)
+        if self.trl is not None:
+            cut, per_micro = 0, []
+            for micro in micro_groups:
+                per_micro.append(advantages[cut : cut + len(micro) * G])
+                cut += len(micro) * G
+            return self.trl.update(micro_groups, per_micro, sum(counted))
+        lr = self.optimizer.param_groups[0]["lr"]
+        micro = objective.pack_update(
+            groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
+        )
+        metrics = train_step(
+            self.model,
+            micro,
+            self.optimizer,
+            global_tokens=objective.loss_divisor(len(rewards), float(sum(counted))),
+            objective=objective,
+        )
+        self.scheduler.step()
+        return {**metrics, "lr": lr}
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def step(self, step: int) -> float:
+        """Sample, score and update step ``step`` (the next one); returns its time in seconds."""
+        result = self.result
+        if step != len(result.step_s):
+            raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
+        micro_groups = self.plan[step]
+        rows = [g["row"] for micro in micro_groups for g in micro]
+        self._sync()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        with OtherLoad(torch.get_num_threads()) as load:
+            sampled = self._sample(rows, step)
+            self._sync()
+            started = time.perf_counter()
+            metrics = self._update(micro_groups)
+            self._sync()
+            update_s = time.perf_counter() - started
+        result.other_cores.append(round(load.other_cores, 3) if load.known else None)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        result.page_faults.append(after.ru_minflt - usage.ru_minflt)
+        result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
+        result.generation_s.append(sampled["generation_s"])
+        result.scoring_s.append(sampled["scoring_s"])
+        result.completions.append(sampled["completions"])
+        result.generated_tokens.append(sampled["generated_tokens"])
+        result.update_s.append(update_s)
+        result.step_s.append(sampled["generation_s"] + sampled["scoring_s"] + update_s)
+        result.forward_s.append(metrics["forward_s"])
+        result.backward_s.append(metrics["backward_s"])
+        # the update's completion tokens (the same rollouts for every arm)
+        result.tokens.append(sum(len(c) for micro in micro_groups for g in micro for c in g["completions"]))
+        result.loss.append(metrics["loss"])
+        result.grad_norm.append(metrics["grad_norm"])
+        result.lr.append(metrics["lr"])
+        return result.step_s[-1]
+
+    def finish(self) -> dict:
+        self.result.peak_memory_mb = peak_memory_mb(self.device)
+        if self.trl is not None:
+            self.trl.close()
+        return dataclasses.asdict(self.result)

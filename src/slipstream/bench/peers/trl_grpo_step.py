@@ -1,0 +1,217 @@
+"""The ``trl-grpo`` arm: one GRPO step as TRL's ``GRPOTrainer`` takes it (no vLLM, as users run it on
+one machine without a vLLM server).
+
+**Sampling** (:meth:`TrlGrpoStep.sample`): ``GRPOTrainer._generate_and_score_completions`` on the
+step's prompts, each row repeated G times as its ``RepeatSampler`` feeds them: TRL tokenizes the
+prompts (its chat template for message lists), left-pads the G x prompts rows and runs transformers'
+``generate`` on the unwrapped model (every prompt prefilled G times, every row decoded to the longest),
+masks after the first EOS, decodes, calls the reward functions, computes the group advantages and
+its metrics. Its ``_generate_single_turn`` (padding + ``generate`` + the EOS mask) is timed on its
+own as the arm's generation.
+
+**The update** (:meth:`TrlGrpoStep.update`), on the harness's shared rollouts: each micro-batch is
+the dict ``_generate_and_score_completions`` returns (prompts left-padded, completions right-padded
+with their masks, the advantages, ``num_items_in_batch``: the step's completion tokens) and goes
+through ``GRPOTrainer.training_step`` (``Trainer.training_step``: ``compute_loss``: the policy
+forward over prompt + completion with ``logits_to_keep``, per-token log-probs and entropies of
+logits / temperature, the clipped loss of ``loss_type``; ``accelerator.backward``) with its
+generation hook bypassed (the rollouts are given); then its clipping (1.0), ``adamw_torch``
+optimizer and scheduler. With ``num_iterations`` 1 and ``steps_per_generation`` equal to the
+accumulation, TRL keeps no old log-probs (the ratio is 1 in value), and with ``beta`` 0 it runs no
+reference forward, as slipstream.
+
+Left out, as from every arm: the Trainer's dataloader, callbacks and logging. Mixed precision off
+(``bf16=False``): the model is already in the run's dtype; gradient checkpointing off (the run's).
+The advantages of the shared rollouts are given with them (the same formula as TRL's, computed once).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import torch
+
+from .trl_step import ForwardClock, checkpointing_argument
+
+
+def _trl_reward(reward):
+    """A slipstream reward as TRL calls its reward functions (named, keyword arguments)."""
+
+    def call(prompts, completions, completion_ids, **columns):
+        columns.pop("trainer_state", None)
+        return reward.fn(prompts, completions, completion_ids, **columns)
+
+    call.__name__ = reward.name
+    return call
+
+
+class TrlGrpoStep:
+    """Drives a real ``GRPOTrainer``: its sampling on the step's prompts, its update on given rollouts."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        settings,
+        rewards,
+        *,
+        steps,
+        lr,
+        schedule,
+        warmup_steps,
+        seed,
+        grad_accum: int = 1,
+        device: str = "cpu",
+    ):
+        from datasets import Dataset
+        from trl import GRPOConfig, GRPOTrainer
+
+        self.device, self.settings, self.seed = device, settings, seed
+        self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-grpo-")
+        G = settings.num_generations
+        args = GRPOConfig(
+            output_dir=self._output_dir,
+            per_device_train_batch_size=settings.prompts_per_batch * G,
+            gradient_accumulation_steps=grad_accum,
+            max_steps=steps,
+            learning_rate=lr,
+            lr_scheduler_type=schedule,
+            warmup_steps=warmup_steps,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            optim="adamw_torch",
+            bf16=False,
+            fp16=False,
+            **{checkpointing_argument(GRPOConfig): False},
+            num_generations=G,
+            max_completion_length=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,
+            loss_type=settings.loss,
+            scale_rewards=settings.scale_rewards,
+            epsilon=settings.epsilon,
+            epsilon_high=settings.epsilon_high,
+            beta=settings.beta,
+            num_iterations=1,
+            mask_truncated_completions=settings.mask_truncated_completions,
+            reward_weights=[fn.weight for fn in rewards],
+            use_cpu=device == "cpu",
+            report_to="none",
+            save_strategy="no",
+            logging_steps=1,
+            disable_tqdm=True,
+            seed=seed,
+        )
+        placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
+        self.trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[_trl_reward(fn) for fn in rewards],
+            args=args,
+            train_dataset=placeholder,
+            processing_class=tokenizer,
+        )
+        self.model = self.trainer.model
+        self.trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.pad_id = self.trainer._tokenizer.pad_token_id
+        self.clock = ForwardClock(device)
+        self.clock.watch(self.model)
+        self.generation_s = 0.0
+        generate = self.trainer._generate_single_turn
+
+        def timed_generate(*args, **kwargs):  # the arm's generation: padding, generate, the EOS mask
+            started = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.clock.sync()
+                self.generation_s += time.perf_counter() - started
+
+        self.trainer._generate_single_turn = timed_generate
+        self.policies = [
+            "TRL GRPOTrainer (no vLLM): each prompt repeated G times, left-padded and run through "
+            "transformers' generate (every prompt prefilled G times), its rewards and advantages; the "
+            "update through training_step on right-padded prompt + completion rows (logits_to_keep, "
+            "per-token log-probs and entropies), its adamw_torch optimizer and clipping",
+        ]
+
+    def sample(self, rows: list[dict], step: int) -> dict:
+        """TRL's sampling and scoring of ``rows`` (G completions each); its times and counts."""
+        trainer, G = self.trainer, self.settings.num_generations
+        inputs = [{"prompt": row["prompt"], **row["columns"]} for row in rows for _ in range(G)]
+        torch.manual_seed(self.seed * 1_000_003 + step)  # TRL samples from the global generator
+        trainer.model.train()  # as the Trainer's loop leaves it
+        self.generation_s = 0.0
+        started = time.perf_counter()
+        output = trainer._generate_and_score_completions(inputs)
+        self.clock.sync()
+        total = time.perf_counter() - started
+        mask = output["completion_mask"]
+        trainer._metrics["train"].clear()
+        return {
+            "generation_s": self.generation_s,
+            "scoring_s": total - self.generation_s,
+            "completions": int(mask.size(0)),
+            "generated_tokens": int(mask.sum()),
+        }
+
+    def _inputs(self, groups: list[dict], advantages: list[float], items: int) -> dict:
+        """TRL's micro-batch dict for ``groups`` (as ``_generate_and_score_completions`` builds it)."""
+        from trl.trainer.utils import pad
+
+        prompts = [torch.tensor(g["prompt_ids"]) for g in groups for _ in g["completions"]]
+        completions = [torch.tensor(c) for g in groups for c in g["completions"]]
+        prompt_ids = pad(prompts, padding_value=self.pad_id, padding_side="left")
+        prompt_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left")
+        completion_ids = pad(completions, padding_value=self.pad_id, padding_side="right")
+        completion_mask = pad(
+            [torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"
+        )
+        if self.settings.mask_truncated_completions:
+            finished = torch.tensor([f for g in groups for f in g["finished"]])
+            completion_mask = completion_mask * finished.unsqueeze(1).int()
+        found = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": torch.tensor(advantages, dtype=torch.float32),
+            "num_items_in_batch": torch.tensor(items),
+        }
+        return {k: v.to(self.device) for k, v in found.items()}
+
+    def update(self, micro_groups: list[list[dict]], micro_advantages: list[list[float]], items: int) -> dict:
+        """One optimizer step on the given rollouts; its loss, grad norm and times."""
+        trainer = self.trainer
+        started = time.perf_counter()
+        self.clock.seconds = 0.0
+        lr = trainer.lr_scheduler.get_last_lr()[0]
+        micro = [self._inputs(g, a, items) for g, a in zip(micro_groups, micro_advantages, strict=True)]
+        trainer.current_gradient_accumulation_steps = len(micro)
+        prepare = trainer._prepare_inputs
+        trainer._prepare_inputs = lambda inputs: inputs  # the rollouts are given: no generation here
+        try:
+            losses = [trainer.training_step(self.model, inputs, None) for inputs in micro]
+        finally:
+            trainer._prepare_inputs = prepare
+        grad_norm = trainer.accelerator.clip_grad_norm_(self.parameters, trainer.args.max_grad_norm)
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+        self.model.zero_grad()
+        loss = float(sum(losses))
+        trainer._metrics["train"].clear()
+        self.clock.sync()
+        total = time.perf_counter() - started
+        return {
+            "loss": loss,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "forward_s": self.clock.seconds,
+            "backward_s": total - self.clock.seconds,
+        }
+
+    def close(self) -> None:
+        shutil.rmtree(self._output_dir, ignore_errors=True)

@@ -1,0 +1,81 @@
+"""``slipstream ab --objective grpo``: its arms, its refusals, and one short run against TRL's GRPOTrainer."""
+
+import pytest
+
+from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS
+from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+from slipstream.bench.render import markdown_report
+from slipstream.bench.runner import ABConfig, run_ab
+from tests.objectives.test_grpo import grpo_config
+
+
+def test_the_grpo_preset_holds_grpo_arms_only():
+    assert all(ARM_SPECS[arm].objective == "grpo" for arm in ARM_PRESETS["grpo"])
+    assert ARM_SPECS["trl-grpo"].peer == "trl" and ARM_SPECS["trl-grpo"].stock
+    assert ARM_SPECS["slipstream-grpo-no-prefix-sharing"].prefixes == "unshared"
+
+
+def test_a_grpo_ab_refuses_other_arms_missing_rewards_and_missing_prompts(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    rewards = {"rewards": ["answer_tag"]}
+    with pytest.raises(ValueError, match="train another objective"):
+        ABConfig(objective="grpo", data=str(prompts), arms=("slipstream", "slipstream-grpo"), grpo=rewards)
+    with pytest.raises(ValueError, match="no reward functions"):
+        ABConfig(objective="grpo", data=str(prompts), arms=ARM_PRESETS["grpo"])
+    with pytest.raises(ValueError, match="--data must name a file of prompt rows"):
+        ABConfig(objective="grpo", arms=ARM_PRESETS["grpo"], grpo=rewards)
+
+
+def _parse(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_ab_arguments(parser)
+    return ab_config_from_args(parser.parse_args(argv))
+
+
+def test_a_grpo_train_config_carries_its_settings_and_arms(tmp_path):
+    config = _parse(["--config", str(grpo_config(tmp_path))])
+    assert config.objective == "grpo" and config.arms == ARM_PRESETS["grpo"]
+    assert config.grpo["num_generations"] == 4
+    assert config.grpo["rewards"][0].endswith("rewards.py:even_tokens")  # made absolute by load_config
+
+
+def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
+    """Three fp32 steps on a tiny model: TRL's GRPOTrainer and both slipstream arms train the same
+    rollouts, so the loss and the gradient norm agree at every step; each arm samples on its own."""
+    pytest.importorskip("trl")
+    config = _parse(
+        [
+            "--config",
+            str(grpo_config(tmp_path)),
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--interleave",
+            "arms",
+            "--out",
+            str(tmp_path / "ab"),
+        ]
+    )
+    record = run_ab(config, progress=False)
+    runs = {arm: record["runs"][arm][0] for arm in ARM_PRESETS["grpo"]}
+    trl = runs["trl-grpo"]
+    assert record["packing"]["completions_per_prompt"] == 4
+    for arm, run in runs.items():
+        assert run["tokens"] == trl["tokens"], arm  # the same rollouts every step
+        assert run["completions"] == [8, 8, 8], arm  # 2 prompts x G = 4, sampled by the arm itself
+        assert all(t > 0 for t in run["generation_s"]) and all(t > 0 for t in run["update_s"])
+        assert run["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), arm
+        assert run["loss"] == pytest.approx(trl["loss"], abs=1e-5), arm
+        assert 0.0 not in run["grad_norm"]  # the rewards differ within a group: the update has a signal
+    for arm in ("slipstream-grpo-no-prefix-sharing", "slipstream-grpo"):
+        summary = record["summary"][arm]
+        assert summary["loss_vs_trl-grpo"] in ("identical", "within tolerance"), summary["loss_parity"]
+        for name in ("speedup_vs_trl-grpo", "generation_speedup_vs_trl-grpo", "update_speedup_vs_trl-grpo"):
+            assert summary[name] > 0, name
+    assert "update_speedup_vs_slipstream-grpo-no-prefix-sharing" in record["summary"]["slipstream-grpo"]
+    report = markdown_report(record)
+    assert "GRPO rollouts:" in report and "Update gradient norm per step" in report
