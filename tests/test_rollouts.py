@@ -91,6 +91,20 @@ def test_top_k_and_top_p_cut_the_distribution():
     assert set(cold.tolist()) == {1}
 
 
+def test_sampling_draws_each_token_as_often_as_its_probability():
+    """Inverse-CDF sampling: over 40,000 draws every token's share is its softmax probability (a
+    standard error ~0.0024 at most), a zero-probability token (top-k cut) never drawn."""
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0, 0.5]]).repeat(40_000, 1)
+    generator = torch.Generator().manual_seed(3)
+    drawn = sample_next(logits, Sampling(), generator)
+    shares = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    assert torch.allclose(shares, logits[0].double().softmax(-1), atol=0.012), shares
+    cut = sample_next(logits, Sampling(top_k=3), generator)
+    kept = logits[0, [1, 2, 3]].double().softmax(-1)
+    shares = torch.bincount(cut, minlength=6).double() / len(cut)
+    assert shares[[0, 4, 5]].sum() == 0 and torch.allclose(shares[[1, 2, 3]], kept, atol=0.012), shares
+
+
 def test_empty_prompts_are_refused(models):
     _, packed = models
     with pytest.raises(ValueError, match="a prompt is empty"):
