@@ -238,6 +238,27 @@ def test_slipstream_train_runs_grpo_and_records_its_metrics(tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").exists()
 
 
+def test_eval_at_start_gives_the_base_reward_and_samples_keep_held_out_completions(tmp_path):
+    config = grpo_config(
+        tmp_path,
+        data={"eval_fraction": 0.25},
+        training={"eval_at_start": True, "eval_every": 2},
+        grpo={"eval_samples": 2},
+    )
+    train(load_config(config), progress=False)
+    out = tmp_path / "out"
+    found = records(out)
+    assert [r["step"] for r in found] == [0, 1, 2, 3]
+    assert set(found[0]) == {"step", "eval_reward", "eval_reward_even_tokens"}  # the starting weights
+    assert [r["step"] for r in found if "eval_reward" in r] == [0, 2, 3]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 2, 2, 3, 3]  # eval_samples a time
+    for sample in samples:
+        assert sample["prompt"].startswith("Question") and isinstance(sample["completion"], str)
+        assert sample["reward"] == pytest.approx(sample["rewards"]["even_tokens"])
+        assert 1 <= sample["new_tokens"] <= 6
+
+
 def test_the_same_seed_samples_and_trains_the_same(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()

@@ -130,6 +130,14 @@ class Objective:
     ) -> dict[str, float]:
         raise NotImplementedError
 
+    # how many of what its evaluation produced it keeps in samples.jsonl (``eval_samples``); 0: none
+    keeps_samples: int = 0
+
+    def eval_samples(self) -> list[dict]:
+        """What the last ``evaluate`` produced worth reading (e.g. a few sampled completions with their
+        rewards), for ``samples.jsonl``; none by default."""
+        return []
+
     def summary(self, bins: Sequence[Sequence[dict]], last: dict | None) -> dict:
         """Its keys of ``run.json`` (the preference objectives: ``preference``); {}: none."""
         return {}

@@ -153,6 +153,7 @@ class GRPOConfig:
     # the prompt run once for its G completions in the update (else prompt + completion, G times)
     prefix_sharing: bool = True
     eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
+    eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
 
 
 @dataclass
@@ -175,6 +176,9 @@ class TrainingConfig:
     # with data.eval_path or data.eval_fraction: the eval loss every this many steps and at the
     # end; 0 = only at the end
     eval_every: NonNegative = 0
+    # with an eval set: also evaluate the starting weights, before step 1 (step 0 in metrics.jsonl): the
+    # figure the run improves on (GRPO: the base model's held-out reward)
+    eval_at_start: bool = False
     # prompts answered greedily (chat template, no_grad) into samples.jsonl at every
     # evaluation: every eval_every steps and at the end, with or without an eval set
     sample_prompts: list[str] = field(default_factory=list)

@@ -158,6 +158,7 @@ def _run_steps(
         config.training.sample_prompts,
         config.training.sample_max_new_tokens,
         main=info.is_main,
+        evaluated=run.evals is not None and bool(run.objective.keeps_samples),
     )
     nonfinite = NonFiniteSteps(run.config, run.info, run.out, run.total, run.model)
     losses: list[float] = []
@@ -174,6 +175,15 @@ def _run_steps(
     )
     step, stop = run.start, GracefulStop()
     postfix: dict[str, str] = {}  # the last eval loss, shown until the next
+    if config.training.eval_at_start and run.evals is not None and run.start == 0:
+        evaluated = time.perf_counter()  # the starting weights' figures, the base a run improves on
+        found = _evaluate(run, 0)
+        samples.keep(0, run.objective.eval_samples())
+        metrics.log({"step": 0, **{f"eval_{name}": value for name, value in found.items()}})
+        eval_seconds += time.perf_counter() - evaluated
+        if info.is_main:
+            shown = ", ".join(f"{k} {'null' if v is None else f'{v:.4f}'}" for k, v in found.items())
+            tqdm.write(f"slipstream train: eval before step 1: {shown}")
     try:
         stop.install()
         for step in bar:
@@ -200,6 +210,7 @@ def _run_steps(
             if _due_for_eval(run, step + 1):
                 evaluated = time.perf_counter()
                 found = _evaluate(run, step + 1)
+                samples.keep(step + 1, run.objective.eval_samples())
                 for name, value in found.items():  # the loss first, where the objective has one
                     record[f"eval_{name}"] = value
                 eval_seconds += time.perf_counter() - evaluated

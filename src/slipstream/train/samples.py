@@ -35,15 +35,28 @@ from .output_dir import SAMPLES
 class Samples:
     """``samples.jsonl``, open for appending (rank 0); ``write`` answers every prompt at a step."""
 
-    def __init__(self, out: Path, prompts: list[str], max_new_tokens: int, *, main: bool) -> None:
+    def __init__(
+        self, out: Path, prompts: list[str], max_new_tokens: int, *, main: bool, evaluated: bool = False
+    ) -> None:
         self.path = Path(out) / SAMPLES
         self.prompts = list(prompts)
         self.max_new_tokens = max_new_tokens
-        self.stream = self.path.open("a", encoding="utf-8") if main and self.prompts else None
+        # evaluated: the objective keeps what its evaluations produced (GRPO: sampled completions)
+        opened = main and (self.prompts or evaluated)
+        self.stream = self.path.open("a", encoding="utf-8") if opened else None
 
     @property
     def enabled(self) -> bool:
-        return self.stream is not None
+        """Whether there are prompts to answer (``training.sample_prompts``) on this rank."""
+        return self.stream is not None and bool(self.prompts)
+
+    def keep(self, step: int, records: list[dict]) -> None:
+        """An evaluation's own samples after step ``step`` (rank 0); one whole, flushed line each."""
+        if self.stream is None:
+            return
+        for record in records:
+            self.stream.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+        self.stream.flush()
 
     def write(self, model: torch.nn.Module, tokenizer, step: int) -> None:
         """Answer every prompt with ``model`` after step ``step``; one whole, flushed line each."""
