@@ -47,7 +47,7 @@ KEEPERS = ["Mara", "Tobin", "Ilse", "Joss", "Wren", "Petra", "Oskar"]
 SYSTEM = "You are a careful stock-room assistant. Think briefly, then give the final number inside <answer></answer>."
 
 
-def problem(rng: random.Random) -> tuple[str, str]:
+def problem(rng: random.Random, task: str = "sum") -> tuple[str, str]:
     items = rng.sample(ITEMS, rng.randint(3, 8))
     counts = {item: rng.randint(3, 60) for item in items}
     lines = [f"Inventory note from {rng.choice(KEEPERS)} at {rng.choice(PLACES)}:"]
@@ -63,6 +63,14 @@ def problem(rng: random.Random) -> tuple[str, str]:
         lost = rng.randint(1, min(5, counts[broken]))
         lines.append(f"{lost} of the {broken} were found broken and thrown away.")
         counts[broken] -= lost
+    if task == "lookup":  # one count read off the note (after the delivery / breakage lines)
+        item = rng.choice(items)
+        question = f"How many {item} are there now?"
+        text = (
+            "\n".join(lines)
+            + f"\n\nQuestion: {question} Reply with the number inside <answer></answer>, like <answer>7</answer>."
+        )
+        return text, str(counts[item])
     a, b = rng.sample(items, 2)
     if rng.random() < 0.6:
         question = f"How many {a} and {b} are there in all now?"
@@ -79,11 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--task",
+        choices=("sum", "lookup"),
+        default="sum",
+        help="sum: add or subtract two counts; lookup: read one count off the note",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     rows = []
     for _ in range(args.rows):
-        text, answer = problem(rng)
+        text, answer = problem(rng, args.task)
         prompt = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
         rows.append({"prompt": prompt, "answer": answer})
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -381,7 +381,9 @@ def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, caps
             model_dir = Path(done.stdout.strip().splitlines()[-1])
         else:
             records = [json.loads(line) for line in done.stdout.splitlines()]
-            assert [r["step"] for r in records] == [1, 2]
-            assert all(0.0 <= r["eval_reward"] <= 1.5 for r in records)
+            assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the starting weights (eval_at_start)
+            assert all(0.0 <= r["eval_reward"] <= 1.75 for r in records)  # weights 1 + 0.5 + 0.25
     run = json.loads((tmp_path / "runs" / "grpo" / "run.json").read_text())
     assert run["grpo"]["num_generations"] == 4 and run["eval"]["metrics"][-1]["step"] == 2
+    samples = (tmp_path / "runs" / "grpo" / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in samples] == [0] * 4 + [1] * 4 + [2] * 4
