@@ -138,3 +138,40 @@ def test_ddp_answers_the_sample_prompts_once_from_rank_0_without_changing_the_lo
     assert all(1 <= r["new_tokens"] <= 4 for r in records)
     single, ranks = losses(tmp_path / "single"), losses(tmp_path / "ranks")
     assert max(abs(a - b) / abs(a) for a, b in zip(single, ranks, strict=True)) <= 1e-5
+
+
+def test_grpo_trains_under_ddp_each_rank_sampling_its_prompts(tmp_path):
+    """Two ranks, each sampling its own prompts' groups (seeded by rank), the step's completion and
+    token counts summed over the ranks: the run ends, rank 0 logs every step's rewards, the ranks'
+    adapters stayed one (DDP) and a resumed rank samples what it sampled before (the seeds)."""
+    from ..objectives.test_grpo import grpo_config
+
+    config = grpo_config(tmp_path, training={"steps": 2, "checkpoint_every": 1}, data={"eval_fraction": 0.25})
+    command = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    run([*command, "-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'ranks'}"])
+    records = [json.loads(line) for line in (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all("reward_even_tokens" in r and "completion_mean_tokens" in r for r in records)
+    assert "eval_reward" in records[-1]
+    summary = json.loads((tmp_path / "ranks" / "run.json").read_text())
+    assert summary["world_size"] == 2 and summary["grpo"]["num_generations"] == 4
+    # resumed from step 1: step 2 samples and trains as it did (sampling seeded by seed, step and rank)
+    import shutil
+
+    shutil.rmtree(tmp_path / "ranks" / "checkpoints" / "step-000002")
+    command[-1] = free_port()
+    run(
+        [
+            *command,
+            "-m",
+            "slipstream",
+            "train",
+            str(config),
+            "--set",
+            f"output_dir={tmp_path / 'ranks'}",
+            "--resume",
+        ]
+    )
+    again = [json.loads(line) for line in (tmp_path / "ranks" / "metrics.jsonl").read_text().splitlines()]
+    assert again[-1]["step"] == 2 and again[-1]["reward"] == records[-1]["reward"]
+    assert again[-1]["loss"] == pytest.approx(records[-1]["loss"], rel=1e-5, abs=1e-7)

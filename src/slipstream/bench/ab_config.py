@@ -71,12 +71,14 @@ class ABConfig:
         "(as train's data.chat_template)",
         metavar="FILE_OR_DIR",
     )
-    # What every arm trains for (slipstream.objectives): next-token SFT on the documents, or a
+    # What every arm trains for (slipstream.objectives): next-token SFT on the documents, a
     # preference objective on pairs ({"prompt", "chosen", "rejected"} rows in --data, read as
-    # slipstream train reads them) whose arms exist: dpo (--preset dpo), orpo (--preset orpo).
+    # slipstream train reads them) whose arms exist: dpo (--preset dpo), orpo (--preset orpo); or
+    # online RL on prompt rows: grpo (--preset grpo; its rewards and settings from --config RUN.yaml).
     objective: str = _option(
         "sft",
-        "sft (documents), or dpo / orpo (--data holds preference pairs; arms: --preset dpo / --preset orpo)",
+        "sft (documents), dpo / orpo (--data holds preference pairs; arms: --preset dpo / --preset orpo), "
+        "or grpo (--data holds prompt rows, --config RUN.yaml its rewards; arms: --preset grpo)",
     )
     beta: float = _option(0.1, "the preference objective's beta (dpo; orpo: its lambda)")
     # Rows that start with the same tokens (a system prompt, a prompt with several answers) packed as

@@ -36,7 +36,7 @@ from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile
 from .ab_config import ABConfig, resolve_device
-from .arm_run import ArmResult, peak_memory_mb
+from .arm_result import ArmResult, peak_memory_mb, perturb_by_one_ulp
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 
@@ -102,12 +102,12 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     all_rewards, lengths, finished = [], [], []
     for step in range(config.steps):
         prompts = [rows[i] for i in order[step * per_step : (step + 1) * per_step]]
-        rollouts = objective._generate(model, prompts, _seed(config, step))
+        rollouts = objective.sample(model, prompts, _seed(config, step))
         try:
-            per_function, groups = objective._score(prompts, rollouts, G)
+            per_function, groups = objective.score_rollouts(prompts, rollouts, G)
         except RewardError as error:
             raise ABInputError(f"step {step + 1} of the shared rollouts: {error}") from None
-        rewards = weighted_all(per_function, objective)
+        rewards = _weighted(per_function, objective)
         for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
             group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
             group["rewards"] = rewards[index * G : (index + 1) * G]
@@ -138,7 +138,8 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     )
 
 
-def weighted_all(per_function: list[list[float]], objective: GRPO) -> list[float]:
+def _weighted(per_function: list[list[float]], objective: GRPO) -> list[float]:
+    """Each completion's reward: its functions' values, weighted and summed (NaN ones left out)."""
     return [weighted(values, objective.rewards) for values in per_function]
 
 
@@ -146,8 +147,6 @@ class GrpoArmSession:
     """One GRPO arm in this process (the lockstep scheduler's session interface: ``step``, ``finish``)."""
 
     def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
-        from .arm_run import perturb_by_one_ulp
-
         self.config, self.arm, self.plan = config, arm, plan
         self.device = device = resolve_device(config.device)
         spec = ARM_SPECS[arm]
@@ -236,10 +235,10 @@ class GrpoArmSession:
             return self.trl.sample(rows, step)
         objective, G = self.objective, self.settings.num_generations
         started = time.perf_counter()
-        rollouts = objective._generate(self.model, rows, _seed(self.config, step))
+        rollouts = objective.sample(self.model, rows, _seed(self.config, step))
         generated = time.perf_counter()
-        per_function, groups = objective._score(rows, rollouts, G)
-        advantages_of(weighted_all(per_function, objective), G, self.settings.scale_rewards, 0.0)
+        per_function, groups = objective.score_rollouts(rows, rollouts, G)
+        advantages_of(_weighted(per_function, objective), G, self.settings.scale_rewards, 0.0)
         return {
             "generation_s": generated - started,
             "scoring_s": time.perf_counter() - generated,

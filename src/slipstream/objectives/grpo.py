@@ -295,14 +295,17 @@ class GRPO(Objective):
         )
 
     # ------------------------------------------------------------------ one step
-    def _generate(self, model, prompts: list[dict], seed: int) -> Rollouts:
+    def sample(self, model, prompts: list[dict], seed: int) -> Rollouts:
+        """G completions of each of ``prompts`` by the policy (eval mode, no grad), seeded."""
         self.engine.sync(model)
         with eval_mode(model), torch.no_grad():
             return self.engine.generate(
                 model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
             )
 
-    def _score(self, prompts: list[dict], rollouts: Rollouts, G: int) -> tuple[list[list[float]], list[dict]]:
+    def score_rollouts(
+        self, prompts: list[dict], rollouts: Rollouts, G: int
+    ) -> tuple[list[list[float]], list[dict]]:
         """Every completion's per-function rewards; and each group's completion ids."""
         texts, ids, prompt_values, columns = [], [], [], {}
         for row, completions in zip(prompts, rollouts.completions, strict=True):
@@ -366,12 +369,12 @@ class GRPO(Objective):
         mine = [run.bins[i] for i in step_bins[info.rank :: info.world_size]]
         prompts = [row for rows in mine for row in rows]
         started = time.perf_counter()
-        rollouts = self._generate(
+        rollouts = self.sample(
             run.base_model, prompts, seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank
         )
         generated = time.perf_counter()
         try:
-            per_function, groups = self._score(prompts, rollouts, G)
+            per_function, groups = self.score_rollouts(prompts, rollouts, G)
         except RewardError as error:
             raise self._stopped(run, step, error) from None
         rewards = [weighted(values, self.rewards) for values in per_function]
@@ -570,7 +573,7 @@ class GRPO(Objective):
                     seed,
                 )
             try:
-                per_function, _ = self._score(prompts, rollouts, self.settings.eval_generations)
+                per_function, _ = self.score_rollouts(prompts, rollouts, self.settings.eval_generations)
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
             rewards = [weighted(values, self.rewards) for values in per_function]

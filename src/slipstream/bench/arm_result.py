@@ -1,0 +1,100 @@
+"""What one A/B arm measured (``ArmResult``), and the two helpers every kind of arm session uses: its
+peak memory and the one-ulp perturbation of its weights (the run's sensitivity)."""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .ceiling import proc_status_kib
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    step_s: list[float]
+    forward_s: list[float]
+    backward_s: list[float]
+    tokens: list[int]
+    loss: list[float]
+    grad_norm: list[float]
+    host_syncs_per_step: int | None  # None: not counted (a peer run outside our counter)
+    host_syncs_by_op: dict[str, int]
+    peak_memory_mb: float
+    memory_kind: str
+    attn_implementation: str
+    policies: list[str] = field(default_factory=list)
+    # kept on the device at the end of forward (hardware-independent); None: not measured
+    activation_bytes: int | None = 0
+    dtype: str = ""  # the parameters' dtype the arm trained (a peer on its defaults may pick its own)
+    # model FLOPs of each step (forward + backward, utilisation.flops), from this arm's model; None: not counted
+    model_flops: list[int] | None = None
+    # the untimed forward that measures activation_bytes (a compiled arm compiles its forward there)
+    probe_forward_s: float = 0.0
+    # batches and attention calls its packed SDPA ran grouped / per document over all its steps
+    # (packing.grouping.GroupingCounts.to_dict); None: no packed attention in this arm
+    attention_grouping_counts: dict[str, int] | None = None
+    # --profile-step: one more step under torch.profiler (utilisation.step_profile); None: not profiled
+    step_profile: dict[str, Any] | None = None
+    # the learning rate each step ran with (the run's schedule); None: the peer keeps its own
+    lr: list[float] | None = None
+    # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
+    perturbed_weights: int = 0
+    # a preference objective (--objective dpo, orpo): pairs per step, the reward margin and accuracy of each step, and the
+    # untimed reference pass run before step 0 (slipstream's arms; a peer's reference is in its steps)
+    pairs: list[int] | None = None
+    reward_margin: list[float] | None = None
+    reward_accuracy: list[float] | None = None
+    reference_pass_s: float = 0.0
+    # a compiled arm: dynamo's frames, graphs and recompiles after its first step and after its last
+    # (compile.graph_counts; equal when no batch made it build again); None: not compiled
+    compile_graphs: dict[str, dict[str, int]] | None = None
+    # per step: the process's page faults inside the timed step (ru_minflt, every thread)
+    page_faults: list[int] = field(default_factory=list)
+    # per step: the process's CPU seconds in the kernel (ru_stime: page faults, zeroing pages, ...)
+    system_s: list[float] = field(default_factory=list)
+    # per step: the cores other work took while it ran (hardware.OtherLoad: other processes, the
+    # kernel's own threads, the hypervisor's steal; 0 on a quiet machine); None where unknown
+    other_cores: list[float | None] = field(default_factory=list)
+    # per step: the memory held warm after it until the next (bench/host_pages.py: bytes and seconds;
+    # 0 where --no-keep-pages-warm or not on a CPU)
+    held_bytes: list[int] = field(default_factory=list)
+    hold_s: list[float] = field(default_factory=list)
+    # --objective grpo (bench/grpo_arms.py), per step: the arm's own sampling of the step's prompts
+    # (generate) and scoring (rewards, advantages), the update on the shared rollouts, the completions
+    # it sampled and their tokens; None for any other objective
+    generation_s: list[float] | None = None
+    scoring_s: list[float] | None = None
+    update_s: list[float] | None = None
+    completions: list[int] | None = None
+    generated_tokens: list[int] | None = None
+
+
+def peak_memory_mb(device: str) -> float:
+    """CUDA: max allocated. CPU: this process's peak RSS (VmHWM where Linux has it: ru_maxrss
+    carries a big parent's figure across fork + exec)."""
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:
+        return proc_status_kib("VmHWM") / 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
+    """Move every floating-point weight of ``model`` one ulp up or down (random signs from ``seed``),
+    in place: the smallest change its dtype can make. Returns the number of values moved."""
+    generator = torch.Generator().manual_seed(seed)
+    moved = 0
+    with torch.no_grad():
+        for param in model.parameters():
+            if not param.is_floating_point():
+                continue
+            up = torch.rand(param.shape, generator=generator) < 0.5
+            toward = torch.where(up, float("inf"), float("-inf")).to(param.device, param.dtype)
+            param.copy_(torch.nextafter(param, toward))
+            moved += param.numel()
+    return moved
