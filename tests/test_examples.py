@@ -80,3 +80,20 @@ def test_the_hf_trainer_example_trains_lora_on_the_real_model(smollm2, tmp_path,
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     assert losses[1] < losses[0]  # the mean loss of steps 4-6 is below that of steps 1-3
     assert saved_adapter(out)
+
+
+@pytest.mark.parametrize("name", ["grpo_lookup.yaml", "grpo_ab.yaml"])
+def test_the_grpo_benchmark_configs_load_with_their_rewards(name):
+    """BENCHMARKS.md's GRPO commands: each config loads (its reward files found next to it) with the
+    shape the figures state (G = 8, LoRA r16 on the 7 projections)."""
+    from slipstream.rewards import load_rewards
+    from slipstream.train.config import load_config
+
+    config = load_config(ROOT / "benchmarks" / name, ["model.path=MODEL_DIR"])
+    assert config.training.objective == "grpo" and config.grpo.num_generations == 8
+    assert config.lora.rank == 16 and len(config.lora.target_modules) == 7
+    assert [fn.name for fn in load_rewards(config.grpo.rewards)] == [
+        "answer_tag",
+        "has_answer_tag",
+        "mentions_answer",
+    ]

@@ -43,7 +43,7 @@ def test_a_grpo_train_config_carries_its_settings_and_arms(tmp_path):
 
 
 def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
-    """Three fp32 steps on a tiny model: TRL's GRPOTrainer and both slipstream arms train the same
+    """Two fp32 steps on a tiny model: TRL's GRPOTrainer and both slipstream arms train the same
     rollouts, so the loss and the gradient norm agree at every step; each arm samples on its own."""
     pytest.importorskip("trl")
     config = _parse(
@@ -51,7 +51,7 @@ def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
             "--config",
             str(grpo_config(tmp_path)),
             "--steps",
-            "3",
+            "2",
             "--warmup",
             "1",
             "--interleave",
@@ -66,7 +66,7 @@ def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
     assert record["packing"]["completions_per_prompt"] == 4
     for arm, run in runs.items():
         assert run["tokens"] == trl["tokens"], arm  # the same rollouts every step
-        assert run["completions"] == [8, 8, 8], arm  # 2 prompts x G = 4, sampled by the arm itself
+        assert run["completions"] == [8, 8], arm  # 2 prompts x G = 4, sampled by the arm itself
         assert all(t > 0 for t in run["generation_s"]) and all(t > 0 for t in run["update_s"])
         assert run["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), arm
         assert run["loss"] == pytest.approx(trl["loss"], abs=1e-5), arm

@@ -238,6 +238,21 @@ def test_slipstream_train_runs_grpo_and_records_its_metrics(tmp_path):
     assert (out / "adapter" / "adapter_model.safetensors").exists()
 
 
+def test_a_grpo_run_generates_and_exports_like_any_lora_run(tmp_path):
+    """The result of a GRPO run is a LoRA run's: ``slipstream generate`` answers from it and
+    ``slipstream export --merged`` merges it (checked against the adapter by export itself)."""
+    import slipstream
+    from slipstream.cli import main
+
+    config = grpo_config(tmp_path, training={"steps": 1})
+    train(load_config(config), progress=False)
+    out = tmp_path / "out"
+    (text,) = slipstream.generate(out, ["Question 3: what comes after 3?"], max_new_tokens=4)
+    assert isinstance(text, str)
+    assert main(["export", str(out), "--merged", str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "config.json").exists()
+
+
 def test_eval_at_start_gives_the_base_reward_and_samples_keep_held_out_completions(tmp_path):
     config = grpo_config(
         tmp_path,

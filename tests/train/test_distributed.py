@@ -158,7 +158,10 @@ def test_grpo_trains_under_ddp_each_rank_sampling_its_prompts(tmp_path):
     # resumed from step 1: step 2 samples and trains as it did (sampling seeded by seed, step and rank)
     import shutil
 
+    # as if killed after step 2's record, before its checkpoint: no step-2 checkpoint, no run.json
     shutil.rmtree(tmp_path / "ranks" / "checkpoints" / "step-000002")
+    shutil.rmtree(tmp_path / "ranks" / "adapter")
+    (tmp_path / "ranks" / "run.json").unlink()
     command[-1] = free_port()
     run(
         [
