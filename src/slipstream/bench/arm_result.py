@@ -1,4 +1,5 @@
-"""What one A/B arm measured (``ArmResult``), and the two helpers every kind of arm session uses: its
+"""What one A/B arm measured (``ArmResult``), and what every kind of arm session does alike: its
+optimizer and schedule (slipstream train's), the step-order check, the machine's share of a step, its
 peak memory and the one-ulp perturbation of its weights (the run's sensitivity)."""
 
 from __future__ import annotations
@@ -98,3 +99,37 @@ def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
             param.copy_(torch.nextafter(param, toward))
             moved += param.numel()
     return moved
+
+
+def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW on the trainable parameters (no weight decay) and the run's schedule: what ``slipstream
+    train`` steps with (``optimizer.schedule``), for every slipstream arm."""
+    from transformers import get_scheduler
+
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+    )
+    scheduler = get_scheduler(
+        config.schedule, optimizer, num_warmup_steps=config.lr_warmup_steps, num_training_steps=config.steps
+    )
+    return optimizer, scheduler
+
+
+def check_next_step(arm: str, result: ArmResult, step: int) -> None:
+    """Steps run in order: ``step`` must be the next one."""
+    if step != len(result.step_s):
+        raise ValueError(f"{arm}: step {step} asked for, step {len(result.step_s)} is next")
+
+
+def record_machine(result: ArmResult, usage, load) -> None:
+    """What the machine did during a step: other work's cores (``hardware.OtherLoad``), this process's
+    page faults and kernel seconds since ``usage`` (``resource.getrusage`` before the step)."""
+    result.other_cores.append(round(load.other_cores, 3) if load.known else None)
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    result.page_faults.append(after.ru_minflt - usage.ru_minflt)
+    result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()

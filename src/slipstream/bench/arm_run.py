@@ -28,7 +28,15 @@ from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
-from .arm_result import ArmResult, peak_memory_mb, perturb_by_one_ulp
+from .arm_result import (
+    ArmResult,
+    arm_optimizer,
+    check_next_step,
+    peak_memory_mb,
+    perturb_by_one_ulp,
+    record_machine,
+    sync,
+)
 from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs, shares_prefixes
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
@@ -112,17 +120,7 @@ class ArmSession:
         if state is not None:
             state.grouping_counts.reset()  # the steps' batches only, not the probe's
         if self.trl_step is None:
-            from transformers import get_scheduler  # the schedule slipstream train steps (optimizer.schedule)
-
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
-            )
-            self.scheduler = get_scheduler(
-                config.schedule,
-                self.optimizer,
-                num_warmup_steps=config.lr_warmup_steps,
-                num_training_steps=config.steps,
-            )
+            self.optimizer, self.scheduler = arm_optimizer(model, config)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.result = ArmResult(
@@ -185,14 +183,12 @@ class ArmSession:
         return {**metrics, "lr": lr}
 
     def _sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
+        sync(self.device)
 
     def step(self, step: int) -> float:
         """Train planned step ``step`` (the next one); returns its time in seconds."""
         result = self.result
-        if step != len(result.step_s):
-            raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
+        check_next_step(self.arm, result, step)
         self.warm_pages.release()  # what the wait held goes back warm, for this step (and before its inputs)
         micro_docs = self.plan[step]
         micro = [self._inputs(docs, step, index) for index, docs in enumerate(micro_docs)]
@@ -213,10 +209,7 @@ class ArmSession:
                 metrics = self._step_fn(micro)
             self._sync()
             result.step_s.append(time.perf_counter() - start)
-        result.other_cores.append(round(load.other_cores, 3) if load.known else None)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        result.page_faults.append(after.ru_minflt - usage.ru_minflt)
-        result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
+        record_machine(result, usage, load)
         held = self.warm_pages.hold() if self.config.keep_pages_warm and self.device == "cpu" else Held()
         result.held_bytes.append(held.bytes)
         result.hold_s.append(held.seconds)

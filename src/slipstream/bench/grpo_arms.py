@@ -36,7 +36,15 @@ from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile
 from .ab_config import ABConfig, resolve_device
-from .arm_result import ArmResult, peak_memory_mb, perturb_by_one_ulp
+from .arm_result import (
+    ArmResult,
+    arm_optimizer,
+    check_next_step,
+    peak_memory_mb,
+    perturb_by_one_ulp,
+    record_machine,
+    sync,
+)
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 
@@ -176,17 +184,7 @@ class GrpoArmSession:
             )
             state.policies.extend(self.trl.policies)
         else:
-            from transformers import get_scheduler
-
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
-            )
-            self.scheduler = get_scheduler(
-                config.schedule,
-                self.optimizer,
-                num_warmup_steps=config.lr_warmup_steps,
-                num_training_steps=config.steps,
-            )
+            self.optimizer, self.scheduler = arm_optimizer(model, config)
             state.policies.append(
                 "grpo: each prompt prefilled once, its KV cache shared by its G samples (CachedSampler); the "
                 "update packs "
@@ -277,14 +275,12 @@ class GrpoArmSession:
         return {**metrics, "lr": lr}
 
     def _sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
+        sync(self.device)
 
     def step(self, step: int) -> float:
         """Sample, score and update step ``step`` (the next one); returns its time in seconds."""
         result = self.result
-        if step != len(result.step_s):
-            raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
+        check_next_step(self.arm, result, step)
         micro_groups = self.plan[step]
         rows = [g["row"] for micro in micro_groups for g in micro]
         self._sync()
@@ -296,10 +292,7 @@ class GrpoArmSession:
             metrics = self._update(micro_groups)
             self._sync()
             update_s = time.perf_counter() - started
-        result.other_cores.append(round(load.other_cores, 3) if load.known else None)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-        result.page_faults.append(after.ru_minflt - usage.ru_minflt)
-        result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
+        record_machine(result, usage, load)
         result.generation_s.append(sampled["generation_s"])
         result.scoring_s.append(sampled["scoring_s"])
         result.completions.append(sampled["completions"])

@@ -41,7 +41,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .trl_step import ForwardClock, checkpointing_argument
+from .trl_step import ForwardClock, optimizer_step, trainer_arguments
 
 # TRL's per-micro-batch metrics this arm returns, by the name it returns them under.
 REWARD_METRICS = {
@@ -75,32 +75,22 @@ class TrlDpoStep:
 
         self.device = device
         self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-dpo-")
-        checkpointing = checkpointing_argument(DPOConfig)
-        args = DPOConfig(
-            output_dir=self._output_dir,
-            per_device_train_batch_size=1,
-            gradient_accumulation_steps=grad_accum,
-            max_steps=steps,
-            learning_rate=lr,
-            lr_scheduler_type=schedule,
+        args = trainer_arguments(
+            DPOConfig,
+            self._output_dir,
+            grad_accum=grad_accum,
+            steps=steps,
+            lr=lr,
+            schedule=schedule,
             warmup_steps=warmup_steps,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            optim="adamw_torch",
-            bf16=False,
-            fp16=False,
-            **{checkpointing: False},
+            seed=seed,
+            device=device,
+            per_device_train_batch_size=1,
             beta=beta,
             loss_type=loss_type,
             max_length=None,
             precompute_ref_log_probs=False,
             padding_free=False,
-            use_cpu=device == "cpu",
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=seed,
         )
         # The dataset is never iterated, but TRL prepares (tokenizes) it in any case: one plain-text row.
         placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token, "chosen": "", "rejected": ""}])
@@ -146,10 +136,7 @@ class TrlDpoStep:
         for inputs, _ in micro_batches:
             with model_context():
                 losses.append(trainer.training_step(self.model, inputs))
-        grad_norm = trainer.accelerator.clip_grad_norm_(self.parameters, trainer.args.max_grad_norm)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        self.model.zero_grad()
+        grad_norm = optimizer_step(trainer, self.model, self.parameters)
         counts = [count for _, count in micro_batches]
         pairs = sum(counts)
         # Undo the division by the micro-batch count, then weight each micro-batch mean by its pairs.
@@ -164,7 +151,7 @@ class TrlDpoStep:
         total = time.perf_counter() - start
         return {
             "loss": loss,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "forward_s": self.clock.seconds,
             # backward, TRL's metric reads, clipping and the optimizer step

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from .trl_step import ForwardClock, checkpointing_argument
+from .trl_step import ForwardClock, optimizer_step, trainer_arguments
 
 
 def _trl_reward(reward):
@@ -71,20 +71,17 @@ class TrlGrpoStep:
         self.device, self.settings, self.seed = device, settings, seed
         self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-grpo-")
         G = settings.num_generations
-        args = GRPOConfig(
-            output_dir=self._output_dir,
-            per_device_train_batch_size=settings.prompts_per_batch * G,
-            gradient_accumulation_steps=grad_accum,
-            max_steps=steps,
-            learning_rate=lr,
-            lr_scheduler_type=schedule,
+        args = trainer_arguments(
+            GRPOConfig,
+            self._output_dir,
+            grad_accum=grad_accum,
+            steps=steps,
+            lr=lr,
+            schedule=schedule,
             warmup_steps=warmup_steps,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            optim="adamw_torch",
-            bf16=False,
-            fp16=False,
-            **{checkpointing_argument(GRPOConfig): False},
+            seed=seed,
+            device=device,
+            per_device_train_batch_size=settings.prompts_per_batch * G,
             num_generations=G,
             max_completion_length=settings.max_new_tokens,
             temperature=settings.temperature,
@@ -98,12 +95,6 @@ class TrlGrpoStep:
             num_iterations=1,
             mask_truncated_completions=settings.mask_truncated_completions,
             reward_weights=[fn.weight for fn in rewards],
-            use_cpu=device == "cpu",
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=seed,
         )
         placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
         self.trainer = GRPOTrainer(
@@ -197,17 +188,14 @@ class TrlGrpoStep:
             losses = [trainer.training_step(self.model, inputs, None) for inputs in micro]
         finally:
             trainer._prepare_inputs = prepare
-        grad_norm = trainer.accelerator.clip_grad_norm_(self.parameters, trainer.args.max_grad_norm)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        self.model.zero_grad()
+        grad_norm = optimizer_step(trainer, self.model, self.parameters)
         loss = float(sum(losses))
         trainer._metrics["train"].clear()
         self.clock.sync()
         total = time.perf_counter() - started
         return {
             "loss": loss,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "forward_s": self.clock.seconds,
             "backward_s": total - self.clock.seconds,

@@ -59,6 +59,56 @@ def checkpointing_argument(arguments_class) -> str:
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
+def trainer_arguments(
+    arguments_class,
+    output_dir: str,
+    *,
+    grad_accum: int,
+    steps: int,
+    lr: float,
+    schedule: str,
+    warmup_steps: int,
+    seed: int,
+    device: str,
+    **own,
+):
+    """The training arguments every TRL arm runs with, beside its trainer's ``own``: the run's schedule
+    with the Trainer's ``adamw_torch`` (no weight decay) and clipping at 1.0; mixed precision off (the
+    model is already in the run's dtype; TRL's default would autocast); TRL's checkpointing off (the
+    run's is installed like the stock arms'); nothing logged, reported or saved."""
+    return arguments_class(
+        output_dir=output_dir,
+        gradient_accumulation_steps=grad_accum,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type=schedule,
+        warmup_steps=warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        **{checkpointing_argument(arguments_class): False},
+        use_cpu=device == "cpu",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=seed,
+        **own,
+    )
+
+
+def optimizer_step(trainer, model, parameters) -> float:
+    """The Trainer's end of an optimizer step: clip (its ``max_grad_norm``), step the optimizer and the
+    schedule, zero the gradients; the gradient norm before clipping."""
+    grad_norm = trainer.accelerator.clip_grad_norm_(parameters, trainer.args.max_grad_norm)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    model.zero_grad()
+    return float(grad_norm)
+
+
 class TrlStep:
     """Drives a real ``SFTTrainer`` one optimizer step at a time over the harness's micro-batches."""
 
@@ -68,31 +118,20 @@ class TrlStep:
 
         self.device = device
         self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-")
-        # The run's checkpointing is installed like the stock arms', so TRL's own is off.
-        checkpointing = checkpointing_argument(SFTConfig)
-        args = SFTConfig(
-            output_dir=self._output_dir,
-            per_device_train_batch_size=1,
-            gradient_accumulation_steps=config.grad_accum,
-            max_steps=config.steps,
-            learning_rate=config.lr,
-            lr_scheduler_type=config.schedule,
+        args = trainer_arguments(
+            SFTConfig,
+            self._output_dir,
+            grad_accum=config.grad_accum,
+            steps=config.steps,
+            lr=config.lr,
+            schedule=config.schedule,
             warmup_steps=config.lr_warmup_steps,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            optim="adamw_torch",
-            bf16=False,
-            fp16=False,
-            **{checkpointing: False},
+            seed=config.seed,
+            device=device,
+            per_device_train_batch_size=1,
             padding_free=True,
             packing=False,
             max_length=None,
-            use_cpu=device == "cpu",
-            report_to="none",
-            save_strategy="no",
-            logging_steps=1,
-            disable_tqdm=True,
-            seed=config.seed,
             dataset_kwargs={"skip_prepare_dataset": True},
         )
         # The dataset is never iterated: the harness hands each micro-batch to training_step itself.
@@ -129,16 +168,13 @@ class TrlStep:
         for inputs, _ in micro_batches:
             with model_context():
                 losses.append(self.trainer.training_step(self.model, inputs, num_items_in_batch=items))
-        grad_norm = self.trainer.accelerator.clip_grad_norm_(self.parameters, self.trainer.args.max_grad_norm)
-        self.trainer.optimizer.step()
-        self.trainer.lr_scheduler.step()
-        self.model.zero_grad()
+        grad_norm = optimizer_step(self.trainer, self.model, self.parameters)
         loss = float(torch.stack(losses).sum())
         self.clock.sync()
         total = time.perf_counter() - start
         return {
             "loss": loss,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "lr": lr,
             "forward_s": self.clock.seconds,
             # backward, TRL's metric reads, clipping and the optimizer step
