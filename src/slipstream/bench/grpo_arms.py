@@ -124,7 +124,9 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         all_rewards += rewards
         lengths += [len(c) for g in groups for c in g["completions"]]
         finished += [f for g in groups for f in g["finished"]]
-    stds = [max(all_rewards[i : i + G]) - min(all_rewards[i : i + G]) for i in range(0, len(all_rewards), G)]
+    spreads = [
+        max(all_rewards[i : i + G]) - min(all_rewards[i : i + G]) for i in range(0, len(all_rewards), G)
+    ]
     used = [g["row"] for step in plan for micro in step for g in micro]
     return (
         plan,
@@ -139,7 +141,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
             "max_new_tokens": settings.max_new_tokens,
             "truncated_share": sum(1 for f in finished if not f) / len(finished),
             "mean_reward": sum(all_rewards) / len(all_rewards),
-            "equal_rewards_share": sum(1 for s in stds if s == 0) / len(stds),
+            "equal_rewards_share": sum(1 for s in spreads if s == 0) / len(spreads),
             "sampled_in_s": time.perf_counter() - started,
             "sampled_by": "slipstream's CachedSampler on the starting weights (the adapter at zero)",
         },
@@ -236,7 +238,8 @@ class GrpoArmSession:
         rollouts = objective.sample(self.model, rows, _seed(self.config, step))
         generated = time.perf_counter()
         per_function, groups = objective.score_rollouts(rows, rollouts, G)
-        advantages_of(_weighted(per_function, objective), G, self.settings.scale_rewards, 0.0)
+        # as a real step (and TRL's scoring) does; the update uses the shared rollouts' own
+        advantages_of(_weighted(per_function, objective), G, self.settings.scale_rewards)
         return {
             "generation_s": generated - started,
             "scoring_s": time.perf_counter() - generated,
@@ -249,10 +252,7 @@ class GrpoArmSession:
         objective, settings, G = self.objective, self.settings, self.settings.num_generations
         groups = [g for micro in micro_groups for g in micro]
         rewards = [r for g in groups for r in g["rewards"]]
-        batch_std = None
-        if settings.scale_rewards == "batch":
-            batch_std = float(torch.tensor(rewards, dtype=torch.float64).std()) if len(rewards) > 1 else 0.0
-        advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
+        advantages = advantages_of(rewards, G, settings.scale_rewards)  # one process: the step's own std
         counted = objective.counted_tokens(groups)
         if self.trl is not None:
             cut, per_micro = 0, []

@@ -108,8 +108,11 @@ def advantages_of(
     rewards: Sequence[float], group: int, scale: str, batch_std: float | None = None
 ) -> list[float]:
     """Each reward minus its group's mean (groups of ``group`` in order), divided as ``scale`` says:
-    ``group`` by the group's std (+ 1e-4), ``batch`` by ``batch_std`` (+ 1e-4), ``none`` not at all.
-    Stds are unbiased (n - 1), as torch's ``std`` (and TRL) computes them."""
+    ``group`` by the group's std (+ 1e-4), ``batch`` by ``batch_std`` (+ 1e-4; None: the std of
+    ``rewards``, one process's whole step), ``none`` not at all. Stds are unbiased (n - 1), as
+    torch's ``std`` (and TRL) computes them."""
+    if scale == "batch" and batch_std is None:
+        batch_std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
     out = []
     for start in range(0, len(rewards), group):
         values = list(rewards[start : start + group])
