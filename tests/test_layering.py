@@ -14,6 +14,7 @@ LAYERS = [
         "atomic",
         "extras",
         "fields",
+        "refusal",
         "hardware",
         "modes",
         "host_reads",
