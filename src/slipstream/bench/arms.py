@@ -13,17 +13,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..compile import should_compile
 from ..data.labels import count_label_tokens
-from ..fused import compiled_policy, liger_available
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups
+from ..speedups.base import AblationRun
+from ..speedups.registry import ablation_arms
 from .adapter import attach_lora
 from .inputs import load_arm_model
 from .peers import Peer, prepare_base_model
@@ -60,7 +61,7 @@ class Arm:
 # for memory; "slipstream-no-*" are leave-one-out ablations, so every optimization's share shows.
 STOCK = Speedups.stock()
 SLIPSTREAM = Speedups()
-ARM_SPECS: dict[str, Arm] = {
+_FIXED_ARMS: dict[str, Arm] = {
     "stock-padded": Arm("padded", STOCK, stock=True),
     "stock-packed": Arm("packed", STOCK, stock=True),
     "trl-fused-head": Arm("packed", STOCK, stock=True, peer_loss="trl-fused"),
@@ -69,15 +70,7 @@ ARM_SPECS: dict[str, Arm] = {
     # (an A/A pair), against which the ablation arms are judged (runner.ablation_verdicts)
     "slipstream-again": Arm("packed", SLIPSTREAM),
     "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
-    "slipstream-no-packed-attention": Arm("packed", SLIPSTREAM.replace(packed_attention=False)),
-    "slipstream-no-attention-grouping": Arm("packed", SLIPSTREAM.replace(attention_grouping="per_document")),
-    "slipstream-no-short-kernel": Arm("packed", SLIPSTREAM.replace(short_document_kernel="off")),
-    "slipstream-no-moe-routing": Arm("packed", SLIPSTREAM.replace(moe_routing="stock")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
-    "slipstream-no-chunked-loss": Arm("packed", SLIPSTREAM.replace(chunked_loss=False)),
-    "slipstream-no-lora-compute": Arm("packed", SLIPSTREAM.replace(lora_in_compute_dtype=False)),
-    "slipstream-no-compile": Arm("packed", SLIPSTREAM.replace(compile="off")),
-    "slipstream-no-fused-kernels": Arm("packed", SLIPSTREAM.replace(fused_kernels="off")),
     "slipstream-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared"),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
@@ -105,22 +98,8 @@ ARM_SPECS: dict[str, Arm] = {
     "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
     "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
 }
-ARMS = tuple(ARM_SPECS)
-ARM_PRESETS = {
+_FIXED_PRESETS: dict[str, tuple[str, ...]] = {
     "default": ("stock-padded", "stock-packed", "slipstream"),
-    "ablation": (
-        "stock-packed",
-        "slipstream",
-        "slipstream-again",  # the A/A control: how far two processes of the same arm differ
-        "slipstream-no-packed-attention",
-        "slipstream-no-attention-grouping",
-        "slipstream-no-short-kernel",
-        "slipstream-no-moe-routing",
-        "slipstream-no-chunked-loss",
-        "slipstream-no-lora-compute",
-        "slipstream-no-compile",  # dropped where the run would not compile (preset_arms)
-        "slipstream-no-fused-kernels",  # dropped where no fused kernel would run here (preset_arms)
-    ),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
     # --objective grpo: TRL's GRPOTrainer, slipstream without and with each group's prompt run once
@@ -145,65 +124,100 @@ ARM_PRESETS = {
 }
 
 
+ABLATION_CONTROLS = (
+    "stock-packed",
+    "slipstream",
+    "slipstream-again",  # the A/A control: how far two processes of the same arm differ
+)
+
+
+def _ablation_specs() -> dict[str, Arm]:
+    """One leave-one-out arm per registered speedup with an ablation: ``slipstream`` with it off."""
+    return {
+        arm: Arm("packed", SLIPSTREAM.replace(**speedup.ablation)) for arm, speedup in ablation_arms().items()
+    }
+
+
+class _ArmTable(Mapping):
+    """``ARM_SPECS``: the fixed arms and the registry's leave-one-out arms, read when looked up (a
+    speedup registered after import has its arm)."""
+
+    def _table(self) -> dict[str, Arm]:
+        specs = dict(_FIXED_ARMS)
+        specs.update(_ablation_specs())
+        return specs
+
+    def __getitem__(self, arm: str) -> Arm:
+        return self._table()[arm]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+class _PresetTable(Mapping):
+    """``ARM_PRESETS``: the fixed presets and ``ablation`` (the controls and every leave-one-out arm),
+    generated from the registry when read."""
+
+    def _table(self) -> dict[str, tuple[str, ...]]:
+        return {"default": _FIXED_PRESETS["default"], "ablation": (*ABLATION_CONTROLS, *ablation_arms())} | {
+            name: arms for name, arms in _FIXED_PRESETS.items() if name != "default"
+        }
+
+    def __getitem__(self, preset: str) -> tuple[str, ...]:
+        return self._table()[preset]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+class _ArmNames(Sequence):
+    """``ARMS``: every arm's name, live like ``ARM_SPECS``."""
+
+    def __getitem__(self, index):
+        return tuple(ARM_SPECS)[index]
+
+    def __len__(self) -> int:
+        return len(ARM_SPECS)
+
+
+ARM_SPECS: Mapping[str, Arm] = _ArmTable()
+ARM_PRESETS: Mapping[str, tuple[str, ...]] = _PresetTable()
+ARMS: Sequence[str] = _ArmNames()
+
+
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
-    not pull on ``device`` (it would run the same thing twice): ``slipstream-no-compile`` where it
-    would not compile, ``slipstream-no-short-kernel`` off a CPU (the kernel is CPU only),
-    ``slipstream-no-lora-compute`` in a full fine-tune, ``slipstream-no-moe-routing`` without experts,
-    ``slipstream-no-short-kernel`` where the kernel would take no document (this CPU's calibration),
-    ``slipstream-no-fused-kernels`` where neither Liger (not CUDA, not installed) nor the compiled
-    kernels (too few steps for their break-even, no inductor) would run; a model type Liger lacks,
-    or a model with no module class the compiled kernels match, is only found when the arm's model
-    is built, and logged)."""
+    not pull on ``device`` (it would run the same thing twice): each speedup says where its lever
+    is pulled (``Speedup.ablation_applies``: compile where the run would not compile, the short
+    kernel off a CPU or where this CPU's calibration found no length for it, LoRA compute in a full
+    fine-tune, MoE routing without experts, the fused kernels where neither Liger nor the compiled
+    kernels would run; a model type Liger lacks, or a model with no module class the compiled
+    kernels match, is only found when the arm's model is built, and logged)."""
     arms = ARM_PRESETS[preset]
     slipstream = arm_speedups(config, "slipstream")
-    dropped = set() if device == "cpu" else {"slipstream-no-short-kernel"}
-    if not config.lora_rank:
-        dropped.add("slipstream-no-lora-compute")  # no LoRA: the same run as slipstream's
-    if not _is_moe(config):
-        dropped.add("slipstream-no-moe-routing")  # no experts: the same run as slipstream's
-    if (
-        device == "cpu"
-        and "slipstream-no-short-kernel" in arms
-        and not _short_kernel_runs(config, slipstream)
-    ):
-        dropped.add("slipstream-no-short-kernel")
-    if "slipstream-no-compile" in arms and not should_compile(slipstream.compile, config.steps, device)[0]:
-        dropped.add("slipstream-no-compile")
-    fused = slipstream.fused_kernels
-    if not (
-        liger_available(device, fused)[0] or compiled_policy(device, fused, config.steps)[0]
-    ):  # "off" too
-        dropped.add("slipstream-no-fused-kernels")
+    leave_one_out = ablation_arms()
+    if not any(arm in leave_one_out for arm in arms):
+        return tuple(arms)
+    run = AblationRun(config, device, slipstream, _model_config(config))
+    dropped = {arm for arm in arms if arm in leave_one_out and not leave_one_out[arm].ablation_applies(run)}
     return tuple(arm for arm in arms if arm not in dropped)
 
 
-def _short_kernel_runs(config, slipstream: Speedups) -> bool:
-    """Whether the slipstream arm's short-document kernel would take any document on this CPU: "on",
-    or "auto" where this device's calibration found a length it is faster at in the run's dtype."""
-    mode = slipstream.short_document_kernel
-    if mode != "auto":
-        return mode == "on"
-    from ..packing.calibration import attention_costs  # measured once per device, dtype and threads
-
-    dtype = getattr(torch, config.dtype)
-    return attention_costs(torch.device("cpu"), dtype, config.threads).short_limit(dtype) > 0
-
-
-def _is_moe(config) -> bool:
-    """Whether the A/B's model has MoE experts (read from its config, without building it)."""
-    from types import SimpleNamespace
-
+def _model_config(config):
+    """The A/B model's transformers config, read without building the model."""
     from ..models import build_config, model_names
-    from ..moe.experts import is_moe_model
 
     if config.model in model_names():
-        model_config = build_config(config.model)
-    else:
-        from transformers import AutoConfig
+        return build_config(config.model)
+    from transformers import AutoConfig
 
-        model_config = AutoConfig.from_pretrained(config.model)
-    return is_moe_model(SimpleNamespace(config=model_config))  # it reads only the model's config
+    return AutoConfig.from_pretrained(config.model)
 
 
 def shares_prefixes(arm: str) -> bool:

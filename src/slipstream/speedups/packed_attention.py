@@ -1,0 +1,164 @@
+"""Packed attention: each document of a packed row attends only to itself, from host-built metadata.
+
+The model is inspected first (``packing.verdict``: refused naming the feature, or adapted: token
+mixers per document, position offsets); transformers' attention interface then runs slipstream's
+backend (varlen flash on CUDA, per-document SDPA elsewhere). A padded batch is refused by a
+pre-hook rather than silently dropping its mask. Off: the model's own attention and ``use_cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..loss import ChunkedLoss
+from ..packing.attention import BACKEND_NAMES, AttentionBackend, choose_backend, register_attention_functions
+from ..packing.batch import PACKED_BATCH_KWARG
+from ..packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
+from ..packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
+from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
+
+
+def has_attention_sinks(model: torch.nn.Module) -> bool:
+    return any(hasattr(module, "sinks") for module in model.modules())
+
+
+def padding_guard(module, args, kwargs):
+    """Forward pre-hook: a padded (2D-masked) batch cannot run on the packed attention.
+
+    The packed backends take document boundaries from the PackedBatch; a padding mask would be
+    silently dropped by transformers' mask builders, so refuse it instead. Only the unpacked
+    path pays for this check (one sync), never a PackedBatch.
+    """
+    batch = kwargs.get(PACKED_BATCH_KWARG)
+    if batch is not None:
+        if (
+            batch.loss_targets is not None
+            and kwargs.get("labels") is not None
+            and not isinstance(vars(module).get("_loss_function"), ChunkedLoss)
+        ):
+            raise ValueError(
+                "this PackedBatch shares prefixes (slipstream.packing.collate_groups): its loss is read at "
+                "batch.loss_positions / batch.loss_targets, which the stock loss (shifted labels) cannot "
+                "express, so it would differ from the unshared rows' loss. Turn the chunked loss on "
+                "(slipstream.optimize(model, chunked_loss=True), speedups.chunked_loss: true), or run the "
+                "forward without labels and take slipstream.loss.packed_loss_from_logits(out.logits, batch), "
+                "or collate_groups(..., prefix_sharing=False)"
+            )
+        return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise ValueError(
+            "this model runs slipstream's packed attention, which takes document boundaries from a "
+            "PackedBatch (slipstream.collate_packed), not from a padding mask. Pack the batch, or call "
+            "slipstream.optimize(model, packed_attention=False) to go back to the stock attention."
+        )
+    return None
+
+
+class PackedAttention(Speedup):
+    name = "packed attention"
+    stage = 10
+    options = (
+        Option(
+            "packed_attention",
+            bool,
+            True,
+            "attend within each document of a packed batch from host-built metadata: no host syncs, "
+            "no T x T mask (false: the model's stock attention)",
+            stock=False,
+        ),
+        Option(
+            "attention_backend",
+            AttentionBackend,
+            "auto",
+            "packed attention kernel: auto (varlen flash on CUDA, per-document SDPA otherwise)",
+        ),
+    )
+    ablation = {"packed_attention": False}
+    ablation_name = "packed-attention"
+    doctor_label = "packed attention"
+    sweep_column = "packed attention"
+
+    def apply(self, run: ApplyContext) -> None:
+        base, state = run.base, run.state
+        if not run.speedups.packed_attention:
+            run.facts["attention_backend"] = None
+            if state.packed_attention is not None:
+                self._restore(base, state)
+            return
+        verdict = architecture_verdict(base)  # refuses what packed training cannot do exactly
+        register_attention_functions()
+        device, dtype = run.device, run.dtype
+        backend, reason = choose_backend(
+            run.speedups.attention_backend, device, has_attention_sinks(base), dtype
+        )
+        run.facts["attention_backend"] = backend
+        name = BACKEND_NAMES[backend]
+        if state.packed_attention == name:
+            return
+        try:
+            base.set_attn_implementation(name)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            raise UnsupportedArchitecture(
+                f"transformers refused slipstream's attention for {type(base).__name__} ({error}). {TRAIN_UNPACKED}"
+            ) from error
+        if base.config._attn_implementation != name:
+            raise UnsupportedArchitecture(
+                f"transformers refused attention implementation {name!r} for {type(base).__name__}. {TRAIN_UNPACKED}"
+            )
+        base.config.use_cache = False
+        if state.hook is None:
+            state.hook = base.register_forward_pre_hook(padding_guard, with_kwargs=True)
+            state.guard_hooks = [  # the running forward's batch, for the attention guards
+                base.register_forward_pre_hook(enter_forward, with_kwargs=True),
+                base.register_forward_hook(leave_forward, with_kwargs=True, always_call=True),
+            ]
+        state.packed_attention = name
+        state.say(f"packed attention: {name} ({reason}); use_cache off")
+        if state.undo_adaptations is None:
+            state.undo_adaptations = apply_adaptations(base, verdict)
+            for note in verdict.adaptations():
+                state.say(f"packed attention: {note}")
+
+    @staticmethod
+    def _restore(base, state) -> None:
+        base.set_attn_implementation(state.stock_attn_implementation)
+        if state.stock_use_cache is not None:
+            base.config.use_cache = state.stock_use_cache
+        if state.hook is not None:
+            state.hook.remove()
+            state.hook = None
+            for handle in state.guard_hooks:
+                handle.remove()
+            state.guard_hooks = []
+        if state.undo_adaptations is not None:
+            state.undo_adaptations()
+            state.undo_adaptations = None
+        state.packed_attention = None
+        state.attention_grouping = None
+        state.short_document_kernel = None
+        state.say(
+            "packed attention: off (stock)",
+            log=f"packed attention: off (stock {state.stock_attn_implementation})",
+        )
+
+    def decide(self, context: DecisionContext) -> tuple[str, str]:
+        backend, why = choose_backend(
+            "auto", context.device, has_attention_sinks(context.model), context.dtype
+        )
+        return f"{backend} ({BACKEND_NAMES[backend]})", why
+
+    def sweep_cell(self, policies: list[str], moe: bool) -> str:
+        return "on" if any(line.startswith("packed attention: slipstream") for line in policies) else "off"
+
+    def parity_cases(self) -> tuple[ParityCase, ...]:
+        return (
+            ParityCase(
+                "packed attention",
+                fast={"attention_grouping": "per_document"},
+                stock={"packed_attention": False},
+                arms="documents packed in one row vs each document alone (stock attention)",
+                stock_layout="alone",
+                sweep=False,  # the sweep's main arm is this check (every speedup on, packed)
+            ),
+        )
