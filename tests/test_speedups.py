@@ -8,6 +8,7 @@ import slipstream
 from slipstream import Speedups
 from slipstream.fields import ConfigError
 from slipstream.models import build_model
+from slipstream.speedups import Option, ParityCase, Speedup
 
 
 def test_every_field_is_validated_at_construction():
@@ -88,3 +89,90 @@ def test_the_training_dtypes_are_the_run_precisions_and_auto():
     from slipstream.fields import Dtype, Precision
 
     assert typing.get_args(Dtype) == ("auto", *typing.get_args(Precision))
+
+
+# --------------------------------------------------------------------------- a toy speedup, added here alone
+
+
+class ToyScale(Speedup):
+    """A toy speedup, defined and registered in this test file alone: it multiplies nothing (a
+    forward pre-hook that counts calls), so its parity case holds exactly."""
+
+    name = "toy scale"
+    stage = 55
+    options = (Option("toy_scale", bool, True, "count the toy's forwards", stock=False),)
+    ablation = {"toy_scale": False}
+    ablation_name = "toy-scale"
+    doctor_label = "toy scale (auto)"
+    sweep_column = "toy scale"
+
+    def apply(self, run) -> None:
+        hook = run.state.extras.pop("toy_scale", None)
+        if hook is not None:
+            hook.remove()
+        if run.speedups.toy_scale:
+            run.state.extras["toy_scale"] = run.base.register_forward_pre_hook(lambda module, args: None)
+            run.state.say("toy scale: on (a hook that changes nothing)")
+        elif hook is not None:
+            run.state.say("toy scale: off (stock)")
+
+    def decide(self, context) -> tuple[str, str]:
+        return "on", f"exact on {context.device.type}"
+
+    def parity_cases(self) -> tuple[ParityCase, ...]:
+        return (
+            ParityCase("toy scale", fast={"toy_scale": True}, stock={"toy_scale": False}, arms="toy vs none"),
+        )
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """ToyScale registered, and Speedups rebuilt with its option where the CLI, config and optimize read it."""
+    import slipstream.speedups
+    import slipstream.train.config
+    from slipstream.speedups import build_speedups_class, registry
+
+    speedup = registry.register(ToyScale())
+    with_toy = build_speedups_class()
+    monkeypatch.setattr(slipstream.speedups, "Speedups", with_toy)
+    monkeypatch.setattr(slipstream.train.config, "Speedups", with_toy)
+    yield with_toy
+    registry.unregister(speedup)
+
+
+def test_a_toy_speedup_in_a_test_file_is_an_option_a_stock_value_and_an_optimize_step(toy, tmp_path):
+    from slipstream.bench.command import ab_config_from_args
+    from slipstream.cli import build_parser
+    from slipstream.models import build_model
+
+    assert toy().toy_scale is True and toy.stock().toy_scale is False
+    parser = build_parser()
+    ab = parser._subparsers._group_actions[0].choices["ab"]
+    assert "--toy-scale" in ab.format_help()
+    assert ab_config_from_args(parser.parse_args(["ab", "--toy-scale", "false"])).speedups == {
+        "toy_scale": False
+    }
+    train = parser._subparsers._group_actions[0].choices["train"]
+    assert "speedups.toy_scale: true|false" in train.format_help()
+
+    model = build_model("qwen3", vocab_size=64, seed=0)
+    slipstream.optimize(model)
+    assert "toy scale: on (a hook that changes nothing)" in model.slipstream.policies
+    said = len(model.slipstream.policies)
+    slipstream.optimize(model, toy_scale=False)
+    assert "toy scale: off (stock)" in model.slipstream.policies[said:] and not model.slipstream.extras
+    model.slipstream.undo()
+
+
+def test_a_toy_speedup_has_its_leave_one_out_arm_in_the_ablation_preset(toy):
+    from types import SimpleNamespace
+
+    from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS, ARMS, arm_speedups, preset_arms
+
+    assert ARM_PRESETS["ablation"][-1] == "slipstream-no-toy-scale" and "slipstream-no-toy-scale" in ARMS
+    assert ARM_SPECS["slipstream-no-toy-scale"].speedups.toy_scale is False
+    config = SimpleNamespace(
+        model="demo", lora_rank=0, steps=4, dtype="float32", threads=1, checkpointing="off", speedups={}
+    )
+    assert "slipstream-no-toy-scale" in preset_arms("ablation", config, "cpu")
+    assert arm_speedups(config, "slipstream-no-toy-scale").toy_scale is False
