@@ -18,6 +18,7 @@ import torch
 from ..data import demo_samples, demo_tokenizer, load_samples
 from ..data.chat import read_chat_template
 from ..data.samples import hash_path
+from ..data.token_ids import check_ids_in_vocab
 from ..models import build_model, model_names, preset_vocab_size
 
 # Weights up to this size are hashed whole; above it, each weight file's size, its safetensors
@@ -111,14 +112,8 @@ def ab_samples(config, tokenizer) -> list[dict]:
 
 
 def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
-    """Every id exists in the model's embedding (the tokenizer belongs to the model)."""
-    for index, sample in enumerate(samples):
-        highest = max(sample["input_ids"], default=0)
-        if highest >= vocab:
-            raise ABInputError(
-                f"{source}: sample {index} has token id {highest}, beyond the model's {vocab} embeddings: "
-                "the tokenizer does not belong to this model"
-            )
+    """Every id exists in the model's embedding (the tokenizer belongs to the model); ABInputError otherwise."""
+    check_ids_in_vocab(samples, vocab, source, error=ABInputError)
 
 
 def load_arm_model(config, vocab: int, dtype: torch.dtype) -> torch.nn.Module:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..data.chat import read_chat_template
+from ..data.token_ids import check_ids_in_vocab
 from .config import TrainConfig
 from .errors import TrainError
 
@@ -92,13 +93,7 @@ def check_token_ids(samples: Sequence[dict], model: torch.nn.Module, source: str
     """Every input id exists in the model's embedding (a bigger tokenizer than model is a setup error)."""
     embeddings = model.get_input_embeddings()
     rows = embeddings.num_embeddings if hasattr(embeddings, "num_embeddings") else embeddings.weight.shape[0]
-    for index, sample in enumerate(samples):
-        highest = max(sample["input_ids"])
-        if highest >= rows:
-            raise TrainError(
-                f"{source}: sample {index} has token id {highest}, beyond the model's {rows} embeddings: "
-                "the tokenizer does not belong to this model (or resize the embeddings first)"
-            )
+    check_ids_in_vocab(samples, rows, source, error=TrainError, advice=" (or resize the embeddings first)")
 
 
 def check_labels_left(no_labels: int, config: TrainConfig) -> None:
