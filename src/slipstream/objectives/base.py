@@ -39,6 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from tqdm import tqdm
+
+from ..data import DataError
+from ..train.errors import TrainError
 
 
 @dataclass
@@ -164,6 +168,30 @@ class Objective:
 
 
 _REGISTRY: dict[str, type[Objective]] = {}
+
+
+def split_held_out(
+    config: Any, info: Any, rows: list, *, load, split, eval_set, what: str, said
+) -> tuple[list, Any]:
+    """The rows left to train on and the held-out set every objective's ``read`` builds alike:
+    ``data.eval_fraction`` of the rows (``split``: a seeded by-row split, the same on every rank), or
+    ``data.eval_path`` read as the training file is (``load``; a DataError there names
+    data.eval_path, and what its reader skipped is said where ``said(report)``); ``eval_set(rows,
+    source)`` makes the objective's set; None without either."""
+    data = config.data
+    if data.eval_fraction is not None:
+        source = data.path or "the demo data"
+        rows, held_out = split(rows, data.eval_fraction, config.seed, source)
+        return rows, eval_set(held_out, f"data.eval_fraction {data.eval_fraction:g} of {source}")
+    if data.eval_path is None:
+        return rows, None
+    try:
+        held_out, report = load(data.eval_path)
+    except DataError as error:
+        raise TrainError(f"{error} (data.eval_path)") from None
+    if info.is_main and said(report):
+        tqdm.write(f"slipstream train: eval {what}: {report.summary()}")  # skipped rows are always said
+    return rows, eval_set(held_out, data.eval_path)
 
 
 def register_objective(cls: type[Objective]) -> type[Objective]:

@@ -61,7 +61,7 @@ from ..rollouts import CachedSampler, Rollouts, Sampling, UnsupportedRollout, ch
 from ..train.checkpoints import newest_checkpoint
 from ..train.errors import TrainError
 from ..train.evaluation import rank_share
-from .base import Objective, ObjectiveData, StepPlan, register_objective
+from .base import Objective, ObjectiveData, StepPlan, register_objective, split_held_out
 
 GROUP_STD_EPSILON = 1e-4  # added to a group's reward std before dividing (TRL's)
 
@@ -224,22 +224,16 @@ class GRPO(Objective):
                 ) from None
 
         rows, report = load(config.data.path)
-        evals = None
-        if config.data.eval_fraction is not None:
-            rows, held_out = split_prompts(rows, config.data.eval_fraction, config.seed, config.data.path)
-            evals = PromptEvalSet(
-                self._bins(held_out),
-                f"data.eval_fraction {config.data.eval_fraction:g} of {config.data.path}",
-                len(held_out),
-            )
-        elif config.data.eval_path is not None:
-            try:
-                held_out, eval_report = load(config.data.eval_path)
-            except DataError as error:
-                raise TrainError(f"{error} (data.eval_path)") from None
-            if info.is_main and eval_report.skipped:
-                tqdm.write(f"slipstream train: eval prompts: {eval_report.summary()}")
-            evals = PromptEvalSet(self._bins(held_out), config.data.eval_path, len(held_out))
+        rows, evals = split_held_out(
+            config,
+            info,
+            rows,
+            load=load,
+            split=split_prompts,
+            eval_set=lambda held_out, source: PromptEvalSet(self._bins(held_out), source, len(held_out)),
+            what="prompts",
+            said=lambda eval_report: eval_report.skipped,
+        )
         if info.is_main and report.skipped:
             tqdm.write(f"slipstream train: {report.summary()}")
         bins = self._bins(rows)

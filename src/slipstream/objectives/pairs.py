@@ -34,7 +34,7 @@ from ..preference.losses import PairTerms
 from ..preference.reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
 from ..train.errors import TrainError
 from ..train.evaluation import rank_share
-from .base import Objective, ObjectiveData
+from .base import Objective, ObjectiveData, split_held_out
 
 logger = logging.getLogger("slipstream")
 
@@ -136,26 +136,18 @@ class PairObjective(Objective):
                 ) from None
 
         pairs, report = load(config.data.path)
-        evals = None
-        if config.data.eval_fraction is not None:
-            pairs, held_out = split_pairs(pairs, config.data.eval_fraction, config.seed, config.data.path)
-            evals = PairEvalSet(
-                pack_pairs(held_out, config.data.max_seq_len, config.seed),
-                f"data.eval_fraction {config.data.eval_fraction:g} of {config.data.path}",
-                len(held_out),
-            )
-        elif config.data.eval_path is not None:
-            try:
-                held_out, eval_report = load(config.data.eval_path)
-            except DataError as error:
-                raise TrainError(f"{error} (data.eval_path)") from None
-            if info.is_main and (eval_report.data.skipped or eval_report.truncated):
-                tqdm.write(f"slipstream train: eval pairs: {eval_report.summary()}")
-            evals = PairEvalSet(
-                pack_pairs(held_out, config.data.max_seq_len, config.seed),
-                config.data.eval_path,
-                len(held_out),
-            )
+        pairs, evals = split_held_out(
+            config,
+            info,
+            pairs,
+            load=load,
+            split=split_pairs,
+            eval_set=lambda held_out, source: PairEvalSet(
+                pack_pairs(held_out, config.data.max_seq_len, config.seed), source, len(held_out)
+            ),
+            what="pairs",
+            said=lambda eval_report: eval_report.data.skipped or eval_report.truncated,
+        )
         bins = pack_pairs(pairs, config.data.max_seq_len, config.seed)
         if info.is_main:
             tqdm.write(f"slipstream train: {report.summary()}")  # skipped rows and cut pairs are always said

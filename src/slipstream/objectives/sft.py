@@ -24,7 +24,7 @@ from ..packing.groups import collate_groups, group_documents
 from ..train.errors import TrainError
 from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
 from ..train.preflight import check_labels_left
-from .base import Objective, ObjectiveData, register_objective
+from .base import Objective, ObjectiveData, register_objective, split_held_out
 
 logger = logging.getLogger("slipstream")
 
@@ -95,21 +95,16 @@ class SFT(Objective):
         """Samples and their bins, and the eval set; the rows skipped and the samples cut are always said."""
         config = self.config
         samples, data_report = self.samples(tokenizer)
-        evals = None
-        if config.data.eval_fraction is not None:
-            source = config.data.path or "the demo data"
-            samples, held_out = split_rows(samples, config.data.eval_fraction, config.seed, source)
-            evals = self._eval_set(held_out, f"data.eval_fraction {config.data.eval_fraction:g} of {source}")
-        elif config.data.eval_path is not None:
-            try:
-                held_out, eval_report = self.samples(tokenizer, config.data.eval_path)
-            except DataError as error:
-                raise TrainError(f"{error} (data.eval_path)") from None
-            if info.is_main and eval_report.skipped:
-                tqdm.write(
-                    f"slipstream train: eval data: {eval_report.summary()}"
-                )  # skipped rows are always said
-            evals = self._eval_set(held_out, config.data.eval_path)
+        samples, evals = split_held_out(
+            config,
+            info,
+            samples,
+            load=lambda path: self.samples(tokenizer, path),
+            split=split_rows,
+            eval_set=self._eval_set,
+            what="data",
+            said=lambda eval_report: eval_report.skipped,
+        )
         bins, packing = self._bins(samples, info)
         check_labels_left(packing.no_labels, config)
         if not bins:
