@@ -101,6 +101,19 @@ def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
     return moved
 
 
+def open_arm_model(config, arm: str, vocab_size: int, perturb: bool):
+    """What both arm sessions start from: the device, the arm's model and slipstream state as the arm
+    says (``arms.build_arm_model``), and the weights moved by one ulp for the sensitivity run
+    (``perturb``); returns ``(device, model, state, weights moved)``."""
+    from .ab_config import resolve_device
+    from .arms import build_arm_model
+
+    device = resolve_device(config.device)
+    model, state = build_arm_model(config, arm, vocab_size, device)
+    moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
+    return device, model, state, moved
+
+
 def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW on the trainable parameters (no weight decay) and the run's schedule: what ``slipstream
     train`` steps with (``optimizer.schedule``), for every slipstream arm."""

@@ -32,12 +32,12 @@ from .arm_result import (
     ArmResult,
     arm_optimizer,
     check_next_step,
+    open_arm_model,
     peak_memory_mb,
-    perturb_by_one_ulp,
     record_machine,
     sync,
 )
-from .arms import ARM_SPECS, build_arm_model, micro_batch_inputs, shares_prefixes
+from .arms import ARM_SPECS, micro_batch_inputs, shares_prefixes
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
@@ -74,11 +74,9 @@ class ArmSession:
 
     def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
         self.config, self.arm, self.plan = config, arm, plan
-        self.device = device = resolve_device(config.device)
         spec = ARM_SPECS[arm]
-        model, state = build_arm_model(config, arm, vocab_size, device)
-        moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
-        self.model, self.state = model, state
+        self.device, model, state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        device, self.model, self.state = self.device, model, state
         self.trl_step = None
         self.warm_pages = WarmPages()
         self.pairs = spec.pairs

@@ -40,8 +40,8 @@ from .arm_result import (
     ArmResult,
     arm_optimizer,
     check_next_step,
+    open_arm_model,
     peak_memory_mb,
-    perturb_by_one_ulp,
     record_machine,
     sync,
 )
@@ -158,11 +158,9 @@ class GrpoArmSession:
 
     def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
         self.config, self.arm, self.plan = config, arm, plan
-        self.device = device = resolve_device(config.device)
         spec = ARM_SPECS[arm]
-        model, state = build_arm_model(config, arm, vocab_size, device)
-        moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
-        self.model, self.state = model, state
+        self.device, model, state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        device, self.model, self.state = self.device, model, state
         tokenizer = ab_tokenizer(config)
         self.objective = _objective(config, arm, tokenizer, model)
         self.objective.chunked = state is not None and state.chunked_loss is not None
