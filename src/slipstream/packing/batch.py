@@ -133,10 +133,14 @@ class PackedBatch:
         """
 
         if self.has_prefixes:
-            raise NotImplementedError(
+            from .guards import UnsupportedArchitecture  # guards imports this module
+
+            raise UnsupportedArchitecture(
                 "chunked attention (attention_chunk_size) with shared prompts or prefixes: not supported; "
                 "set preference.prefix_sharing false (pairs) or data.share_prefixes off (SFT rows; "
-                "collate_groups(..., prefix_sharing=False))"
+                "collate_groups(..., prefix_sharing=False))",
+                refused="chunked attention with shared prompts or prefixes",
+                avoid=None,  # the data's prefix sharing, not a speedup, is what to change
             )
 
         def build() -> PackedBatch:
