@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import PACKED_BATCH_KWARG, PackedBatch
+from .batch import PACKED_BATCH_KWARG, PackedBatch, UnsupportedSharedPrefix
 from .guards import TRAIN_UNPACKED, UnsupportedArchitecture, active_batch
 
 
@@ -311,7 +311,7 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             for number, prefix in enumerate(batch.prefix_lens):
                 source = sources[number]
                 if prefix and (alone[number] > threshold) != (alone[source] > threshold):
-                    raise UnsupportedArchitecture(
+                    raise UnsupportedSharedPrefix(
                         f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
                         f"and two sequences that share a prompt or prefix ({alone[source]} and {alone[number]} "
                         "tokens: a pair's prompt + chosen and prompt + rejected, or a group's prefix + "
@@ -319,7 +319,6 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                         "set preference.prefix_sharing false (prefix groups: collate_groups(..., "
                         "prefix_sharing=False))",
                         refused="longrope with a shared prompt on either side of its threshold",
-                        avoid=None,  # the data's prefix sharing, not a speedup, is what to change
                     )
         runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
