@@ -15,6 +15,7 @@ change).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 _UNSET: Any = object()
@@ -26,8 +27,14 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def _python_value(value: Any) -> str:
-    return repr(value)
+def optimize_call(avoid: Mapping[str, Any] | None) -> str | None:
+    """The ``slipstream.optimize`` call that sets ``avoid`` (``slipstream.optimize(model,
+    packed_attention=False)``), or None: what a refusal's message names, generated from the same
+    dict as its ``avoid`` so the two cannot drift."""
+    if not avoid:
+        return None
+    options = ", ".join(f"{key}={value!r}" for key, value in avoid.items())
+    return f"slipstream.optimize(model, {options})"
 
 
 class Refusal(Exception):  # noqa: N818 - a refusal is an outcome, not a fault
@@ -47,10 +54,7 @@ class Refusal(Exception):  # noqa: N818 - a refusal is an outcome, not a fault
 
     def python_call(self) -> str | None:
         """The ``slipstream.optimize`` call that avoids it, or None."""
-        if not self.avoid:
-            return None
-        options = ", ".join(f"{key}={_python_value(value)}" for key, value in self.avoid.items())
-        return f"slipstream.optimize(model, {options})"
+        return optimize_call(self.avoid)
 
 
 def refusal_in(error: BaseException | None) -> Refusal | None:
@@ -70,4 +74,4 @@ def avoid_of(error: BaseException | None) -> dict[str, Any] | None:
     return dict(refusal.avoid) if refusal is not None and refusal.avoid else None
 
 
-__all__ = ["Refusal", "avoid_of", "refusal_in"]
+__all__ = ["Refusal", "avoid_of", "optimize_call", "refusal_in"]

@@ -30,6 +30,8 @@ from typing import Protocol
 
 import torch
 
+from .refusal import Refusal
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -90,8 +92,13 @@ class RolloutEngine(Protocol):
         """``num_generations`` completions of every prompt (token ids), seeded by ``seed``."""
 
 
-class UnsupportedRollout(NotImplementedError):
-    """A model :class:`CachedSampler` cannot sample from exactly; the message names what and why."""
+class UnsupportedRollout(Refusal, NotImplementedError):
+    """A model :class:`CachedSampler` cannot sample from exactly; the message names what and why.
+
+    No speedup avoids it (``avoid`` None): the sampler is not one of the optimizations; the data
+    (a shorter ``max_seq_len``) or the model must change."""
+
+    avoid = None
 
 
 def check_sampleable(model: torch.nn.Module, longest: int) -> None:
@@ -108,7 +115,8 @@ def check_sampleable(model: torch.nn.Module, longest: int) -> None:
     if other:
         raise UnsupportedRollout(
             f"{name}: layers of kind {', '.join(other)}: rollouts by slipstream's sampler cover attention "
-            "layers only (a recurrent state would take in the prompts' padding)"
+            "layers only (a recurrent state would take in the prompts' padding)",
+            refused=f"sampling {name}'s {', '.join(other)} layers",
         )
     for key in ("sliding_window", "attention_chunk_size"):
         window = getattr(config, key, None)
@@ -117,7 +125,8 @@ def check_sampleable(model: torch.nn.Module, longest: int) -> None:
             raise UnsupportedRollout(
                 f"{name}: {key} {window} is shorter than a prompt and its completion ({longest} tokens): "
                 "slipstream's sampler would attend past it; lower data.max_seq_len to at most "
-                f"{window}, or use a model without it"
+                f"{window}, or use a model without it",
+                refused=f"sampling past {name}'s {key}",
             )
 
 

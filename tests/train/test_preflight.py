@@ -66,15 +66,43 @@ def test_token_ids_beyond_the_vocabulary_and_samples_without_labels():
 
 
 def test_a_refusal_is_said_in_config_terms():
+    from slipstream.loss.chunked_loss import UnsupportedLoss
+    from slipstream.packing.guards import UnsupportedArchitecture
     from slipstream.train.loop import config_advice
 
-    message = "X does not route attention ... Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
-    assert config_advice(message) == " (in the config: speedups.packed_attention: false)"
+    # read from the exception (its class's avoid, or the raise site's), never from its text
+    assert config_advice(UnsupportedArchitecture("X")) == " (in the config: speedups.packed_attention: false)"
     assert (
-        config_advice("Use slipstream.optimize(model, moe_routing='stock').")
-        == " (in the config: speedups.moe_routing: stock)"
+        config_advice(UnsupportedLoss("X", avoid={"moe_routing": "stock", "checkpointing": None}))
+        == " (in the config: speedups.moe_routing: stock, speedups.checkpointing: null)"
     )
-    assert config_advice("no advice") == ""
+    wrapped = TrainError("set-up failed")
+    wrapped.__cause__ = UnsupportedLoss("X")
+    assert config_advice(wrapped) == " (in the config: speedups.chunked_loss: false)"
+    assert config_advice(UnsupportedArchitecture("X", avoid=None)) == ""  # no option avoids it
+    text_only = NotImplementedError("Use slipstream.optimize(model, packed_attention=False)")
+    assert config_advice(text_only) == ""  # not a refusal: its text is not parsed
+
+
+def test_a_refusal_in_optimize_stops_the_run_with_its_config_line(tmp_path):
+    import yaml
+
+    from slipstream.train.config import load_config
+    from slipstream.train.loop import train
+
+    settings = {
+        "model": {"preset": "qwen3", "dtype": "float32"},
+        "data": {"demo_rows": 16, "max_seq_len": 128},
+        "training": {"steps": 1},
+        "speedups": {"fused_kernels": "liger"},  # Liger runs on CUDA only: refused on a CPU
+        "output_dir": str(tmp_path / "out"),
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    with pytest.raises(
+        TrainError, match=r"fused_kernels='liger'.* \(in the config: speedups.fused_kernels: auto\)$"
+    ):
+        train(load_config(path, []), progress=False)
 
 
 # ---- data.chat_template: another template than the tokenizer's ----

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..refusal import optimize_call
 from .compiled import CompiledPlan, apply_compiled, compiled_plan, compiled_policy
 from .liger import FusedKernelsUnavailable, LigerPlan, apply_liger, liger_plan
 
@@ -49,7 +50,9 @@ def decide_fused_kernels(
     wanted, why = compiled_policy(device, mode, expected_steps)
     if mode == "compiled" and not wanted:
         raise FusedKernelsUnavailable(
-            f"fused_kernels='compiled': {why}. Use fused_kernels='auto' (on only where it pays) or 'off'."
+            f"fused_kernels='compiled': {why}. Use {optimize_call(FusedKernelsUnavailable.avoid)} (on only where "
+            "it pays), or fused_kernels='off'.",
+            refused=f"fused_kernels='compiled' ({why})",
         )
     if not wanted:
         return FusedDecision(None, f"off (auto: Liger: {liger_why}; {why})")

@@ -44,6 +44,7 @@ from typing import Literal
 import torch
 
 from ..moe.experts import is_moe_model
+from ..refusal import Refusal, optimize_call
 
 FusedKernels = Literal["auto", "liger", "compiled", "off"]
 
@@ -56,8 +57,10 @@ INSTALL = "liger-kernel is not installed (pip install 'slipstream[liger]')"
 _MISSING = object()
 
 
-class FusedKernelsUnavailable(ValueError):
-    """``fused_kernels='liger'`` where Liger cannot run; the message names the reason."""
+class FusedKernelsUnavailable(Refusal, ValueError):
+    """``fused_kernels='liger'`` / ``'compiled'`` where they cannot run; the message names the reason."""
+
+    avoid = {"fused_kernels": "auto"}  # on only where they run (and pay)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ def liger_plan(
         plan, why = _plan_for(model)
     if plan is None and mode == "liger":
         raise FusedKernelsUnavailable(
-            f"fused_kernels='liger': {why}. Use fused_kernels='auto' (on only where Liger can run) or 'off'."
+            f"fused_kernels='liger': {why}. Use {optimize_call(FusedKernelsUnavailable.avoid)} (on only where "
+            "Liger can run), or fused_kernels='off'.",
+            refused=f"fused_kernels='liger' ({why})",
         )
     if plan is None:
         return None, f"off ({'auto: ' if mode == 'auto' else ''}{why})"

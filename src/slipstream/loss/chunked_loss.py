@@ -59,6 +59,7 @@ import torch
 
 from ..data.labels import IGNORE_INDEX
 from ..packing.batch import PACKED_BATCH_KWARG
+from ..refusal import Refusal, optimize_call
 from .answer_logprobs import answer_logprobs
 from .linear_ce import LinearHead, LogitTransform, choose_chunk_tokens, linear_cross_entropy
 
@@ -70,8 +71,14 @@ _SCALE_KEYS = ("logit_scale", "lm_head_multiplier", "output_multiplier")
 _PROBE_RANGE = 64.0
 
 
-class UnsupportedLoss(NotImplementedError):
+class UnsupportedLoss(Refusal, NotImplementedError):
     """The chunked loss cannot compute this model's loss exactly; the message says why and what to do."""
+
+    avoid = {"chunked_loss": False}
+
+
+# The way out the messages name, generated from the class's ``avoid`` (text and data cannot drift).
+STOCK_LOSS = optimize_call(UnsupportedLoss.avoid)  # slipstream.optimize(model, chunked_loss=False)
 
 
 class LogitsNotComputedError(AttributeError, TypeError):
@@ -102,7 +109,7 @@ class LogitsNotComputed:
             "time and returns out.loss only (so does an evaluation forward inside "
             "slipstream.loss.chunked_evaluation). Evaluation (model.eval()), torch.no_grad() forwards and "
             "generate() keep their logits. To get logits from training forwards too, turn the chunked loss "
-            "off: slipstream.optimize(model, chunked_loss=False), or speedups.chunked_loss: false in a "
+            f"off: {STOCK_LOSS}, or speedups.chunked_loss: false in a "
             "slipstream training config."
         )
 
@@ -291,7 +298,8 @@ class ChunkedLoss:
             raise UnsupportedLoss(
                 f"{type(module).__name__} called its LM head but computed its loss without "
                 "model.loss_function, so slipstream's chunked loss cannot stand in for it. "
-                "Use slipstream.optimize(model, chunked_loss=False)."
+                f"Use {STOCK_LOSS}.",
+                refused=f"{type(module).__name__}'s loss computed without model.loss_function",
             )
         if hasattr(output, "logits"):
             output.logits = self._no_logits  # a ModelOutput also stores it as its "logits" item
@@ -309,7 +317,8 @@ class ChunkedLoss:
         if targets.shape[0] != hidden_NH.shape[0]:
             raise UnsupportedLoss(
                 f"{type(self.model).__name__}: {targets.shape[0]} label positions for {hidden_NH.shape[0]} "
-                "hidden states reaching the LM head; use slipstream.optimize(model, chunked_loss=False)"
+                f"hidden states reaching the LM head; use {STOCK_LOSS}",
+                refused="labels that do not line up with the hidden states reaching the LM head",
             )
         batch = call.packed_batch
         if _explicit_targets(batch, labels):
@@ -412,7 +421,8 @@ class ChunkedLoss:
         if probe is None or transformed.shape[-1] != probe.shape[-1] or transformed.numel() == 0:
             raise UnsupportedLoss(
                 f"{name} changes the shape of its LM head's output before the loss (e.g. slices the "
-                "vocabulary); slipstream's chunked loss cannot follow. Use slipstream.optimize(model, chunked_loss=False)."
+                f"vocabulary); slipstream's chunked loss cannot follow. Use {STOCK_LOSS}.",
+                refused=f"{name}'s LM head output reshaped before the loss",
             )
         expected = transformed.reshape(-1, probe.shape[-1])[0].double().cpu()  # one host read, once
         candidates = transform_candidates(self.model)
@@ -425,7 +435,8 @@ class ChunkedLoss:
         raise UnsupportedLoss(
             f"{name} transforms its logits before the loss in a way slipstream's chunked loss does not "
             f"know (tried: {', '.join(c.describe() for c in candidates)}); the loss would differ, so it is "
-            "refused. Use slipstream.optimize(model, chunked_loss=False)."
+            f"refused. Use {STOCK_LOSS}.",
+            refused=f"{name}'s unknown logit transform before the loss",
         )
 
     def _log(self, policy: str) -> None:
@@ -520,16 +531,20 @@ def check_supported(model: torch.nn.Module) -> None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         raise UnsupportedLoss(
-            f"{name} has no output-embeddings (LM head) module; use slipstream.optimize(model, chunked_loss=False)"
+            f"{name} has no output-embeddings (LM head) module; use {STOCK_LOSS}",
+            refused=f"the chunked loss for {name}, which has no LM head module",
         )
     stock = model.loss_function
     if isinstance(stock, ChunkedLoss):
-        raise UnsupportedLoss(f"{name} already runs slipstream's chunked loss")
+        raise UnsupportedLoss(  # a second install, not the model: turning the loss off is not the way out
+            f"{name} already runs slipstream's chunked loss", refused="a second chunked loss", avoid=None
+        )
     if stock is not ForCausalLMLoss:
         raise UnsupportedLoss(
             f"{name} uses its own loss ({getattr(stock, '__name__', stock)!r}, not transformers' "
             "ForCausalLMLoss); the chunked loss only stands in for the causal-LM cross-entropy. "
-            "Use slipstream.optimize(model, chunked_loss=False)."
+            f"Use {STOCK_LOSS}.",
+            refused=f"{name}'s own loss function",
         )
     try:
         source = inspect.getsource(type(model).forward)
@@ -538,5 +553,6 @@ def check_supported(model: torch.nn.Module) -> None:
     if "loss_function" not in source:
         raise UnsupportedLoss(
             f"{name}.forward does not call model.loss_function (or its source cannot be read), so the "
-            "chunked loss cannot stand in for its loss. Use slipstream.optimize(model, chunked_loss=False)."
+            f"chunked loss cannot stand in for its loss. Use {STOCK_LOSS}.",
+            refused=f"{name}.forward without model.loss_function",
         )

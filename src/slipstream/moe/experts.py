@@ -20,6 +20,7 @@ from typing import Literal, get_args
 
 import torch
 
+from ..refusal import Refusal, optimize_call
 from .grouped import GroupedLinear
 from .routing import combine_top_k, group_by_expert, tokens_in_expert_order
 
@@ -32,8 +33,14 @@ MoeCompute = Literal["auto", "grouped_mm", "loop"]
 COMPUTE_CHOICES = get_args(MoeCompute)
 
 
-class UnsupportedExperts(NotImplementedError):
+class UnsupportedExperts(Refusal, NotImplementedError):
     """An experts module slipstream's sorted routing cannot run exactly."""
+
+    avoid = {"moe_routing": "stock"}
+
+
+# The way out the messages name, generated from the class's ``avoid`` (text and data cannot drift).
+STOCK_ROUTING = optimize_call(UnsupportedExperts.avoid)  # slipstream.optimize(model, moe_routing='stock')
 
 
 def check_experts_module(module: torch.nn.Module) -> None:
@@ -42,29 +49,32 @@ def check_experts_module(module: torch.nn.Module) -> None:
     if not hasattr(module, "has_gate") or not hasattr(module, "is_transposed"):
         raise UnsupportedExperts(
             f"{name} does not use transformers' @use_experts_implementation interface; sorted routing "
-            "cannot plug into it. Use slipstream.optimize(model, moe_routing='stock')."
+            f"cannot plug into it. Use {STOCK_ROUTING}.",
+            refused=f"sorted routing for {name}, outside transformers' experts interface",
         )
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExperts(
             f"{name} applies a post-expert norm, which sorted routing does not implement. "
-            "Use slipstream.optimize(model, moe_routing='stock')."
+            f"Use {STOCK_ROUTING}.",
+            refused=f"{name}'s post-expert norm under sorted routing",
         )
     if getattr(module, "_is_expert_parallel", False):
         raise UnsupportedExperts(
-            f"{name} is expert-parallel; sorted routing runs all experts locally. "
-            "Use slipstream.optimize(model, moe_routing='stock')."
+            f"{name} is expert-parallel; sorted routing runs all experts locally. Use {STOCK_ROUTING}.",
+            refused=f"sorted routing for the expert-parallel {name}",
         )
     first = "gate_up_proj" if module.has_gate else "up_proj"
     quantized = getattr(module, "slipstream_nf4", None) is not None
     for weight in (first, "down_proj"):
         if not quantized and not isinstance(getattr(module, weight, None), torch.Tensor):
             raise UnsupportedExperts(
-                f"{name} has no 3D weight {weight!r}. Use slipstream.optimize(model, moe_routing='stock')."
+                f"{name} has no 3D weight {weight!r}. Use {STOCK_ROUTING}.",
+                refused=f"sorted routing for {name} without a 3D {weight!r}",
             )
     if not hasattr(module, "num_experts"):
         raise UnsupportedExperts(
-            f"{name} does not say how many experts it has (num_experts). "
-            "Use slipstream.optimize(model, moe_routing='stock')."
+            f"{name} does not say how many experts it has (num_experts). Use {STOCK_ROUTING}.",
+            refused=f"sorted routing for {name} without num_experts",
         )
 
 

@@ -23,6 +23,13 @@ from typing import Protocol
 import torch
 
 from ..host_reads import read_to_host
+from ..refusal import Refusal, optimize_call
+
+
+class GroupedMmUnavailable(Refusal, RuntimeError):
+    """``moe_compute='grouped_mm'`` asked for by name where grouped_mm cannot run these operands."""
+
+    avoid = {"moe_compute": "auto"}  # grouped_mm where it runs, the loop elsewhere
 
 
 class ExpertWeightStore(Protocol):
@@ -226,7 +233,11 @@ class GroupedLinear:
             if ok:
                 self.path, self.reason = "grouped_mm", reason
             elif compute == "grouped_mm":
-                raise RuntimeError(f"moe_compute='grouped_mm' cannot run here: {reason}")
+                raise GroupedMmUnavailable(
+                    f"moe_compute='grouped_mm' cannot run here: {reason}. "
+                    f"Use {optimize_call(GroupedMmUnavailable.avoid)}",
+                    refused=f"moe_compute='grouped_mm' here ({reason})",
+                )
             else:
                 self.reason = reason
         self._counts: list[int] | None = None

@@ -13,12 +13,15 @@ import torch
 
 from ..packing.guards import bind_running
 from ..packing.verdict import decoder_layers
+from ..refusal import optimize_call
 from .accounting import device_activation_bytes
 from .checkpoint import OffloadManager, UnsupportedCheckpointing
 from .engine import CudaEngine, RecordingEngine
 from .policy import MODES, CheckpointPolicy, DeviceDescription, choose_policy
 
 logger = logging.getLogger("slipstream")
+
+_LEAVE_AS_IS = {"checkpointing": None}  # the Speedups default: the model's checkpointing untouched
 
 __all__ = [
     "MODES",
@@ -59,8 +62,11 @@ def enable_checkpointing(
     """
     layers = checkpointing_layers(model)
     if not layers:
-        raise ValueError(
-            f"{type(model).__name__} has no transformers GradientCheckpointingLayer to checkpoint"
+        raise UnsupportedCheckpointing(
+            f"{type(model).__name__} has no transformers GradientCheckpointingLayer to checkpoint. "
+            f"Use {optimize_call(_LEAVE_AS_IS)} (leave its checkpointing as it is)",
+            refused=f"checkpointing {type(model).__name__}, which has no checkpointable layers",
+            avoid=_LEAVE_AS_IS,
         )
     parameter = next(model.parameters())
     if device is None:

@@ -29,12 +29,20 @@ from dataclasses import dataclass
 import torch
 
 from ..packing.guards import bind_running
+from ..refusal import Refusal, optimize_call
 
 logger = logging.getLogger("slipstream")
 
 
-class UnsupportedCheckpointing(NotImplementedError):
+class UnsupportedCheckpointing(Refusal, NotImplementedError):
     """A model whose layers the offloaded checkpointing cannot run exactly; the message says what to use."""
+
+    avoid = {"checkpointing": "recompute"}
+
+
+# The way out the messages name, generated from the class's ``avoid`` (text and data cannot drift).
+# slipstream.optimize(model, checkpointing='recompute')
+RECOMPUTE = optimize_call(UnsupportedCheckpointing.avoid)
 
 
 @dataclass
@@ -170,7 +178,8 @@ class OffloadManager:
             if problem:
                 raise UnsupportedCheckpointing(
                     f"decoder layer {layer} {problem}; the offloaded layer runs without autograd in forward, so "
-                    "that gradient would be lost. Use slipstream.optimize(model, checkpointing='recompute')"
+                    f"that gradient would be lost. Use {RECOMPUTE}",
+                    refused=f"offloading decoder layer {layer}, whose side inputs need a gradient",
                 )
             keywords = getattr(function, "keywords", None) or {}
             function = bind_running(function)  # the recompute sees the packed batch of this forward
@@ -248,7 +257,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             raise UnsupportedCheckpointing(
                 f"decoder layer {layer} wrote into {', '.join(map(repr, changed))}, state a later layer reads (shared "
                 "KV); computed without autograd under offload, its gradient would be lost. "
-                "Use slipstream.optimize(model, checkpointing='recompute')"
+                f"Use {RECOMPUTE}",
+                refused=f"offloading decoder layer {layer}, which writes state a later layer reads",
             )
         ctx.ticket = manager.offload(layer, hidden_states.detach()).ticket
         ctx.tuple_output = isinstance(output, tuple)
@@ -261,7 +271,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         if saved is None or saved.ticket != ctx.ticket:
             raise UnsupportedCheckpointing(
                 f"decoder layer {layer} ran more than once in one forward (a looped or shared layer); offloaded "
-                "checkpointing keeps one saved input per layer. Use slipstream.optimize(model, checkpointing='recompute')"
+                f"checkpointing keeps one saved input per layer. Use {RECOMPUTE}",
+                refused=f"offloading decoder layer {layer}, which runs more than once per forward",
             )
         hidden = manager.fetch(layer).detach().requires_grad_(True)
         manager.engine.mark(f"backward{layer}-begin")

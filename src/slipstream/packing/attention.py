@@ -35,10 +35,11 @@ from typing import Any, Literal, get_args
 import torch
 import torch.nn.functional as F
 
+from ..refusal import Refusal, optimize_call
 from .batch import PackedBatch, cumulative
 from .costs import ATTENTION_COSTS, BUILTIN
 from .grouping import GROUPING_CHOICE, GROUPING_COUNTS, document_groups, run_grouped
-from .guards import UnsupportedArchitecture, check_attention_call, layer_name
+from .guards import UNPACKED, UnsupportedArchitecture, check_attention_call, layer_name
 from .rowpos import document_temperature
 from .short_attention import SHORT_KERNEL_CHOICE, short_causal_attention, takes_short_kernel
 
@@ -48,8 +49,19 @@ BACKENDS = tuple(b for b in get_args(AttentionBackend) if b != "auto")
 _NOT_GIVEN: Any = object()  # an attention call that did not pass sliding_window at all (None: no window)
 
 
-class UnsupportedAttentionFeature(NotImplementedError):
+class UnsupportedAttentionFeature(Refusal, NotImplementedError):
     """A model asks for an attention feature the packed backends do not implement."""
+
+    avoid = {"packed_attention": False}
+
+
+class AttentionBackendUnavailable(Refusal, ValueError):
+    """An ``attention_backend`` asked for by name that cannot run here (the device, the dtype)."""
+
+    avoid = {"attention_backend": "auto"}
+
+
+_SDPA = {"attention_backend": "sdpa"}  # the backend that runs every window and dtype
 
 
 # --------------------------------------------------------------------------- helpers
@@ -88,7 +100,8 @@ def _check_supported(module: torch.nn.Module, kwargs: dict) -> None:
     if softcap is not None:
         raise UnsupportedAttentionFeature(
             f"{type(module).__name__} uses attention logit softcapping (softcap={softcap}); "
-            "slipstream's packed attention does not implement it. Use slipstream.optimize(model, packed_attention=False)."
+            f"slipstream's packed attention does not implement it. Use {UNPACKED}.",
+            refused="attention logit softcapping on packed rows",
         )
 
 
@@ -184,7 +197,8 @@ def _refuse_config_window(module) -> None:
         raise UnsupportedArchitecture(
             f"{layer_name(module)}: the config has sliding_window={window}, which the model applies through its "
             "own mask builder and does not pass to the attention call, so slipstream cannot tell whether this "
-            "layer uses it. Use slipstream.optimize(model, packed_attention=False)"
+            f"layer uses it. Use {UNPACKED}",
+            refused="a sliding window only the config names",
         )
 
 
@@ -360,7 +374,9 @@ def packed_varlen_attention(
             extra["window_size"] = (left, 0)
         elif window is not None:
             raise UnsupportedAttentionFeature(
-                "this torch's varlen_attn has no sliding window; use backend 'sdpa'"
+                f"this torch's varlen_attn has no sliding window; use backend 'sdpa': {optimize_call(_SDPA)}",
+                refused="a sliding window on this torch's varlen_attn",
+                avoid=_SDPA,
             )
         else:
             extra["is_causal"] = True
@@ -692,13 +708,15 @@ def choose_backend(
         raise ValueError(f"attention_backend must be 'auto' or one of {BACKENDS}, got {requested!r}")
     if requested != "auto":
         if requested == "varlen" and _varlen_kernel() is None:
-            raise ValueError(
-                "attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn"
+            raise AttentionBackendUnavailable(
+                "attention_backend='varlen' needs CUDA and torch.nn.attention.varlen or flash-attn",
+                refused="attention_backend='varlen' without its kernel",
             )
         if requested == "varlen" and dtype is not None and dtype not in VARLEN_DTYPES:
-            raise ValueError(
+            raise AttentionBackendUnavailable(
                 f"attention_backend='varlen' runs float16 / bfloat16 only (flash attention), not "
-                f"{str(dtype).removeprefix('torch.')}: use 'sdpa' or 'auto'"
+                f"{str(dtype).removeprefix('torch.')}: use 'sdpa' or 'auto'",
+                refused=f"attention_backend='varlen' for a {str(dtype).removeprefix('torch.')} model",
             )
         return requested, "requested"
     if device.type == "cuda":

@@ -17,9 +17,20 @@ from typing import Any
 import torch
 
 from ..data.labels import IGNORE_INDEX  # noqa: F401 - re-exported with the batch
+from ..refusal import Refusal
 
 # The keyword under which the batch travels through transformers' **kwargs to the attention.
 PACKED_BATCH_KWARG = "slipstream_packed_batch"
+
+
+class UnsupportedSharedPrefix(Refusal, NotImplementedError):
+    """Rows that share a prompt or prefix which packed training cannot keep exact for this model.
+
+    No speedup avoids it (``avoid`` None): the data's prefix sharing must go
+    (``preference.prefix_sharing: false``, ``data.share_prefixes``, ``collate_groups(...,
+    prefix_sharing=False)``)."""
+
+    avoid = None
 
 
 @dataclass(eq=False)
@@ -133,10 +144,11 @@ class PackedBatch:
         """
 
         if self.has_prefixes:
-            raise NotImplementedError(
+            raise UnsupportedSharedPrefix(
                 "chunked attention (attention_chunk_size) with shared prompts or prefixes: not supported; "
                 "set preference.prefix_sharing false (pairs) or data.share_prefixes off (SFT rows; "
-                "collate_groups(..., prefix_sharing=False))"
+                "collate_groups(..., prefix_sharing=False))",
+                refused="chunked attention with shared prompts or prefixes",
             )
 
         def build() -> PackedBatch:

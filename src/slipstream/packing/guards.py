@@ -24,11 +24,19 @@ from contextvars import ContextVar
 
 import torch
 
+from ..refusal import Refusal, optimize_call
 from .batch import PACKED_BATCH_KWARG, PackedBatch
 
 
-class UnsupportedArchitecture(NotImplementedError):
+class UnsupportedArchitecture(Refusal, NotImplementedError):
     """A model (or one of its layers) cannot be trained packed exactly; the message says what to do."""
+
+    avoid = {"packed_attention": False}
+
+
+# The way out the messages name, generated from the class's ``avoid`` (text and data cannot drift).
+UNPACKED = optimize_call(UnsupportedArchitecture.avoid)  # slipstream.optimize(model, packed_attention=False)
+TRAIN_UNPACKED = f"Train this model unpacked: {UNPACKED}"
 
 
 # The batches of the forwards running now, innermost last (a model may call another's forward).
@@ -141,19 +149,22 @@ def check_attention_call(
             raise UnsupportedArchitecture(
                 f"{layer_name(module)} was called without the packed batch while the model runs on one: "
                 "its decoder layer does not pass its attention kwargs on, so it would attend across "
-                "documents. Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
+                f"documents. {TRAIN_UNPACKED}",
+                refused="a decoder layer that does not pass the packed batch to its attention",
             )
         return None
     if attention_mask is not None:
         raise UnsupportedArchitecture(
             f"{layer_name(module)} builds an attention mask of its own ({tuple(attention_mask.shape)}) that "
-            "slipstream's packed attention cannot honour. Use slipstream.optimize(model, packed_attention=False)"
+            f"slipstream's packed attention cannot honour. Use {UNPACKED}",
+            refused="an attention mask of the layer's own on packed rows",
         )
     unknown = sorted(k for k, v in kwargs.items() if k not in KNOWN_ATTENTION_KWARGS and _is_input(v))
     if unknown:
         raise UnsupportedArchitecture(
             f"{layer_name(module)} passes attention inputs slipstream's packed attention does not implement "
-            f"({', '.join(unknown)}). Use slipstream.optimize(model, packed_attention=False)"
+            f"({', '.join(unknown)}). Use {UNPACKED}",
+            refused=f"attention inputs the packed attention does not implement ({', '.join(unknown)})",
         )
     is_causal = kwargs.get("is_causal")
     if is_causal is None:  # transformers' own rule: the call's flag, else the module's
@@ -161,12 +172,14 @@ def check_attention_call(
     if is_causal is False:
         raise UnsupportedArchitecture(
             f"{layer_name(module)} asks for non-causal attention; packed training is causal only. "
-            "Use slipstream.optimize(model, packed_attention=False)"
+            f"Use {UNPACKED}",
+            refused="non-causal attention on packed rows",
         )
     if key.shape[-2] != query.shape[-2]:
         raise UnsupportedArchitecture(
             f"{layer_name(module)} attends with {key.shape[-2]} keys for {query.shape[-2]} queries "
             "(compressed or pooled keys), which the per-document packed attention cannot split. "
-            "Use slipstream.optimize(model, packed_attention=False)"
+            f"Use {UNPACKED}",
+            refused="compressed or pooled keys on packed rows",
         )
     return batch

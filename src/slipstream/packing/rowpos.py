@@ -33,10 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch import PACKED_BATCH_KWARG, PackedBatch
-from .guards import UnsupportedArchitecture, active_batch
-
-_TRAIN_UNPACKED = "Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
+from .batch import PACKED_BATCH_KWARG, PackedBatch, UnsupportedSharedPrefix
+from .guards import TRAIN_UNPACKED, UnsupportedArchitecture, active_batch
 
 
 @dataclass
@@ -117,7 +115,7 @@ def _disarm(module: torch.nn.Module, args, output):
     if _ARMED.pop(module, None) is not None:  # no packed attention call applied the scale
         raise UnsupportedArchitecture(
             f"{type(module).__name__}: its attention did not go through slipstream's packed attention, so "
-            f"its temperature tuning could not follow each document's positions. {_TRAIN_UNPACKED}"
+            f"its temperature tuning could not follow each document's positions. {TRAIN_UNPACKED}"
         )
     return None
 
@@ -293,7 +291,7 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                     f"{type(module).__name__}: dynamic RoPE scaling (rope_type={rope_type!r}) recomputes its "
                     f"frequencies from the largest position in the whole packed row, so a document of {longest} "
                     f"tokens (max_position_embeddings is {threshold}) would change the positions of every other "
-                    f"document in its row. {_TRAIN_UNPACKED}"
+                    f"document in its row. {TRAIN_UNPACKED}"
                 )
             # every document below the threshold: the decorator would keep (or reset to) the original
             # frequencies; where they are already, skip its device-side comparison
@@ -313,13 +311,14 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             for number, prefix in enumerate(batch.prefix_lens):
                 source = sources[number]
                 if prefix and (alone[number] > threshold) != (alone[source] > threshold):
-                    raise UnsupportedArchitecture(
+                    raise UnsupportedSharedPrefix(
                         f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
                         f"and two sequences that share a prompt or prefix ({alone[source]} and {alone[number]} "
                         "tokens: a pair's prompt + chosen and prompt + rejected, or a group's prefix + "
                         f"continuations) fall on either side of {threshold}, so they cannot share one prompt: "
                         "set preference.prefix_sharing false (prefix groups: collate_groups(..., "
-                        "prefix_sharing=False))"
+                        "prefix_sharing=False))",
+                        refused="longrope with a shared prompt on either side of its threshold",
                     )
         runs = _runs(batch.seq_lens, lambda length: length > threshold, batch.alone_lengths)
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
@@ -337,7 +336,7 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
         if not isinstance(position_ids, torch.Tensor) or tuple(position_ids.shape) != (1, total):
             raise UnsupportedArchitecture(
                 f"{type(module).__name__}: longrope picks its factors from the longest document of the packed row, "
-                f"and slipstream splits it per document only for position_ids of shape (1, {total}). {_TRAIN_UNPACKED}"
+                f"and slipstream splits it per document only for position_ids of shape (1, {total}). {TRAIN_UNPACKED}"
             )
         first_long = batch.alone_lengths[0] > threshold
         pieces = []

@@ -46,10 +46,14 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .batch import PACKED_BATCH_KWARG, PackedBatch
-from .guards import ATTENTION_CALL_LISTENERS, UnsupportedArchitecture, active_batch, running_unpacked
+from .guards import (
+    ATTENTION_CALL_LISTENERS,
+    TRAIN_UNPACKED,
+    UnsupportedArchitecture,
+    active_batch,
+    running_unpacked,
+)
 from .rowpos import RowPositionFeature, row_position_features
-
-TRAIN_UNPACKED = "Train this model unpacked: slipstream.optimize(model, packed_attention=False)"
 
 # Class names of modules that mix tokens without transformers' attention (matched on the
 # direct children of each decoder layer, besides any child holding a Conv1d).
@@ -241,36 +245,42 @@ def architecture_verdict(model: torch.nn.Module) -> ArchitectureVerdict:
         if not attention_modules or not find_token_mixers(model) or position_bias:
             raise UnsupportedArchitecture(
                 f"{name} does not route attention through transformers' AttentionInterface, so slipstream "
-                f"cannot plug packed attention into it. {TRAIN_UNPACKED}"
+                f"cannot plug packed attention into it. {TRAIN_UNPACKED}",
+                refused=f"{name}'s attention outside transformers' AttentionInterface",
             )
     if not _takes_position_ids(model):
         raise UnsupportedArchitecture(
             f"{name}.forward does not take position_ids, so positions cannot restart at each packed document. "
-            + TRAIN_UNPACKED
+            + TRAIN_UNPACKED,
+            refused=f"{name} without position_ids",
         )
     if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
         raise UnsupportedArchitecture(
-            f"{name}: packed attention is for causal decoder-only models. {TRAIN_UNPACKED}"
+            f"{name}: packed attention is for causal decoder-only models. {TRAIN_UNPACKED}",
+            refused=f"packed attention for {name}, not a causal decoder-only model",
         )
     for key in ("attn_logit_softcapping", "attention_logit_softcapping"):
         softcap = getattr(config, key, None) or getattr(config.get_text_config(), key, None)
         if softcap:
             raise UnsupportedArchitecture(
                 f"{name} uses attention logit softcapping ({key}={softcap}); slipstream's packed attention does "
-                f"not implement it and will not compute something else. {TRAIN_UNPACKED}"
+                f"not implement it and will not compute something else. {TRAIN_UNPACKED}",
+                refused=f"{name}'s attention logit softcapping on packed rows",
             )
     text_config = config.get_text_config()
     chunk = getattr(text_config, "attention_chunk_size", None)
     if chunk and "chunked_attention" not in (getattr(text_config, "layer_types", None) or ()):
         raise UnsupportedArchitecture(
             f"{name} sets attention_chunk_size={chunk} without naming its chunked layers in layer_types, so "
-            f"slipstream cannot tell which layers chunk. {TRAIN_UNPACKED}"
+            f"slipstream cannot tell which layers chunk. {TRAIN_UNPACKED}",
+            refused=f"{name}'s chunked attention without layer_types",
         )
     indexers = _sparse_indexers(model)
     if indexers:
         raise UnsupportedArchitecture(
             f"{name} selects attention keys with a sparse-attention indexer ({', '.join(indexers)}) that reads the "
-            f"model's own mask over the whole row; slipstream does not split it per document. {TRAIN_UNPACKED}"
+            f"model's own mask over the whole row; slipstream does not split it per document. {TRAIN_UNPACKED}",
+            refused=f"{name}'s sparse-attention indexer on packed rows",
         )
     return ArchitectureVerdict(
         name,

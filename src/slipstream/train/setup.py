@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..objectives import Objective, objective_for
 from ..optimize import optimize, state_of
+from ..refusal import Refusal, refusal_in
 from ..utilisation import FlopProfile, flop_profile, matmul_peak
 from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point
 from .config import ConfigError, TrainConfig
@@ -62,17 +62,12 @@ def load_tokenizer(config: TrainConfig):
     return with_chat_template(tokenizer, config)  # data.chat_template: another template than the model's
 
 
-_OPTIMIZE_ADVICE = re.compile(r"optimize\(model, (\w+)=([^)]+)\)")
-
-
-def config_advice(message: str) -> str:
-    """The config line for the ``slipstream.optimize(model, key=value)`` a refusal advises."""
-    match = _OPTIMIZE_ADVICE.search(message)
-    if not match:
-        return ""
-    key, value = match.group(1), match.group(2).strip("'\"")
-    value = {"False": "false", "True": "true", "None": "null"}.get(value, value)
-    return f" (in the config: speedups.{key}: {value})"
+def config_advice(error: BaseException) -> str:
+    """The config lines that avoid the refusal in ``error`` (its ``avoid``, read from the exception
+    or its cause: `` (in the config: speedups.packed_attention: false)``), or "" where none does."""
+    refusal = refusal_in(error)
+    lines = refusal.config_lines() if refusal is not None else []
+    return f" (in the config: {', '.join(lines)})" if lines else ""
 
 
 def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
@@ -230,9 +225,9 @@ def _trainable_model(
     try:
         # the config's section is a Speedups; the step count decides compile "auto"
         optimize(model, config.speedups, expected_steps=expected_steps)
-    except NotImplementedError as error:  # a refusal (UnsupportedArchitecture, ...): say it in config terms
+    except Refusal as error:  # UnsupportedArchitecture, FusedKernelsUnavailable, ...: say it in config terms
         raise TrainError(
-            f"{config.model.path or config.model.preset}: {error}{config_advice(str(error))}"
+            f"{config.model.path or config.model.preset}: {error}{config_advice(error)}"
         ) from error
     torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
     model = apply_lora(model, config)
