@@ -16,9 +16,8 @@ from slipstream.speedups import Speedups
 ROOT = Path(slipstream.__file__).parent
 # Modules that import an optional extra at their top (skipped only when the extra is missing).
 OPTIONAL = {"slipstream.bench.peers.unsloth_worker"}
-# Non-refusal raises whose message names an optimize option: optimize.py's padding guard (a batch
-# the packed model cannot take, said as a ValueError; its owner decides whether it becomes one).
-KNOWN_NON_REFUSALS = {("optimize.py", "ValueError")}
+# Non-refusal raises whose message names an optimize option (none: the padding guard's are refusals).
+KNOWN_NON_REFUSALS: set[tuple[str, str]] = set()
 
 
 class Refused(Refusal, NotImplementedError):

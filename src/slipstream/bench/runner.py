@@ -31,7 +31,8 @@ from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, resolve_device
-from .arm_run import ArmResult, ArmSession, open_arm, perturb_by_one_ulp, run_arm
+from .arm_result import perturb_by_one_ulp
+from .arm_run import ArmResult, ArmSession, open_arm, run_arm
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint

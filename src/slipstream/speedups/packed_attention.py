@@ -15,11 +15,21 @@ from ..packing.attention import BACKEND_NAMES, AttentionBackend, choose_backend,
 from ..packing.batch import PACKED_BATCH_KWARG
 from ..packing.guards import UnsupportedArchitecture, enter_forward, leave_forward
 from ..packing.verdict import TRAIN_UNPACKED, apply_adaptations, architecture_verdict
+from ..refusal import Refusal, optimize_call
 from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
 
 
 def has_attention_sinks(model: torch.nn.Module) -> bool:
     return any(hasattr(module, "sinks") for module in model.modules())
+
+
+CHUNKED_LOSS_ON = {"chunked_loss": True}  # what reads a prefix-shared batch's loss
+
+
+class PackedInputRefused(Refusal, ValueError):
+    """A batch the packed model cannot take exactly (a padding mask; prefix-shared rows on the stock loss)."""
+
+    avoid = {"packed_attention": False}
 
 
 def padding_guard(module, args, kwargs):
@@ -36,21 +46,24 @@ def padding_guard(module, args, kwargs):
             and kwargs.get("labels") is not None
             and not isinstance(vars(module).get("_loss_function"), ChunkedLoss)
         ):
-            raise ValueError(
+            raise PackedInputRefused(
                 "this PackedBatch shares prefixes (slipstream.packing.collate_groups): its loss is read at "
                 "batch.loss_positions / batch.loss_targets, which the stock loss (shifted labels) cannot "
                 "express, so it would differ from the unshared rows' loss. Turn the chunked loss on "
-                "(slipstream.optimize(model, chunked_loss=True), speedups.chunked_loss: true), or run the "
+                f"({optimize_call(CHUNKED_LOSS_ON)}, speedups.chunked_loss: true), or run the "
                 "forward without labels and take slipstream.loss.packed_loss_from_logits(out.logits, batch), "
-                "or collate_groups(..., prefix_sharing=False)"
+                "or collate_groups(..., prefix_sharing=False)",
+                refused="prefix-shared rows on the stock loss",
+                avoid=CHUNKED_LOSS_ON,
             )
         return None
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-        raise ValueError(
+        raise PackedInputRefused(
             "this model runs slipstream's packed attention, which takes document boundaries from a "
             "PackedBatch (slipstream.collate_packed), not from a padding mask. Pack the batch, or call "
-            "slipstream.optimize(model, packed_attention=False) to go back to the stock attention."
+            f"{optimize_call(PackedInputRefused.avoid)} to go back to the stock attention.",
+            refused="a padded batch on the packed attention",
         )
     return None
 
