@@ -33,7 +33,9 @@ LAYERS = [
         "fused",
     },  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
-    {"models", "rollouts"},  # model builders and loaders; the sampler that runs them for online RL
+    # model builders and loaders; the sampler that runs them for online RL; the parity kit (a fast arm
+    # vs a reference, one training step: the sweep's and doctor's)
+    {"models", "rollouts", "parity"},
     {"preference"},  # preference tuning: pairs, their losses, the reference pass
     # the training loop and its objectives (slipstream.objectives: the plug-ins it calls, which read
     # its eval sets and errors)

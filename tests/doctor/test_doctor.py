@@ -14,8 +14,8 @@ import slipstream.packing.attention as attention_module
 from slipstream.cli import main
 from slipstream.compile import BREAK_EVEN_STEPS
 from slipstream.doctor import first_use_hint, has_passed, run_doctor
+from slipstream.doctor.decisions import compile_decision
 from slipstream.doctor.marker import marker_key, write_marker
-from slipstream.doctor.paths import compile_decision
 from slipstream.fused.compiled import BREAK_EVEN_STEPS as FUSED_BREAK_EVEN_STEPS
 from slipstream.packing.attention import choose_backend
 from slipstream.packing.calibration import attention_costs
@@ -333,12 +333,12 @@ def test_the_pinned_memory_probe_is_bounded(monkeypatch):
 
 
 def test_the_compile_row_says_what_auto_does_and_whether_inductor_can_run(monkeypatch):
-    import slipstream.doctor.paths as paths
+    import slipstream.doctor.decisions as decisions
 
     choice, why = compile_decision(torch.device("cpu"))
     assert choice == f"on from {BREAK_EVEN_STEPS['cpu']} steps, off below" and "cold start on cpu" in why
     # CUDA has no measured break-even: auto stays off there, and says so
-    monkeypatch.setattr(paths, "inductor_available", lambda device: (False, "Triton is not installed"))
+    monkeypatch.setattr(decisions, "inductor_available", lambda device: (False, "Triton is not installed"))
     choice, why = compile_decision(torch.device("cuda"))
     assert choice == "off, whatever the run's length; compile='on' cannot run here"
     assert why.startswith("no measured break-even on cuda yet") and "Triton is not installed" in why

@@ -11,7 +11,7 @@
 """
 
 from .marker import first_use_hint, has_passed
-from .paths import DoctorError
+from .models import DoctorError
 from .report import run_doctor
 
 __all__ = ["DoctorError", "first_use_hint", "has_passed", "run_doctor"]

@@ -21,9 +21,11 @@ from ..bench.fingerprint import fingerprint
 from ..packing.calibration import attention_costs
 from ..train.precision import resolve_dtype
 from ..utilisation import matmul_peak
+from .checks import VERDICTS, check_paths
+from .decisions import decisions
 from .machine import describe_device, device_rows, training_device, versions
 from .marker import marker_key, write_marker
-from .paths import VERDICTS, check_paths, decisions, resolve_model, shape_of
+from .models import resolve_model, shape_of
 
 VERDICT_STYLE = {"ok": "green", "WRONG": "bold red", "refused": "yellow", "skipped": "dim"}
 
