@@ -1,4 +1,4 @@
-"""Draw the README's pictures: python docs/make_figures.py (writes docs/*.png)."""
+"""Draw the pictures of docs/speedups.md: python docs/make_figures.py (writes docs/*.png)."""
 
 from pathlib import Path
 

@@ -1,6 +1,8 @@
-"""The README's commands work: every `slipstream` command it shows parses and builds its config, the
-quick ones run (shortened where they would take minutes), and the one pointing at a model the
-reader has not downloaded fails with the one-line error a user would get, not a config error."""
+"""The README's and the docs pages' commands work: every `slipstream` command they show parses and
+builds its config, the quick ones run (shortened where they would take minutes), and the one pointing
+at a model the reader has not downloaded fails with the one-line error a user would get, not a config
+error. Every relative link of those pages leads to a file (and a heading) that exists, and the
+README's measured results are BENCHMARKS.md's figures."""
 
 from __future__ import annotations
 
@@ -20,22 +22,158 @@ from slipstream.cli import build_parser, main
 from slipstream.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 
-def readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+def doc_pages() -> list[Path]:
+    """The README and every page under docs/ (where the README's long sections live)."""
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def page_commands(page: Path) -> list[str]:
+    """The `slipstream` / `torchrun` lines of one page's ```bash blocks, comments cut."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), flags=re.S)
     lines = [re.sub(r"\s+#.*$", "", line).strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line.startswith(("slipstream ", "torchrun "))]
 
 
+def readme_commands() -> list[str]:
+    """Every page's commands, in page order, each once (the README's examples repeat lines of the
+    pages: the export lines, run in order, must not run one twice)."""
+    return list(dict.fromkeys(c for page in doc_pages() for c in page_commands(page)))
+
+
 COMMANDS = readme_commands()
+
+
+def page_section(page: str, title: str) -> str:
+    """The section of ``page`` (relative to the root) whose ``## `` heading starts with ``title``."""
+    text = (ROOT / page).read_text()
+    assert f"\n## {title}" in text, f"{page} has no section '## {title}'"
+    return text.split(f"\n## {title}", 1)[1].split("\n## ", 1)[0]
 
 
 def test_the_readme_shows_the_commands_we_test():
     assert any(c.startswith("slipstream train examples/tiny.yaml") for c in COMMANDS)
     assert any(c.startswith("slipstream ab") for c in COMMANDS)
     assert any("optimizer.lr=1e-4" in c for c in COMMANDS)
+
+
+def test_the_docs_pages_are_collected():
+    """Commands come from the README and from the pages its sections moved to."""
+    pages = {page.name for page in doc_pages()}
+    assert {"README.md", "train.md", "preference.md", "rl.md", "ab.md", "export.md"} <= pages
+    assert all(page_commands(ROOT / "docs" / name) for name in ("train.md", "ab.md", "export.md"))
+    readme = page_commands(ROOT / "README.md")
+    assert set(readme) < set(COMMANDS)
+
+
+def test_the_readme_is_a_front_door():
+    """The two commands as they are, and one example per job, each a command the tests run."""
+    text = (ROOT / "README.md").read_text()
+    two = page_section("README.md", "The two commands")
+    (bash,) = re.findall(r"```bash\n(.*?)```", two, flags=re.S)
+    assert [line.split("#")[0].strip() for line in bash.splitlines()] == ["make demo", "make test"]
+    readme = page_commands(ROOT / "README.md")
+    for job in (
+        "slipstream train examples/tiny.yaml",
+        "slipstream train examples/dpo.yaml",
+        "slipstream train examples/grpo.yaml",
+        "slipstream ab",
+        "slipstream export runs/tiny ",
+    ):
+        assert any(c.startswith(job) for c in readme), job
+    for page in ("train", "preference", "rl", "ab", "export", "doctor", "speedups", "testing"):
+        assert f"](docs/{page}.md)" in text, page
+
+
+FORMER_SECTIONS = [  # the README's sections before it became a front door: each still somewhere
+    "The two commands",
+    "Training from a config",
+    "From data to a deployable model",
+    "Preference tuning: DPO, IPO, SimPO, ORPO on packed pairs",
+    "Reinforcement learning (GRPO): rollouts that prefill each prompt once",
+    "Export a merged model",
+    "Generating from a run: `slipstream generate`",
+    "A real model for tests and benchmarks",
+    "Library use",
+    "Packed sequences, without the bookkeeping",
+    "Shared prefixes: a start many rows repeat runs once",
+    "MoE: sorted routing, 4-bit experts, expert LoRA",
+    "The LM head and the loss, a chunk of labelled tokens at a time",
+    "LoRA without dtype round trips",
+    "Compiled decoder layers",
+    "Fused RMSNorm / SwiGLU: Liger-Kernel on CUDA, compiled elsewhere",
+    "Offloaded activation checkpointing, double-buffered",
+    "Is every fast path right on this machine? `slipstream doctor`",
+    "A/B on your own hardware",
+    "Your model, your data",
+    "How the verdicts are reached",
+    "Data",
+    "Layout",
+]
+
+
+def test_every_former_readme_section_is_on_a_page_the_readme_links():
+    readme = (ROOT / "README.md").read_text()
+    headings = {}
+    for page in doc_pages():
+        for line in _outside_code(page.read_text()).splitlines():
+            if line.startswith("#"):
+                headings.setdefault(line.lstrip("#").strip(), page)
+    for title in FORMER_SECTIONS:
+        assert title in headings, f"the README's former section '{title}' is on no page"
+        page = headings[title]
+        assert page.name == "README.md" or f"](docs/{page.name}" in readme, (title, page.name)
+
+
+def _outside_code(text: str) -> str:
+    """``text`` without its fenced code blocks (a `# comment` there is no heading, a `](` no link)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives ``page``'s headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated one suffixed -1, -2, ..."""
+    seen: dict[str, int] = {}
+    anchors = set()
+    for line in _outside_code(page.read_text()).splitlines():
+        match = re.match(r"#{1,6} (.*)$", line)
+        if not match:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")
+        count = seen.get(slug, 0)
+        seen[slug] = count + 1
+        anchors.add(slug if count == 0 else f"{slug}-{count}")
+    return anchors
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda page: page.name)
+def test_every_relative_link_resolves(page):
+    """Each relative link (and image) of the README and the docs pages names a file that exists,
+    and a `#heading` anchor into a Markdown file names one of its headings."""
+    links = re.findall(r"\]\(([^)\s]+)\)", _outside_code(page.read_text()))
+    assert links or page.name == "compatibility.md"
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        assert target.exists(), f"{page.name}: {link} leads nowhere"
+        if anchor and target.suffix == ".md":
+            assert anchor in _anchors(target), f"{page.name}: {link}: no such heading in {target.name}"
+
+
+def test_the_readmes_figures_are_benchmarks_figures():
+    """Every speedup with its interval, and every figure with a thousands comma, in the README's
+    table of measured results is written the same way in BENCHMARKS.md (bold aside)."""
+    table = page_section("README.md", "Measured against the peers")
+    benchmarks = (ROOT / "BENCHMARKS.md").read_text().replace("**", "")  # bold is not a figure
+    speedups = re.findall(r"\d+\.\d+[×x] \[\d+\.\d+, \d+\.\d+\]", table)
+    counts = re.findall(r"(?<![\d.])\d{1,3}(?:,\d{3})+(?![\d])", table)
+    assert len(speedups) >= 10 and len(counts) >= 10
+    for figure in speedups + counts:
+        assert figure in benchmarks, f"the README's {figure} is not in BENCHMARKS.md"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -146,7 +284,8 @@ def test_the_default_ab_runs_shortened(tmp_path, capsys):
 
 
 def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, capsys):
-    """Each README `slipstream export` line, in order, on a shortened run of examples/tiny.yaml."""
+    """Each `slipstream export` line of the README and docs/export.md, in order, on a shortened run
+    of examples/tiny.yaml."""
     exports = [shlex.split(c)[1:] for c in COMMANDS if c.startswith("slipstream export runs/tiny ")]
     assert exports and all(words[1] == "runs/tiny" for words in exports)
     monkeypatch.chdir(tmp_path)
@@ -167,10 +306,9 @@ def test_the_export_commands_run_on_the_tiny_example(tmp_path, monkeypatch, caps
 
 
 def walkthrough() -> tuple[list[str], str, list[str]]:
-    """The "From data to a deployable model" section: its command lines, its Python snippet and the
-    chat lines it shows."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## From data to a deployable model\n", 1)[1].split("\n## ", 1)[0]
+    """The "From data to a deployable model" section (docs/train.md): its command lines, its Python
+    snippet and the chat lines it shows."""
+    section = page_section("docs/train.md", "From data to a deployable model\n")
     (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     (python,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     (shown,) = re.findall(r"```json\n(.*?)```", section, flags=re.S)
@@ -239,18 +377,17 @@ def test_the_walkthrough_runs_from_data_to_a_merged_model(smollm2, tmp_path, mon
     assert namespace["model"].config.model_type == "llama" and "lora" not in str(namespace["model"]).lower()
 
 
-def section_commands(title: str) -> list[str]:
-    """The command lines of the README section whose heading starts with ``title``."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0]
+def section_commands(page: str, title: str) -> list[str]:
+    """The command lines of the section of ``page`` whose heading starts with ``title``."""
+    section = page_section(page, title)
     (bash,) = re.findall(r"```bash\n(.*?)```", section, flags=re.S)
     lines = [re.sub(r"\s+#.*$", "", line).strip() for line in bash.splitlines()]
     return [line for line in lines if line]
 
 
 def preference_walkthrough() -> list[str]:
-    """The "Preference tuning" section's command lines."""
-    return section_commands("Preference tuning")
+    """The "Preference tuning" section's command lines (docs/preference.md)."""
+    return section_commands("docs/preference.md", "Preference tuning")
 
 
 def test_the_preference_section_names_the_example_and_its_pairs():
@@ -329,8 +466,8 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
 
 
 def rl_walkthrough() -> list[str]:
-    """The "Reinforcement learning (GRPO)" section's command lines."""
-    return section_commands("Reinforcement learning (GRPO)")
+    """The "Reinforcement learning (GRPO)" section's command lines (docs/rl.md)."""
+    return section_commands("docs/rl.md", "Reinforcement learning (GRPO)")
 
 
 def test_the_rl_section_names_the_example_its_prompts_and_its_reward_file():
