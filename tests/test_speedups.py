@@ -121,7 +121,7 @@ class ToyScale(Speedup):
 
     def parity_cases(self) -> tuple[ParityCase, ...]:
         return (
-            ParityCase("toy scale", fast={"toy_scale": True}, stock={"toy_scale": False}, arms="toy vs none"),
+            ParityCase("toy parity", fast={"toy_scale": True}, stock={"toy_scale": False}, arms="toy vs none"),
         )
 
 
@@ -176,3 +176,43 @@ def test_a_toy_speedup_has_its_leave_one_out_arm_in_the_ablation_preset(toy):
     )
     assert "slipstream-no-toy-scale" in preset_arms("ablation", config, "cpu")
     assert arm_speedups(config, "slipstream-no-toy-scale").toy_scale is False
+
+
+def test_a_toy_speedup_has_its_doctor_row_and_check(toy, monkeypatch):
+    """Doctor's decision rows and checks come from the registry: the toy's row says its decision, and
+    its parity case runs as a check (beside the packed attention's, which sets the layout)."""
+    import torch
+
+    from slipstream.doctor.checks import check_paths
+    from slipstream.doctor.decisions import decisions
+    from slipstream.doctor.models import resolve_model
+    from slipstream.speedups import registry
+    from slipstream.speedups.packed_attention import PackedAttention
+
+    checked = resolve_model("demo")
+    model = checked.build(0)
+    rows = decisions(checked, model, model, torch.device("cpu"), torch.float32, "requested")
+    assert {"path": "toy scale (auto)", "choice": "on", "why": "exact on cpu"} in rows
+    # the checks of the packed attention and the toy only (the others are doctor's own tests')
+    only = (PackedAttention(), registry.registered()[-1])
+    monkeypatch.setattr(registry, "registered", lambda: only)
+    checks, _ = check_paths(checked, torch.device("cpu"), torch.float32)
+    assert [check.path for check in checks] == ["packed attention", "toy parity", "ablation"]
+    toy_check = checks[1]
+    assert toy_check.verdict == "ok", toy_check.reason
+    assert toy_check.arms == "toy vs none" and toy_check.layout == "packed"
+
+
+def test_a_toy_speedup_has_its_sweep_columns(toy):
+    """The compatibility sweep's columns come from the registry: the toy's policy column and its parity
+    case's column, checked against the stock reference, and both in docs/compatibility.md's table."""
+    from slipstream.bench.compat import check_architecture, render_markdown
+
+    verdict = check_architecture("llama")
+    assert verdict.status == "pass", verdict.detail
+    assert verdict.speedups["toy scale"] == "on" and verdict.speedups["toy parity"] == "on"
+    assert verdict.ablations["toy parity"].status == "pass"
+    header = next(
+        line for line in render_markdown([verdict.to_dict()]).splitlines() if line.startswith("| model type")
+    )
+    assert "| toy scale |" in header and "| toy parity |" in header

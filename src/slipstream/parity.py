@@ -186,10 +186,10 @@ class Arm:
         model to train instead, e.g. a LoRA around it); then, given an offload engine and where the
         model has decoder layers to checkpoint, the double-buffered offload schedule on that engine
         (every activation offloaded, however small)."""
-        if isinstance(options, Speedups):
-            optimize(self.model, options)
-        else:
+        if isinstance(options, Mapping):
             optimize(self.model, **options)
+        else:  # a Speedups (of whichever registry built it)
+            optimize(self.model, options)
         if wrap is not None:
             self.model = wrap(self.model)
         if offload is not None and checkpointing_layers(self.model):

@@ -11,7 +11,7 @@ from slipstream.bench.compat import (
     LENGTHS,
     PAIR_LENGTHS,
     _cell,
-    advice,
+    advice_of,
     causal_lm_model_types,
     check_architecture,
     check_prefix_sharing,
@@ -245,10 +245,19 @@ def test_the_group_check_reads_the_loss_from_the_logits_without_the_chunked_loss
     assert "packed_loss_from_logits" in result.detail
 
 
-def test_advice_is_read_from_the_refusal():
-    assert advice("... Use slipstream.optimize(model, packed_attention=False)") == {"packed_attention": False}
-    assert advice("x. Use slipstream.optimize(model, moe_routing='stock').") == {"moe_routing": "stock"}
-    assert advice("no way out named") is None
+def test_advice_is_read_from_the_refusal_never_from_its_text():
+    from slipstream.bench.sweep_arm import ArmResult, failed
+    from slipstream.moe.experts import UnsupportedExperts
+    from slipstream.packing.guards import UnsupportedArchitecture
+
+    refused = failed(UnsupportedArchitecture("windows overlap"))
+    assert refused.status == "refused" and advice_of(refused) == {"packed_attention": False}
+    per_site = failed(UnsupportedExperts("x", avoid={"moe_compute": "loop"}))
+    assert advice_of(per_site) == {"moe_compute": "loop"}
+    # a message that names a way out is not advice: only the refusal's data is
+    crash = failed(NotImplementedError("Use slipstream.optimize(model, packed_attention=False)"))
+    assert crash.status == "CRASH" and advice_of(crash) is None
+    assert advice_of(ArmResult("refused", "no way out named")) is None
 
 
 def test_the_table_counts_every_outcome():

@@ -333,12 +333,12 @@ def test_the_pinned_memory_probe_is_bounded(monkeypatch):
 
 
 def test_the_compile_row_says_what_auto_does_and_whether_inductor_can_run(monkeypatch):
-    import slipstream.doctor.decisions as decisions
+    import slipstream.speedups.compile as compile_speedup  # where the compile row is decided
 
     choice, why = compile_decision(torch.device("cpu"))
     assert choice == f"on from {BREAK_EVEN_STEPS['cpu']} steps, off below" and "cold start on cpu" in why
     # CUDA has no measured break-even: auto stays off there, and says so
-    monkeypatch.setattr(decisions, "inductor_available", lambda device: (False, "Triton is not installed"))
+    monkeypatch.setattr(compile_speedup, "inductor_available", lambda device: (False, "Triton is not installed"))
     choice, why = compile_decision(torch.device("cuda"))
     assert choice == "off, whatever the run's length; compile='on' cannot run here"
     assert why.startswith("no measured break-even on cuda yet") and "Triton is not installed" in why

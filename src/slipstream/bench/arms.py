@@ -133,8 +133,11 @@ ABLATION_CONTROLS = (
 
 def _ablation_specs() -> dict[str, Arm]:
     """One leave-one-out arm per registered speedup with an ablation: ``slipstream`` with it off."""
+    from .. import speedups as speedups_module  # read now: a speedup registered after import counts
+
+    slipstream = speedups_module.Speedups()
     return {
-        arm: Arm("packed", SLIPSTREAM.replace(**speedup.ablation)) for arm, speedup in ablation_arms().items()
+        arm: Arm("packed", slipstream.replace(**speedup.ablation)) for arm, speedup in ablation_arms().items()
     }
 
 

@@ -15,6 +15,7 @@ Its rooms, each one job:
 from __future__ import annotations
 
 from ..parity import LENGTHS, SEED, TOLERANCE, documents, gradient_errors, reference
+from ..speedups.fused_kernels import SWEEP_BACKENDS as FUSED_BACKENDS
 from .prefix_parity import (
     GROUP_SHAPES,
     GROUP_TOLERANCE,
@@ -27,19 +28,17 @@ from .prefix_parity import (
     prefix_groups,
 )
 from .sweep import ABLATIONS, NOT_CHECKABLE, causal_lm_model_types, check_architecture, sweep
-from .sweep_arm import ArmResult, Verdict, advice, advice_of, run_arm
-from .sweep_columns import COLUMNS, FUSED_BACKENDS, PACKED_VARIANTS
+from .sweep_arm import ArmResult, Verdict, advice_of, run_arm
+from .sweep_columns import columns
 from .sweep_render import _cell, render_audit, render_markdown
 
 __all__ = [
     "ABLATIONS",
-    "COLUMNS",
     "FUSED_BACKENDS",
     "GROUP_SHAPES",
     "GROUP_TOLERANCE",
     "LENGTHS",
     "NOT_CHECKABLE",
-    "PACKED_VARIANTS",
     "PAIR_LENGTHS",
     "PAIR_TOLERANCE",
     "SEED",
@@ -47,9 +46,9 @@ __all__ = [
     "ArmResult",
     "Verdict",
     "_cell",
-    "advice",
     "advice_of",
     "causal_lm_model_types",
+    "columns",
     "check_architecture",
     "check_prefix_groups",
     "check_prefix_sharing",

@@ -9,18 +9,15 @@ against the stock reference step; :func:`failed` is the one place an exception b
 from __future__ import annotations
 
 import copy
-import re
 import traceback
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
-from ..loss.chunked_loss import UnsupportedLoss
-from ..moe.experts import UnsupportedExperts
 from ..offload import RecordingEngine, UnsupportedCheckpointing
-from ..packing.guards import UnsupportedArchitecture
 from ..parity import TOLERANCE, Arm, Errors, Step, compare, policies_of, problems
+from ..refusal import avoid_of, refusal_in
 
 
 @dataclass
@@ -76,19 +73,6 @@ class Verdict:
 # --------------------------------------------------------------------------- outcomes
 
 
-def _is_refusal(error: BaseException) -> bool:
-    """A deliberate slipstream refusal (not a crash): one of its errors, raised by its own code."""
-
-    if isinstance(
-        error, UnsupportedArchitecture | UnsupportedExperts | UnsupportedLoss | UnsupportedCheckpointing
-    ):
-        return True
-    if isinstance(error, NotImplementedError | ValueError):
-        frames = traceback.extract_tb(error.__traceback__)
-        return bool(frames) and "/slipstream/" in frames[-1].filename.replace("\\", "/")
-    return False
-
-
 def short(error: BaseException) -> str:
     """The exception's type and the first line of its message."""
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
@@ -107,7 +91,7 @@ def where(error: BaseException) -> str:
 def failed(error: BaseException) -> ArmResult:
     """An arm that raised: ``refused`` (a slipstream refusal, its message) or ``CRASH`` (anything
     else, its message and where it was raised); ``error`` keeps the exception."""
-    if _is_refusal(error):
+    if refusal_in(error) is not None:  # a deliberate slipstream refusal (refusal.Refusal), as data
         return ArmResult("refused", short(error), error=error)
     return ArmResult("CRASH", short(error) + " @ " + where(error), error=error)
 
@@ -127,24 +111,10 @@ def judged(errors: Errors) -> ArmResult:
     return result
 
 
-_ADVICE = re.compile(r"optimize\(model, (\w+)=([\w'\"]+)\)")
-
-
-def advice(detail: str) -> dict[str, Any] | None:
-    """The ``optimize`` option a refusal's message names as the way out (``None`` if it names none)."""
-    match = _ADVICE.search(detail)
-    if not match:
-        return None
-    key, raw = match.groups()
-    value: Any = {"False": False, "True": True, "None": None}.get(raw, raw.strip("'\""))
-    return {key: value}
-
-
 def advice_of(result: ArmResult) -> dict[str, Any] | None:
-    """The way out a refused arm names, which the sweep follows as a user would (``None``: none).
-    Read from the refusal's message today; the one place to read it from the refusal itself
-    (``result.error``) instead."""
-    return advice(result.detail)
+    """The way out a refused arm's refusal carries (``Refusal.avoid``), which the sweep follows as a
+    user would (``None``: none): read from the exception, never from its message."""
+    return avoid_of(result.error)
 
 
 # --------------------------------------------------------------------------- one arm
@@ -177,7 +147,7 @@ def run_arm(
 def run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[ArmResult, str]:
     """The arm with offload; if offload refuses the model, again without it (offload then 'off')."""
     result = run_arm(stock, docs, ref, options, packed=packed)
-    if result.status == "refused" and "UnsupportedCheckpointing" in result.detail:
+    if result.status == "refused" and isinstance(refusal_in(result.error), UnsupportedCheckpointing):
         note = "off (" + result.detail.split(": ", 1)[-1][:80] + ")"
         return run_arm(stock, docs, ref, options, packed=packed, offload=False), note
     return result, ""
@@ -186,7 +156,6 @@ def run_with_offload_fallback(stock, docs, ref, options, packed=True) -> tuple[A
 __all__ = [
     "ArmResult",
     "Verdict",
-    "advice",
     "advice_of",
     "failed",
     "judged",

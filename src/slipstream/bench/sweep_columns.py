@@ -1,27 +1,28 @@
-"""The compatibility sweep's per-speedup columns: what each speedup does on one architecture.
+"""The compatibility sweep's per-speedup columns, generated from the speedup registry.
 
-Everything a column of ``docs/compatibility.md`` needs is here, in table order:
+Every column of ``docs/compatibility.md`` after the verdict, in table order (:func:`columns`):
 
-* :data:`COLUMNS`: every column, its header in the table and its key in ``Verdict.speedups``;
-* :data:`POLICY_COLUMNS` (+ offload): the columns read off the passing arm's own policy lines
-  (:func:`base_columns`);
-* :data:`EXTRA_COLUMNS` (+ :func:`_check_compile`, opt-in): the columns that run an arm of their own
-  on top of the passing arm's options, each a function ``(verdict, subject)`` that records its
-  column (and turns the verdict WRONG / CRASH, naming the column, where its arm differs);
-  :func:`check_columns` runs them in order while the verdict holds.
+* each registered speedup's ``sweep_column``, read off the passing arm's own policy log
+  (``Speedup.sweep_cell``; :func:`base_columns`);
+* each registered speedup's ``ParityCase`` with ``sweep=True``: an arm of its own on top of the
+  passing arm's options, against the same stock reference (the parity kit), its column the case's
+  label (:func:`check_columns`, in order while the verdict holds; a WRONG / CRASH names the column);
+* the shared-prefix columns (data layouts, not speedups: ``prefix_parity``);
+* the cases only the sweep's ``--compile`` runs (inductor builds), last.
+
+A speedup registered in a test alone has its columns here with no edit.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
 
-from ..fused import compiled as compiled_kernels
-from ..fused import compiled_plan
 from ..parity import SEED, Step
+from ..speedups import ParityCase, registry
 from .prefix_parity import (
     check_prefix_groups,
     check_prefix_sharing,
@@ -31,43 +32,41 @@ from .prefix_parity import (
 )
 from .sweep_arm import ArmResult, Verdict, run_arm, short, where
 
-# Every column of docs/compatibility.md after the verdict, in table order: (header, Verdict.speedups key).
-COLUMNS = (
-    ("packed", "packed attention"),
-    ("MoE", "sorted MoE routing"),
-    ("loss", "chunked loss"),
-    ("offload", "offload"),
-    ("grouped", "grouped attention"),
-    ("short", "short kernel"),
-    ("fused", "fused"),
-    ("prefix", "prefix_sharing"),
-    ("groups", "prefix_groups"),
-    ("compiled", "compiled"),  # opt-in: the sweep's --compile
-)
+# The shared-prefix columns: (header, Verdict.speedups key), after the speedups' parity cases.
+PREFIX_COLUMNS = (("prefix", "prefix_sharing"), ("groups", "prefix_groups"))
 
-# The columns read off the passing arm's policy lines: column -> the line's start that means "on".
-POLICY_COLUMNS = {
-    "packed attention": "packed attention: slipstream",
-    "sorted MoE routing": "moe routing: sorted",  # "-" for a model without experts
-    "chunked loss": "chunked loss: on",
-}
+
+def _sweep_cases(compile: bool) -> tuple[list[ParityCase], list[ParityCase]]:
+    """The registered speedups' sweep cases: those every sweep runs, and those only ``--compile`` runs."""
+    cases = [case for speedup in registry.registered() for case in speedup.parity_cases() if case.sweep]
+    return [c for c in cases if not c.only_with_compile], [
+        c for c in cases if c.only_with_compile and compile
+    ]
+
+
+def columns(compile: bool = True) -> list[tuple[str, str]]:
+    """Every column after the verdict, in table order: (header, ``Verdict.speedups`` key)."""
+    early, late = _sweep_cases(compile)
+    return [
+        *(
+            (speedup.sweep_header or speedup.sweep_column, speedup.sweep_column)
+            for speedup in registry.sweep_columns()
+        ),
+        *((case.header or case.label, case.label) for case in early),
+        *PREFIX_COLUMNS,
+        *((case.header or case.label, case.label) for case in late),
+    ]
 
 
 def base_columns(verdict: Verdict, result: ArmResult, offload_note: str = "") -> dict[str, str]:
-    """The passing arm's columns: each of :data:`POLICY_COLUMNS` "on" or "off", and offload (its
-    ``offload_note`` where offload refused the model and the arm ran without it)."""
-
-    def said(prefix: str) -> bool:
-        return any(p.startswith(prefix) for p in result.policies)
-
-    table = {}
-    for column, prefix in POLICY_COLUMNS.items():
-        if column == "sorted MoE routing" and not verdict.moe:
-            table[column] = "-"
-        else:
-            table[column] = "on" if said(prefix) else "off"
-    table["offload"] = offload_note or result.offload
-    return table
+    """The passing arm's columns, one per registered speedup with a ``sweep_column``, each from its
+    policy log (``Speedup.sweep_cell``); offload: whether the harness ran the arm offloaded, or
+    ``offload_note`` where offload refused the model and the arm ran without it."""
+    offloaded = offload_note or result.offload
+    return {
+        speedup.sweep_column: speedup.sweep_cell(result.policies, verdict.moe, offloaded)
+        for speedup in registry.sweep_columns()
+    }
 
 
 @dataclass
@@ -98,83 +97,44 @@ def _packed(options: dict[str, Any]) -> bool:
     return options.get("packed_attention", True) is not False
 
 
-# --------------------------------------------------------------------------- packed-attention variants
-
-# The packed-attention variants every passing packed verdict is checked with: documents grouped by
-# length into batched calls (whichever "auto" picked for the arm itself), and the short-document
-# kernel forced on (fp32 here, where "auto" keeps SDPA) over right-padded groups.
-PACKED_VARIANTS = {
-    "grouped attention": {"attention_grouping": "grouped"},
-    "short kernel": {"attention_grouping": "grouped", "short_document_kernel": "on"},
-}
+# --------------------------------------------------------------------------- a speedup's parity case
 
 
-def _check_packed_variant(verdict: Verdict, subject: Subject, column: str, change: dict) -> None:
-    """A packed verdict that passed, again with ``change`` on top of its options, without offload;
-    the ``column``, and WRONG / CRASH if it differs."""
-    if verdict.speedups.get("packed attention") != "on":
+def _settings(change: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in change.items())
+
+
+def check_case(verdict: Verdict, subject: Subject, case: ParityCase) -> None:
+    """One speedup's parity case as a column: the passing arm's options with ``case.fast`` on top,
+    without offload, against the stock reference. A ``packed_only`` case is ``-`` where the packed
+    attention is off, and anything but a pass (a refusal too) is the verdict's WRONG / CRASH; another
+    case shows ``case.shown(stock model)`` when it passes (``-`` and not run where that is None), a
+    refusal kept as its column only."""
+    column = case.label
+    if case.packed_only:
+        if verdict.speedups.get("packed attention") != "on":
+            verdict.speedups[column] = "-"
+            return
+        result = run_arm(
+            subject.stock, subject.docs, subject.ref, {**subject.options, **case.fast}, offload=False
+        )
+        verdict.ablations[column] = result
+        verdict.speedups[column] = "on" if result.status == "pass" else result.status
+        if result.status != "pass":
+            verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
+            verdict.detail = f"{column} ({_settings(case.fast)}): {result.detail}"
+        return
+    shown = case.shown(subject.stock) if case.shown is not None else "on"
+    if shown is None:
         verdict.speedups[column] = "-"
         return
-    result = run_arm(subject.stock, subject.docs, subject.ref, {**subject.options, **change}, offload=False)
-    verdict.ablations[column] = result
-    if result.status == "pass":
-        verdict.speedups[column] = "on"
-        return
-    verdict.speedups[column] = result.status
-    verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
-    settings = ", ".join(f"{key}={value!r}" for key, value in change.items())
-    verdict.detail = f"{column} ({settings}): {result.detail}"
-
-
-def _check_grouping(verdict: Verdict, subject: Subject) -> None:
-    """Every packed variant (:data:`PACKED_VARIANTS`), each its own column."""
-    for column, change in PACKED_VARIANTS.items():
-        if verdict.status not in ("pass", "refused"):
-            return
-        _check_packed_variant(verdict, subject, column, change)
-
-
-# --------------------------------------------------------------------------- fused kernels, compiled layers
-
-# The fused kernels' torch.compile backend in the sweep: dynamo's eager backend by default (the
-# probe and the swap, checked in seconds), inductor under the sweep's --compile.
-FUSED_BACKENDS = {False: "eager", True: "inductor"}
-
-
-def _check_fused(verdict: Verdict, subject: Subject) -> None:
-    """A verdict that passed (or whose fallback did), again with the compiled fused kernels
-    (``fused_kernels="compiled"``) on every module class their probe passes, without offload; the
-    ``fused`` column names the kernels switched ("-": no class matched), WRONG / CRASH if it
-    differs. Without ``subject.inductor`` (the default sweep): dynamo runs the captured kernels with
-    its eager backend, so the probe and the swap are checked on every architecture in seconds; the
-    inductor build's numerics are checked by ``make compile-check`` and the sweep's ``--compile``."""
-    plan = compiled_plan(subject.stock)
-    kernels = "+".join(name for name, found in (("RMSNorm", plan.norms), ("SwiGLU", plan.mlps)) if found)
-    if not kernels:
-        verdict.speedups["fused"] = "-"
-        return
-    previous = compiled_kernels.BACKEND
-    compiled_kernels.BACKEND = FUSED_BACKENDS[subject.inductor]
-    torch._dynamo.reset()  # every architecture traced afresh, never past dynamo's recompile limit
-    try:
-        options = {**subject.options, "fused_kernels": "compiled"}
-        fused = run_arm(
+    running = case.runs_in(subject.inductor) if case.runs_in is not None else contextlib.nullcontext()
+    with running:
+        options = {**subject.options, **case.fast}
+        result = run_arm(
             subject.stock, subject.docs, subject.ref, options, packed=_packed(subject.options), offload=False
         )
-    finally:
-        compiled_kernels.BACKEND = previous
-    _record_column(verdict, "fused", fused, kernels, "fused_kernels='compiled'")
-
-
-def _check_compile(verdict: Verdict, subject: Subject) -> None:
-    """A verdict that passed (or whose fallback did), again with its decoder layers compiled
-    (``compile="on"``, inductor), without offload; the ``compiled`` column, and WRONG / CRASH if
-    it differs."""
-    options = {**subject.options, "compile": "on"}
-    compiled = run_arm(
-        subject.stock, subject.docs, subject.ref, options, packed=_packed(subject.options), offload=False
-    )
-    _record_column(verdict, "compiled", compiled, "on", "compile='on'")
+    _record_column(verdict, column, result, shown, _settings(case.fast))
 
 
 # --------------------------------------------------------------------------- shared prefixes
@@ -217,27 +177,22 @@ def _check_prefix_groups(verdict: Verdict, subject: Subject) -> None:
 
 # --------------------------------------------------------------------------- in order
 
-# The columns that run arms of their own, in the order the sweep runs them (the compiled column
-# last, opt-in: check_columns' ``compile``).
-EXTRA_COLUMNS = (_check_grouping, _check_fused, _check_prefix_sharing, _check_prefix_groups)
-
 
 def check_columns(verdict: Verdict, subject: Subject, compile: bool = False) -> None:
-    """Every extra column of a verdict that passed (or whose fallback did), in order, while it
-    holds (a WRONG / CRASH column ends it); ``compile``: the compiled column too."""
-    for check in (*EXTRA_COLUMNS, *((_check_compile,) if compile else ())):
+    """Every extra column of a verdict that passed (or whose fallback did), in table order, while it
+    holds (a WRONG / CRASH column ends it): the speedups' parity cases, the shared-prefix columns,
+    then (``compile``: the sweep's --compile) the cases that build with inductor."""
+    early, late = _sweep_cases(compile)
+    checks = [
+        *(lambda v, s, case=case: check_case(v, s, case) for case in early),
+        _check_prefix_sharing,
+        _check_prefix_groups,
+        *(lambda v, s, case=case: check_case(v, s, case) for case in late),
+    ]
+    for check in checks:
         if verdict.status not in ("pass", "refused"):
             return
         check(verdict, subject)
 
 
-__all__ = [
-    "COLUMNS",
-    "EXTRA_COLUMNS",
-    "FUSED_BACKENDS",
-    "PACKED_VARIANTS",
-    "POLICY_COLUMNS",
-    "Subject",
-    "base_columns",
-    "check_columns",
-]
+__all__ = ["PREFIX_COLUMNS", "Subject", "base_columns", "check_case", "check_columns", "columns"]

@@ -15,7 +15,7 @@ from ..packing.rowpos import AUDIT
 from ..parity import LENGTHS, TOLERANCE
 from .fingerprint import cpu_name
 from .prefix_parity import GROUP_TOLERANCE, PAIR_LENGTHS, PAIR_TOLERANCE
-from .sweep_columns import COLUMNS
+from .sweep_columns import columns
 
 _STATUS_TEXT = {
     "pass": "packed, exact",
@@ -57,8 +57,9 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
     sweep's wall time, with ``workers`` worker processes)."""
 
     counts = Counter(v["status"] for v in verdicts)
-    compiled = any("compiled" in (v.get("speedups") or {}) for v in verdicts)  # the sweep's --compile
-    columns = [(header, key) for header, key in COLUMNS if key != "compiled" or compiled]
+    with_compile = {key for _, key in columns(compile=True)} - {key for _, key in columns(compile=False)}
+    compiled = any(with_compile & set(v.get("speedups") or {}) for v in verdicts)  # the sweep's --compile
+    table_columns = columns(compile=compiled)
     lines = [
         "# Compatibility: which transformers causal LMs slipstream trains, and how",
         "",
@@ -132,8 +133,10 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
         "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
-        "| model type | class | verdict | " + "".join(f"{header} | " for header, _ in columns) + "note |",
-        "|---|---|---|" + "---|" * len(columns) + "---|",
+        "| model type | class | verdict | "
+        + "".join(f"{header} | " for header, _ in table_columns)
+        + "note |",
+        "|---|---|---|" + "---|" * len(table_columns) + "---|",
     ]
     for verdict in sorted(verdicts, key=lambda v: v["model_type"]):
         speedups = verdict.get("speedups") or {}
@@ -141,7 +144,7 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
             f"`{verdict['model_type']}`",
             verdict.get("class_name", ""),
             _STATUS_TEXT.get(verdict["status"], verdict["status"]),
-            *(_shown(key, speedups.get(key, "")) for _, key in columns),
+            *(_shown(key, speedups.get(key, "")) for _, key in table_columns),
             _note(verdict),
         ]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")

@@ -41,26 +41,15 @@ from typing import Any
 import torch
 
 from ..bench.ablation import remembered as remembered_ablations
-from ..loss import UnsupportedLoss
 from ..models import build_model
-from ..moe.experts import UnsupportedExperts, is_moe_model
-from ..offload import UnsupportedCheckpointing
-from ..packing.attention import UnsupportedAttentionFeature
-from ..packing.guards import UnsupportedArchitecture
+from ..moe.experts import is_moe_model
 from ..parity import LENGTHS, TOLERANCE, Errors, compare, documents
 from ..parity import problems as beyond_tolerance
-from ..speedups import Speedups
+from ..refusal import Refusal
+from ..speedups import Speedups, registry
 from .arm import ArmRun, run_arm
 from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line, quiet_transformers
 
-PER_DOCUMENT = Speedups(attention_grouping="per_document")
-REFUSALS = (
-    UnsupportedArchitecture,
-    UnsupportedAttentionFeature,
-    UnsupportedExperts,
-    UnsupportedLoss,
-    UnsupportedCheckpointing,
-)
 BF16_FACTOR = 4.0
 VERDICTS = ("ok", "WRONG", "refused", "skipped")
 
@@ -104,7 +93,11 @@ class Subject:
     @property
     def speedups(self) -> Speedups:
         # one SDPA call per document: the grouped path has its own check, so each check is one path's
-        return PER_DOCUMENT if self.packs else Speedups(packed_attention=False)
+        from .. import speedups as speedups_module  # read now: a speedup registered after import counts
+
+        if self.packs:
+            return speedups_module.Speedups(attention_grouping="per_document")
+        return speedups_module.Speedups(packed_attention=False)
 
     @property
     def layout(self) -> str:
@@ -203,7 +196,7 @@ def run_check(
         fast_run = run_arm(
             subject_.base, subject_.docs, fast, subject_.layout, device, dtype, offload=offload, lora=lora
         )
-    except REFUSALS as error:
+    except Refusal as error:  # a deliberate refusal (refusal.Refusal): said, not a fault
         check.verdict, check.reason = "refused", one_line(error)
         check.seconds = time.perf_counter() - started
         return check
@@ -270,102 +263,48 @@ def _one_thread() -> Iterator[None]:
 def _check_paths(
     checked: CheckedModel, device: torch.device, dtype: torch.dtype, say: Callable[[str], None]
 ) -> tuple[list[Check], dict[str, Subject]]:
+    """One check per registered speedup's parity case (``ParityCase.doctor``), in registry order, then
+    the ablation row. Each case's two arms are the subject's speedups with ``case.fast`` / ``case.stock``
+    on top: per-document packed attention where the packed attention's own check (the case that
+    ``sets_layout``) is ok here, else unpacked; a ``moe`` case on the family's experts or a stand-in's,
+    a ``packed_only`` case on the packed row whatever the packed check found (the path is its own)."""
     main = subject(checked.asked, checked.build(0), dtype)
-    family_moe = is_moe_model(main.base)
+    moe = None
     checks = []
-
-    say("packed attention")
-    packed = run_check(
-        "packed attention",
-        main,
-        PER_DOCUMENT,
-        Speedups(packed_attention=False),
-        device,
-        dtype,
-        stock_layout="alone",
-        arms="documents packed in one row vs each document alone (stock attention)",
-    )
-    checks.append(packed)
-    # The other paths run on top of packed attention only where it is right here; else unpacked.
-    main.packs = packed.verdict == "ok"
-
-    say("sorted MoE routing")
-    if family_moe:
-        moe = main
-    else:
-        moe = subject(MOE_STAND_IN, build_model(MOE_STAND_IN, seed=0, attn_implementation="eager"), dtype)
-        moe.packs = main.packs
-    stand_in = "" if family_moe else f"{MOE_STAND_IN} stand-in ({checked.family} has no experts)"
-    checks.append(
-        run_check(
-            "sorted MoE routing",
-            moe,
-            moe.speedups.replace(moe_routing="sorted"),
-            moe.speedups.replace(moe_routing="stock"),
-            device,
-            dtype,
-            arms="sorted routing vs transformers' own experts",
-            model=stand_in,
-        )
-    )
-
-    say("offload-double")
     engine = "CudaEngine" if device.type == "cuda" else "RecordingEngine: the CPU stand-in, same schedule"
-    checks.append(
-        run_check(
-            "offload-double",
-            main,
-            main.speedups,
-            main.speedups,
+    for case in (case for speedup in registry.registered() for case in speedup.parity_cases() if case.doctor):
+        say(case.label)
+        on, model, fast = main, "", dict(case.fast)
+        if case.moe:
+            if moe is None:
+                if is_moe_model(main.base):
+                    moe = main
+                else:
+                    built = build_model(MOE_STAND_IN, seed=0, attn_implementation="eager")
+                    moe = subject(MOE_STAND_IN, built, dtype)
+                    moe.packs = main.packs
+            on = moe
+            model = "" if moe is main else f"{MOE_STAND_IN} stand-in ({checked.family} has no experts)"
+        elif case.packed_only:  # an option of the per-document SDPA path: on the packed row, that backend
+            on, fast = dataclasses.replace(main, packs=True), {**fast, "attention_backend": "sdpa"}
+        check = run_check(
+            case.label,
+            on,
+            on.speedups.replace(**fast),
+            on.speedups.replace(**case.stock),
             device,
             dtype,
-            offload=True,
-            arms=f"offloaded checkpointing ({engine}) vs none",
+            stock_layout=case.stock_layout,
+            offload=case.offload,
+            lora=case.lora,
+            arms=f"{case.arms} ({engine})" if case.offload else case.arms,
+            model=model,
         )
-    )
-
-    say("chunked loss")
-    checks.append(
-        run_check(
-            "chunked loss",
-            main,
-            main.speedups.replace(chunked_loss=True),
-            main.speedups.replace(chunked_loss=False),
-            device,
-            dtype,
-            arms="LM head + loss a chunk at a time vs transformers' loss",
-        )
-    )
-
-    say("LoRA in compute dtype")
-    checks.append(
-        run_check(
-            "LoRA in compute dtype",
-            main,
-            main.speedups.replace(lora_in_compute_dtype=True),
-            main.speedups.replace(lora_in_compute_dtype=False),
-            device,
-            dtype,
-            lora=True,
-            arms="LoRA on every linear: in the activations' dtype, one addmm, vs PEFT's forward",
-        )
-    )
-
-    say("grouped attention")
-    # on the packed row even where per-document packed attention is WRONG: the grouped path is its own
-    grouped = run_check(
-        "grouped attention",
-        dataclasses.replace(main, packs=True),
-        Speedups(attention_grouping="grouped", attention_backend="sdpa"),
-        Speedups(packed_attention=False),
-        device,
-        dtype,
-        stock_layout="alone",
-        arms="documents grouped by length, one batched SDPA per group, vs each document alone (stock)",
-    )
-    checks.append(grouped)
+        checks.append(check)
+        if case.sets_layout:  # the other paths run on top of packed attention only where it is right here
+            main.packs = check.verdict == "ok"
     checks.append(ablation_check(device))
-    return checks, {"main": main, "moe": moe}
+    return checks, {"main": main, "moe": moe if moe is not None else main}
 
 
 def ablation_check(device: torch.device) -> Check:

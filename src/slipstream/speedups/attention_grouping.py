@@ -72,10 +72,11 @@ class AttentionGroupingSpeedup(Speedup):
         return (
             ParityCase(  # on the packed row even where per-document packed attention is WRONG
                 "grouped attention",
-                fast={"attention_grouping": "grouped", "attention_backend": "sdpa"},
+                fast={"attention_grouping": "grouped"},
                 stock={"packed_attention": False},
                 arms="documents grouped by length, one batched SDPA per group, vs each document alone (stock)",
                 packed_only=True,
                 stock_layout="alone",
+                header="grouped",
             ),
         )

@@ -70,10 +70,12 @@ class ApplyContext:
 
 @dataclass
 class DecisionContext:
-    """What doctor knows when it asks each speedup for its ``auto`` decision: the family's tiny
-    model (its structure), the model the MoE check runs (the family's own or a stand-in), the
-    device, the training dtype and the packed attention's cost figures measured here."""
+    """What doctor knows when it asks each speedup for its ``auto`` decision: the requested model's
+    config (its real sizes: vocabulary, width), the family's tiny model (its structure), the model
+    the MoE check runs (the family's own or a stand-in), the device, the training dtype and the
+    packed attention's cost figures measured here."""
 
+    config: Any
     family: str
     model: Any
     moe_model: Any
@@ -102,7 +104,8 @@ class ParityCase:
 
     ``fast`` / ``stock``: the ``Speedups`` changes of its two arms, on top of the subject's (doctor)
     or the verdict's advised options (the sweep). ``packed_only``: meaningful only where the packed
-    attention runs (a ``-`` otherwise). ``lora``: the arms train LoRA on every linear. ``moe``: runs
+    attention runs (a ``-`` otherwise in the sweep; doctor runs it on the packed row, on the
+    per-document SDPA backend whose option it is, where a GPU's ``auto`` would pick varlen). ``lora``: the arms train LoRA on every linear. ``moe``: runs
     on a model with experts (a stand-in where the family has none). ``offload``: offloaded
     checkpointing on the fast arm. ``stock_layout``: "alone" compares with each document run alone.
     ``sweep`` / ``doctor``: where it runs (a case may be one tool's only). ``only_with_compile``: in
@@ -122,6 +125,9 @@ class ParityCase:
     sweep: bool = True
     doctor: bool = True
     only_with_compile: bool = False
+    header: str | None = None  # its column's header in docs/compatibility.md (default: the label)
+    # doctor: the cases after this one run on the packed row only where it is ok (packed attention)
+    sets_layout: bool = False
     shown: Callable[[Any], str | None] | None = None
     runs_in: Callable[[bool], AbstractContextManager] | None = None
 
@@ -137,6 +143,7 @@ class Speedup:
     ablation_name: ClassVar[str | None] = None
     doctor_label: ClassVar[str | None] = None  # doctor's decision row (None: the speedup has no row)
     sweep_column: ClassVar[str | None] = None  # the sweep's on / off column, read from the policy log
+    sweep_header: ClassVar[str | None] = None  # that column's header in docs/compatibility.md
 
     def apply(self, run: ApplyContext) -> None:
         """Switch the speedup on, or its stock path back, as ``run.speedups`` says; log each choice."""
@@ -151,8 +158,9 @@ class Speedup:
         that would run the same thing twice is dropped from the preset)."""
         return True
 
-    def sweep_cell(self, policies: list[str], moe: bool) -> str:
-        """The sweep's column for this speedup, from the main arm's policy log."""
+    def sweep_cell(self, policies: list[str], moe: bool, offloaded: str) -> str:
+        """The sweep's column for this speedup, from the main arm's policy log (``moe``: the model
+        has experts; ``offloaded``: whether the harness ran the arm offloaded, or why not)."""
         return "on" if any(line.startswith(f"{self.name}: on") for line in policies) else "off"
 
     def parity_cases(self) -> tuple[ParityCase, ...]:

@@ -29,6 +29,7 @@ class ActivationCheckpointing(Speedup):
     )
     doctor_label = "offload (checkpointing: auto)"
     sweep_column = "offload"
+    sweep_header = "offload"
 
     def apply(self, run: ApplyContext) -> None:
         state, mode = run.state, run.speedups.checkpointing
@@ -43,15 +44,15 @@ class ActivationCheckpointing(Speedup):
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
         device, dtype = context.device, context.dtype
-        hidden = int(getattr(context.model.config.get_text_config(), "hidden_size", 0) or 0)
+        hidden = int(getattr(context.config.get_text_config(), "hidden_size", 0) or 0)  # the real model's
         buffer_bytes = hidden * OFFLOAD_TOKENS * torch.empty((), dtype=dtype).element_size()
         policy = choose_policy("auto", DeviceDescription.detect(device), buffer_bytes)
         engine = "CudaEngine" if device.type == "cuda" else "RecordingEngine (CPU stand-in)"
         buffers = "pinned" if policy.pinned else "pageable"
         return f"{policy.mode}; {buffers} host buffers; engine {engine}", "; ".join(policy.reasons) or "-"
 
-    def sweep_cell(self, policies: list[str], moe: bool) -> str:
-        return ""  # the sweep's offload column is the harness's own (offloaded on the arm, or why not)
+    def sweep_cell(self, policies: list[str], moe: bool, offloaded: str) -> str:
+        return offloaded  # the harness offloads the arm itself (RecordingEngine), or says why not
 
     def parity_cases(self) -> tuple[ParityCase, ...]:
         return (

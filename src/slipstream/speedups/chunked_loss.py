@@ -33,6 +33,7 @@ class ChunkedLossSpeedup(Speedup):
     ablation_name = "chunked-loss"
     doctor_label = "chunked loss"
     sweep_column = "chunked loss"
+    sweep_header = "loss"
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
@@ -59,7 +60,7 @@ class ChunkedLossSpeedup(Speedup):
         state.say("chunked loss: on (LM head + cross-entropy over labelled tokens, a chunk at a time)")
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
-        vocab = int(context.model.config.get_text_config().vocab_size)
+        vocab = int(context.config.get_text_config().vocab_size)  # the real model's, not the tiny one's
         tokens, why = choose_chunk_tokens(vocab, context.dtype, context.device)
         return f"{tokens} tokens per chunk", why
 

@@ -56,6 +56,7 @@ class SortedMoeRouting(Speedup):
     ablation_name = "moe-routing"
     doctor_label = "MoE routing"
     sweep_column = "sorted MoE routing"
+    sweep_header = "MoE"
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
@@ -122,7 +123,7 @@ class SortedMoeRouting(Speedup):
                 why += " (the loop path: one host read of the expert counts per layer)"
         return f"sorted, {path}{where}", why
 
-    def sweep_cell(self, policies: list[str], moe: bool) -> str:
+    def sweep_cell(self, policies: list[str], moe: bool, offloaded: str) -> str:
         if not moe:
             return "-"
         return "on" if any(line.startswith("moe routing: sorted") for line in policies) else "off"

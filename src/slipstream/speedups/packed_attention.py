@@ -91,6 +91,7 @@ class PackedAttention(Speedup):
     ablation_name = "packed-attention"
     doctor_label = "packed attention"
     sweep_column = "packed attention"
+    sweep_header = "packed"
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
@@ -161,7 +162,7 @@ class PackedAttention(Speedup):
         )
         return f"{backend} ({BACKEND_NAMES[backend]})", why
 
-    def sweep_cell(self, policies: list[str], moe: bool) -> str:
+    def sweep_cell(self, policies: list[str], moe: bool, offloaded: str) -> str:
         return "on" if any(line.startswith("packed attention: slipstream") for line in policies) else "off"
 
     def parity_cases(self) -> tuple[ParityCase, ...]:
@@ -172,6 +173,7 @@ class PackedAttention(Speedup):
                 stock={"packed_attention": False},
                 arms="documents packed in one row vs each document alone (stock attention)",
                 stock_layout="alone",
+                sets_layout=True,
                 sweep=False,  # the sweep's main arm is this check (every speedup on, packed)
             ),
         )

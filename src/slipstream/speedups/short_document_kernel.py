@@ -89,5 +89,6 @@ class ShortDocumentKernel(Speedup):
                 packed_only=True,
                 stock_layout="alone",
                 doctor=False,
+                header="short",
             ),
         )
