@@ -121,7 +121,9 @@ class ToyScale(Speedup):
 
     def parity_cases(self) -> tuple[ParityCase, ...]:
         return (
-            ParityCase("toy parity", fast={"toy_scale": True}, stock={"toy_scale": False}, arms="toy vs none"),
+            ParityCase(
+                "toy parity", fast={"toy_scale": True}, stock={"toy_scale": False}, arms="toy vs none"
+            ),
         )
 
 

@@ -338,7 +338,9 @@ def test_the_compile_row_says_what_auto_does_and_whether_inductor_can_run(monkey
     choice, why = compile_decision(torch.device("cpu"))
     assert choice == f"on from {BREAK_EVEN_STEPS['cpu']} steps, off below" and "cold start on cpu" in why
     # CUDA has no measured break-even: auto stays off there, and says so
-    monkeypatch.setattr(compile_speedup, "inductor_available", lambda device: (False, "Triton is not installed"))
+    monkeypatch.setattr(
+        compile_speedup, "inductor_available", lambda device: (False, "Triton is not installed")
+    )
     choice, why = compile_decision(torch.device("cuda"))
     assert choice == "off, whatever the run's length; compile='on' cannot run here"
     assert why.startswith("no measured break-even on cuda yet") and "Triton is not installed" in why

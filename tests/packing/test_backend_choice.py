@@ -46,7 +46,9 @@ def test_optimize_passes_the_models_dtype(monkeypatch):
     import importlib
 
     # the packed attention's own module, where optimize() applies it
-    monkeypatch.setattr(importlib.import_module("slipstream.speedups.packed_attention"), "choose_backend", spy)
+    monkeypatch.setattr(
+        importlib.import_module("slipstream.speedups.packed_attention"), "choose_backend", spy
+    )
     slipstream.optimize(
         build_model("qwen3", vocab_size=64, seed=0, dtype=torch.bfloat16), packed_attention=True
     )
