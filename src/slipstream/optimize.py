@@ -17,7 +17,6 @@ import torch
 from .packing.costs import BUILTIN, AttentionCosts
 from .packing.grouping import GroupingCounts
 from .speedups import ApplyContext, Speedups, registry
-from .speedups.packed_attention import has_attention_sinks  # noqa: F401 - doctor reads it here
 
 logger = logging.getLogger("slipstream")
 

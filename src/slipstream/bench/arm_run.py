@@ -75,8 +75,8 @@ class ArmSession:
     def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, model, state, moved = open_arm_model(config, arm, vocab_size, perturb)
-        device, self.model, self.state = self.device, model, state
+        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        device, model, state = self.device, self.model, self.state
         self.trl_step = None
         self.warm_pages = WarmPages()
         self.pairs = spec.pairs

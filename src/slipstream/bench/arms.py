@@ -22,7 +22,7 @@ import torch
 from ..data.labels import count_label_tokens
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
-from ..speedups import Speedups
+from ..speedups import Speedups, registry
 from ..speedups.base import AblationRun
 from ..speedups.registry import ablation_arms
 from .adapter import attach_lora
@@ -131,66 +131,57 @@ ABLATION_CONTROLS = (
 )
 
 
-def _ablation_specs() -> dict[str, Arm]:
-    """One leave-one-out arm per registered speedup with an ablation: ``slipstream`` with it off."""
-    from .. import speedups as speedups_module  # read now: a speedup registered after import counts
-
-    slipstream = speedups_module.Speedups()
-    return {
-        arm: Arm("packed", slipstream.replace(**speedup.ablation)) for arm, speedup in ablation_arms().items()
-    }
+_BUILT: dict[str, object] = {}
 
 
-class _ArmTable(Mapping):
-    """``ARM_SPECS``: the fixed arms and the registry's leave-one-out arms, read when looked up (a
-    speedup registered after import has its arm)."""
+def _tables() -> dict[str, object]:
+    """The arms and the presets: the fixed ones, one leave-one-out arm per registered speedup with an
+    ablation (``slipstream`` with it off) and the ``ablation`` preset of them; built again only when
+    the registry or the ``Speedups`` class changed (a speedup registered after import has its arm)."""
+    from .. import speedups as speedups_module  # read now: a plug-in's rebuilt Speedups counts
 
-    def _table(self) -> dict[str, Arm]:
-        specs = dict(_FIXED_ARMS)
-        specs.update(_ablation_specs())
-        return specs
-
-    def __getitem__(self, arm: str) -> Arm:
-        return self._table()[arm]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-
-class _PresetTable(Mapping):
-    """``ARM_PRESETS``: the fixed presets and ``ablation`` (the controls and every leave-one-out arm),
-    generated from the registry when read."""
-
-    def _table(self) -> dict[str, tuple[str, ...]]:
-        return {"default": _FIXED_PRESETS["default"], "ablation": (*ABLATION_CONTROLS, *ablation_arms())} | {
-            name: arms for name, arms in _FIXED_PRESETS.items() if name != "default"
+    key = (registry.registered(), speedups_module.Speedups)
+    if _BUILT.get("key") != key:
+        slipstream = speedups_module.Speedups()
+        leave_one_out = {arm: speedup.ablation for arm, speedup in ablation_arms().items()}
+        specs = {
+            **_FIXED_ARMS,
+            **{arm: Arm("packed", slipstream.replace(**off)) for arm, off in leave_one_out.items()},
         }
+        presets = {"default": _FIXED_PRESETS["default"], "ablation": (*ABLATION_CONTROLS, *leave_one_out)}
+        presets |= {name: arms for name, arms in _FIXED_PRESETS.items() if name != "default"}
+        _BUILT.update(key=key, specs=specs, presets=presets, names=tuple(specs))
+    return _BUILT
 
-    def __getitem__(self, preset: str) -> tuple[str, ...]:
-        return self._table()[preset]
+
+class _Live(Mapping):
+    """``ARM_SPECS`` / ``ARM_PRESETS``: a view of :func:`_tables`' ``which``."""
+
+    def __init__(self, which: str) -> None:
+        self._which = which
+
+    def __getitem__(self, key: str):
+        return _tables()[self._which][key]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
+        return iter(_tables()[self._which])
 
     def __len__(self) -> int:
-        return len(self._table())
+        return len(_tables()[self._which])
 
 
 class _ArmNames(Sequence):
     """``ARMS``: every arm's name, live like ``ARM_SPECS``."""
 
     def __getitem__(self, index):
-        return tuple(ARM_SPECS)[index]
+        return _tables()["names"][index]
 
     def __len__(self) -> int:
-        return len(ARM_SPECS)
+        return len(_tables()["names"])
 
 
-ARM_SPECS: Mapping[str, Arm] = _ArmTable()
-ARM_PRESETS: Mapping[str, tuple[str, ...]] = _PresetTable()
+ARM_SPECS: Mapping[str, Arm] = _Live("specs")
+ARM_PRESETS: Mapping[str, tuple[str, ...]] = _Live("presets")
 ARMS: Sequence[str] = _ArmNames()
 
 

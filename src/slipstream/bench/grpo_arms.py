@@ -159,8 +159,8 @@ class GrpoArmSession:
     def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, model, state, moved = open_arm_model(config, arm, vocab_size, perturb)
-        device, self.model, self.state = self.device, model, state
+        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        device, model, state = self.device, self.model, self.state
         tokenizer = ab_tokenizer(config)
         self.objective = _objective(config, arm, tokenizer, model)
         self.objective.chunked = state is not None and state.chunked_loss is not None

@@ -13,6 +13,7 @@ import torch
 
 from ..models import TINY, build_config, build_model, model_names
 from ..models.tiny_any import causal_lm_class, random_model, shrink_config, tiny_config
+from ..speedups.base import dtype_name, one_line  # noqa: F401 - doctor's rooms take them from here
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
 MOE_STAND_IN = "qwen3-moe"  # the MoE check's model when the requested family has no experts
@@ -137,13 +138,3 @@ def _shrunk(asked: str, source: str, config: Any) -> CheckedModel:
             return random_model(tiny, seed=seed)
 
     return CheckedModel(asked, source, family, config, tiny, build, note)
-
-
-def one_line(error: BaseException) -> str:
-    """The exception's type and message on one line (at most 400 characters)."""
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}"[:400]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

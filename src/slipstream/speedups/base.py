@@ -30,6 +30,11 @@ def one_line(error: BaseException) -> str:
     ]  # an option whose stock arm leaves the model as it is (checkpointing)
 
 
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` as ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Option:
     """One typed field of ``Speedups``: its annotation carries the rules (``fields.check_fields``)."""

@@ -18,7 +18,16 @@ from ..moe.experts import (
     register_experts_implementation,
 )
 from ..moe.grouped import GroupedLinear
-from .base import AblationRun, ApplyContext, DecisionContext, Option, ParityCase, Speedup, one_line
+from .base import (
+    AblationRun,
+    ApplyContext,
+    DecisionContext,
+    Option,
+    ParityCase,
+    Speedup,
+    dtype_name,
+    one_line,
+)
 
 
 def check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module]) -> None:
@@ -33,10 +42,6 @@ def check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module]) 
         )
     for module in modules:
         check_experts_module(module)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class SortedMoeRouting(Speedup):
@@ -118,7 +123,7 @@ class SortedMoeRouting(Speedup):
             linear = GroupedLinear(x, first.detach().to(device=device, dtype=dtype), None, None, "auto")
             path, why = linear.path, linear.reason
             if path == "grouped_mm":
-                why = f"grouped_mm runs {_dtype_name(dtype)} experts on {device.type} (0 host syncs)"
+                why = f"grouped_mm runs {dtype_name(dtype)} experts on {device.type} (0 host syncs)"
             else:
                 why += " (the loop path: one host read of the expert counts per layer)"
         return f"sorted, {path}{where}", why
