@@ -95,7 +95,9 @@ def check_every_path_and_the_marker(dtype: str, tmp_path) -> dict:
         assert report["attention_costs"]["source"] == costs.source
         limit = costs.short_limit(chosen)
         assert short["choice"] == (f"on up to {limit} tokens" if limit else "off")
-        assert "its speedup over SDPA by document length: 32 " in short["why"]
+        # the figures are shown where this machine measured them (a busy one declines: built-in costs)
+        measured = costs.figures.get("short_kernel_speedup_by_length")
+        assert ("its speedup over SDPA by document length: 32 " in short["why"]) == bool(measured)
         fused = next(row for row in report["decisions"] if row["path"] == "fused kernels (auto)")
         assert fused["choice"] == f"compiled from {FUSED_BREAK_EVEN_STEPS['cpu']} steps, off below"
         assert fused["why"].startswith("Liger: cpu — Liger-Kernel's kernels are Triton, CUDA only; ")
