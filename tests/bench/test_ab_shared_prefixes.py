@@ -1,4 +1,4 @@
-"""``slipstream ab --share-prefixes``: the sharing arm trains groups, every other arm the same rows whole."""
+"""``slipstream ab --share-prefixes``: every arm gets the same rows a step; the sharing arm regroups them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from slipstream.bench.ab_config import ABConfig
 from slipstream.bench.arms import ARM_PRESETS, shares_prefixes
 from slipstream.bench.render import markdown_report
 from slipstream.bench.runner import prepare_bins, run_ab
-from slipstream.data.prefix_groups import is_grouped, unshared_tokens, whole_rows_plan
+from slipstream.data.prefix_groups import unshared_tokens
+from slipstream.data.steps import step_order
+from slipstream.objectives.sharing import PrefixSharing
 
 WORDS = [
     "the",
@@ -57,6 +59,7 @@ def config(tmp_path, **overrides) -> ABConfig:
         response_only=True,
         max_seq_len=512,
         steps=3,
+        grad_accum=4,  # a step's rows (~400 tokens each, a bin apiece) share their start: 4 micro-batches -> 1
         warmup=1,
         threads=1,
         arms=("stock-packed", "slipstream-no-prefix-sharing", "slipstream"),
@@ -64,17 +67,36 @@ def config(tmp_path, **overrides) -> ABConfig:
     return ABConfig(**(options | overrides))
 
 
-def test_a_grouped_plan_unpacks_into_the_same_rows_per_step(tmp_path):
-    plan, _, packing = prepare_bins(config(tmp_path, share_prefixes="on"))
-    assert is_grouped(plan) and packing["sharing"]["saved_fraction"] > 0.3
-    whole = whole_rows_plan(plan, 512)
-    for grouped_step, whole_step in zip(plan, whole, strict=True):
-        assert sum(unshared_tokens(groups) for groups in grouped_step) == sum(
-            unshared_tokens(docs) for docs in whole_step
+def test_every_arm_gets_each_steps_rows_whole_and_the_sharing_arm_regroups_the_same_rows(tmp_path):
+    plan, _, packing = prepare_bins(config(tmp_path, share_prefixes="on", grad_accum=2))
+    assert packing["sharing"]["saved_fraction"] > 0.3
+    assert all(
+        "continuations" not in doc for step in plan for docs in step for doc in docs
+    )  # rows, never groups
+    assert all(sum(len(d["input_ids"]) for d in docs) <= 512 for step in plan for docs in step)
+    # the steps take the bins in train's order (data.steps), grad_accum a step
+    off, _, packing_off = prepare_bins(config(tmp_path, share_prefixes="off", grad_accum=2))
+    assert off == plan and "sharing" not in packing_off and "off" in packing_off["sharing_policy"]
+    assert len(plan) == 3 and all(len(step) == 2 for step in plan)
+    sharing = PrefixSharing("on", 512, seed=0)
+    for number, step in enumerate(plan):
+        shared = sharing.share(step, number)
+        assert len(shared) < len(step)  # fewer micro-batches: the speedup
+        assert sum(unshared_tokens(groups) for groups in shared) == sum(
+            unshared_tokens(docs) for docs in step
         )
-        assert all(sum(len(d["input_ids"]) for d in docs) <= 512 for docs in whole_step)
-    off, _, packing = prepare_bins(config(tmp_path, share_prefixes="off"))
-    assert not is_grouped(off) and "off" in packing["sharing_policy"]
+
+
+def test_the_plan_takes_the_bins_in_trains_order(tmp_path):
+    from slipstream.bench.inputs import ab_samples, ab_tokenizer
+    from slipstream.data import pack_samples
+
+    cfg = config(tmp_path, share_prefixes="off", grad_accum=2)
+    plan, _, _ = prepare_bins(cfg)
+    bins, _ = pack_samples(ab_samples(cfg, ab_tokenizer(cfg)), 512, seed=cfg.seed)
+    bins_for = step_order(len(bins), 2, cfg.seed)
+    expected = [[[d["input_ids"] for d in bins[i]] for i in bins_for(step)] for step in range(3)]
+    assert [[[d["input_ids"] for d in docs] for docs in step] for step in plan] == expected
 
 
 def test_only_slipstream_arms_that_can_honour_groups_share():
@@ -84,9 +106,9 @@ def test_only_slipstream_arms_that_can_honour_groups_share():
     assert ARM_PRESETS["shared-prefixes"][-1] == "slipstream"
 
 
-def test_sequential_batching_cannot_share():
-    with pytest.raises(ValueError, match="share_prefixes on packs groups"):
-        ABConfig(share_prefixes="on", batching="sequential")
+def test_sequential_batching_shares_each_steps_rows_too(tmp_path):
+    plan, _, packing = prepare_bins(config(tmp_path, share_prefixes="on", batching="sequential"))
+    assert packing["sharing"]["saved_fraction"] > 0.3 and plan
 
 
 @pytest.mark.slow  # three tiny arms, a few steps: tens of seconds on 2 cores
@@ -100,4 +122,8 @@ def test_sharing_arm_trains_the_same_rows_to_the_same_loss(tmp_path):
     loss = {arm: runs[arm][0]["loss"] for arm in summary}
     assert loss["slipstream"] == pytest.approx(loss["slipstream-no-prefix-sharing"], rel=1e-4)
     assert "speedup_vs_slipstream-no-prefix-sharing" in summary["slipstream"]
-    assert "Rows sharing a start: shared prefixes on" in markdown_report(record)
+    report = markdown_report(record)
+    assert (
+        "Rows sharing a start:" in report
+        and "slipstream: shared prefixes on (data.share_prefixes: on)" in report
+    )

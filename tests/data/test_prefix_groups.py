@@ -5,17 +5,15 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import pytest
-
 from slipstream.data.labels import IGNORE_INDEX
 from slipstream.data.prefix_groups import (
-    AUTO_MIN_SAVING,
     MIN_SHARED_TOKENS,
-    decide_sharing,
+    combined,
     find_groups,
     group_rows,
     group_tokens,
     pack_shared,
+    share_rows,
 )
 
 
@@ -98,17 +96,18 @@ def test_rows_that_share_little_are_not_grouped():
     assert "no two of 20 rows" in sharing.summary()
 
 
-@pytest.mark.parametrize("mode", ["auto", "on", "off"])
-def test_the_policy_says_what_it_chose(mode):
-    shared = pack_shared(tool_set(random.Random(4)), max_seq_len=1024)[2]
-    unshared = pack_shared(tool_set(random.Random(4), system=4), max_seq_len=1024)[2]
-    assert unshared.saved_fraction < AUTO_MIN_SAVING < shared.saved_fraction
-    on, line = decide_sharing(mode, shared)
-    assert on is (mode != "off") and f"share_prefixes: {mode}" in line or "auto" in line
-    on, line = decide_sharing(mode, unshared)
-    assert on is (mode == "on")
-    if mode == "auto":
-        assert "shared prefixes off (auto" in line
+def test_one_steps_rows_regroup_into_fewer_bins_and_the_reports_add_up():
+    rng = random.Random(4)
+    rows = tool_set(rng, rows=8)  # 8 rows of ~350 tokens: 8 bins of 512 whole, shared 300 + 8 x ~50
+    bins, report = share_rows(rows, max_seq_len=512)
+    assert len(bins) < 8 and report.groups >= 1
+    regrouped = [r for b in bins for g in b for r in group_rows(g)]
+    assert rows_key(regrouped) == rows_key(rows)  # the same rows, nothing lost or added
+    assert report.shared_tokens == sum(group_tokens(g) for b in bins for g in b) < report.unshared_tokens
+    other = share_rows(tool_set(random.Random(5), rows=4, system=4), max_seq_len=512)[1]
+    total = combined([report, other])
+    assert total.rows == 12 and total.saved_tokens == report.saved_tokens + other.saved_tokens
+    assert total.longest_shared == max(report.longest_shared, other.longest_shared)
 
 
 def test_same_seed_same_bins():

@@ -81,13 +81,14 @@ class ABConfig:
         "or grpo (--data holds prompt rows, --config RUN.yaml its rewards; arms: --preset grpo)",
     )
     beta: float = _option(0.1, "the preference objective's beta (dpo; orpo: its lambda)")
-    # Rows that start with the same tokens (a system prompt, a prompt with several answers) packed as
-    # groups, the shared start once (data.prefix_groups); the arms that cannot share (stock, peers,
-    # slipstream-no-prefix-sharing) get every step's rows packed whole, best-fit into --max-seq-len bins.
+    # Rows that start with the same tokens (a system prompt, a prompt with several answers) run as
+    # groups, the shared start once (data.prefix_groups): each step's rows, the same for every arm,
+    # regrouped by the arms that share; the others (stock, peers, slipstream-no-prefix-sharing) run
+    # them whole.
     share_prefixes: Literal["auto", "on", "off"] = _option(
         "auto",
-        "pack rows that start with the same tokens with that start once (as train's data.share_prefixes); "
-        "auto: where it saves tokens",
+        "run each step's rows that start with the same tokens with that start once (as train's "
+        "data.share_prefixes); auto: where the device's cost model says it saves time",
     )
     max_seq_len: int = _option(1024, "tokens per packed micro-batch")
     overflow: Literal["truncate", "split"] = _option(
@@ -206,11 +207,6 @@ class ABConfig:
         if self.chat_template is not None:
             read_chat_template_option(self.chat_template)  # raises ValueError naming chat_template
         self._check_objective()
-        if self.share_prefixes == "on" and self.batching == "sequential":
-            raise ValueError(
-                "share_prefixes on packs groups of rows best-fit by their shared length; batching "
-                "sequential packs rows in order: use --batching bfd or --share-prefixes off"
-            )
         if self.lora_rank and not self.lora_targets:
             raise ValueError("lora_targets is empty: name the modules the LoRA wraps")
         speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups

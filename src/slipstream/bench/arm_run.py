@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from ..compile import graph_counts
-from ..data.prefix_groups import is_grouped, unshared_tokens, whole_rows_plan
+from ..data.prefix_groups import unshared_tokens
 from ..hardware import OtherLoad
+from ..objectives.sharing import LayoutCost, PrefixSharing
 from ..offload import device_activation_bytes
 from ..optimize import base_model
 from ..packing.groups import group_documents
@@ -93,16 +94,26 @@ class ArmSession:
         if self.trl_step is not None:
             state.policies.extend(self.trl_step.policies)
         self.profile = flop_profile(model)
-        grouped = is_grouped(plan)  # rows sharing a start, in groups (--share-prefixes)
-        # every arm counts the model FLOPs of the grouped rows (the start once): the work the rows need
-        as_docs = pair_documents if spec.pairs else group_documents if grouped else (lambda docs: docs)
+        # The plan holds each step's rows whole, the same for every arm (peers included); an arm that
+        # shares prefixes regroups each step's rows, as train does (objectives.sharing), and every arm
+        # counts the model FLOPs of the rows' shared layout (the start once): the work the rows need.
+        mode = "off" if spec.pairs else config.share_prefixes
+        self.sharing = PrefixSharing(mode, config.max_seq_len, config.seed)
+        grouped_plan = plan
+        if mode != "off":
+            grouped_plan = [self.sharing.share(micro_docs, step) for step, micro_docs in enumerate(plan)]
+        as_docs = pair_documents if spec.pairs else group_documents if mode != "off" else (lambda docs: docs)
         model_flops = [
             self.profile.step_flops(docs_micro_batch(as_docs(docs)) for docs in micro_docs)
-            for micro_docs in plan
+            for micro_docs in grouped_plan
         ]
-        self.grouped = grouped and shares_prefixes(arm)
-        if grouped and not self.grouped:  # the same rows a step, packed whole
-            self.plan = plan = whole_rows_plan(plan, config.max_seq_len, config.seed)
+        self.grouped = False
+        if mode != "off" and shares_prefixes(arm):
+            dtype = next(model.parameters()).dtype
+            if self.sharing.decide(plan, lambda: LayoutCost.of(base_model(model), device, dtype)):
+                self.grouped = True
+                self.plan = plan = grouped_plan
+            state.policies.append(self.sharing.policy)
         reference_pass_s = 0.0
         if spec.pairs in ("shared", "unshared"):
             reference_pass_s = self._reference_pass()

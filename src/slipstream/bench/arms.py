@@ -215,7 +215,7 @@ def _model_config(config):
 
 
 def shares_prefixes(arm: str) -> bool:
-    """Whether ``arm`` packs groups of rows with their shared start once, given a grouped plan: a
+    """Whether ``arm`` regroups each step's rows with their shared start once (where sharing is on): a
     slipstream arm with its packed attention (which honours the groups) and its chunked loss (which
     reads a continuation's first target across the shared start); every other arm gets the rows whole."""
     spec = ARM_SPECS[arm]

@@ -131,12 +131,19 @@ def inputs_lines(record: dict) -> list[str]:
         )
     if config.get("train_config"):
         lines.append(f"Read from: {config['train_config']}")
-    policy = record.get("packing", {}).get("sharing_policy")
-    if policy and record.get("packing", {}).get("sharing"):
+    sharing = record.get("packing", {}).get("sharing")
+    if sharing:
+        decisions = [
+            f"{arm}: {line}"
+            for arm, runs in record.get("runs", {}).items()
+            for line in ((runs[0].get("policies") or []) if runs else [])
+            if line.startswith("shared prefixes")
+        ]
         lines.append(
-            f"Rows sharing a start: {policy}. tokens/s counts every row whole (its start included), so "
-            "tokens/s ratios are rows/s ratios; the arms without sharing train each step's rows packed "
-            "whole, best-fit into as many bins as they need"
+            f"Rows sharing a start: {sharing['saved_fraction']:.1%} of the tokens shared within each step "
+            f"({sharing['shared_tokens']} run instead of {sharing['unshared_tokens']}); every arm trains the "
+            "same rows a step, and tokens/s counts every row whole (its start included), so tokens/s ratios "
+            "are rows/s ratios" + (". " + "; ".join(decisions) if decisions else "")
         )
     return lines
 

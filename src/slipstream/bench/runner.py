@@ -26,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from ..data import pack_samples
-from ..data.prefix_groups import decide_sharing, pack_shared
+from ..data.prefix_groups import combined, share_rows
+from ..data.steps import step_order
 from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
@@ -57,14 +58,17 @@ from .stats import loss_parity, margin_parity, speedup
 
 
 def _plan(bins: list, config: ABConfig, source: str) -> list:
-    """The first steps x grad_accum bins, a step's micro-batches each; too few is an error naming ``source``."""
+    """Each step's bins (a step's micro-batches), in the order ``slipstream train`` takes them
+    (``data.steps``: a seeded permutation of the bins, ``grad_accum`` a step); too few bins for
+    distinct steps is an error naming ``source``."""
     needed = config.steps * config.grad_accum
     if len(bins) < needed:
         raise ABInputError(
             f"{source} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
             f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
         )
-    return [bins[i * config.grad_accum : (i + 1) * config.grad_accum] for i in range(config.steps)]
+    bins_for = step_order(len(bins), config.grad_accum, config.seed)
+    return [[bins[i] for i in bins_for(step)] for step in range(config.steps)]
 
 
 def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -117,25 +121,29 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     vocab = vocab_size(config, tokenizer)
     source = config.data or "the demo rows"
     check_token_ids(samples, vocab, source)
-    policy = decide_sharing("off", None)[1]
-    if config.share_prefixes != "off" and config.batching != "bfd":
-        policy = "shared prefixes off (auto): batching sequential packs rows in order, not by shared start"
-    elif config.share_prefixes != "off":
-        groups, report, sharing = pack_shared(
-            samples, config.max_seq_len, seed=config.seed, overflow=config.overflow
-        )
-        share, policy = decide_sharing(config.share_prefixes, sharing)
-        if share:  # [step][micro_batch] -> groups; the arms that cannot share get the rows whole (arm_run)
-            record = {**dataclasses.asdict(report), "sharing": sharing.as_dict(), "sharing_policy": policy}
-            return _plan(groups, config, source), vocab, record
     bins, report = pack_samples(
         samples, config.max_seq_len, seed=config.seed, overflow=config.overflow, strategy=config.batching
     )
-    plan = _plan(bins, config, source)
+    plan = _plan(bins, config, source)  # every arm's rows, step by step, whole
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
-    return slim, vocab, {**dataclasses.asdict(report), "sharing_policy": policy}
+    record = dataclasses.asdict(report)
+    if config.share_prefixes == "off":
+        record["sharing_policy"] = "shared prefixes off (--share-prefixes off): every row runs whole"
+    else:  # what sharing each step's rows saves; whether an arm shares is its own policy line
+        steps = [
+            share_rows([row for docs in step for row in docs], config.max_seq_len, seed=config.seed + number)[
+                1
+            ]
+            for number, step in enumerate(slim)
+        ]
+        record["sharing"] = combined(steps).as_dict()
+        record["sharing_policy"] = (
+            f"--share-prefixes {config.share_prefixes}: each step's rows regrouped by the arms that share "
+            "(the same rows a step as every other arm)"
+        )
+    return slim, vocab, record
 
 
 def _median(values) -> float:

@@ -29,6 +29,11 @@ common prefixes):
 - a group longer than a bin is split into parts that fit (the continuations best-fit into what
   the shared start leaves of a bin), each part holding the start once.
 - the parts are packed into bins best-fit-decreasing by their shared length, like samples.
+
+Which rows a step trains never depends on this (``data.steps``): the rows are packed whole, a step
+takes its bins, and only then are that step's rows grouped (:func:`share_rows`) into micro-batches,
+fewer or shorter ones where rows share a start. So a run with sharing takes the same optimizer
+steps on the same rows as one without: the speedup changes how a step runs, never what it trains.
 """
 
 from __future__ import annotations
@@ -43,8 +48,6 @@ from .binpack import Overflow, PackingReport, Sample, _fit_to_length, best_fit_d
 # A shared start shorter than this is not worth a group: a chat template's role header
 # (``<|im_start|>user\n``) is 3-4 tokens; the shortest system prompts are tens.
 MIN_SHARED_TOKENS = 16
-# ``share_prefixes: auto`` shares when the groups save at least this share of the tokens.
-AUTO_MIN_SAVING = 0.02
 
 Group = dict[str, Any]  # {"prefix_ids", "prefix_labels", "continuations": [{"input_ids", "labels"}, ...]}
 
@@ -169,6 +172,42 @@ def group_rows(group: Group) -> list[Sample]:
     ]
 
 
+def share_rows(
+    rows: Sequence[Sample], max_seq_len: int, seed: int = 0, min_shared: int = MIN_SHARED_TOKENS
+) -> tuple[list[list[Group]], SharingReport]:
+    """Rows that each fit a bin (one step's), grouped by their shared start and packed best-fit by the
+    shared length: bins of groups, fewer or shorter than the rows' own where they share."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
+    items: list[Group] = []
+    sharing = SharingReport(
+        rows=len(rows),
+        groups=0,
+        rows_in_groups=0,
+        parts=0,
+        unshared_tokens=sum(len(row["input_ids"]) for row in rows),
+        shared_tokens=0,
+        longest_shared=0,
+    )
+    for shared, members in find_groups(rows, min_shared):
+        members_rows = [rows[i] for i in members]
+        if len(members_rows) > 1:
+            sharing.groups += 1
+            sharing.rows_in_groups += len(members_rows)
+            sharing.longest_shared = max(sharing.longest_shared, shared)
+            parts = _split_to_fit(shared, members_rows, max_seq_len)
+            sharing.parts += len(parts)
+            items += [as_group(shared if len(part) > 1 else 0, part) for part in parts]
+        else:
+            items.append(as_group(0, members_rows))
+    rng = random.Random(seed)
+    rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
+    bins = best_fit_decreasing(items, max_seq_len, size=group_tokens)
+    rng.shuffle(bins)
+    sharing.shared_tokens = sum(group_tokens(item) for item in items)
+    return bins, sharing
+
+
 def pack_shared(
     samples: Sequence[Sample],
     max_seq_len: int,
@@ -176,38 +215,13 @@ def pack_shared(
     overflow: Overflow = "truncate",
     min_shared: int = MIN_SHARED_TOKENS,
 ) -> tuple[list[list[Group]], PackingReport, SharingReport]:
-    """Rows grouped by their shared start and packed best-fit by the shared length: bins of groups."""
+    """All of ``samples`` grouped by their shared start and packed best-fit: bins of groups (what the
+    whole set would save; a run shares each step's rows, :func:`share_rows`)."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
     packing = PackingReport(num_samples=len(samples), num_bins=0, real_tokens=0, capacity=0, efficiency=0.0)
     pieces = _fit_to_length(samples, max_seq_len, overflow, packing)
-    found = find_groups(pieces, min_shared)
-    items: list[Group] = []
-    sharing = SharingReport(
-        rows=len(pieces),
-        groups=0,
-        rows_in_groups=0,
-        parts=0,
-        unshared_tokens=sum(len(piece["input_ids"]) for piece in pieces),
-        shared_tokens=0,
-        longest_shared=0,
-    )
-    for shared, members in found:
-        rows = [pieces[i] for i in members]
-        if len(rows) > 1:
-            sharing.groups += 1
-            sharing.rows_in_groups += len(rows)
-            sharing.longest_shared = max(sharing.longest_shared, shared)
-            parts = _split_to_fit(shared, rows, max_seq_len)
-            sharing.parts += len(parts)
-            items += [as_group(shared if len(part) > 1 else 0, part) for part in parts]
-        else:
-            items.append(as_group(0, rows))
-    rng = random.Random(seed)
-    rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
-    bins = best_fit_decreasing(items, max_seq_len, size=group_tokens)
-    rng.shuffle(bins)
-    sharing.shared_tokens = sum(group_tokens(item) for item in items)
+    bins, sharing = share_rows(pieces, max_seq_len, seed=seed, min_shared=min_shared)
     packing.num_bins = len(bins)
     packing.real_tokens = sharing.shared_tokens
     packing.capacity = len(bins) * max_seq_len
@@ -215,27 +229,14 @@ def pack_shared(
     return bins, packing, sharing
 
 
-def decide_sharing(mode: str, sharing: SharingReport | None) -> tuple[bool, str]:
-    """``data.share_prefixes``: whether to pack the groups, and the policy line that says why
-    (``sharing`` may be None for ``off``: nothing was looked for)."""
-    if mode == "off" or sharing is None:
-        return False, "shared prefixes off (data.share_prefixes: off): every row runs whole"
-    if mode == "on":
-        return True, f"shared prefixes on (data.share_prefixes: on): {sharing.summary()}"
-    if sharing.saved_fraction >= AUTO_MIN_SAVING:
-        return (
-            True,
-            f"shared prefixes on (auto: saves {sharing.saved_fraction:.1%} of the tokens): {sharing.summary()}",
-        )
-    return False, (
-        f"shared prefixes off (auto: would save {sharing.saved_fraction:.1%} of the tokens, "
-        f"under {AUTO_MIN_SAVING:.0%}): {sharing.summary()}"
-    )
-
-
-def is_grouped(plan: Sequence) -> bool:
-    """Whether an A/B plan (``[step][micro_batch] -> items``) holds groups rather than documents."""
-    return bool(plan and plan[0] and plan[0][0] and "continuations" in plan[0][0][0])
+def combined(reports: Sequence[SharingReport]) -> SharingReport:
+    """Several steps' reports as one (every count summed, the longest start the longest)."""
+    total = SharingReport(0, 0, 0, 0, 0, 0, 0)
+    for report in reports:
+        for name in ("rows", "groups", "rows_in_groups", "parts", "unshared_tokens", "shared_tokens"):
+            setattr(total, name, getattr(total, name) + getattr(report, name))
+        total.longest_shared = max(total.longest_shared, report.longest_shared)
+    return total
 
 
 def unshared_tokens(items: Sequence[Sample | Group]) -> int:
@@ -245,16 +246,3 @@ def unshared_tokens(items: Sequence[Sample | Group]) -> int:
         group_tokens(item, prefix_sharing=False) if "continuations" in item else len(item["input_ids"])
         for item in items
     )
-
-
-def whole_rows_plan(plan: Sequence, max_seq_len: int, seed: int = 0) -> list[list[list[Sample]]]:
-    """A grouped plan as an arm that cannot share runs it: every step's rows whole, packed
-    best-fit-decreasing into bins of ``max_seq_len`` (as TRL's bfd packing does), so each step
-    trains the very same rows in as many micro-batches as they need."""
-    from .binpack import pack_samples
-
-    whole = []
-    for step, micro_batches in enumerate(plan):
-        rows = [row for groups in micro_batches for group in groups for row in group_rows(group)]
-        whole.append(pack_samples(rows, max_seq_len, seed=seed + step)[0])
-    return whole

@@ -18,13 +18,15 @@ from tqdm import tqdm
 
 from ..data import DataError, demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
-from ..data.prefix_groups import decide_sharing, group_rows, pack_shared, unshared_tokens
+from ..data.prefix_groups import group_rows, unshared_tokens
+from ..data.steps import steps_per_epoch
 from ..packing import collate_packed
 from ..packing.groups import collate_groups, group_documents
 from ..train.errors import TrainError
 from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
 from ..train.preflight import check_labels_left
-from .base import Objective, ObjectiveData, register_objective, split_held_out
+from .base import Objective, ObjectiveData, StepPlan, register_objective, split_held_out
+from .sharing import LayoutCost, PrefixSharing
 
 logger = logging.getLogger("slipstream")
 
@@ -121,35 +123,65 @@ class SFT(Objective):
         return ObjectiveData(samples, bins, packing, data_report, evals)
 
     def _bins(self, samples: list[dict], info) -> tuple[list[list[dict]], Any]:
-        """Bins of samples, or, where ``data.share_prefixes`` decides so, bins of prefix groups
-        (rows that start with the same tokens, the start once): the policy line says which and why."""
-        config = self.config
-        data = config.data
-        mode = data.share_prefixes
-        if mode != "off":
-            groups, packing, sharing = pack_shared(
-                samples, data.max_seq_len, seed=config.seed, overflow=data.overflow
-            )
-            unable = _cannot_share(config)
-            share, policy = decide_sharing(mode, sharing)
-            if share and unable:  # "on" was refused by validate(): only auto gets here
-                share, policy = False, f"shared prefixes off (auto: {unable}): {sharing.summary()}"
-            self.policy, self.sharing = policy, sharing if share else None
-            if info.is_main and (share or sharing.groups):
-                tqdm.write(f"slipstream train: {policy}")
-            logger.info("%s", policy)
-            if share:
-                return groups, packing
-        else:
-            self.policy = decide_sharing("off", None)[1]
-        return pack_samples(samples, data.max_seq_len, seed=config.seed, overflow=data.overflow)
+        """Bins of whole rows, whatever ``data.share_prefixes`` says: they fix which rows each step
+        trains (``data.steps``); sharing regroups a step's rows later (:meth:`plan_step`)."""
+        data = self.config.data
+        return pack_samples(samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow)
+
+    def before_training(self, context) -> str | None:
+        """``data.share_prefixes``' decision on the first epoch's steps (rank 0's, every rank the same):
+        ``auto`` by the device's cost model. Returns its policy line."""
+        run, config = context, self.config
+        info = run.info
+        self.sharing = PrefixSharing(
+            config.data.share_prefixes, config.data.max_seq_len, config.seed, unable=_cannot_share(config)
+        )
+        if config.data.share_prefixes == "off":
+            return None
+        per_step = config.training.grad_accum * info.world_size
+        first_epoch = min(run.total, steps_per_epoch(len(run.bins), per_step))
+        steps = [
+            [run.bins[index] for index in run.bins_for(step)[:: info.world_size]]
+            for step in range(first_epoch)
+        ]
+        on = self.sharing.decide(steps, lambda: LayoutCost.of(run.base_model, run.device, run.dtype))
+        if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
+            self.sharing.on = info.sum(float(on) if info.is_main else 0.0) > 0.5
+        logger.info("%s", self.sharing.policy)
+        return self.sharing.policy
+
+    def plan_step(self, run, step: int, step_bins) -> StepPlan:
+        """The step's bins as they are, or, where sharing is on, its rows regrouped: each rank's rows
+        (the bins it would have trained) in micro-batches that hold each shared start once."""
+        sharing = getattr(self, "sharing", None)
+        if sharing is None or not sharing.on:
+            plan = super().plan_step(run, step, step_bins)
+            plan.record["micro_batches"] = len(plan.micro)  # this rank's
+            return plan
+        info = run.info
+        ranks = [
+            sharing.share([run.bins[i] for i in step_bins[rank :: info.world_size]], step)
+            for rank in range(info.world_size)
+        ]
+        if len({len(micro) for micro in ranks}) > 1:  # every rank runs as many micro-batches (DDP)
+            ranks = [
+                [sharing.share([run.bins[i]], step)[0] for i in step_bins[rank :: info.world_size]]
+                for rank in range(info.world_size)
+            ]
+        return StepPlan(
+            micro=[self.collate(groups, run.device) for groups in ranks[info.rank]],
+            total=sum(run.label_tokens[index] for index in step_bins),
+            tokens=sum(self.tokens(run.bins[index]) for index in step_bins),
+            documents=[self.documents(micro) for rank_micro in ranks for micro in rank_micro],
+            record={"micro_batches": len(ranks[info.rank])},
+        )
 
     def summary(self, bins, last) -> dict:
-        """``data.share_prefixes``' decision, and what the sharing saved where it shared."""
-        found = {"shared_prefixes": {"policy": getattr(self, "policy", None)}}
-        if getattr(self, "sharing", None) is not None:
-            found["shared_prefixes"].update(self.sharing.as_dict())
-        return found
+        """``data.share_prefixes``' decision, and what sharing each step's rows saves."""
+        sharing = getattr(self, "sharing", None)
+        if sharing is None:
+            return {"shared_prefixes": {"policy": PrefixSharing("off", 0, 0).policy, "on": False}}
+        return {"shared_prefixes": sharing.as_dict()}
 
     def weight(self, rows: Sequence[dict]) -> int:
         return count_label_tokens(_whole_rows(rows))

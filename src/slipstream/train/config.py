@@ -58,9 +58,10 @@ class DataConfig:
     max_seq_len: Annotated[int, Range(ge=2)] = 1024
     overflow: Literal["truncate", "split"] = "truncate"
     cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
-    # rows that start with the same tokens (a system prompt, a prompt's N answers) packed with that
-    # start once (data.prefix_groups); auto: where it saves tokens and the packed attention and the
-    # chunked loss run
+    # rows that start with the same tokens (a system prompt, a prompt's N answers) run with that
+    # start once (data.prefix_groups): each step's own rows regrouped, never other rows (data.steps);
+    # auto: where the device's cost model says it saves time and the packed attention and the
+    # chunked loss run (objectives.sharing)
     share_prefixes: Literal["auto", "on", "off"] = "auto"
     # render chats with this template instead of the tokenizer's: a .jinja (text) file, or a
     # model / tokenizer directory whose template is taken

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..atomic import write_text_atomically
 from ..data import DataReport, PackingReport, demo_tokenizer
+from ..data.steps import step_order, steps_per_epoch
 from ..models import build_model
 from ..models.qlora import load_for_qlora
 from ..moe.experts import experts_modules
@@ -122,29 +122,11 @@ def apply_lora(model, config: TrainConfig):
 
 
 def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, Callable]:
-    """Total steps, and step -> the bin indices of the whole (all-rank) step.
-
-    Each epoch is a seeded permutation of the bins; a step takes ``grad_accum x world_size``
-    of them, so N ranks at grad_accum G see the batches one process sees at G x N.
-    """
+    """Total steps, and step -> the bin indices of the whole (all-rank) step (``data.steps``: the
+    one order every layout and ``slipstream ab`` share)."""
     per_step = config.training.grad_accum * world_size
-    per_epoch = math.ceil(num_bins / per_step)
-    total = config.training.steps or per_epoch * config.training.epochs
-    orders: dict[int, list[int]] = {}
-
-    def bins_for(step: int) -> list[int]:
-        out = []
-        for j in range(per_step):
-            flat = step * per_step + j
-            epoch, position = divmod(flat, num_bins)
-            if epoch not in orders:
-                order = list(range(num_bins))
-                random.Random(config.seed * 1_000_003 + epoch).shuffle(order)
-                orders[epoch] = order
-            out.append(orders[epoch][position])
-        return out
-
-    return total, bins_for
+    total = config.training.steps or steps_per_epoch(num_bins, per_step) * config.training.epochs
+    return total, step_order(num_bins, per_step, config.seed)
 
 
 @dataclass
