@@ -138,3 +138,45 @@ def test_stock_offload_installs_transformers_own_offloaded_checkpointing_and_why
         pytest.skip("a CUDA torch: the arm runs for real in the A/B")
     with pytest.raises(RuntimeError, match="pin_memory"):
         model(**collate_packed(docs).stock_inputs()).loss.backward()
+
+
+def _shared_start_config(tmp_path, **overrides) -> ABConfig:
+    from tests.bench.test_ab_shared_prefixes import chat_file
+
+    data = chat_file(tmp_path / "chats.jsonl", rows=24, system_words=60, longest=10)
+    values = dict(data=str(data), response_only=True, max_seq_len=512, grad_accum=2, share_prefixes="on")
+    return _tiny(**{**values, **overrides})
+
+
+def test_the_unsloth_worker_is_handed_rows_on_data_whose_rows_share_a_start(tmp_path):
+    """Peers get rows, never our packing plan: the workload written for the Unsloth worker on rows that
+    share a start is each step's rows whole, which its own padding collator takes as they are."""
+    from slipstream.bench.peers import unsloth_worker
+    from slipstream.bench.runner import prepare_bins
+
+    config = _shared_start_config(tmp_path)
+    plan, vocab, packing = prepare_bins(config)
+    assert packing["sharing"]["saved_fraction"] > 0.2  # the slipstream arm would share these rows
+    work = tmp_path / "work"
+    work.mkdir()
+    unsloth_arm._write_workload(config, plan, vocab, work)
+    steps = json.loads((work / "batches.json").read_text())
+    assert [len(step) for step in steps] == [sum(len(docs) for docs in step) for step in plan]
+    for step in steps:
+        batch = unsloth_worker.pad(step, pad_id=0)  # raised KeyError 'input_ids' on groups
+        assert batch["input_ids"].shape[0] == len(step)
+
+
+@pytest.mark.slow
+def test_unsloth_arms_run_on_rows_that_share_a_start(monkeypatch, tmp_path):
+    venv = Path(".venv-unsloth").absolute()
+    if not (venv / "bin" / "python").exists() or shutil.which("bash") is None:
+        pytest.skip(f"no Unsloth virtualenv at {venv} (make it: bash {unsloth_arm.MAKE_VENV})")
+    monkeypatch.setenv("SLIPSTREAM_UNSLOTH_VENV", str(venv))
+    config = _shared_start_config(tmp_path, arms=("slipstream", "unsloth-same-settings", "unsloth"))
+    record = run_ab(config, progress=False)
+    summary = record["summary"]
+    for arm in ("unsloth", "unsloth-same-settings"):
+        assert "skipped" not in summary[arm], summary[arm]
+        assert summary[arm]["loss_vs_slipstream"] in ("identical", "within tolerance"), arm
+    assert any(line.startswith("shared prefixes on") for line in record["runs"]["slipstream"][0]["policies"])
