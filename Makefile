@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slipstream-installed
 # the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow test-avx2 test-floor compat compile-check lint setup clean bench-packing
+.PHONY: demo test test-slow test-avx2 test-busy test-floor compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -35,6 +35,12 @@ test-slow: $(STAMP)
 # (SLIPSTREAM_CPU_CLASS, so `dtype: auto` is fp32) and torch's fp32 GEMMs held to AVX2 (MKL).
 test-avx2: $(STAMP)
 	SLIPSTREAM_CPU_CLASS=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# The default suite on a busy machine, as users run it beside other work: two CPU-bound processes
+# beside it for its whole length (.ci/busy.sh: stopped when it ends, however it ends). No test's
+# outcome may depend on the machine's load (tests/conftest.py fakes the load probe for every test).
+test-busy: $(STAMP)
+	.ci/busy.sh $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # The default suite against the lowest versions pyproject.toml declares (constraints-floor.txt:
 # transformers 5.17, the lent GPU's; peft, accelerate, datasets, trl, bitsandbytes at their floors),

@@ -1,9 +1,11 @@
-"""Shared test set-up: markers that skip cleanly, a fresh cache and home per test, deterministic
-threads, small random documents."""
+"""Shared test set-up: markers that skip cleanly, a fresh cache and home per test, a quiet machine
+(the load probe faked), deterministic threads, small random documents."""
 
+import contextlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +143,52 @@ def _fresh_cache(request, tmp_path_factory, monkeypatch, _session_demo_tokenizer
             for measured in (cache / name).glob("*.json"):
                 if not (_session_measurements / name / measured.name).exists():
                     shutil.copy2(measured, _session_measurements / name / measured.name)
+
+
+# The machine's other load as every test sees it: quiet. What slipstream times (the attention
+# calibration, an A/B arm's steps) asks ``hardware.other_load`` whether other work crowded it, and a
+# test's outcome must not depend on what else runs beside the suite (``make test-busy`` runs it beside
+# two CPU-bound processes). So every test gets a fake probe there, quiet unless the test scripts a
+# busy machine (``machine_load.script(True, False)``); a test marked ``real_load`` reads the machine.
+
+
+class MachineLoad:
+    """The fake ``hardware.other_load``: each probe reports the next of the scripted answers (True:
+    other work took every core the measurement left free and one more, so it is crowded on any
+    machine; False: none), the last one repeating; ``probes`` counts the probes taken."""
+
+    def __init__(self):
+        self.answers, self.probes = [False], 0
+
+    def script(self, *busy: bool) -> None:
+        self.answers, self.probes = list(busy), 0
+
+    @contextlib.contextmanager
+    def __call__(self, threads: int):
+        from slipstream.hardware import OtherLoad, usable_cores
+
+        busy = self.answers[min(self.probes, len(self.answers) - 1)]
+        self.probes += 1
+        spare = max(0, usable_cores() - threads)
+        load = OtherLoad(threads, other_cores=spare + 1.0 if busy else 0.0)  # the real one's verdicts
+        started = time.monotonic()
+        yield load
+        load.seconds = time.monotonic() - started
+
+
+@pytest.fixture(autouse=True)
+def machine_load(request, monkeypatch) -> MachineLoad:
+    """The load probe faked for this test (see :class:`MachineLoad`), and nothing remembered of an
+    earlier test's load: what a calibration declined to decide (``calibration._UNDECIDED``, kept per
+    process) starts empty, as in a fresh process."""
+    from slipstream import hardware
+    from slipstream.packing import calibration
+
+    fake = MachineLoad()
+    if request.node.get_closest_marker("real_load") is None:
+        monkeypatch.setattr(hardware, "other_load", fake)
+    monkeypatch.setattr(calibration, "_UNDECIDED", {})
+    return fake
 
 
 @pytest.fixture(params=["amx", "avx512-bf16", "avx2"])

@@ -111,3 +111,35 @@ def test_other_load_counts_the_cores_others_took_beyond_the_spare_ones(monkeypat
     with hardware.OtherLoad(threads=2) as load:
         pass
     assert not load.known and not load.busy and "unknown" in load.describe()
+
+
+@pytest.mark.real_load  # the real hardware.other_load, not the quiet fake every other test gets
+def test_every_reader_of_the_machines_load_asks_hardware_other_load():
+    """One seam: ``hardware.other_load`` gives the real probe, and nothing else in slipstream reads the
+    machine's load (an OtherLoad of its own, /proc/stat, the load average) or imports ``other_load``
+    by name (a fake of ``hardware.other_load`` would miss that copy): so the fake tests/conftest.py
+    puts there is what every measurement sees, whatever runs beside the suite."""
+    import ast
+    from pathlib import Path
+
+    from slipstream import hardware
+
+    with hardware.other_load(1) as load:
+        pass
+    assert type(load) is hardware.OtherLoad and load.threads == 1 and load.seconds >= 0
+    package = Path(hardware.__file__).parent
+    readers = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "hardware.py" and path.parent == package:
+            continue
+        text, where = path.read_text(), path.relative_to(package)
+        readers += [
+            f"{where}: {word}" for word in ("/proc/stat", "getloadavg", "cpu_percent") if word in text
+        ]
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("hardware"):
+                names = {alias.name for alias in node.names}
+                readers += [f"{where}: imports {name}" for name in names & {"other_load", "OtherLoad"}]
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "OtherLoad":
+                readers.append(f"{where}: OtherLoad(...)")
+    assert readers == []

@@ -227,3 +227,12 @@ class OtherLoad:
             f"other work took {self.other_cores:.2f} of {usable_cores()} cores while measuring at "
             f"{self.threads} threads ({self.spare_cores} spare)"
         )
+
+
+def other_load(threads: int) -> OtherLoad:
+    """The machine's other load while a block runs, for a measurement at ``threads`` threads: ``with
+    hardware.other_load(threads) as load: ...`` (an :class:`OtherLoad`). Every reader of the load (the
+    attention calibration, the A/B arms' timed steps) comes here, looked up at call time (never
+    imported by name), so this is the one place a test fakes the machine's load (tests/conftest.py:
+    quiet unless a test asks for a busy one), whatever else runs beside the suite."""
+    return OtherLoad(threads)

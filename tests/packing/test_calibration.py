@@ -19,32 +19,11 @@ from tests.conftest import random_docs
 CPU = torch.device("cpu")
 
 
-class FakeLoad:
-    """hardware.OtherLoad as a calibration sees it, reporting the next of ``busy`` each time it is used."""
-
-    def __init__(self, busy: list[bool]):
-        self.answers, self.used = list(busy), 0
-
-    def __call__(self, threads):
-        self.busy = self.answers[min(self.used, len(self.answers) - 1)]
-        self.used += 1
-        self.other_cores = 2.0 if self.busy else 0.0
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-    def describe(self):
-        return f"other work took {self.other_cores:.2f} cores (fake)"
-
-
 @pytest.mark.empty_cache  # measures for real, into an empty cache
-def test_the_figures_are_measured_once_per_device_dtype_and_threads_then_read_back(monkeypatch):
-    monkeypatch.setattr(calibration, "OtherLoad", FakeLoad([False]))  # a quiet machine (the busy one: below)
+def test_the_figures_are_measured_once_per_device_dtype_and_threads_then_read_back(machine_load, monkeypatch):
+    # on a quiet machine (the load probe's fake, tests/conftest.py; the busy one: below)
     costs = calibration.attention_costs(CPU, torch.bfloat16, threads=1)
+    assert machine_load.probes == 1  # the measurement asked the probe, once
     assert costs.call_seconds > 0 and costs.score_seconds > 0 and costs.gather_seconds > 0
     assert costs.source == "measured on this device, bfloat16, 1 threads"
     ratios = {int(k): v for k, v in costs.figures["short_kernel_speedup_by_length"].items()}
@@ -114,26 +93,28 @@ def test_figures_are_not_measured_where_no_auto_reads_them(monkeypatch):
 
 
 @pytest.mark.empty_cache
-def test_a_machine_busy_while_measuring_keeps_the_built_in_rule_and_says_so(monkeypatch):
+def test_a_machine_busy_while_measuring_keeps_the_built_in_rule_and_says_so(machine_load, monkeypatch):
     """Crowded twice: the built-in figures (the same decisions as BUILTIN), a source that says why,
     nothing cached, and this process does not measure again (until asked); crowded once, then quiet:
     the second measurement is kept and cached."""
     measured = []
     monkeypatch.setattr(calibration, "PAUSE_S", 0.0)
-    monkeypatch.setattr(calibration, "_UNDECIDED", {})
     monkeypatch.setattr(
         calibration,
         "measure",
         lambda dtype: measured.append(dtype) or dataclasses.replace(BUILTIN, source="timed"),
     )
-    load = FakeLoad([True, True])
-    monkeypatch.setattr(calibration, "OtherLoad", load)
+    machine_load.script(
+        True, True
+    )  # the load probe's fake (tests/conftest.py): every spare core and one more
     costs = calibration.attention_costs(CPU, torch.bfloat16, threads=1)
-    assert len(measured) == calibration.QUIET_TRIES == 2
+    assert len(measured) == machine_load.probes == calibration.QUIET_TRIES == 2
     decisions = ("call_seconds", "score_seconds", "gather_seconds", "short_max_len")
     assert all(getattr(costs, name) == getattr(BUILTIN, name) for name in decisions)
+    cores, spare = hardware.usable_cores(), hardware.usable_cores() - 1
     assert (
-        "not measured here: the machine was busy (other work took 2.00 cores (fake), 2 tries)" in costs.source
+        f"not measured here: the machine was busy (other work took {spare + 1:.2f} of {cores} cores while "
+        f"measuring at 1 threads ({spare} spare), 2 tries)" in costs.source
     )
     assert not list((calibration.cache_root() / "calibration").glob("*.json"))  # nothing cached
     assert calibration.attention_costs(CPU, torch.bfloat16, threads=1) is costs and len(measured) == 2
@@ -141,26 +122,26 @@ def test_a_machine_busy_while_measuring_keeps_the_built_in_rule_and_says_so(monk
     policy = next(p for p in slipstream.state_of(model).policies if p.startswith("packed attention grouping"))
     assert "the machine was busy" in policy  # the policy line says why the built-in rule stands
 
-    monkeypatch.setattr(calibration, "OtherLoad", FakeLoad([True, False]))  # asked again: crowded, then quiet
+    machine_load.script(True, False)  # asked again: crowded, then quiet
     measured.clear()
     costs = calibration.attention_costs(CPU, torch.bfloat16, threads=1, remeasure=True)
-    assert costs.source == "timed" and len(measured) == 2
+    assert costs.source == "timed" and len(measured) == machine_load.probes == 2
     assert len(list((calibration.cache_root() / "calibration").glob("*.json"))) == 1
     assert calibration.attention_costs(CPU, torch.bfloat16, threads=1) == costs  # read back
 
 
 @pytest.mark.slow  # busy-loops every core for ~30 s: make test-slow
 @pytest.mark.empty_cache
-def test_a_calibration_beside_a_competing_process_does_not_decide(monkeypatch):
+@pytest.mark.real_load  # the machine's own load probe, not the quiet fake
+def test_a_calibration_beside_a_competing_process_does_not_decide():
     """For real: busy loops beside the measurement, two per core and one more (so a one-thread
     measurement gets about a third of a core on 2 cores, half of one on 64). The load probe sees them
     and the calibration keeps the built-in rule, saying so, instead of caching figures timed under them."""
     import subprocess
     import sys
 
-    from slipstream.hardware import OtherLoad, usable_cores
+    from slipstream.hardware import other_load, usable_cores
 
-    monkeypatch.setattr(calibration, "_UNDECIDED", {})
     # each loop ends by itself after two minutes, whatever happens to this test
     spin = [
         sys.executable,
@@ -170,7 +151,7 @@ def test_a_calibration_beside_a_competing_process_does_not_decide(monkeypatch):
     spinners = [subprocess.Popen(spin) for _ in range(2 * usable_cores() + 1)]
     try:
         time.sleep(1.0)  # the loops started
-        with OtherLoad(1) as load:
+        with other_load(1) as load:
             sum(range(10**7))
         assert load.known and load.busy, load.describe()
         costs = calibration.attention_costs(CPU, torch.float32, threads=1, remeasure=True)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from .. import hardware
 from ..compile import graph_counts
 from ..data.prefix_groups import unshared_tokens
-from ..hardware import OtherLoad
 from ..objectives.sharing import LayoutCost, PrefixSharing
 from ..offload import device_activation_bytes
 from ..optimize import base_model
@@ -207,7 +207,7 @@ class ArmSession:
             tokens = sum(unshared_tokens(docs) for docs in micro_docs)
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        with OtherLoad(torch.get_num_threads()) as load:
+        with hardware.other_load(torch.get_num_threads()) as load:
             start = time.perf_counter()
             if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
                 syncs = HostSyncCounter()

@@ -25,9 +25,9 @@ import time
 
 import torch
 
+from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
-from ..hardware import OtherLoad
 from ..objectives.grpo import GRPO, advantages_of, stop_ids
 from ..optimize import base_model
 from ..packing.completions import completion_documents
@@ -283,7 +283,7 @@ class GrpoArmSession:
         rows = [g["row"] for micro in micro_groups for g in micro]
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        with OtherLoad(torch.get_num_threads()) as load:
+        with hardware.other_load(torch.get_num_threads()) as load:
             sampled = self._sample(rows, step)
             self._sync()
             started = time.perf_counter()

@@ -22,7 +22,7 @@ and the short kernel is a CPU kernel), so :data:`.costs.BUILTIN` stands there.
 A machine busy with other work while it measures (another training run, a test worker, a
 neighbour VM's steal) times every call slower, and those figures would decide the grouping and
 the short kernel for every later run. So the measurement watches the machine's other load
-(:class:`slipstream.hardware.OtherLoad`: the cores other processes took beyond those the
+(:func:`slipstream.hardware.other_load`: the cores other processes took beyond those the
 measurement left free); when it was crowded it measures once more after a pause, and if it is
 crowded again it does not decide: the built-in figures stand, the policy line says why, nothing is
 cached (the next process measures again) and this process does not try again.
@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import hardware
 from ..atomic import write_text_atomically
 from ..data.cache import cache_root
-from ..hardware import OtherLoad, device_identity
+from ..hardware import device_identity
 from .collator import collate_packed
 from .costs import BUILTIN, AttentionCosts
 from .grouping import _FromSlots, _ToSlots, document_groups
@@ -240,14 +241,14 @@ def attention_costs(
 _UNDECIDED: dict[str, AttentionCosts] = {}
 
 
-def _measure_quietly(dtype: torch.dtype, threads: int) -> tuple[AttentionCosts, OtherLoad]:
+def _measure_quietly(dtype: torch.dtype, threads: int) -> tuple[AttentionCosts, hardware.OtherLoad]:
     """:func:`measure`, watched for other load; tried again after a pause when the machine was
     crowded. Returns the figures and the last try's load: where that was still busy, the built-in
     figures with a source saying why they stand."""
     for attempt in range(QUIET_TRIES):
         if attempt:
             time.sleep(PAUSE_S)
-        with OtherLoad(threads) as load:
+        with hardware.other_load(threads) as load:
             costs = measure(dtype)
         if not load.busy:
             return costs, load
