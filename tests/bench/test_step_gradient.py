@@ -30,7 +30,12 @@ def _step(model: torch.nn.Module, scale: float = 1.0, dtype=torch.float32) -> to
     return grads
 
 
-def test_the_first_optimizer_steps_gradient_is_written_as_fp32_by_name_and_the_hook_goes(tmp_path):
+def test_the_first_optimizer_steps_gradient_is_written_as_fp32_by_name_and_the_hook_goes(
+    tmp_path, monkeypatch
+):
+    import slipstream.bench.step_gradient as step_gradient
+
+    monkeypatch.setattr(step_gradient, "CHUNK", 5)  # a parameter written a few values at a time
     model = _model()
     held = HeldGradient(model, str(tmp_path), "arm")
     grads = _step(model)

@@ -6,7 +6,7 @@ from here. :class:`HeldGradient` holds the trainable parameters' gradients at th
 step (a hook on every torch optimizer of the process, so TRL's trainers count too: their gradients
 are clipped by then, which scales them all alike and leaves the direction, all the cosine reads), by
 reference, not copied; after the step's clock has stopped, :meth:`HeldGradient.save` writes them to a
-file as fp32, a parameter at a time (no second copy of them lives on the device or in the host's
+file as fp32, a few MiB at a time (no second copy of them lives on the device or in the host's
 memory), and says where (``ArmResult.step0_gradient``: the file, the parameters' names and sizes).
 The runner reads the files (:func:`gradient_cosine`) and removes them: they never reach ``ab.json``.
 """
@@ -23,6 +23,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # Above this many trainable values (1 GiB as fp32) an arm keeps no gradient: its cosine is not measured.
 GRADIENT_LIMIT = 2**28
+# Values copied to the host and written at a time (4 MiB as fp32): all the host ever holds of them.
+CHUNK = 2**20
 # Name segments that wrappers insert (torch.compile, checkpointing, FSDP, DDP): left out when matching.
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
@@ -73,8 +75,10 @@ class HeldGradient:
         names, sizes = [], []
         with open(path, "wb") as out:
             for name, grad in held:
-                # to the host first, then fp32 there: no fp32 copy of a bf16 gradient on the device
-                grad.detach().to("cpu").float().contiguous().numpy().tofile(out)
+                flat = grad.detach().reshape(-1)
+                for start in range(0, flat.numel(), CHUNK):
+                    # to the host first, then fp32 there: no fp32 copy of a bf16 gradient on the device
+                    flat[start : start + CHUNK].to("cpu").float().numpy().tofile(out)
                 names.append(name)
                 sizes.append(grad.numel())
         return {"file": path, "names": names, "sizes": sizes}
