@@ -541,6 +541,8 @@ def print_tables(record: dict) -> None:
     console.print(losses)
     if verdicts := loss_verdict_lines(record):
         console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
+    if fp32_step := fp32_step_lines(record):
+        console.print("\n".join(fp32_step[1:]))
     if pairs := preference_lines(record):
         console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
     if rollouts := rollout_lines(record):
