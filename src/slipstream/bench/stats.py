@@ -147,9 +147,9 @@ def against_fp32(arm: Mapping, reference: Mapping, dtype: str) -> FirstStepTruth
         name for (name, value), margin in zip(excess.items(), margins, strict=False) if value > margin
     )
     distances = (
-        f"step 0 against fp32 (same weights, same batch): loss {arm['loss']:.1e} from it (the reference "
-        f"{reference['loss']:.1e}), gradient norm {arm['grad_norm']:.1e} ({reference['grad_norm']:.1e}), "
-        f"gradient cosine {_cosine_words(arm.get('cosine'))} ({_cosine_words(reference.get('cosine'))})"
+        f"step 0 against fp32 (same weights, same batch): loss {arm['loss']:.1e} from it vs the reference's "
+        f"{reference['loss']:.1e}, gradient norm {arm['grad_norm']:.1e} vs {reference['grad_norm']:.1e}, "
+        f"gradient cosine {_cosine_words(arm.get('cosine'))} vs {_cosine_words(reference.get('cosine'))}"
     )
     allowed = f"{margins[0]:g} / {margins[1]:g} / {margins[2]:g} in {key}"
     if further:
@@ -248,7 +248,7 @@ def loss_parity(
     if first_step is not None:
         if first_step.diverged:
             return Parity("diverged", **found, detail=f"{step0} from the reference's; {first_step.detail}")
-        step0 = f"{step0} from the reference's ({first_step.detail})"
+        step0 = f"{step0} from the reference's; {first_step.detail}"
     elif first_loss > first_loss_tol or (first_grad is not None and first_grad > first_grad_tol):
         return Parity(
             "diverged",
