@@ -250,7 +250,7 @@ def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eage
     assert summarize(config, runs)["slipstream"]["compile_break_even_step"] is None
 
 
-def _in_process_runs(config, arms, breakage=None):
+def _in_process_runs(config, arms, breakage=None, gradient_dir=None):
     """Each arm run in this process (``run_arm``, what the harness spawns), so a test can break one."""
     from slipstream.bench.runner import prepare_bins, run_arm
 
@@ -259,14 +259,16 @@ def _in_process_runs(config, arms, breakage=None):
     for arm in arms:
         if breakage is not None and arm == "slipstream":
             breakage()
-        runs[arm] = [run_arm(dataclasses.asdict(config), arm, plan, vocab)]
+        runs[arm] = [run_arm(dataclasses.asdict(config), arm, plan, vocab, gradient_dir=gradient_dir)]
     return runs, plan, vocab
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch):
+def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch, tmp_path):
     """Attention that leaks across the packed documents: the first step, on the same weights and
-    batch, already differs beyond the strict step-0 tolerance, and the verdict says so."""
+    batch, already differs beyond the strict step-0 tolerance, and the verdict says so; in bf16 also
+    against the same step in fp32 (``bench/truth.py``), where the right arm stays as near it as stock."""
+    import slipstream.bench.truth as truth
     import slipstream.packing.attention as attention_module
 
     config = ABConfig(
@@ -279,14 +281,30 @@ def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch):
             attention_module, "_per_document", lambda fn, batch, q, k, v, **kw: fn(q, k, v, batch=batch, **kw)
         )
 
-    right, _, _ = _in_process_runs(config, ("stock-packed", "slipstream"))
+    def fp32_step(runs, plan, vocab, directory):  # bf16: the reference's step 0 once more in fp32
+        if dtype == "float32":
+            return None
+        monkeypatch.setattr(truth, "run_in_fresh_process", lambda fn, *args: fn(*args))
+        return truth.measure_fp32_step0(config, runs, plan, vocab, str(directory))
+
+    kept = {"gradient_dir": str(tmp_path)} if dtype == "bfloat16" else {}
+    right, plan, vocab = _in_process_runs(config, ("stock-packed", "slipstream"), **kept)
     assert summarize(config, right)["slipstream"]["loss_vs_stock-packed"] in ("identical", "within tolerance")
-    wrong, _, _ = _in_process_runs(config, ("stock-packed", "slipstream"), breakage=leak)
+    judged = summarize(config, right, fp32_step=fp32_step(right, plan, vocab, tmp_path))["slipstream"]
+    assert judged["loss_vs_stock-packed"] in ("identical", "within tolerance")
+    (tmp_path / "wrong").mkdir()
+    kept = {"gradient_dir": str(tmp_path / "wrong")} if dtype == "bfloat16" else {}
+    wrong, _, _ = _in_process_runs(config, ("stock-packed", "slipstream"), breakage=leak, **kept)
     parity = summarize(config, wrong)["slipstream"]["loss_parity"]
     assert parity["verdict"] == "diverged" and not parity["needs_sensitivity"]
     assert (
         parity["detail"].startswith("step 0 loss") and "the arms compute different steps" in parity["detail"]
     )
+    if dtype == "bfloat16":  # against fp32: further from it than stock, in the gradient's norm and direction
+        judged = summarize(config, wrong, fp32_step=fp32_step(wrong, plan, vocab, tmp_path / "wrong"))
+        assert judged["slipstream"]["loss_parity"]["verdict"] == "diverged"
+        found = judged["slipstream"]["step0_vs_fp32"]
+        assert {"gradient norm", "gradient direction"} <= set(found["further"]), found
 
 
 def test_one_ulp_moves_every_weight_to_its_neighbour():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from slipstream.bench.stats import loss_parity, speedup
+from slipstream.bench.stats import FP32_MARGINS, against_fp32, loss_parity, speedup
 
 
 def noisy(base, n, spread, seed):
@@ -112,3 +112,39 @@ def test_with_repeats_the_interval_is_as_wide_as_the_processes_disagree():
     assert by_repeat.low <= 1.21 and by_repeat.high >= 1.99  # each process's own ratio (1.2x, 2.0x) inside
     assert by_repeat.high - by_repeat.low > pooled.high - pooled.low
     assert speedup(base, candidate, repeats=1) == pooled
+
+
+def test_step_zero_against_fp32_judges_each_arm_by_its_distance_next_to_the_references():
+    reference = {"loss": 1.5e-3, "grad_norm": 4.5e-2, "cosine": 0.9999}
+    # far from the reference arm (4.8% in the gradient norm) but nearer fp32 than it: passes
+    nearer = against_fp32({"loss": 1e-4, "grad_norm": 3e-3, "cosine": 0.99995}, reference, "bfloat16")
+    assert not nearer.diverged and nearer.judgement == "as near fp32 as the reference or nearer"
+    assert nearer.margins == FP32_MARGINS["bfloat16"]
+    # a little further, within the margin
+    within = against_fp32({"loss": 4e-3, "grad_norm": 6e-2, "cosine": 0.9995}, reference, "bfloat16")
+    assert not within.diverged and within.judgement == "within the margin"
+    # an attention leaking across documents: further in all three by more than the margin
+    leak = against_fp32({"loss": 1.2e-2, "grad_norm": 0.12, "cosine": 0.6}, reference, "bfloat16")
+    assert leak.diverged and leak.further == ("loss", "gradient norm", "gradient direction")
+    assert (
+        "the arms compute different steps" in leak.detail
+        and "gradient cosine 0.600000 vs 0.999900" in leak.detail
+    )
+    # the direction alone, and a cosine not measured leaves it unjudged
+    turned = {"loss": 1.5e-3, "grad_norm": 4.5e-2, "cosine": 0.99}
+    assert against_fp32(turned, reference, "bfloat16").further == ("gradient direction",)
+    unmeasured = against_fp32({**turned, "cosine": None}, reference, "bfloat16")
+    assert not unmeasured.diverged and "gradient cosine not measured" in unmeasured.detail
+
+
+def test_loss_parity_takes_the_fp32_judgement_in_place_of_the_strict_step_zero():
+    curve, grads = [2.0, 1.8, 1.5, 1.4], [9.0, 8.0, 7.0, 6.0]
+    apart = [2.003, 1.8, 1.5, 1.4], [9.45, 8.0, 7.0, 6.0]  # 1.5e-3 and 5% apart at step 0
+    assert loss_parity(curve, apart[0], "bfloat16", grads, apart[1]).verdict == "diverged"  # strictly
+    reference = {"loss": 1.5e-3, "grad_norm": 4.8e-2, "cosine": 0.9999}
+    nearer = against_fp32({"loss": 0.0, "grad_norm": 0.0, "cosine": 1.0}, reference, "bfloat16")
+    judged = loss_parity(curve, apart[0], "bfloat16", grads, apart[1], first_step=nearer)
+    assert judged.verdict == "within tolerance" and "step 0 against fp32" in judged.detail
+    further = against_fp32(reference, {"loss": 0.0, "grad_norm": 0.0, "cosine": 1.0}, "bfloat16")
+    judged = loss_parity(curve, apart[0], "bfloat16", grads, apart[1], first_step=further)
+    assert judged.verdict == "diverged" and "further from fp32 than the reference" in judged.detail

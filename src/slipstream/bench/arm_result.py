@@ -44,6 +44,10 @@ class ArmResult:
     lr: list[float] | None = None
     # weights moved by one ulp before step 0 (a sensitivity run, ``perturb``); 0: none
     perturbed_weights: int = 0
+    # a reduced-precision run's step 0 against fp32 (bench/truth.py): where this arm's step-0 gradient
+    # was written (step_gradient.HeldGradient.save: file, names, sizes); None where not kept. The runner
+    # reads the file, removes it, and keeps only its size here ({"parameters", "values"}) in ab.json
+    step0_gradient: dict[str, Any] | None = None
     # a preference objective (--objective dpo, orpo): pairs per step, the reward margin and accuracy of each step, and the
     # untimed reference pass run before step 0 (slipstream's arms; a peer's reference is in its steps)
     pairs: list[int] | None = None
@@ -101,15 +105,19 @@ def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
     return moved
 
 
-def open_arm_model(config, arm: str, vocab_size: int, perturb: bool):
+def open_arm_model(config, arm: str, vocab_size: int, perturb: bool, fp32: bool = False):
     """What both arm sessions start from: the device, the arm's model and slipstream state as the arm
     says (``arms.build_arm_model``), and the weights moved by one ulp for the sensitivity run
-    (``perturb``); returns ``(device, model, state, weights moved)``."""
+    (``perturb``); returns ``(device, model, state, weights moved)``. ``fp32``: the very same weights
+    and adapter, built in the run's dtype, then cast up to fp32 (exactly: every reduced-precision value
+    is an fp32 value), for the fp32 step 0 a reduced-precision run is judged against (``bench/truth.py``)."""
     from .ab_config import resolve_device
     from .arms import build_arm_model
 
     device = resolve_device(config.device)
     model, state = build_arm_model(config, arm, vocab_size, device)
+    if fp32:
+        model.float()
     moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
     return device, model, state, moved
 

@@ -42,6 +42,7 @@ from .arms import ARM_SPECS, micro_batch_inputs, shares_prefixes
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
+from .step_gradient import HeldGradient
 
 
 def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str):
@@ -73,10 +74,20 @@ def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: st
 class ArmSession:
     """An arm set up in this process, ready to train its planned steps one at a time (see the module)."""
 
-    def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+    def __init__(
+        self,
+        config: ABConfig,
+        arm: str,
+        plan: list,
+        vocab_size: int,
+        perturb: bool = False,
+        *,
+        fp32: bool = False,
+        gradient_dir: str | None = None,
+    ):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb, fp32)
         device, model, state = self.device, self.model, self.state
         self.trl_step = None
         self.warm_pages = WarmPages()
@@ -155,6 +166,8 @@ class ArmSession:
             **({"pairs": [], "reward_margin": [], "reward_accuracy": []} if spec.pairs else {}),
             reference_pass_s=reference_pass_s,
         )
+        # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
+        self.gradient = HeldGradient(model, gradient_dir, arm)
 
     def _reference_pass(self) -> float:
         """Every planned micro-batch's reference sums, once, before step 0 (``no_grad``, eval mode;
@@ -219,6 +232,8 @@ class ArmSession:
             self._sync()
             result.step_s.append(time.perf_counter() - start)
         record_machine(result, usage, load)
+        if step == 0:  # written after the clock stopped
+            result.step0_gradient = self.gradient.save()
         held = self.warm_pages.hold() if self.config.keep_pages_warm and self.device == "cpu" else Held()
         result.held_bytes.append(held.bytes)
         result.hold_s.append(held.seconds)
@@ -270,10 +285,20 @@ class ArmSession:
         return dataclasses.asdict(result)
 
 
-def open_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+def open_arm(
+    config_dict: dict,
+    arm: str,
+    plan: list,
+    vocab_size: int,
+    perturb: bool = False,
+    *,
+    fp32: bool = False,
+    gradient_dir: str | None = None,
+):
     """``arm`` set up in this process: an :class:`ArmSession`, or, for a peer that cannot run here,
     ``{"arm", "skipped": reason}``, or for a peer that runs in its own process (Unsloth) its
-    finished result (it runs every step at once)."""
+    finished result (it runs every step at once). ``gradient_dir``: keep the step-0 gradient there
+    (``step_gradient.HeldGradient``); ``fp32``: the arm's weights cast up to fp32 (``bench/truth.py``)."""
     config = ABConfig.from_dict(config_dict)
     spec = ARM_SPECS[arm]
     if spec.peer:
@@ -292,15 +317,23 @@ def open_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: 
         # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
         from .grpo_arms import GrpoArmSession
 
-        return GrpoArmSession(config, arm, plan, vocab_size, perturb)
-    return ArmSession(config, arm, plan, vocab_size, perturb)
+        return GrpoArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
+    return ArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
 
 
-def run_arm(config_dict: dict, arm: str, plan: list, vocab_size: int, perturb: bool = False) -> dict:
+def run_arm(
+    config_dict: dict,
+    arm: str,
+    plan: list,
+    vocab_size: int,
+    perturb: bool = False,
+    gradient_dir: str | None = None,
+) -> dict:
     """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
     or ``{"arm", "skipped": reason}`` for a peer that cannot run here. ``perturb``: from its weights
-    moved by one ulp (:func:`perturb_by_one_ulp`), the run's sensitivity (``stats.loss_parity``)."""
-    session = open_arm(config_dict, arm, plan, vocab_size, perturb)
+    moved by one ulp (:func:`perturb_by_one_ulp`), the run's sensitivity (``stats.loss_parity``);
+    ``gradient_dir``: keep its step-0 gradient there (``step_gradient.HeldGradient``)."""
+    session = open_arm(config_dict, arm, plan, vocab_size, perturb, gradient_dir=gradient_dir)
     if isinstance(session, dict):
         return session
     for step in range(len(plan)):

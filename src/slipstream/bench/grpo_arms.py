@@ -47,6 +47,7 @@ from .arm_result import (
 )
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
+from .step_gradient import HeldGradient
 
 
 def grpo_settings_of(values: dict, **changes):
@@ -156,10 +157,20 @@ def _weighted(per_function: list[list[float]], objective: GRPO) -> list[float]:
 class GrpoArmSession:
     """One GRPO arm in this process (the lockstep scheduler's session interface: ``step``, ``finish``)."""
 
-    def __init__(self, config: ABConfig, arm: str, plan: list, vocab_size: int, perturb: bool = False):
+    def __init__(
+        self,
+        config: ABConfig,
+        arm: str,
+        plan: list,
+        vocab_size: int,
+        perturb: bool = False,
+        *,
+        fp32: bool = False,
+        gradient_dir: str | None = None,
+    ):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb)
+        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb, fp32)
         device, model, state = self.device, self.model, self.state
         tokenizer = ab_tokenizer(config)
         self.objective = _objective(config, arm, tokenizer, model)
@@ -226,6 +237,8 @@ class GrpoArmSession:
             completions=[],
             generated_tokens=[],
         )
+        # the update's step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
+        self.gradient = HeldGradient(model, gradient_dir, arm)
 
     def _sample(self, rows: list[dict], step: int) -> dict:
         """Sampling and scoring of this step's prompts with this arm's engine (its own completions)."""
@@ -291,6 +304,8 @@ class GrpoArmSession:
             self._sync()
             update_s = time.perf_counter() - started
         record_machine(result, usage, load)
+        if step == 0:  # written after the clock stopped
+            result.step0_gradient = self.gradient.save()
         result.generation_s.append(sampled["generation_s"])
         result.scoring_s.append(sampled["scoring_s"])
         result.completions.append(sampled["completions"])

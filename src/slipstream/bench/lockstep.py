@@ -57,12 +57,20 @@ class ArmProcessError(RuntimeError):
     """An arm's process failed; the message carries its traceback."""
 
 
-def _serve(connection, hide_noise: bool, config_dict: dict, arm: str, plan: list, vocab_size: int) -> None:
+def _serve(
+    connection,
+    hide_noise: bool,
+    config_dict: dict,
+    arm: str,
+    plan: list,
+    vocab_size: int,
+    gradient_dir: str | None = None,
+) -> None:
     """The arm process: open the arm, then train each step it is asked for; send back its result."""
     if hide_noise:
         hide_known_noise()
     try:
-        session = open_arm(config_dict, arm, plan, vocab_size)
+        session = open_arm(config_dict, arm, plan, vocab_size, gradient_dir=gradient_dir)
         if isinstance(session, dict):  # skipped, or a peer that ran every step in its own process
             connection.send(("result", session))
             return
@@ -79,15 +87,18 @@ def _serve(connection, hide_noise: bool, config_dict: dict, arm: str, plan: list
 
 
 class ArmProcess:
-    """One arm's process, driven a step at a time over a pipe."""
+    """One arm's process, driven a step at a time over a pipe (``gradient_dir``: where it keeps its
+    step-0 gradient, ``step_gradient.HeldGradient``)."""
 
-    def __init__(self, config_dict: dict, arm: str, plan: list, vocab_size: int):
+    def __init__(
+        self, config_dict: dict, arm: str, plan: list, vocab_size: int, gradient_dir: str | None = None
+    ):
         context = multiprocessing.get_context("spawn")
         self.arm = arm
         self.connection, child = context.Pipe()
         self.process = context.Process(
             target=_serve,
-            args=(child, known_noise_hidden_here(), config_dict, arm, plan, vocab_size),
+            args=(child, known_noise_hidden_here(), config_dict, arm, plan, vocab_size, gradient_dir),
             daemon=True,
         )
         self.process.start()
@@ -154,6 +165,7 @@ def run_lockstep(
     vocab_size: int,
     mode: Interleave,
     progress: Callable[[str], None] | None = None,
+    gradient_dir: str | None = None,
 ) -> tuple[dict[str, dict], dict]:
     """Every arm of one repeat: its result, and how they were scheduled (``{"mode", "why"}``).
 
@@ -162,7 +174,8 @@ def run_lockstep(
     (``"auto"``), so each admission is judged on what the arms already alive really hold. With
     every arm admitted, each later step goes round them, the order rotated by one each step. Where
     they do not all fit (or ``mode="arms"``), the arms already open finish their steps one after
-    another, then the rest, each in its own process, as before."""
+    another, then the rest, each in its own process, as before. ``gradient_dir``: every arm keeps its
+    step-0 gradient there (``step_gradient.HeldGradient``, for ``bench/truth.py``)."""
     results: dict[str, dict] = {}
     live: list[ArmProcess] = []
     why = "asked for (--interleave arms)" if mode == "arms" else None
@@ -173,7 +186,7 @@ def run_lockstep(
                 why = _no_room(live, len(arms) - len(results))
                 if why:
                     break
-            process = ArmProcess(config_dict, pending.pop(0), plan, vocab_size)
+            process = ArmProcess(config_dict, pending.pop(0), plan, vocab_size, gradient_dir)
             if process.wait_ready():
                 process.step(0)
                 live.append(process)
@@ -197,7 +210,7 @@ def run_lockstep(
                 process.step(step)
             results[process.arm] = process.finish()
         for arm in pending:
-            process = ArmProcess(config_dict, arm, plan, vocab_size)
+            process = ArmProcess(config_dict, arm, plan, vocab_size, gradient_dir)
             live.append(process)
             if process.wait_ready():
                 for step in range(len(plan)):

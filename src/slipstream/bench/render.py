@@ -211,6 +211,7 @@ def markdown_report(record: dict) -> str:
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
     lines += loss_verdict_lines(record)
+    lines += fp32_step_lines(record)
     lines += preference_lines(record)
     lines += rollout_lines(record)
     lines += ablation_lines(summary)
@@ -284,6 +285,49 @@ def loss_verdict_lines(record: dict) -> list[str]:
         lines.append(
             f"- sensitivity: {sensitivity['arm']} rerun with {sensitivity['perturbation']}"
             + (f": skipped ({sensitivity['skipped']})" if sensitivity.get("skipped") else "")
+        )
+    return lines
+
+
+def _cosine_cell(found: dict) -> str:
+    if found.get("cosine") is not None:
+        return f"{found['cosine']:.6f}"
+    return f"not measured ({found['cosine_not_measured']})" if found.get("cosine_not_measured") else "-"
+
+
+def fp32_step_lines(record: dict) -> list[str]:
+    """A reduced-precision run's step 0 against the same step in fp32 (``bench/truth.py``): each arm's
+    distance to it (loss, gradient norm, gradient cosine) next to the reference arm's, and the verdict."""
+    truth = record.get("fp32_step0")
+    if not truth:
+        return []
+    if truth.get("skipped"):
+        return [
+            "",
+            f"Step 0 against fp32: not measured ({truth['skipped']}); step 0 judged strictly against the reference arm",
+        ]
+    reference = truth["arm"]
+    judged = {arm: s["step0_vs_fp32"] for arm, s in record["summary"].items() if "step0_vs_fp32" in s}
+    margins = next(iter(judged.values()))["margins"] if judged else None
+    lines = [
+        "",
+        f"Step 0 against fp32 ({reference}'s step 0 once more in fp32, same weights, same batch: loss "
+        f"{truth['loss']:.6f}, gradient norm {truth['grad_norm']:.6g}): each arm's distance to it"
+        + (
+            f"; an arm diverges where it is further from it than {reference} by more than "
+            f"{margins[0]:g} / {margins[1]:g} / {margins[2]:g} (loss / gradient norm / 1 - cosine)"
+            if margins
+            else ""
+        )
+        + ":",
+        "",
+        "| arm | loss (relative) | gradient norm (relative) | gradient cosine | verdict |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for arm, found in truth.get("arms", {}).items():
+        verdict = "reference" if arm == reference else judged.get(arm, {}).get("judgement", "-")
+        lines.append(
+            f"| {arm} | {found['loss']:.1e} | {found['grad_norm']:.1e} | {_cosine_cell(found)} | {verdict} |"
         )
     return lines
 
@@ -504,6 +548,8 @@ def print_tables(record: dict) -> None:
     console.print(losses)
     if verdicts := loss_verdict_lines(record):
         console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
+    if fp32_step := fp32_step_lines(record):
+        console.print("\n".join(fp32_step[1:]))
     if pairs := preference_lines(record):
         console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
     if rollouts := rollout_lines(record):

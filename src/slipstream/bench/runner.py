@@ -39,6 +39,7 @@ from .ceiling import search_all
 from .fingerprint import fingerprint
 from .inputs import ABInputError, ab_samples, ab_tokenizer, check_token_ids, inputs_record, vocab_size
 from .lockstep import run_in_fresh_process, run_lockstep
+from .truth import gradient_directory, measure_fp32_step0
 
 # what the tests and the benchmark scripts import from here
 __all__ = [
@@ -54,7 +55,7 @@ __all__ = [
     "run_in_fresh_process",
     "summarize",
 ]
-from .stats import loss_parity, margin_parity, speedup
+from .stats import against_fp32, loss_parity, margin_parity, speedup
 
 
 def _plan(bins: list, config: ABConfig, source: str) -> list:
@@ -208,12 +209,15 @@ def summarize(
     peak: dict | None = None,
     sensitivity: list[float] | None = None,
     margin_sensitivity: list[float] | None = None,
+    fp32_step: dict | None = None,
 ) -> dict:
     """Per-arm medians and throughput; speedups (with 95% intervals) against each baseline arm
     (stock and peers); loss parity against the first arm that ran (``stats.loss_parity``: step 0
-    strictly, then the curve, then, beyond the tolerance, against ``sensitivity``: that arm's loss
-    curve from weights moved by one ulp); model FLOPs and MFU against ``peak``
-    (``utilisation.matmul_peak``). Skipped arms keep their reason."""
+    strictly, or, in a reduced-precision run with ``fp32_step`` (``truth.measure_fp32_step0``), by each
+    arm's distance to the fp32 step next to that arm's (``step0_vs_fp32``); then the curve, then,
+    beyond the tolerance, against ``sensitivity``: that arm's loss curve from weights moved by one
+    ulp); model FLOPs and MFU against ``peak`` (``utilisation.matmul_peak``). Skipped arms keep their
+    reason."""
     summary: dict[str, Any] = {}
     timed: dict[str, list[float]] = {}
     timed_parts: dict[str, dict[str, list[float]]] = {}  # grpo: per arm, its generation and update times
@@ -268,8 +272,21 @@ def summarize(
     for arm in ran:
         dtype = _looser(summary[reference]["dtype"], summary[arm]["dtype"])
         run = ran[arm][0]
+        first_step = step0_against_fp32(fp32_step, arm, reference, dtype)
+        if first_step is not None:
+            why = fp32_step["arms"][arm].get("cosine_not_measured")
+            summary[arm]["step0_vs_fp32"] = {
+                **dataclasses.asdict(first_step),
+                **({"cosine_not_measured": why} if why else {}),
+            }
         parity = loss_parity(
-            first["loss"], run["loss"], dtype, first.get("grad_norm"), run.get("grad_norm"), sensitivity
+            first["loss"],
+            run["loss"],
+            dtype,
+            first.get("grad_norm"),
+            run.get("grad_norm"),
+            sensitivity,
+            first_step=first_step,
         )
         summary[arm]["loss_vs_" + reference] = parity.verdict
         summary[arm]["loss_max_rel_diff"] = parity.max_rel_diff
@@ -303,6 +320,15 @@ def summarize(
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, config.seed)
     return summary
+
+
+def step0_against_fp32(fp32_step: dict | None, arm: str, reference: str, dtype: str):
+    """``stats.against_fp32`` of ``arm``'s distance to the fp32 step next to ``reference``'s; None where
+    there is none (an fp32 run, a skipped fp32 step, an arm it did not measure)."""
+    measured = (fp32_step or {}).get("arms", {})
+    if arm not in measured or reference not in measured:
+        return None
+    return against_fp32(measured[arm], measured[reference], dtype)
 
 
 def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
@@ -387,21 +413,27 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     peak = matmul_peak(resolve_device(config.device), getattr(torch, config.dtype), config.threads)
     runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
     schedules = []
-    for repeat in tqdm(range(config.repeats), desc="A/B repeats", disable=not progress, unit="repeat"):
-        # each repeat starts the arms in another order, so none always goes first
-        order = config.arms[repeat % len(config.arms) :] + config.arms[: repeat % len(config.arms)]
-        results, schedule = run_lockstep(
-            dataclasses.asdict(config),
-            list(order),
-            plan,
-            vocab_size,
-            config.interleave,
-            progress=tqdm.write if progress else None,
-        )
-        schedules.append(schedule)
-        for arm in config.arms:
-            runs[arm].append(results[arm])
-    summary = summarize(config, runs, peak)
+    fp32_step = None
+    # bf16 / fp16: every arm keeps its first repeat's step-0 gradient, for the fp32 step (bench/truth.py)
+    with gradient_directory(config) as gradient_dir:
+        for repeat in tqdm(range(config.repeats), desc="A/B repeats", disable=not progress, unit="repeat"):
+            # each repeat starts the arms in another order, so none always goes first
+            order = config.arms[repeat % len(config.arms) :] + config.arms[: repeat % len(config.arms)]
+            results, schedule = run_lockstep(
+                dataclasses.asdict(config),
+                list(order),
+                plan,
+                vocab_size,
+                config.interleave,
+                progress=tqdm.write if progress else None,
+                gradient_dir=gradient_dir if repeat == 0 else None,
+            )
+            schedules.append(schedule)
+            for arm in config.arms:
+                runs[arm].append(results[arm])
+        if gradient_dir is not None:
+            fp32_step = measure_fp32_step0(config, runs, plan, vocab_size, gradient_dir)
+    summary = summarize(config, runs, peak, fp32_step=fp32_step)
     sensitivity = None
     margins_differ = any(
         s.get("reward_margin_parity", {}).get("verdict") == "differs" for s in summary.values()
@@ -409,7 +441,9 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
     if needs_sensitivity(summary) or margins_differ:
         sensitivity = measure_sensitivity(config, runs, plan, vocab_size)
         if sensitivity.get("loss"):
-            summary = summarize(config, runs, peak, sensitivity["loss"], sensitivity.get("reward_margin"))
+            summary = summarize(
+                config, runs, peak, sensitivity["loss"], sensitivity.get("reward_margin"), fp32_step
+            )
     record = {
         "kind": "slipstream-ab",
         "config": dataclasses.asdict(config),
@@ -421,6 +455,7 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         "interleaving": schedules,  # per repeat: lockstep ("steps") or one arm after another ("arms"), and why
         "summary": summary,
         **({"sensitivity": sensitivity} if sensitivity else {}),
+        **({"fp32_step0": fp32_step} if fp32_step else {}),
         "matmul_peak": peak,
         "runs": runs,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
