@@ -51,6 +51,11 @@ from .arm import ArmRun, run_arm
 from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line, quiet_transformers
 
 BF16_FACTOR = 4.0
+# The least loss distance to fp32 a reduced-precision arm is allowed, whatever the stock arm's: an exact
+# kernel that orders its fp32 sums otherwise flips a few bf16 roundings downstream, which moved the
+# tiny model's loss by 1.3e-5 on an AVX2 CPU where stock bf16 SDPA sat 5.4e-7 from fp32 (its kernel is
+# the fp32 one on rounded inputs there); a leak or a 1% loss error is 1e-2 and more.
+LOW_PRECISION_LOSS_FLOOR = 1e-4
 VERDICTS = ("ok", "WRONG", "refused", "skipped")
 
 
@@ -129,7 +134,7 @@ def _judge_fp32(check: Check, errors: Errors) -> list[str]:
 def _judge_low_precision(check: Check, fast: ArmRun, stock: ArmRun, reference: ArmRun, dtype) -> list[str]:
     """bf16: the fast arm no further from fp32 than BF16_FACTOR x the stock arm, quantity by quantity."""
     fast_ref, stock_ref = compare(fast, reference), compare(stock, reference)
-    loss_bound = max(BF16_FACTOR * stock_ref.loss, TOLERANCE["loss"])
+    loss_bound = max(BF16_FACTOR * stock_ref.loss, LOW_PRECISION_LOSS_FLOOR)
     ratios = {
         name: error / max(BF16_FACTOR * stock_ref.grads.get(name, 0.0), TOLERANCE["grad"])
         for name, error in fast_ref.grads.items()
