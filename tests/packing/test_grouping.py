@@ -161,8 +161,14 @@ def test_grouped_forward_backward_has_no_host_sync(mode):
 def test_the_policy_counts_batches_and_calls_grouped_or_per_document():
     """ "auto" groups the many short documents and not the Qwen3-0.6B-sized chat row; each batch is
     counted once however many layers (and forwards) read its plan, each attention call every time."""
+    from slipstream.packing.costs import ATTENTION_COSTS, BUILTIN
+
     model = build_model("qwen3")
     slipstream.optimize(model, attention_grouping="auto")
+    # the counting is under test, not this machine's calibration: the built-in costs' decisions (a
+    # calibration measured beside other work can put the many short documents on either side)
+    for module in [m for m in model.modules() if m in ATTENTION_COSTS]:
+        ATTENTION_COSTS[module] = BUILTIN
     counts = model.slipstream.grouping_counts
     layers = model.config.num_hidden_layers
     short = slipstream.collate_packed(random_docs([8] * 40))
