@@ -4,6 +4,8 @@ The shared prefix's keys and values are read by every continuation, so their gra
 N readers' gradients; the unshared rows sum the same N gradients inside the projections' GEMMs
 (fp32 accumulation, one rounding). Summed by autograd one reader at a time in bf16, the shared
 layout's error grew with N (1 layer, 256 continuations: 3x the unshared rows' distance to fp32).
+And a continuation takes the short-document kernel exactly where its unshared row would, so sharing
+does not swap the kernel and its rounding.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 
 import slipstream
 from slipstream.models import build_model
+from slipstream.packing import short_attention
 from slipstream.packing.attention import _per_document, _sdpa_one
 from slipstream.packing.groups import collate_groups
+from slipstream.packing.short_attention import SHORT_MAX_LEN
 
 VOCAB = 512
 
@@ -89,3 +93,56 @@ def test_the_prefix_gradient_of_many_readers_is_rounded_once(readers):
     for name, got, exact in zip("kv", prefix_grads(torch.bfloat16), prefix_grads(torch.float64), strict=True):
         error = ((got - exact).norm() / exact.norm()).item()
         assert error <= 3e-3, f"d{name} of the prefix: {error:.2e} from exact"
+
+
+def _short_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(query length, key length) of every short-kernel call from here on."""
+    calls: list[tuple[int, int]] = []
+    original = short_attention.ShortCausalAttention.apply
+
+    def counted(query, key, *args):
+        calls.append((query.shape[-2], key.shape[-2]))
+        return original(query, key, *args)
+
+    monkeypatch.setattr(short_attention.ShortCausalAttention, "apply", counted)
+    return calls
+
+
+def test_a_continuation_takes_the_short_kernel_where_its_unshared_row_would(monkeypatch):
+    prefix = 100
+    short_row = SHORT_MAX_LEN - prefix  # prefix + this continuation: exactly the short kernel's reach
+    groups = [
+        {
+            "prefix_ids": list(range(1, prefix + 1)),
+            "continuations": [{"input_ids": [7] * n} for n in (short_row, 5, short_row + 1)],
+        }
+    ]
+    model = build_model("llama", vocab_size=VOCAB).to(torch.bfloat16)
+    slipstream.optimize(
+        model,
+        compile="off",
+        fused_kernels="off",
+        attention_grouping="per_document",
+        short_document_kernel="on",
+    )
+    calls = _short_calls(monkeypatch)
+    with torch.no_grad():
+        for sharing in (False, True):
+            calls.clear()
+            model(**collate_groups(groups, prefix_sharing=sharing).model_inputs())
+            layers = model.config.num_hidden_layers
+            keys = sorted({key for _, key in calls})
+            assert len(calls) == 2 * layers, (sharing, calls)  # the rows of 160 and 105, not of 161
+            assert keys == [prefix + 5, SHORT_MAX_LEN], (sharing, keys)
+
+
+def test_the_short_kernel_with_a_shared_prefix_is_exact_in_fp32():
+    """A continuation's short-kernel call (its prefix's keys first) gives the unshared rows' loss and
+    gradients in fp32."""
+    base = build_model("llama", vocab_size=VOCAB)
+    groups = many_continuations(5, prefix=20, lengths=(3, 12), seed=2)
+    options = {"short_document_kernel": "on"}
+    loss_unshared, grad_unshared = lora_step(base, torch.float32, groups, sharing=False, **options)
+    loss_shared, grad_shared = lora_step(base, torch.float32, groups, sharing=True, **options)
+    assert abs(loss_shared - loss_unshared) <= 1e-5 * abs(loss_unshared)
+    assert ((grad_shared - grad_unshared).norm() / grad_unshared.norm()).item() <= 1e-4
