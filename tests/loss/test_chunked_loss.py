@@ -405,3 +405,18 @@ def test_label_positions_come_from_the_host_or_are_not_selected_on_a_device():
     on_device = targets.to("meta")
     unpacked = _Call(labels=batch.labels, packed_batch=None)
     assert ChunkedLoss._labelled_positions(unpacked, batch.labels, shifted, on_device, -100) is None
+
+
+def test_a_repeated_position_sums_its_gradients_in_fp32():
+    """A prefix group's row repeats positions (a labelled prefix token once per continuation): their
+    gradients are summed in fp32 and rounded once, not added one by one in bf16 (CUDA's index_add)."""
+    from slipstream.loss.chunked_loss import gather_rows
+
+    hidden = torch.zeros(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    positions = torch.tensor([1] * 300 + [0, 2])
+    grad = (torch.randn(302, 64, generator=torch.Generator().manual_seed(0)) * 0.3 + 1.0).bfloat16()
+    rows = gather_rows(hidden, positions)
+    assert torch.equal(rows, hidden.index_select(0, positions))
+    rows.backward(grad)
+    exact = torch.zeros(3, 64, dtype=torch.float64).index_add_(0, positions, grad.double())
+    torch.testing.assert_close(hidden.grad.double(), exact, rtol=2**-8, atol=0)  # one rounding

@@ -102,6 +102,9 @@ def test_where_it_applies():
     assert takes_short_kernel(q.float(), kv.float(), 0.0, "on"), "unless asked"
     assert not takes_short_kernel(q, kv, 0.0, "off")
     assert not takes_short_kernel(long_q, long_kv, 0.0, "on")
+    prefixed_kv = torch.zeros(2, 2, SHORT_MAX_LEN, 8, dtype=torch.bfloat16)
+    assert takes_short_kernel(q, prefixed_kv, 0.0), "a shared prefix: decided on prefix + own tokens"
+    assert not takes_short_kernel(q, long_kv, 0.0), "a prefix + own tokens past the reach keeps SDPA"
     with torch._subclasses.fake_tensor.FakeTensorMode():
         assert not takes_short_kernel(
             torch.empty(2, 4, 10, 8, device="cuda"), torch.empty(2, 2, 10, 8, device="cuda"), 0.0

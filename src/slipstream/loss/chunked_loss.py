@@ -140,6 +140,35 @@ class LogitsNotComputed:
     __matmul__ = __rmatmul__ = __pow__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
 
 
+class _GatherRows(torch.autograd.Function):
+    """``x[positions]`` whose backward sums a repeated position's gradients in fp32 and rounds once.
+
+    A prefix group's row repeats positions (a labelled prefix token once per continuation, the
+    prefix's last token before every continuation's first): ``index_select``'s backward would sum
+    their N gradients with a bf16 ``index_add`` (atomics on CUDA, rounding after every addition),
+    where the unshared rows sum them in fp32 inside the projections' GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(positions)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, positions)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (positions,) = ctx.saved_tensors
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        total = grad.new_zeros((ctx.rows, *grad.shape[1:]), dtype=wide)
+        return total.index_add_(0, positions, grad.to(wide)).to(grad.dtype), None
+
+
+def gather_rows(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, positions)``; a repeated position's gradient summed in fp32 (:class:`_GatherRows`)."""
+    if not torch.is_grad_enabled() or not x.requires_grad:
+        return x.index_select(0, positions)
+    return _GatherRows.apply(x, positions)
+
+
 @dataclass
 class _Call:
     """One training forward in flight: where it stands and what the hooks handed over."""
@@ -324,7 +353,7 @@ class ChunkedLoss:
         if _explicit_targets(batch, labels):
             # a prefix group's row (:mod:`..packing.groups`): the predictions its unshared rows count,
             # a position repeated where a shared label counts once per row, each with its target
-            hidden_NH = hidden_NH.index_select(0, batch.loss_positions.to(hidden.device))
+            hidden_NH = gather_rows(hidden_NH, batch.loss_positions.to(hidden.device))
             targets = batch.loss_targets.to(hidden.device)
         else:
             positions = self._labelled_positions(call, labels, shift_labels, targets, ignore_index)

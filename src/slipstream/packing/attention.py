@@ -162,19 +162,84 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
         return fn(query, key, value, batch=batch, **kw).transpose(1, 2).contiguous()
     lengths = list(batch.seq_lens)
     keys, values = key.split(lengths, 2), value.split(lengths, 2)
-    spans = batch.prefix_spans()
-    sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
+    readers = prefix_readers(batch)
+    key_prefixes: dict[int, torch.Tensor] = {}
+    value_prefixes: dict[int, torch.Tensor] = {}
+    if readers:
+        # a shared prefix (a pair's prompt, a group's prefix): the first keys of its source document
+        # (a slice of that document's split, not of the row), handed to every document that reads it
+        # by one node whose backward sums their gradients in fp32 (:class:`_SharedPrefix`)
+        keys, key_prefixes = _share_prefixes(keys, readers)
+        values, value_prefixes = _share_prefixes(values, readers)
     outputs = []
     for number, (q, k, v) in enumerate(zip(query.split(lengths, 2), keys, values, strict=True)):
-        span = spans[number]
-        if span is not None:
-            # a shared prefix (a pair's prompt, a group's prefix): the first keys of its source
-            # document (a slice of that document's split, not of the row), then the document's own
-            prefix, source = span[1] - span[0], sources[number]
-            k = torch.cat([keys[source][:, :, :prefix], k], dim=2)
-            v = torch.cat([values[source][:, :, :prefix], v], dim=2)
+        if number in key_prefixes:
+            k = torch.cat([key_prefixes[number], k], dim=2)
+            v = torch.cat([value_prefixes[number], v], dim=2)
         outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
     return torch.cat(outputs, dim=1)
+
+
+def prefix_readers(batch: PackedBatch) -> dict[int, tuple[tuple[int, int], ...]]:
+    """Per source document, the documents that attend to its first tokens as their shared prefix and
+    how many each reads: ``{source: ((document, prefix length), ...)}`` ({} without prefixes).
+    Host ints, memoised on the batch."""
+
+    def build() -> dict[int, tuple[tuple[int, int], ...]]:
+        found: dict[int, list[tuple[int, int]]] = {}
+        sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
+        for number, span in enumerate(batch.prefix_spans()):
+            if span is not None:
+                found.setdefault(sources[number], []).append((number, span[1] - span[0]))
+        return {source: tuple(docs) for source, docs in found.items()}
+
+    return batch.memo("prefix_readers", build) if batch.has_prefixes else {}
+
+
+def _share_prefixes(parts, readers):
+    """``parts`` (one document's keys or values each, ``[1, Hkv, L, D]``) with every source document
+    routed through :class:`_SharedPrefix`; returns them and ``{document: its prefix slice}``."""
+    parts = list(parts)
+    prefixes: dict[int, torch.Tensor] = {}
+    for source, docs in readers.items():
+        whole, *slices = _SharedPrefix.apply(parts[source], tuple(n for _, n in docs))
+        parts[source] = whole
+        prefixes.update(zip((number for number, _ in docs), slices, strict=True))
+    return parts, prefixes
+
+
+class _SharedPrefix(torch.autograd.Function):
+    """One document's keys (or values), ``[1, Hkv, L, D]``, handed to its own attention and, sliced,
+    to every document that attends to them as a shared prefix: ``(whole, prefix_1, ..., prefix_n)``.
+
+    The prefix's gradient is the sum of its N readers'. Left to autograd, that sum is accumulated
+    one reader at a time in the model's dtype, rounding after every addition: in bf16 its error
+    grows with N (~sqrt(N) times one rounding: 0.66% at N = 40, 2% at N = 300 against 0.18% summed
+    in fp32), in every layer, where the unshared rows sum the same N gradients inside the
+    projections' GEMMs (fp32 accumulation, one rounding). Here the readers' gradients are summed
+    in fp32 and rounded once. Forward: views, no copy."""
+
+    @staticmethod
+    def forward(ctx, whole: torch.Tensor, lengths: tuple[int, ...]):
+        ctx.lengths = lengths
+        ctx.shape, ctx.dtype = whole.shape, whole.dtype
+        ctx.set_materialize_grads(False)
+        return (whole.view_as(whole), *(whole[:, :, :n] for n in lengths))
+
+    @staticmethod
+    def backward(ctx, grad_whole, *grad_prefixes):
+        if all(g is None for g in grad_prefixes):
+            return grad_whole, None
+        wide = torch.promote_types(ctx.dtype, torch.float32)
+        like = next(g for g in grad_prefixes if g is not None)
+        if grad_whole is None:
+            total = torch.zeros(ctx.shape, dtype=wide, device=like.device)
+        else:
+            total = grad_whole.to(wide, copy=True)
+        for n, grad in zip(ctx.lengths, grad_prefixes, strict=True):
+            if grad is not None:
+                total[:, :, :n] += grad
+        return total.to(ctx.dtype), None
 
 
 def chunked_attention_size(module) -> int | None:
@@ -536,10 +601,15 @@ class _PrefixedVarlen(torch.autograd.Function):
             v_THD.index_select(0, keys), out.index_select(0, rows), lse_HT.index_select(1, rows).contiguous(),
             plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, False, rng2, **extra,
         )  # fmt: skip
-        dq = dq.index_add(0, rows, dq2.to(dq.dtype))
-        dk = dk.index_add(0, keys, dk2.to(dk.dtype))
-        dv = dv.index_add(0, keys, dv2.to(dv.dtype))
-        return dq, dk, dv, None, None, None
+        # a prefix key is read by every document of its group: its rows of dk2 / dv2 (one per reader)
+        # are summed in fp32 and rounded once (a bf16 index_add rounds after every addition)
+        return _add_rows(dq, rows, dq2), _add_rows(dk, keys, dk2), _add_rows(dv, keys, dv2), None, None, None
+
+
+def _add_rows(into: torch.Tensor, rows: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """``into`` with ``extra``'s rows added at ``rows`` (repeats summed), in fp32 at least, cast back."""
+    wide = torch.promote_types(into.dtype, torch.float32)
+    return into.to(wide).index_add_(0, rows, extra.to(wide)).to(into.dtype)
 
 
 def prefixed_varlen_attention(query, key, value, batch: PackedBatch, scaling: float) -> torch.Tensor:

@@ -18,7 +18,14 @@ in bf16 / fp16, none in fp32 (where SDPA's CPU kernel was as fast there). Longer
 faster on the kernel alone (~2% of a SmolLM2 step) for T x H x L fp32 more memory per layer: not
 taken.
 
-The math (nanoGPT-style, per document of L tokens, GQA with r query heads per key head):
+A document that also attends to a shared prefix (a prefix group's continuation, a pair's answer:
+its C queries over the prefix's keys then its own, ``Lk = P + C``) is decided on ``Lk``, the row it
+stands for: it takes this kernel exactly where that row packed whole would, so sharing a prefix does
+not swap the kernel and its rounding (in bf16, SDPA's CPU flash kernel's gradients measured 3-5x
+further from exact than this kernel's, which round once).
+
+The math (nanoGPT-style, per document of L tokens, GQA with r query heads per key head; a shared
+prefix makes K and V ``Lk`` long and M ``[L, Lk]``, every prefix key visible):
 
     S = Q K^T,  P = softmax(S * scale + M),  O = P V
 
@@ -101,31 +108,42 @@ def takes_short_kernel(
     mode: str = "auto",
     costs: AttentionCosts = BUILTIN,
 ) -> bool:
-    """Whether one causal self-attention call (``[n, H, L, D]``) takes this path under ``mode``:
-    "on", any short document; "auto", on a CPU up to ``costs``' crossover for the query's dtype."""
-    length = query.shape[-2]
+    """Whether one causal attention call (query ``[n, H, Lq, D]``, key ``[n, Hkv, Lk, D]``) takes this
+    path under ``mode``: "on", any short document; "auto", on a CPU up to ``costs``' crossover for the
+    query's dtype. ``Lk`` > ``Lq``: a document that also attends to a shared prefix (a prefix group's
+    continuation, a pair's answer), decided on ``Lk``, the length of the row it stands for (prefix +
+    its own tokens): it takes this kernel exactly where that row, packed whole, would, so sharing the
+    prefix does not swap the kernel (and its rounding: SDPA's CPU flash kernel rounds P to bf16 before
+    P V, and its bf16 gradients measured 3-5x further from exact than this kernel's)."""
+    length = key.shape[-2]
     if mode == "off" or dropout != 0.0 or not query.dtype.is_floating_point:
         return False
-    if length != key.shape[-2] or query.shape[1] % key.shape[1] != 0:
-        return False
+    queries = query.shape[-2]
+    if not (queries == length or 1 < queries < length) or query.shape[1] % key.shape[1] != 0:
+        return False  # (one query before longer keys: a decoding step)
     if mode == "on":
         return length <= SHORT_MAX_LEN
     return query.device.type == "cpu" and length <= costs.short_limit(query.dtype)
 
 
-def _additive_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """fp32 [L, L]: 0 where query i sees key j (j <= i, and j > i - window), -inf elsewhere."""
-    position = torch.arange(length, device=device)
-    hidden = position.unsqueeze(0) > position.unsqueeze(1)
+def _additive_mask(
+    length: int, window: int | None, device: torch.device, key_length: int | None = None
+) -> torch.Tensor:
+    """fp32 [L, Lk]: 0 where query i sees key j (j <= i, and j > i - window), -inf elsewhere; the
+    queries aligned to the end of the keys (``key_length`` > ``length``: a shared prefix first)."""
+    key_length = length if key_length is None else key_length
+    keys = torch.arange(key_length, device=device).unsqueeze(0)
+    queries = torch.arange(key_length - length, key_length, device=device).unsqueeze(1)
+    hidden = keys > queries
     if window is not None:
-        hidden |= position.unsqueeze(0) <= position.unsqueeze(1) - window
-    return torch.zeros(length, length, device=device).masked_fill_(hidden, float("-inf"))
+        hidden |= keys <= queries - window
+    return torch.zeros(length, key_length, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _probabilities(q_blocks, key, scale: float, mask: torch.Tensor) -> torch.Tensor:
-    """P, ``[n, Hkv, r * L, L]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``:
-    scale * Q K^T + M in one ``baddbmm`` (``mask`` ``[r * L, L]``, already repeated down the r
-    stacked heads, broadcast over the batch), then the softmax."""
+    """P, ``[n, Hkv, r * L, Lk]``, from fp32 ``q_blocks`` ``[n, Hkv, r * L, D]`` and ``key``
+    ``[n, Hkv, Lk, D]``: scale * Q K^T + M in one ``baddbmm`` (``mask`` ``[r * L, Lk]``, already
+    repeated down the r stacked heads, broadcast over the batch), then the softmax."""
     n, kv_heads, rows, dim = q_blocks.shape
     length = key.shape[-2]
     logits = torch.baddbmm(
@@ -193,17 +211,20 @@ class ShortCausalAttention(torch.autograd.Function):
 
 
 def short_causal_attention(query, key, value, scale: float, window: int | None, batch=None) -> torch.Tensor:
-    """Causal (optionally windowed) attention of ``[n, H, L, D]`` by :class:`ShortCausalAttention`;
+    """Causal (optionally windowed) attention of ``[n, H, L, D]`` by :class:`ShortCausalAttention`
+    (keys longer than the queries: a shared prefix before the document's own keys, all visible);
     the mask, stacked once per query head of a key head, is memoised on the batch (one build per
-    length, window and head ratio per batch, not one per layer)."""
-    length = query.shape[-2]
+    length, key length, window and head ratio per batch, not one per layer)."""
+    length, key_length = query.shape[-2], key.shape[-2]
     heads_per_key = query.shape[1] // key.shape[1]
 
     def build() -> torch.Tensor:
-        return _additive_mask(length, window, query.device).repeat(heads_per_key, 1)
+        if key_length == length:
+            return _additive_mask(length, window, query.device).repeat(heads_per_key, 1)
+        return _additive_mask(length, window, query.device, key_length).repeat(heads_per_key, 1)
 
     if batch is None:
         mask = build()
     else:
-        mask = batch.memo(("short_mask", length, window, heads_per_key, str(query.device)), build)
+        mask = batch.memo(("short_mask", length, key_length, window, heads_per_key, str(query.device)), build)
     return ShortCausalAttention.apply(query, key, value, scale, mask)
