@@ -12,6 +12,7 @@ LAYERS = [
     {
         "_version",
         "atomic",
+        "errors",
         "extras",
         "fields",
         "refusal",
@@ -22,7 +23,7 @@ LAYERS = [
         "data",
         "rewards",
         "utilisation",
-    },  # shared helpers, data (and online RL's reward functions), FLOPs
+    },  # shared helpers and errors, data (and online RL's reward functions), FLOPs
     {
         "packing",
         "moe",
@@ -36,7 +37,6 @@ LAYERS = [
     # model builders and loaders; the sampler that runs them for online RL; the parity kit (a fast arm
     # vs a reference, one training step: the sweep's and doctor's)
     {"models", "rollouts", "parity"},
-    {"preference"},  # preference tuning: pairs, their losses, the reference pass
     # the objectives: the plug-ins the loop calls (their rows, bins, step losses and evaluation)
     {"objectives"},
     {"train"},  # the training loop: set-up, the step, checkpoints, metrics
@@ -170,12 +170,12 @@ def _module_graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_counts_the_packages_an_import_runs_first():
-    """``from ..objectives.base import X`` in ``train/config.py`` runs ``objectives/__init__`` (which
-    imports every objective): the cycle test is blind to the real cycles without that edge."""
+    """``from ..objectives.pairs import X`` in ``train/config.py`` runs ``objectives/__init__`` (which
+    imports every objective) first: the cycle test is blind to such cycles without that edge."""
     assert _packages_of("objectives.base") == ["objectives"]
     assert _packages_of("bench.peers.trl_step") == ["bench", "bench.peers"]
     graph = _module_graph()
-    assert {"objectives", "objectives.base"} <= graph["train.config"]
+    assert {"objectives", "objectives.pairs"} <= graph["train.config"]
     assert "objectives" not in graph["objectives.sft"]  # its own package is already running
 
 
