@@ -25,8 +25,9 @@ micro-batch):
    ``logp_old`` is the log-prob of the policy that sampled; with one update per rollout batch
    (``num_iterations: 1``) that is the policy being updated, so ``r`` is 1 in value and only its
    gradient acts. With ``num_iterations: k`` > 1 a batch of rollouts (a *round*: the loop hands
-   its k steps the same bins, ``updates_per_round``) is updated on in k steps; ``logp_old`` is read once, after sampling, by a
-   ``no_grad`` forward in the same packed layout, and kept for the round. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
+   its k steps the same bins, ``updates_per_round``) is updated on in k steps; ``logp_old`` is
+   read once, after sampling, by a ``no_grad`` forward in the same packed layout, and kept for the
+   round. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
    step / their count, TRL's default), ``grpo`` (each completion's token mean, then the mean over
    completions), ``dr_grpo`` (token sum / (completions x max_new_tokens)). The reference (``beta``
    > 0) is the base model: the same packed forward with the adapter off, no grad, before the step.

@@ -1,16 +1,13 @@
-"""GRPO's rollouts: sampled, scored and packed for the update (the room :mod:`.grpo`'s steps draw on).
+"""GRPO's rollouts: a round sampled, scored and packed for the update (steps 1-4 of :mod:`.grpo`'s
+docstring, up to the loss).
 
-A round (every ``grpo.num_iterations`` steps: the bins the loop hands the round's steps) is, for this
-rank's share of its prompts: G = ``grpo.num_generations`` completions per prompt sampled from the
-current policy (the adapter on, eval mode, no grad) by a :class:`slipstream.rollouts.RolloutEngine`,
-seeded by (seed, step, rank); every ``grpo.rewards`` function on the decoded completions
-(:mod:`slipstream.rewards`); advantages, group-relative (:func:`advantages_of`); and the update's
-micro-batches packed ``prompt | completion_1 | ... | completion_G`` (:mod:`slipstream.packing.completions`),
-each token with its advantage and loss mask, the reference's log-probs (``beta`` > 0) and the sampling
-policy's (``num_iterations`` > 1) read by ``no_grad`` forwards before the step's clock.
-
-:class:`RolloutMaker` is what :class:`.grpo.GRPO` inherits of it (the A/B's GRPO arms call the same
-methods); it reads the objective's ``settings``, ``engine``, ``tokenizer``, ``rewards`` and ``chunked``.
+For this rank's share of the round's prompts (the bins the loop hands the round's steps):
+completions sampled by the objective's :class:`slipstream.rollouts.RolloutEngine`, seeded by
+(seed, step, rank); rewards (:mod:`slipstream.rewards`); group-relative advantages
+(:func:`advantages_of`); the update's micro-batches (:mod:`slipstream.packing.completions`) with
+each token's advantage and loss mask, and the reference's and the sampling policy's log-probs where
+the settings need them, read by ``no_grad`` forwards before the step's clock. :class:`RolloutMaker`
+is what :class:`.grpo.GRPO` inherits of it (the A/B's GRPO arms call the same methods).
 """
 
 from __future__ import annotations
