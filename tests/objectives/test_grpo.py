@@ -17,10 +17,11 @@ import yaml
 import slipstream
 from slipstream.cli import main
 from slipstream.models import build_model
-from slipstream.objectives.grpo import GRPO, GRPOMicro, advantages_of
+from slipstream.objectives.answers import reference_sums
+from slipstream.objectives.grpo import GRPO, GRPOSettings
+from slipstream.objectives.grpo_rollouts import GRPOMicro, advantages_of
 from slipstream.packing.completions import collate_completions
-from slipstream.preference.objective import reference_sums
-from slipstream.train.config import ConfigError, GRPOConfig, load_config
+from slipstream.train.config import ConfigError, load_config
 from slipstream.train.errors import TrainError
 from slipstream.train.loop import train
 
@@ -108,7 +109,7 @@ def lora_models(init_zero: bool):
 )
 def test_the_update_is_trls_loss_on_each_completion_run_alone(loss, beta, truncated, stale):
     stock, packed = lora_models(init_zero=False)  # a random adapter: the KL and every gradient act
-    settings = GRPOConfig(loss=loss, beta=beta, rewards=["answer_tag"], max_new_tokens=8, temperature=0.9)
+    settings = GRPOSettings(loss=loss, beta=beta, rewards=["answer_tag"], max_new_tokens=8, temperature=0.9)
     objective = GRPO(SimpleNamespace(grpo=settings, seed=0), settings)
     objective.chunked = True
     groups = random_completion_groups([(6, [3, 5, 1, 4]), (4, [2, 6, 3, 3])])

@@ -14,7 +14,7 @@ from slipstream.objectives import objective_for
 from slipstream.objectives.pairs import PairSettings
 from slipstream.optimize import optimize, state_of
 from slipstream.speedups import Speedups
-from tests.preference.test_train import dpo_config, records, run, write_pairs
+from tests.objectives.test_pairs import dpo_config, records, run, write_pairs
 
 VOCAB, BETA = 96, 0.25
 PAIRS = [

@@ -30,8 +30,18 @@ def test_the_registered_objectives():
 
 
 def test_no_code_outside_an_objectives_own_module_compares_an_objective_name():
-    """Every objective is a plug-in: the loop, the step, the config, eval and ``ab`` call it."""
-    own = {ROOT / "objectives" / f"{name}.py" for name in objective_names()}
+    """Every objective is a plug-in: the loop, the step, the config, eval and ``ab`` call it. Its own
+    modules are its rooms: ``objectives/<name>.py``, ``objectives/<name>_*.py`` and ``loss/<name>.py``
+    (GRPO's loss names its aggregations "dapo", "grpo")."""
+    own = {
+        path
+        for name in objective_names()
+        for path in [
+            ROOT / "objectives" / f"{name}.py",
+            ROOT / "loss" / f"{name}.py",
+            *(ROOT / "objectives").glob(f"{name}_*.py"),
+        ]
+    }
     found = []
     for path in sorted(ROOT.rglob("*.py")):
         if path in own:

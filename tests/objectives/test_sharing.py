@@ -78,14 +78,14 @@ def test_on_off_and_what_auto_cannot_do_need_no_cost_model():
 
 
 def _run(bins, world_size: int, rank: int):
-    objective = SFT(None)  # what plan_step reads of a run: its bins, weights, device and ranks
+    objective = SFT(None)  # what plan_step reads of its context: the bins, weights, device and ranks
     objective.sharing = PrefixSharing("on", 512, 0)
     objective.sharing.on = True
     run = SimpleNamespace(
         bins=bins,
-        label_tokens=[objective.weight(b) for b in bins],
+        weights=[objective.weight(b) for b in bins],
         device=torch.device("cpu"),
-        info=SimpleNamespace(rank=rank, world_size=world_size),
+        ranks=SimpleNamespace(rank=rank, world_size=world_size),
     )
     return objective, run
 
@@ -95,9 +95,7 @@ def test_a_step_runs_its_own_rows_regrouped_and_every_rank_as_many_micro_batches
     objective, run = _run(bins, world_size=1, rank=0)
     plan = objective.plan_step(run, 0, list(range(len(bins))))
     assert len(plan.micro) < len(bins) and plan.record["micro_batches"] == len(plan.micro)
-    assert plan.total == sum(run.label_tokens) and plan.tokens == sum(
-        len(r["input_ids"]) for b in bins for r in b
-    )
+    assert plan.total == sum(run.weights) and plan.tokens == sum(len(r["input_ids"]) for b in bins for r in b)
     # two ranks whose regrouped rows would need different counts (rank 0: 4 rows sharing a start, one
     # micro-batch; rank 1: 4 unrelated rows, four): each shares within its own bins, as many as it has
     sharing_bins = one_step(4)[0]

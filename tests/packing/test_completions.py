@@ -10,8 +10,8 @@ import torch
 
 import slipstream
 from slipstream.models import build_model
+from slipstream.objectives.answers import answer_sums
 from slipstream.packing.completions import collate_completions, completion_documents, completion_tokens
-from slipstream.preference.objective import answer_sums
 
 from .test_groups import grads_of, lora_pair, rel
 

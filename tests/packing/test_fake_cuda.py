@@ -223,8 +223,8 @@ def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
     the window cuts a sequence, or with sinks), the answers' log-probs come from the chunked head,
     the DPO loss is built on the device, and nothing is read to the host."""
     from slipstream.loss import answer_logprobs_of
+    from slipstream.loss.preference import preference_terms
     from slipstream.packing.pairs import collate_pairs
-    from slipstream.preference import preference_terms
 
     seen = varlen_windows(monkeypatch)
     merged = prefixed_varlen_calls(monkeypatch)

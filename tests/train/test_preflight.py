@@ -8,7 +8,6 @@ from slipstream.models import build_model
 from slipstream.train.config import DataConfig, ModelConfig, TrainConfig
 from slipstream.train.errors import TrainError
 from slipstream.train.preflight import (
-    check_labels_left,
     check_lora_targets,
     check_model_dir,
     check_token_ids,
@@ -50,19 +49,13 @@ def test_lora_targets_that_match_nothing_name_the_closest_module():
         check_lora_targets(model, config)
 
 
-def test_token_ids_beyond_the_vocabulary_and_samples_without_labels():
+def test_token_ids_beyond_the_vocabulary():
     model = build_model("qwen3", vocab_size=100)
     check_token_ids([{"input_ids": [1, 99]}], model, "data.jsonl")
     with pytest.raises(
         TrainError, match="data.jsonl: sample 1 has token id 100, beyond the model's 100 embeddings"
     ):
         check_token_ids([{"input_ids": [1]}, {"input_ids": [5, 100]}], model, "data.jsonl")
-    config = TrainConfig()
-    check_labels_left(0, config)
-    with pytest.raises(TrainError, match="data.max_seq_len 1024: 3 sample"):
-        check_labels_left(3, config)
-    config.data.skip_bad_rows = True
-    check_labels_left(3, config)
 
 
 def test_a_refusal_is_said_in_config_terms():

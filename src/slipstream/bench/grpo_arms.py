@@ -28,7 +28,8 @@ import torch
 from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
-from ..objectives.grpo import GRPO, advantages_of, stop_ids
+from ..objectives.grpo import GRPO
+from ..objectives.grpo_rollouts import advantages_of, stop_ids
 from ..optimize import base_model
 from ..packing.completions import completion_documents
 from ..rewards import RewardError, weighted
@@ -51,8 +52,8 @@ from .step_gradient import HeldGradient
 
 
 def grpo_settings_of(values: dict, **changes):
-    """The run's ``grpo:`` settings (``slipstream train``'s ``GRPOConfig``) from ``ABConfig.grpo``."""
-    from ..train.config import GRPOConfig
+    """The run's ``grpo:`` settings (``slipstream train``'s ``GRPOSettings``) from ``ABConfig.grpo``."""
+    from ..objectives.grpo import GRPOSettings as GRPOConfig
 
     return dataclasses.replace(GRPOConfig(**values), **changes)
 

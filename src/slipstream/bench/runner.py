@@ -76,7 +76,8 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
     """A preference objective (``--objective dpo``, orpo): the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
     by their shared length (prompt once), the same pairs for every arm whatever its layout."""
     from ..data import DataError
-    from ..preference import load_pairs, pack_pairs
+    from ..data.pairs import load_pairs
+    from ..packing.pairs import pack_pairs
 
     tokenizer = ab_tokenizer(config)
     vocab = vocab_size(config, tokenizer)

@@ -13,8 +13,8 @@ its name. What an objective says, method by method:
 - ``collate(rows, device, prepared)``: one micro-batch, with what ``before_training`` prepared
   for its bin (``prepared("train", index)``), e.g. the reference log-probs; ``micro_weight(micro)``:
   its weight, ``model_device(micro)``: its device;
-- ``before_training(context)``: what runs before step 0 (DPO / IPO: the reference pass);
-  returns the policy line it logs, or None;
+- ``before_training(context)``: what runs before step 0 (DPO / IPO: the reference pass), with
+  what it may read of the run (:class:`ObjectiveContext`); returns the policy line it logs, or None;
 - ``step_weight(total, device)``: the step's weight as the micro-batches' losses divide by it;
   ``ready(model, micro)``: what a micro-batch needs before its forward, outside the step's clock
   (a per-step reference forward); ``micro_batch(model, micro, weight)``: the loss one micro-batch
@@ -23,9 +23,10 @@ its name. What an objective says, method by method:
   ``divisor(total)``: what the step's summed metrics are divided by (1 where they are means);
 - ``evaluate(model, evals, info, device)``: the held-out metrics (``"loss"`` first);
 - ``summary(bins, last)``: its keys of ``run.json`` ({}: none);
-- ``plan_step(run, step, step_bins)``: what one optimizer step trains, as a :class:`StepPlan`
+- ``plan_step(context, step, step_bins)``: what one optimizer step trains, as a :class:`StepPlan`
   (this rank's micro-batches, the step's weight, tokens and documents, extra record fields); by
-  default the bins collated as they are. An online objective (GRPO) samples its rollouts here.
+  default the bins collated as they are. An online objective (GRPO) samples its rollouts here;
+  ``updates_per_round``: how many steps train on one round (the loop hands each the round's bins).
 
 :func:`register_objective` adds a class under its ``name``; :func:`objective_for` returns it;
 :func:`objective_names` lists them. A new objective is one module here (plus, where it needs
@@ -34,15 +35,57 @@ settings of its own, a small dataclass next to its code).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from tqdm import tqdm
 
 from ..data import DataError
-from ..train.errors import TrainError
+from ..errors import TrainError
+
+
+class Ranks(Protocol):
+    """What an objective reads of the processes a run spans (``train.distributed.Distributed`` is one)."""
+
+    rank: int
+    world_size: int
+    strategy: str  # "none", "ddp" or "fsdp2"
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def barrier(self) -> None: ...
+
+    def sum(self, value: float) -> float: ...
+
+    def sum_tensor(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class ObjectiveContext:
+    """What an objective may read of the run it is plugged into (``before_training``, ``plan_step``):
+    the loop builds it once. Which bins a step trains, the ranks' collectives and where a run resumes
+    are the loop's; an objective reads them here and changes none of them."""
+
+    ranks: Ranks  # this rank, the world size and the collectives
+    tokenizer: Any
+    bins: list[list[dict]]  # the training bins, every rank's
+    weights: list[int]  # per bin, what weighs it in the step's loss (label tokens, pairs), every rank's
+    evals: Any  # the objective's eval set (with .bins), or None
+    device: torch.device
+    dtype: torch.dtype
+    model: torch.nn.Module  # as the step trains it (wrapped for the ranks)
+    base_model: torch.nn.Module  # under the ranks' wrapper (what a reference pass or a sampler runs)
+    steps: int  # the run's optimizer steps
+    # step -> the bin indices it trains, every rank's (a round's, for steps of one round)
+    step_bins: Callable[[int], list[int]]
+    # the line that says where a stopped run resumes ("--resume continues from <checkpoint>")
+    resume_hint: Callable[[], str] = lambda: "no checkpoint to resume from"
 
 
 @dataclass
@@ -78,6 +121,10 @@ class Objective:
     # the metrics of one step and of an evaluation, in the order micro_batch's sums stack them
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
+    # optimizer steps trained on one round (GRPO's num_iterations): the loop hands each step of a
+    # round that round's bins (``step_bins``); 1: every step its own bins
+    updates_per_round: int = 1
+
     def __init__(self, config: Any) -> None:
         self.config = config
 
@@ -85,7 +132,7 @@ class Objective:
     def validate(cls, config: Any, fail) -> None:
         """Refuse, by ``fail(key, message)``, what this objective cannot do with ``config``."""
 
-    def read(self, tokenizer: Any, info: Any) -> ObjectiveData:
+    def read(self, tokenizer: Any, info: Ranks) -> ObjectiveData:
         raise NotImplementedError
 
     def documents(self, rows: Sequence[dict]) -> list[dict]:
@@ -103,7 +150,7 @@ class Objective:
     def collate(self, rows: Sequence[dict], device: torch.device | str, prepared: Any = None) -> Any:
         raise NotImplementedError
 
-    def before_training(self, context: Any) -> str | None:
+    def before_training(self, context: ObjectiveContext) -> str | None:
         return None
 
     def prepared(self, part: str, index: int) -> Any:
@@ -130,7 +177,7 @@ class Objective:
         return 1.0
 
     def evaluate(
-        self, model: torch.nn.Module, evals: Any, info: Any, device: torch.device
+        self, model: torch.nn.Module, evals: Any, info: Ranks, device: torch.device
     ) -> dict[str, float]:
         raise NotImplementedError
 
@@ -146,20 +193,20 @@ class Objective:
         """Its keys of ``run.json`` (the preference objectives: ``preference``); {}: none."""
         return {}
 
-    def plan_step(self, run: Any, step: int, step_bins: Sequence[int]) -> StepPlan:
+    def plan_step(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
         """Step ``step``'s bins (``step_bins``, every rank's): this rank's share collated, with
         whatever ``before_training`` prepared for each bin."""
-        info = run.info
+        ranks, bins = context.ranks, context.bins
         micro = [
-            self.collate(run.bins[index], run.device, self.prepared("train", index))
-            for index in step_bins[info.rank :: info.world_size]
+            self.collate(bins[index], context.device, self.prepared("train", index))
+            for index in step_bins[ranks.rank :: ranks.world_size]
         ]
         return StepPlan(
             micro=micro,
-            total=sum(run.label_tokens[index] for index in step_bins),
-            tokens=sum(self.tokens(run.bins[index]) for index in step_bins),
-            documents=[self.documents(run.bins[index]) for index in step_bins],
-            pairs=sum(self.pairs(run.bins[index]) for index in step_bins),
+            total=sum(context.weights[index] for index in step_bins),
+            tokens=sum(self.tokens(bins[index]) for index in step_bins),
+            documents=[self.documents(bins[index]) for index in step_bins],
+            pairs=sum(self.pairs(bins[index]) for index in step_bins),
         )
 
     def model_device(self, micro: Any) -> torch.device:
@@ -171,7 +218,7 @@ _REGISTRY: dict[str, type[Objective]] = {}
 
 
 def split_held_out(
-    config: Any, info: Any, rows: list, *, load, split, eval_set, what: str, said
+    config: Any, info: Ranks, rows: list, *, load, split, eval_set, what: str, said
 ) -> tuple[list, Any]:
     """The rows left to train on and the held-out set every objective's ``read`` builds alike:
     ``data.eval_fraction`` of the rows (``split``: a seeded by-row split, the same on every rank), or

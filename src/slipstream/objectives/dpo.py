@@ -5,7 +5,7 @@ before step 0; rewards ``beta * (s - s^ref)``. Settings: ``preference.beta``, ``
 
 from __future__ import annotations
 
-from ..preference.losses import dpo_terms
+from ..loss.preference import dpo_terms
 from .base import register_objective
 from .pairs import PairObjective
 

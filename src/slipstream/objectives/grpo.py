@@ -24,9 +24,10 @@ micro-batch):
 
    ``logp_old`` is the log-prob of the policy that sampled; with one update per rollout batch
    (``num_iterations: 1``) that is the policy being updated, so ``r`` is 1 in value and only its
-   gradient acts. With ``num_iterations: k`` > 1 a batch of rollouts (a *round*: the bins of
-   ``bins_for(round)``) is updated on in k steps; ``logp_old`` is read once, after sampling, by a
-   ``no_grad`` forward in the same packed layout, and kept for the round. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
+   gradient acts. With ``num_iterations: k`` > 1 a batch of rollouts (a *round*: the loop hands
+   its k steps the same bins, ``updates_per_round``) is updated on in k steps; ``logp_old`` is
+   read once, after sampling, by a ``no_grad`` forward in the same packed layout, and kept for the
+   round. ``loss`` aggregates the tokens: ``dapo`` (sum over every completion token of the
    step / their count, TRL's default), ``grpo`` (each completion's token mean, then the mean over
    completions), ``dr_grpo`` (token sum / (completions x max_new_tokens)). The reference (``beta``
    > 0) is the base model: the same packed forward with the adapter off, no grad, before the step.
@@ -35,35 +36,68 @@ micro-batch):
 The step's metrics: the loss, the clipped share of tokens and the KL (read with the loss, in the
 step's one read); the rewards (per function), the completion lengths, the share of groups whose
 rewards are all equal, and generation vs update time, from the host.
+
+Rooms: steps 1-3 and the packing of 4 are :mod:`.grpo_rollouts`; the loss of 4 is
+:func:`slipstream.loss.grpo.policy_loss`; here, the settings (:class:`GRPOSettings`, the config's
+``grpo:`` section), the config's checks, the prompts, the rounds, the update's step and evaluation.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import statistics
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import torch
 from tqdm import tqdm
 
 from ..data import DataError, PackingReport
 from ..data.prompts import load_prompts, split_prompts
+from ..errors import TrainError
+from ..fields import NonNegative, Positive, Range
+from ..loss.grpo import policy_loss
 from ..modes import eval_mode
 from ..optimize import state_of
-from ..packing.completions import collate_completions, completion_documents, completion_tokens
-from ..preference.objective import answer_sums, reference_sums
-from ..rewards import RewardError, RewardFunction, load_rewards, score, weighted
-from ..rollouts import CachedSampler, Rollouts, Sampling, UnsupportedRollout, check_sampleable
-from ..train.checkpoints import newest_checkpoint
-from ..train.errors import TrainError
-from ..train.evaluation import rank_share
-from .base import Objective, ObjectiveData, StepPlan, register_objective, split_held_out
+from ..rewards import RewardError, RewardFunction, load_rewards, weighted
+from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
+from .answers import answer_sums
+from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, register_objective, split_held_out
+from .evaluation import rank_share
+from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
 
-GROUP_STD_EPSILON = 1e-4  # added to a group's reward std before dividing (TRL's)
+
+@dataclass
+class GRPOSettings:
+    """Online RL's settings: the config's ``grpo:`` section (``training.objective: grpo``): rollouts,
+    rewards and the clipped update. Each field's rule is declared here, where it is read."""
+
+    num_generations: Annotated[int, Range(ge=2)] = 8  # completions sampled per prompt (G)
+    prompts_per_batch: Positive = 2  # prompts per micro-batch, each with its G completions
+    max_new_tokens: Positive = 128
+    temperature: Annotated[float, Range(gt=0)] = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    top_k: NonNegative = 0  # 0: no top-k cut
+    # the reward functions: "module:function" (a .py file next to the config, or an importable
+    # module) or a built-in's name (answer_tag, format_regex, length_penalty), or a mapping
+    # {function, weight, args}; TRL's convention f(prompts, completions, completion_ids, **columns)
+    rewards: list[Any] = field(default_factory=list)
+    # dapo: every completion token weighs the same over the step (TRL's default); grpo: each
+    # completion's token mean, then the mean over completions; dr_grpo: the token sum over
+    # completions x max_new_tokens
+    loss: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    # advantages: reward minus its group's mean, divided by the group's std, the batch's, or nothing
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    epsilon: Annotated[float, Range(gt=0, lt=1)] = 0.2  # the ratio's clip below 1
+    epsilon_high: Annotated[float, Range(gt=0)] | None = None  # and above 1 (None: epsilon)
+    beta: Annotated[float, Range(ge=0)] = 0.0  # the KL to the reference (the adapter off); 0: none
+    num_iterations: Positive = 1  # updates per batch of rollouts
+    mask_truncated_completions: bool = False  # leave completions cut at max_new_tokens out of the loss
+    # the prompt run once for its G completions in the update (else prompt + completion, G times)
+    prefix_sharing: bool = True
+    eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
+    eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
 
 
 @dataclass
@@ -78,63 +112,13 @@ class PromptEvalSet:
         return {"source": self.source, "prompts": self.rows}
 
 
-@dataclass
-class GRPOMicro:
-    """One micro-batch of the update: the packed completions and, per token, what its loss reads."""
-
-    completions: Any  # packing.completions.CompletionBatch
-    advantages: torch.Tensor  # [tokens] fp32: the advantage of each token's completion
-    mask: torch.Tensor  # [tokens] fp32: 1 where the token counts in the loss
-    seq_tokens: torch.Tensor  # [completions] fp32: tokens each completion counts (grpo's mean)
-    reference: torch.Tensor | None  # [tokens] fp32: the reference's log-probs (beta > 0)
-    tokens_in_step: float  # every rank's counted completion tokens this step (metric divisor)
-    old: torch.Tensor | None = None  # [tokens] fp32: the sampling policy's log-probs (num_iterations > 1)
-
-
-def stop_ids(tokenizer, model) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
-    found: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        found.add(int(tokenizer.eos_token_id))
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    for token in eos if isinstance(eos, (list, tuple)) else [eos]:
-        if token is not None:
-            found.add(int(token))
-    return tuple(sorted(found))
-
-
-def advantages_of(
-    rewards: Sequence[float], group: int, scale: str, batch_std: float | None = None
-) -> list[float]:
-    """Each reward minus its group's mean (groups of ``group`` in order), divided as ``scale`` says:
-    ``group`` by the group's std (+ 1e-4), ``batch`` by ``batch_std`` (+ 1e-4; None: the std of
-    ``rewards``, one process's whole step), ``none`` not at all. Stds are unbiased (n - 1), as
-    torch's ``std`` (and TRL) computes them."""
-    if scale == "batch" and batch_std is None:
-        batch_std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
-    out = []
-    for start in range(0, len(rewards), group):
-        values = list(rewards[start : start + group])
-        mean = sum(values) / len(values)
-        std = statistics.stdev(values) if len(values) > 1 else 0.0
-        for value in values:
-            centred = value - mean
-            if scale == "group":
-                centred /= std + GROUP_STD_EPSILON
-            elif scale == "batch":
-                centred /= (batch_std or 0.0) + GROUP_STD_EPSILON
-            out.append(centred)
-    return out
-
-
 @register_objective
-class GRPO(Objective):
+class GRPO(RolloutMaker, Objective):
     name = "grpo"
     reads = "prompts"
     metrics = ("loss", "clip_fraction", "kl")
 
-    def __init__(self, config: Any, settings: Any = None, engine: Any = None) -> None:
+    def __init__(self, config: Any, settings: GRPOSettings | None = None, engine: Any = None) -> None:
         super().__init__(config)
         self.settings = settings if settings is not None else config.grpo
         self.engine = engine  # a RolloutEngine; ours (CachedSampler) when None, made in before_training
@@ -148,11 +132,10 @@ class GRPO(Objective):
         self._eval_samples: list[dict] = []
 
     @property
-    def sampling(self) -> Sampling:
-        s = self.settings
-        return Sampling(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+    def updates_per_round(self) -> int:
+        """``grpo.num_iterations``: the steps that train on one round of rollouts."""
+        return self.settings.num_iterations
 
-    # ------------------------------------------------------------------ the config
     @classmethod
     def validate(cls, config, fail) -> None:
         grpo = config.grpo
@@ -262,7 +245,7 @@ class GRPO(Objective):
         return sum(len(r["prompt_ids"]) for r in rows) * self.settings.num_generations
 
     # ------------------------------------------------------------------ before step 0
-    def before_training(self, context) -> str | None:
+    def before_training(self, context: ObjectiveContext) -> str | None:
         state = state_of(context.base_model)
         self.chunked = state is not None and state.chunked_loss is not None
         if self.tokenizer is None:
@@ -292,52 +275,13 @@ class GRPO(Objective):
         )
 
     # ------------------------------------------------------------------ one step
-    def sample(self, model, prompts: list[dict], seed: int) -> Rollouts:
-        """G completions of each of ``prompts`` by the policy (eval mode, no grad), seeded."""
-        self.engine.sync(model)
-        with eval_mode(model), torch.no_grad():
-            return self.engine.generate(
-                model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
-            )
-
-    def score_rollouts(
-        self, prompts: list[dict], rollouts: Rollouts, G: int
-    ) -> tuple[list[list[float]], list[dict]]:
-        """Every completion's per-function rewards; and each group's completion ids."""
-        texts, ids, prompt_values, columns = [], [], [], {}
-        for row, completions in zip(prompts, rollouts.completions, strict=True):
-            for completion in completions:
-                text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
-                texts.append(
-                    [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
-                )
-                ids.append(list(completion.ids))
-                prompt_values.append(row["prompt"])
-        names = sorted({key for row in prompts for key in row["columns"]})
-        for name in names:
-            columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
-        values = score(self.rewards, prompt_values, texts, ids, columns)
-        groups = [
-            {
-                "prompt_ids": row["prompt_ids"],
-                "completions": [c.ids for c in completions],
-                "finished": [c.finished for c in completions],
-            }
-            for row, completions in zip(prompts, rollouts.completions, strict=True)
-        ]
-        return values, groups
-
-    def _stopped(self, run, step: int, error: Exception) -> TrainError:
-        newest = newest_checkpoint(run.out)
-        where = f"--resume continues from {newest}" if newest is not None else "no checkpoint to resume from"
-        return TrainError(f"step {step + 1}: {error}; nothing of this step was applied ({where})")
-
-    def plan_step(self, run, step: int, step_bins: Sequence[int]) -> StepPlan:
-        """Step ``step``: a new round of rollouts every ``num_iterations`` steps, the kept one between."""
+    def plan_step(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
+        """Step ``step``: a new round of rollouts every ``num_iterations`` steps (``step_bins``: the
+        round's, as the loop hands them), the kept one between."""
         k = self.settings.num_iterations
         number, iteration = divmod(step, k)
         if iteration == 0:
-            plan = self._round(run, step, step_bins if k == 1 else run.bins_for(number))
+            plan = self._round(context, step, step_bins)
             if k > 1:
                 plan.record["iteration"] = 1
             self.kept = (number, plan)
@@ -359,150 +303,6 @@ class GRPO(Objective):
             micro=kept.micro, total=kept.total, tokens=kept.tokens, documents=kept.documents, record=repeat
         )
 
-    def _round(self, run, step: int, step_bins: Sequence[int]) -> StepPlan:
-        """Sample, score and pack this rank's share of ``step_bins``; the old log-probs where kept."""
-        config, settings, info = self.config, self.settings, run.info
-        G = settings.num_generations
-        mine = [run.bins[i] for i in step_bins[info.rank :: info.world_size]]
-        prompts = [row for rows in mine for row in rows]
-        started = time.perf_counter()
-        rollouts = self.sample(
-            run.base_model, prompts, seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank
-        )
-        generated = time.perf_counter()
-        try:
-            per_function, groups = self.score_rollouts(prompts, rollouts, G)
-        except RewardError as error:
-            raise self._stopped(run, step, error) from None
-        rewards = [weighted(values, self.rewards) for values in per_function]
-        scored = time.perf_counter()
-        # the step's counts over every rank: completions, counted tokens, and the rewards' sums (batch std)
-        lengths = [len(c) for g in groups for c in g["completions"]]
-        finished = [f for g in groups for f in g["finished"]]
-        counted = self.counted_tokens(groups)
-        local = torch.tensor(
-            [len(rewards), sum(counted), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64
-        )
-        totals = info.sum_tensor(local.to(run.device)).tolist() if info.enabled else local.tolist()
-        completions_all, tokens_all, reward_sum, reward_squares = totals
-        batch_std = None
-        if settings.scale_rewards == "batch":
-            mean = reward_sum / completions_all
-            batch_std = math.sqrt(
-                max(0.0, (reward_squares - completions_all * mean * mean) / max(1.0, completions_all - 1))
-            )
-        advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
-        micro = self.pack_update(
-            groups, [len(rows) for rows in mine], advantages, counted, tokens_all, run.device
-        )
-        if settings.beta > 0:  # the reference: the same packed forward with the adapter off, before the clock
-            for item in micro:
-                item.reference = reference_sums(run.model, item.completions.batch, self.chunked, adapter=True)
-        if settings.num_iterations > 1:  # the sampling policy's log-probs, kept for the round's k updates
-            with torch.no_grad():
-                for item in micro:
-                    item.old = answer_sums(run.model, item.completions.batch, self.chunked).detach()
-        referenced = time.perf_counter()
-        total = self.loss_divisor(completions_all, tokens_all)
-        record = self._record(
-            per_function,
-            rewards,
-            lengths,
-            finished,
-            G,
-            rollouts,
-            generated - started,
-            scored - generated,
-            referenced - scored,
-        )
-        return StepPlan(
-            micro=micro,
-            total=total,
-            tokens=sum(completion_tokens(g, prefix_sharing=False) for g in groups) * info.world_size,
-            documents=[completion_documents(groups, settings.prefix_sharing)],
-            record=record,
-        )
-
-    def counted_tokens(self, groups: list[dict]) -> list[int]:
-        """The tokens each completion of ``groups`` counts in the loss: its length, or 0 where it was
-        cut at ``max_new_tokens`` and ``mask_truncated_completions`` leaves it out."""
-        mask = self.settings.mask_truncated_completions
-        return [
-            0 if (mask and not finished) else len(ids)
-            for g in groups
-            for ids, finished in zip(g["completions"], g["finished"], strict=True)
-        ]
-
-    def pack_update(
-        self,
-        groups: list[dict],
-        sizes: Sequence[int],
-        advantages: Sequence[float],
-        counted: Sequence[int],
-        tokens_all: float,
-        device,
-    ) -> list[GRPOMicro]:
-        """The update's micro-batches: ``groups`` (one prompt's completions each, in order) cut into
-        micro-batches of ``sizes`` groups, each packed ``prompt | completions`` (or prompt + completion
-        G times without prefix sharing), with every token's advantage and loss mask. ``counted``: the
-        tokens each completion counts in the loss (0: masked out); ``tokens_all``: the step's counted
-        tokens over every rank."""
-        settings, G = self.settings, self.settings.num_generations
-        micro, offset = [], 0
-        for count in sizes:
-            first = offset * G
-            packed = collate_completions(
-                groups[offset : offset + count],
-                settings.prefix_sharing,
-                device=None,
-                temperature=settings.temperature,
-            )
-            owner = packed.completion_index
-            adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
-            keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
-            seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
-            micro.append(
-                GRPOMicro(
-                    completions=packed.to(device),
-                    advantages=adv.index_select(0, owner).to(device),
-                    mask=keep.index_select(0, owner).to(device),
-                    seq_tokens=seq_tokens.to(device),
-                    reference=None,
-                    tokens_in_step=max(1.0, tokens_all),
-                )
-            )
-            offset += count
-        return micro
-
-    def loss_divisor(self, completions: float, tokens: float) -> float:
-        """What the step's summed loss is divided by: ``dapo`` its counted tokens, ``grpo`` its
-        completions, ``dr_grpo`` completions x max_new_tokens (every rank's)."""
-        if self.settings.loss == "dapo":
-            return max(1.0, tokens)
-        if self.settings.loss == "grpo":
-            return completions
-        return completions * self.settings.max_new_tokens
-
-    def _record(
-        self, per_function, rewards, lengths, finished, G, rollouts, generation_s, scoring_s, reference_s
-    ):
-        """This rank's host-side metrics of a step (rank 0's are logged)."""
-        record: dict[str, Any] = {"reward": statistics.fmean(rewards)}
-        stds = [statistics.stdev(rewards[i : i + G]) for i in range(0, len(rewards), G)]
-        record["reward_std"] = statistics.fmean(stds)
-        record["equal_rewards_share"] = sum(1 for s in stds if s == 0.0) / len(stds)
-        for index, fn in enumerate(self.rewards):
-            values = [v[index] for v in per_function if not math.isnan(v[index])]
-            record[f"reward_{fn.name}"] = statistics.fmean(values) if values else None
-        record["completion_mean_tokens"] = statistics.fmean(lengths)
-        record["completion_max_tokens"] = max(lengths)
-        record["truncated_share"] = sum(1 for f in finished if not f) / len(finished)
-        record["generation_s"] = generation_s
-        record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
-        record["reward_s"] = scoring_s
-        record["reference_s"] = reference_s
-        return record
-
     def micro_weight(self, micro) -> int:
         return micro.completions.num_completions
 
@@ -517,28 +317,21 @@ class GRPO(Objective):
         logp = answer_sums(model, micro.completions.batch, self.chunked)  # [tokens]: one "answer" a token
         # num_iterations 1: the policy that sampled is the one being updated (r = 1, its gradient acts)
         old = logp.detach() if micro.old is None else micro.old
-        ratio = torch.exp(logp - old)
-        low, high = (
-            settings.epsilon,
-            settings.epsilon_high if settings.epsilon_high is not None else settings.epsilon,
+        loss, clipped, kl = policy_loss(
+            logp,
+            old,
+            micro.advantages,
+            micro.mask,
+            weight,
+            epsilon=settings.epsilon,
+            epsilon_high=settings.epsilon_high,
+            beta=settings.beta,
+            reference=micro.reference,
+            aggregate=settings.loss,
+            owner=micro.completions.completion_index,
+            seq_tokens=micro.seq_tokens,
         )
-        clipped_ratio = ratio.clamp(1 - low, 1 + high)
-        A = micro.advantages
-        per_token = -torch.minimum(ratio * A, clipped_ratio * A)
-        kl = torch.zeros_like(per_token)
-        if micro.reference is not None:
-            delta = micro.reference.to(logp.device) - logp
-            kl = torch.exp(delta) - delta - 1
-            per_token = per_token + settings.beta * kl
-        mask = micro.mask
-        if settings.loss == "grpo":
-            owner = micro.completions.completion_index
-            per_seq = torch.zeros_like(micro.seq_tokens).index_add(0, owner, per_token * mask)
-            loss = (per_seq / micro.seq_tokens.clamp(min=1)).sum() / weight
-        else:
-            loss = (per_token * mask).sum() / weight
-        clipped = (((ratio < 1 - low) & (A < 0)) | ((ratio > 1 + high) & (A > 0))).float()
-        tokens = micro.tokens_in_step
+        mask, tokens = micro.mask, micro.tokens_in_step
         found = torch.stack(
             [loss.detach(), (clipped * mask).sum() / tokens, (kl.detach() * mask).sum() / tokens]
         )

@@ -4,7 +4,7 @@ a_r^ref)) - 1 / (2 beta))^2`` on per-token mean log-probs against the reference;
 
 from __future__ import annotations
 
-from ..preference.losses import ipo_terms
+from ..loss.preference import ipo_terms
 from .base import register_objective
 from .pairs import PairObjective
 

@@ -5,7 +5,7 @@ As TRL's ``ORPOTrainer`` computes it, with ``a`` an answer's *mean* per-token lo
     loss = -a_c - lambda * log sigmoid(log_odds),
     log_odds = (a_c - a_r) - (log(1 - exp(a_c)) - log(1 - exp(a_r)))
 
-(``log(1 - exp(x))`` computed stably, ``preference.losses.log1m_exp``). The NLL term is the chosen
+(``log(1 - exp(x))`` computed stably, ``loss.preference.log1m_exp``). The NLL term is the chosen
 answer's mean over its own tokens, and the step averages pairs, so every pair weighs the same
 (TRL averages the NLL over the batch's chosen tokens: the same where answers are equally long).
 Rewards are ``beta * a`` (as TRL logs them); the step also logs the NLL and the log-odds.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..preference.losses import METRICS, orpo_terms
+from ..loss.preference import METRICS, orpo_terms
 from .base import register_objective
 from .pairs import PairObjective, PairSettings
 

@@ -1,14 +1,16 @@
 """What every preference objective shares (DPO, IPO, SimPO, ORPO): pairs read, packed and collated
 with the prompt once, the reference pass, the step's loss through ``pair_terms``, evaluation.
 
-A subclass says its ``name``, its ``pair_terms`` (``preference.losses``), whether it needs the
-reference log-probs (``reference_free``) and, where it reports more than the reward metrics,
-``metrics``. The settings are the config's ``preference`` section (``beta``, ``simpo_gamma``,
-``prefix_sharing``, ``reference``); a reference-free objective ignores ``reference``.
+A subclass says its ``name``, its ``pair_terms`` (:mod:`slipstream.loss.preference`), whether it
+needs the reference log-probs (``reference_free``) and, where it reports more than the reward
+metrics, ``metrics``. The settings (:class:`PairSettings`) are the config's ``preference`` section
+(``beta``, ``simpo_gamma``, ``prefix_sharing``, ``reference``); a reference-free objective ignores
+``reference``. Pairs are read by :mod:`slipstream.data.pairs` and packed by
+:mod:`slipstream.packing.pairs`; the log-prob forward is :mod:`.answers`, the reference cache :mod:`.reference`.
 
 The reference (for DPO and IPO) is the base model: with LoRA the same model with the adapter off.
 ``precomputed`` (the default): one ``no_grad`` pass over every bin before step 0
-(:func:`slipstream.preference.reference_pass`), with the policy as it starts (a LoRA adapter starts
+(:func:`.answers.reference_pass`), with the policy as it starts (a LoRA adapter starts
 at zero, so this is the base), kept per bin and cached; ``per_step``: each micro-batch's reference
 forward runs in the step, under ``disable_adapter()``.
 """
@@ -19,22 +21,24 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from tqdm import tqdm
 
 from ..data import DataError, PackingReport
 from ..data.cache import cache_root
+from ..data.pairs import PairReport, load_pairs, split_pairs
+from ..errors import TrainError
+from ..fields import Range
+from ..loss.preference import METRICS, PairTerms
 from ..optimize import state_of
-from ..packing.pairs import collate_pairs, counted_tokens, pair_documents, pair_tokens
-from ..preference import METRICS, PairReport, evaluate_pairs, load_pairs, pack_pairs, split_pairs
-from ..preference import objective as pair_forward
-from ..preference.losses import PairTerms
-from ..preference.reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
-from ..train.errors import TrainError
-from ..train.evaluation import rank_share
-from .base import Objective, ObjectiveData, split_held_out
+from ..packing.pairs import collate_pairs, counted_tokens, pack_pairs, pair_documents, pair_tokens
+from . import answers as pair_forward
+from .answers import evaluate_pairs
+from .base import Objective, ObjectiveContext, ObjectiveData, split_held_out
+from .evaluation import rank_share
+from .reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
 
 logger = logging.getLogger("slipstream")
 
@@ -53,12 +57,17 @@ class PairEvalSet:
 
 @dataclass(frozen=True)
 class PairSettings:
-    """What a preference objective's step needs (from ``preference:``, or from an A/B's arm)."""
+    """The preference objectives' settings: the config's ``preference:`` section (``training.objective``
+    dpo / ipo / simpo / orpo), or an A/B arm's. Each field's rule is declared here, where it is read."""
 
-    beta: float = 0.1
-    simpo_gamma: float = 1.0
+    # how far from the reference the policy may move (orpo: the odds-ratio term's weight, lambda)
+    beta: Annotated[float, Range(gt=0)] = 0.1
+    simpo_gamma: Annotated[float, Range(ge=0)] = 1.0  # SimPO's target reward margin
+    # a pair packed as prompt | chosen | rejected, the prompt run once (else prompt+chosen, prompt+rejected)
     prefix_sharing: bool = True
-    reference: str = "precomputed"  # or "per_step"
+    # the reference log-probs: one pass before step 0, cached (the base model: the adapter starts at
+    # zero); or per_step, in every step with the adapter off (LoRA only)
+    reference: Literal["precomputed", "per_step"] = "precomputed"
 
 
 class PairObjective(Objective):
@@ -70,12 +79,7 @@ class PairObjective(Objective):
 
     def __init__(self, config: Any = None, settings: PairSettings | None = None) -> None:
         super().__init__(config)
-        if settings is None:
-            section = config.preference
-            settings = PairSettings(
-                section.beta, section.simpo_gamma, section.prefix_sharing, section.reference
-            )
-        self.settings = settings
+        self.settings = settings if settings is not None else config.preference
         self.chunked = True  # the model's chunked loss gives the answer sums; set by before_training
         self.reference: list[torch.Tensor] | None = None
         self.eval_reference: list[torch.Tensor] | None = None
@@ -178,9 +182,9 @@ class PairObjective(Objective):
         return len(rows)
 
     # ------------------------------------------------------------------ before step 0
-    def before_training(self, context) -> str | None:
+    def before_training(self, context: ObjectiveContext) -> str | None:
         """``preference.reference: precomputed``: every bin's reference sums (train and eval), once,
-        cached; ``context``: the run (its config, info, model, device, dtype, bins and evals)."""
+        cached (its ranks, base model, device, dtype, bins and evals read from ``context``)."""
         state = state_of(context.base_model)
         self.chunked = state is not None and state.chunked_loss is not None
         if self.reference_free:
@@ -190,8 +194,8 @@ class PairObjective(Objective):
             return "reference: per_step (a no_grad forward with the adapter off in every step)"
         return self._precompute(context)
 
-    def _precompute(self, context) -> str:
-        config, info = context.config, context.info
+    def _precompute(self, context: ObjectiveContext) -> str:
+        config, info = self.config, context.ranks
         model, chunked, sharing = context.base_model, self.chunked, self.settings.prefix_sharing
         preset = None
         if config.model.path is None:
@@ -251,7 +255,7 @@ class PairObjective(Objective):
         return f"reference log-probs read from the cache ({where}; {count} bins)"
 
     def reference_log_probs(self, model, bins, device) -> list[torch.Tensor] | None:
-        """Every bin's reference sums (the one reference pass, ``preference.reference_pass``), as this
+        """Every bin's reference sums (the one reference pass, :func:`.answers.reference_pass`), as this
         objective packs them; None for a reference-free objective."""
         if self.reference_free:
             return None

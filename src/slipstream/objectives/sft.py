@@ -4,7 +4,7 @@ Rows are SFT samples (``data.load_samples``, or the built-in demo rows), packed 
 decreasing into bins; a micro-batch is a ``PackedBatch``'s model inputs and its label-token
 count. Each micro-batch's summed loss is divided by the label tokens of the whole step
 (``num_items_in_batch``), so the step's loss is that of one big batch. Nothing runs before
-step 0; the eval loss is the token-weighted loss of the held-out samples (``train.evaluation``).
+step 0; the eval loss is the token-weighted loss of the held-out samples (:mod:`.evaluation`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ from ..data import DataError, demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
 from ..data.prefix_groups import group_rows, unshared_tokens
 from ..data.steps import steps_per_epoch
+from ..errors import TrainError
 from ..packing import collate_packed
 from ..packing.groups import collate_groups, group_documents
-from ..train.errors import TrainError
-from ..train.evaluation import EvalSet, eval_set, evaluate, split_rows
-from ..train.preflight import check_labels_left
-from .base import Objective, ObjectiveData, StepPlan, register_objective, split_held_out
+from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, register_objective, split_held_out
+from .evaluation import EvalSet, eval_set, evaluate, split_rows
 from .sharing import LayoutCost, PrefixSharing
 
 logger = logging.getLogger("slipstream")
@@ -128,50 +127,52 @@ class SFT(Objective):
         data = self.config.data
         return pack_samples(samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow)
 
-    def before_training(self, context) -> str | None:
+    def before_training(self, context: ObjectiveContext) -> str | None:
         """``data.share_prefixes``' decision on the first epoch's steps (rank 0's, every rank the same):
         ``auto`` by the device's cost model. Returns its policy line."""
-        run, config = context, self.config
-        info = run.info
+        config = self.config
+        info = context.ranks
         self.sharing = PrefixSharing(
             config.data.share_prefixes, config.data.max_seq_len, config.seed, unable=_cannot_share(config)
         )
         if config.data.share_prefixes == "off":
             return None
         per_step = config.training.grad_accum * info.world_size
-        first_epoch = min(run.total, steps_per_epoch(len(run.bins), per_step))
+        first_epoch = min(context.steps, steps_per_epoch(len(context.bins), per_step))
         steps = [
-            [run.bins[index] for index in run.bins_for(step)[:: info.world_size]]
+            [context.bins[index] for index in context.step_bins(step)[:: info.world_size]]
             for step in range(first_epoch)
         ]
-        on = self.sharing.decide(steps, lambda: LayoutCost.of(run.base_model, run.device, run.dtype))
+        on = self.sharing.decide(
+            steps, lambda: LayoutCost.of(context.base_model, context.device, context.dtype)
+        )
         if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
             self.sharing.on = info.sum(float(on) if info.is_main else 0.0) > 0.5
         logger.info("%s", self.sharing.policy)
         return self.sharing.policy
 
-    def plan_step(self, run, step: int, step_bins) -> StepPlan:
+    def plan_step(self, context: ObjectiveContext, step: int, step_bins) -> StepPlan:
         """The step's bins as they are, or, where sharing is on, its rows regrouped: each rank's rows
         (the bins it would have trained) in micro-batches that hold each shared start once."""
         sharing = getattr(self, "sharing", None)
         if sharing is None or not sharing.on:
-            plan = super().plan_step(run, step, step_bins)
+            plan = super().plan_step(context, step, step_bins)
             plan.record["micro_batches"] = len(plan.micro)  # this rank's
             return plan
-        info = run.info
+        info = context.ranks
         ranks = [
-            sharing.share([run.bins[i] for i in step_bins[rank :: info.world_size]], step)
+            sharing.share([context.bins[i] for i in step_bins[rank :: info.world_size]], step)
             for rank in range(info.world_size)
         ]
         if len({len(micro) for micro in ranks}) > 1:  # every rank runs as many micro-batches (DDP)
             ranks = [
-                [sharing.share([run.bins[i]], step)[0] for i in step_bins[rank :: info.world_size]]
+                [sharing.share([context.bins[i]], step)[0] for i in step_bins[rank :: info.world_size]]
                 for rank in range(info.world_size)
             ]
         return StepPlan(
-            micro=[self.collate(groups, run.device) for groups in ranks[info.rank]],
-            total=sum(run.label_tokens[index] for index in step_bins),
-            tokens=sum(self.tokens(run.bins[index]) for index in step_bins),
+            micro=[self.collate(groups, context.device) for groups in ranks[info.rank]],
+            total=sum(context.weights[index] for index in step_bins),
+            tokens=sum(self.tokens(context.bins[index]) for index in step_bins),
             documents=[self.documents(micro) for rank_micro in ranks for micro in rank_micro],
             record={"micro_batches": len(ranks[info.rank])},
         )
@@ -225,6 +226,16 @@ def _grouped(rows: Sequence[dict]) -> bool:
 
 def _whole_rows(rows: Sequence[dict]) -> list[dict]:
     return [row for group in rows for row in group_rows(group)] if _grouped(rows) else list(rows)
+
+
+def check_labels_left(no_labels: int, config) -> None:
+    """Samples that ``data.max_seq_len`` leaves with no label: refused, or skipped if bad rows are."""
+    if no_labels and not config.data.skip_bad_rows:
+        raise TrainError(
+            f"data.max_seq_len {config.data.max_seq_len}: {no_labels} sample(s) would keep no label after "
+            f"being cut to it (their prompts are longer); raise data.max_seq_len, or set "
+            "data.skip_bad_rows to leave them out"
+        )
 
 
 def _cannot_share(config) -> str | None:

@@ -4,7 +4,7 @@ a_r) - gamma)`` on per-token mean log-probs; rewards ``beta * a``. Settings: ``p
 
 from __future__ import annotations
 
-from ..preference.losses import simpo_terms
+from ..loss.preference import simpo_terms
 from .base import register_objective
 from .pairs import PairObjective
 

@@ -20,6 +20,7 @@ a rejected answer's [R, P + R] causal mask is the only mask, built once per shap
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -113,3 +114,28 @@ def _ids(pair: dict[str, Any], key: str, number: int) -> list[int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
         raise TypeError(f"pair {number}: {key!r} must contain only ints")
     return ids
+
+
+def pack_pairs(pairs: list[dict[str, Any]], max_seq_len: int, seed: int = 0) -> list[list[dict[str, Any]]]:
+    """Best-fit-decreasing bins of pairs by their shared length (prompt once, both answers); ties in
+    a seeded order. Every pair fits one bin (``tokenize_pair`` cut it to ``max_seq_len``)."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    order.sort(key=lambda i: -pair_tokens(pairs[i]))
+    bins: list[list[dict[str, Any]]] = []
+    room: list[int] = []
+    for i in order:
+        size = pair_tokens(pairs[i])
+        best = (
+            min((r - size, b) for b, r in enumerate(room) if r >= size)
+            if any(r >= size for r in room)
+            else None
+        )
+        if best is None:
+            bins.append([pairs[i]])
+            room.append(max_seq_len - size)
+        else:
+            b = best[1]
+            bins[b].append(pairs[i])
+            room[b] -= size
+    return bins

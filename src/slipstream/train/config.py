@@ -34,6 +34,9 @@ from ..fields import (
 from ..fields import (
     field_types as _field_types,
 )
+from ..objectives import objective_for, objective_names  # the registry (importing it registers)
+from ..objectives.grpo import GRPOSettings
+from ..objectives.pairs import PairSettings
 from ..speedups import Speedups
 from .distributed import Strategy
 
@@ -111,50 +114,10 @@ class OptimizerConfig:
 # checked against the registry when the config is validated.
 Objective = str
 
-
-@dataclass
-class PreferenceConfig:
-    """The preference objectives' settings (``training.objective`` dpo / ipo / simpo / orpo)."""
-
-    # how far from the reference the policy may move (orpo: the odds-ratio term's weight, lambda)
-    beta: Annotated[float, Range(gt=0)] = 0.1
-    simpo_gamma: Annotated[float, Range(ge=0)] = 1.0  # SimPO's target reward margin
-    # a pair packed as prompt | chosen | rejected, the prompt run once (else prompt+chosen, prompt+rejected)
-    prefix_sharing: bool = True
-    # the reference log-probs: one pass before step 0, cached (the base model: the adapter starts at
-    # zero); or per_step, in every step with the adapter off (LoRA only)
-    reference: Literal["precomputed", "per_step"] = "precomputed"
-
-
-@dataclass
-class GRPOConfig:
-    """Online RL's settings (``training.objective: grpo``): rollouts, rewards and the clipped update."""
-
-    num_generations: Annotated[int, Range(ge=2)] = 8  # completions sampled per prompt (G)
-    prompts_per_batch: Positive = 2  # prompts per micro-batch, each with its G completions
-    max_new_tokens: Positive = 128
-    temperature: Annotated[float, Range(gt=0)] = 1.0
-    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
-    top_k: NonNegative = 0  # 0: no top-k cut
-    # the reward functions: "module:function" (a .py file next to the config, or an importable
-    # module) or a built-in's name (answer_tag, format_regex, length_penalty), or a mapping
-    # {function, weight, args}; TRL's convention f(prompts, completions, completion_ids, **columns)
-    rewards: list[Any] = field(default_factory=list)
-    # dapo: every completion token weighs the same over the step (TRL's default); grpo: each
-    # completion's token mean, then the mean over completions; dr_grpo: the token sum over
-    # completions x max_new_tokens
-    loss: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    # advantages: reward minus its group's mean, divided by the group's std, the batch's, or nothing
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    epsilon: Annotated[float, Range(gt=0, lt=1)] = 0.2  # the ratio's clip below 1
-    epsilon_high: Annotated[float, Range(gt=0)] | None = None  # and above 1 (None: epsilon)
-    beta: Annotated[float, Range(ge=0)] = 0.0  # the KL to the reference (the adapter off); 0: none
-    num_iterations: Positive = 1  # updates per batch of rollouts
-    mask_truncated_completions: bool = False  # leave completions cut at max_new_tokens out of the loss
-    # the prompt run once for its G completions in the update (else prompt + completion, G times)
-    prefix_sharing: bool = True
-    eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
-    eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
+# Each objective's settings are its own dataclass, declared beside its code; the config's sections
+# are those (the names below are what the sections were called here before).
+PreferenceConfig = PairSettings  # preference: (training.objective dpo / ipo / simpo / orpo)
+GRPOConfig = GRPOSettings  # grpo: (training.objective grpo)
 
 
 @dataclass
@@ -194,8 +157,8 @@ class TrainConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    preference: PairSettings = field(default_factory=PairSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
     speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes
     output_dir: str = "runs/train"
     seed: NonNegative = 0
@@ -242,8 +205,6 @@ class TrainConfig:
             fail("lora.target_modules", "'lora.target_modules' is empty: name the modules the adapter wraps")
         if not self.output_dir.strip():
             fail("output_dir", "'output_dir' is empty")
-        from ..objectives.base import objective_for, objective_names  # the registry (importing it registers)
-
         try:
             objective = objective_for(self.training.objective)
         except KeyError:

@@ -1,10 +1,14 @@
-"""The errors ``slipstream train`` raises about the run itself (the config has ``ConfigError``)."""
+"""The errors ``slipstream train`` raises about the run itself (the config has ``ConfigError``).
+
+``TrainError`` lives in :mod:`slipstream.errors` (the objectives below the loop raise it too) and is
+re-exported here, where users and the CLI catch it.
+"""
 
 from __future__ import annotations
 
+from ..errors import TrainError
 
-class TrainError(RuntimeError):
-    """A problem with the run itself (not the config): the message says what and where."""
+__all__ = ["TrainError", "TrainInterrupted"]
 
 
 class TrainInterrupted(TrainError, KeyboardInterrupt):

@@ -57,7 +57,8 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
     tokens, and whether it was finite (applied); every rank gets the same loss and verdict. The
     step's metrics (and its pairs) are kept in ``run.last_metrics``."""
     objective = run.objective
-    plan = objective.plan_step(run, step, run.bins_for(step))  # GRPO samples its rollouts here
+    context = run.context  # the step's bins: a round's for steps of one round (GRPO's num_iterations)
+    plan = objective.plan_step(context, step, context.step_bins(step))  # GRPO samples its rollouts here
     result = train_step(
         run.model,
         plan.micro,

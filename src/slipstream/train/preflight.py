@@ -2,8 +2,8 @@
 
 Each raises a ``TrainError`` whose one line names the config key or file and says what to do:
 the model directory and its weight files, the chat template ``data.chat_template`` names, LoRA's target modules against the model's module
-names, the data's token ids against the model's vocabulary, and samples that the chosen
-``max_seq_len`` would leave with no label.
+names, and the data's token ids against the model's vocabulary (samples that ``max_seq_len`` would
+leave with no label are SFT's check: ``objectives.sft.check_labels_left``).
 """
 
 from __future__ import annotations
@@ -94,13 +94,3 @@ def check_token_ids(samples: Sequence[dict], model: torch.nn.Module, source: str
     embeddings = model.get_input_embeddings()
     rows = embeddings.num_embeddings if hasattr(embeddings, "num_embeddings") else embeddings.weight.shape[0]
     check_ids_in_vocab(samples, rows, source, error=TrainError, advice=" (or resize the embeddings first)")
-
-
-def check_labels_left(no_labels: int, config: TrainConfig) -> None:
-    """Samples that ``data.max_seq_len`` leaves with no label: refused, or skipped if bad rows are."""
-    if no_labels and not config.data.skip_bad_rows:
-        raise TrainError(
-            f"data.max_seq_len {config.data.max_seq_len}: {no_labels} sample(s) would keep no label after "
-            f"being cut to it (their prompts are longer); raise data.max_seq_len, or set "
-            "data.skip_bad_rows to leave them out"
-        )

@@ -29,10 +29,11 @@ from ..models.qlora import load_for_qlora
 from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
 from ..objectives import Objective, objective_for
+from ..objectives.base import ObjectiveContext
 from ..optimize import optimize, state_of
 from ..refusal import Refusal, refusal_in
 from ..utilisation import FlopProfile, flop_profile, matmul_peak
-from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point
+from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point, newest_checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, setup, unwrap, wrap
 from .errors import TrainError
@@ -165,11 +166,38 @@ class _Run:
     eval_metrics: list[tuple[int, dict]] = field(default_factory=list)
     last_metrics: dict | None = None  # the last step's metrics (loss first)
     last_plan: Any = None  # the last step's objectives.StepPlan (its documents, its record)
+    context: ObjectiveContext | None = None  # what the objective reads of the run (objective_context)
 
     @property
     def base_model(self) -> torch.nn.Module:
         """The model under the ranks' wrapper (what a reference pass runs)."""
         return unwrap(self.model)
+
+
+def objective_context(run: _Run) -> ObjectiveContext:
+    """What the objective may read of ``run`` (``before_training``, ``plan_step``). The rounds are the
+    loop's: an objective that trains ``updates_per_round`` steps on one round gets round
+    ``step // updates_per_round``'s bins for each of them; the resume hint is the output directory's."""
+    rounds = run.objective.updates_per_round
+
+    def resume_hint() -> str:
+        newest = newest_checkpoint(run.out)
+        return f"--resume continues from {newest}" if newest is not None else "no checkpoint to resume from"
+
+    return ObjectiveContext(
+        ranks=run.info,
+        tokenizer=run.tokenizer,
+        bins=run.bins,
+        weights=run.label_tokens,
+        evals=run.evals,
+        device=run.device,
+        dtype=run.dtype,
+        model=run.model,
+        base_model=run.base_model,
+        steps=run.total,
+        step_bins=run.bins_for if rounds == 1 else lambda step: run.bins_for(step // rounds),
+        resume_hint=resume_hint,
+    )
 
 
 def objective_of(config: TrainConfig) -> Objective:
@@ -320,7 +348,8 @@ def _set_up_locked(
         matmul_peak=peak,
     )
     # before a checkpoint's weights are loaded: the policy as it starts (the reference pass)
-    line = objective.before_training(run)
+    run.context = objective_context(run)
+    line = objective.before_training(run.context)
     if line is not None:
         run.policies.append(line)
         if info.is_main:

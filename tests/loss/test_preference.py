@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from slipstream.preference import METRICS, preference_terms
-from slipstream.preference.losses import metric_sums
+from slipstream.loss.preference import METRICS, metric_sums, preference_terms
 
 LN2 = math.log(2.0)
 

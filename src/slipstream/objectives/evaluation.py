@@ -1,4 +1,5 @@
-"""Validation: the eval set (a second data file, or a seeded share of the training rows) and its loss.
+"""Validation, the objectives' held-out sets: SFT's eval set (a second data file, or a seeded share of
+the training rows) and its loss, and each rank's share of any held-out bins (:func:`rank_share`).
 
 ``data.eval_path`` is read and tokenized like the training data (the same ``response_only``,
 ``max_seq_len``, ``overflow`` and tokenized cache); ``data.eval_fraction`` takes a seeded share
@@ -25,12 +26,12 @@ import torch
 
 from ..data import pack_samples
 from ..data.labels import count_label_tokens
+from ..errors import TrainError
 from ..host_reads import read_to_host
 from ..loss import chunked_evaluation
 from ..modes import eval_mode
 from ..packing import collate_packed
-from .distributed import Distributed
-from .errors import TrainError
+from .base import Ranks
 
 
 @dataclass
@@ -91,7 +92,7 @@ def rank_share(num_bins: int, rank: int, world_size: int) -> list[tuple[int, boo
     return share
 
 
-def evaluate(model: torch.nn.Module, evals: EvalSet, info: Distributed, device: torch.device) -> float:
+def evaluate(model: torch.nn.Module, evals: EvalSet, info: Ranks, device: torch.device) -> float:
     """The token-weighted eval loss of ``model`` over every rank's share (one host read)."""
     total = torch.zeros((), dtype=torch.float32, device=device)
     with eval_mode(model), torch.no_grad(), chunked_evaluation(model):

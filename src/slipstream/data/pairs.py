@@ -1,4 +1,5 @@
-"""Preference rows to tokenized pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids"}``.
+"""Preference rows to tokenized pairs: ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (packed into
+bins by :func:`slipstream.packing.pairs.pack_pairs`).
 
 The formats users have (TRL's, and what Anthropic HH / UltraFeedback-style sets use):
 
@@ -25,11 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.chat import has_chat_template, render_chat
-from ..data.errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy, json_type
-from ..data.readers import read_rows
-from ..data.shapes import _chat_messages, _with_eos
-from ..packing.pairs import pair_tokens
+from .chat import has_chat_template, render_chat
+from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy, json_type
+from .readers import read_rows
+from .shapes import _chat_messages, _with_eos
 
 Pair = dict[str, list[int]]
 PAIR_FIELDS = ("prompt", "chosen", "rejected", "system")
@@ -250,28 +250,3 @@ def split_pairs(pairs: list[Pair], fraction: float, seed: int, source: str) -> t
     return [p for i, p in enumerate(pairs) if i not in chosen], [
         p for i, p in enumerate(pairs) if i in chosen
     ]
-
-
-def pack_pairs(pairs: list[Pair], max_seq_len: int, seed: int = 0) -> list[list[Pair]]:
-    """Best-fit-decreasing bins of pairs by their shared length (prompt once, both answers); ties in
-    a seeded order. Every pair fits one bin (``tokenize_pair`` cut it to ``max_seq_len``)."""
-    order = list(range(len(pairs)))
-    random.Random(seed).shuffle(order)
-    order.sort(key=lambda i: -pair_tokens(pairs[i]))
-    bins: list[list[Pair]] = []
-    room: list[int] = []
-    for i in order:
-        size = pair_tokens(pairs[i])
-        best = (
-            min((r - size, b) for b, r in enumerate(room) if r >= size)
-            if any(r >= size for r in room)
-            else None
-        )
-        if best is None:
-            bins.append([pairs[i]])
-            room.append(max_seq_len - size)
-        else:
-            b = best[1]
-            bins[b].append(pairs[i])
-            room[b] -= size
-    return bins

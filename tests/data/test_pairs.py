@@ -9,8 +9,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from slipstream.data.errors import DataError
-from slipstream.packing.pairs import pair_tokens
-from slipstream.preference import load_pairs, pack_pairs, split_pairs, tokenize_pair
+from slipstream.data.pairs import load_pairs, split_pairs, tokenize_pair
+from slipstream.packing.pairs import pack_pairs, pair_tokens
 
 
 @pytest.fixture(scope="module")

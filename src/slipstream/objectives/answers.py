@@ -1,4 +1,6 @@
-"""A preference micro-batch's loss and metric sums, the reference pass and evaluation, on packed pairs.
+"""Answers' summed log-probs on a packed batch (the policy's, and the reference's with the adapter off),
+what the pair objectives and GRPO read; and, on packed pairs, a micro-batch's loss and metric sums,
+the reference pass and evaluation.
 
 The optimizer step is the one every objective takes (``train.step.train_step``): forward +
 backward every micro-batch through :func:`pair_loss` (each micro-batch's summed pair losses
@@ -6,14 +8,16 @@ divided by the pair count of the whole step: every pair weighs the same wherever
 clip, and one host read of the loss, the gradient norm and the reward metrics together before
 the update, which is dropped when either is not finite.
 
-A micro-batch is a :class:`PackedBatch` from :func:`slipstream.packing.pairs.collate_pairs`. The
-model's forward gives every answer's summed log-prob: through the chunked loss (no logits; the
+A pair micro-batch is a :class:`PackedBatch` from :func:`slipstream.packing.pairs.collate_pairs`
+(GRPO's: from :func:`slipstream.packing.completions.collate_completions`, a completion an answer).
+The model's forward gives every answer's summed log-prob: through the chunked loss (no logits; the
 sums are left on the batch), or, with the chunked loss off, from the logits.
 
-The reference (for DPO and IPO) is the base model: with LoRA the same model with the adapter off.
-``precomputed`` (the default): one ``no_grad`` pass over every bin before step 0, with the policy
-as it starts (a LoRA adapter starts at zero, so this is the base), kept per bin; ``per_step``:
-each micro-batch's reference forward runs in the step, under ``disable_adapter()``.
+The reference (for DPO and IPO, and GRPO's KL) is the base model: with LoRA the same model with the
+adapter off. ``precomputed`` (the pairs' default): one ``no_grad`` pass over every bin before step 0
+(:func:`reference_pass`, cached by :mod:`.reference`), with the policy as it starts (a LoRA adapter
+starts at zero, so this is the base), kept per bin; ``per_step``: each micro-batch's reference
+forward runs in the step, under ``disable_adapter()``.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ from typing import Any
 import torch
 
 from ..loss import answer_logprobs_from_logits, answer_logprobs_of
+from ..loss.preference import METRICS, PairTerms, metric_sums
 from ..modes import eval_mode
 from ..packing.batch import PackedBatch
 from ..packing.pairs import collate_pairs
-from .losses import METRICS, PairTerms, metric_sums
 
 
 def _inputs(batch: PackedBatch, chunked: bool) -> dict[str, Any]:

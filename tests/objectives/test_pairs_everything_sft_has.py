@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipstream.preference import objective
+from slipstream.objectives import answers as objective
 from slipstream.train.errors import TrainError
 
 from ..ports import free_port
-from .test_train import LN2, dpo_config, losses, records, run, write_pairs
+from .test_pairs import LN2, dpo_config, losses, records, run, write_pairs
 
 
 def test_moe_experts_with_expert_lora_train_dpo(tmp_path):

@@ -1,0 +1,282 @@
+"""GRPO's rollouts: a round sampled, scored and packed for the update (steps 1-4 of :mod:`.grpo`'s
+docstring, up to the loss).
+
+For this rank's share of the round's prompts (the bins the loop hands the round's steps):
+completions sampled by the objective's :class:`slipstream.rollouts.RolloutEngine`, seeded by
+(seed, step, rank); rewards (:mod:`slipstream.rewards`); group-relative advantages
+(:func:`advantages_of`); the update's micro-batches (:mod:`slipstream.packing.completions`) with
+each token's advantage and loss mask, and the reference's and the sampling policy's log-probs where
+the settings need them, read by ``no_grad`` forwards before the step's clock. :class:`RolloutMaker`
+is what :class:`.grpo.GRPO` inherits of it (the A/B's GRPO arms call the same methods).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import TrainError
+from ..loss.grpo import loss_divisor
+from ..modes import eval_mode
+from ..packing.completions import collate_completions, completion_documents, completion_tokens
+from ..rewards import RewardError, RewardFunction, score, weighted
+from ..rollouts import Rollouts, Sampling
+from .answers import answer_sums, reference_sums
+from .base import ObjectiveContext, StepPlan
+
+GROUP_STD_EPSILON = 1e-4  # added to a group's reward std before dividing (TRL's)
+
+
+@dataclass
+class GRPOMicro:
+    """One micro-batch of the update: the packed completions and, per token, what its loss reads."""
+
+    completions: Any  # packing.completions.CompletionBatch
+    advantages: torch.Tensor  # [tokens] fp32: the advantage of each token's completion
+    mask: torch.Tensor  # [tokens] fp32: 1 where the token counts in the loss
+    seq_tokens: torch.Tensor  # [completions] fp32: tokens each completion counts (grpo's mean)
+    reference: torch.Tensor | None  # [tokens] fp32: the reference's log-probs (beta > 0)
+    tokens_in_step: float  # every rank's counted completion tokens this step (metric divisor)
+    old: torch.Tensor | None = None  # [tokens] fp32: the sampling policy's log-probs (num_iterations > 1)
+
+
+def stop_ids(tokenizer, model) -> tuple[int, ...]:
+    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
+    found: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        found.add(int(tokenizer.eos_token_id))
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    for token in eos if isinstance(eos, (list, tuple)) else [eos]:
+        if token is not None:
+            found.add(int(token))
+    return tuple(sorted(found))
+
+
+def advantages_of(
+    rewards: Sequence[float], group: int, scale: str, batch_std: float | None = None
+) -> list[float]:
+    """Each reward minus its group's mean (groups of ``group`` in order), divided as ``scale`` says:
+    ``group`` by the group's std (+ 1e-4), ``batch`` by ``batch_std`` (+ 1e-4; None: the std of
+    ``rewards``, one process's whole step), ``none`` not at all. Stds are unbiased (n - 1), as
+    torch's ``std`` (and TRL) computes them."""
+    if scale == "batch" and batch_std is None:
+        batch_std = statistics.stdev(rewards) if len(rewards) > 1 else 0.0
+    out = []
+    for start in range(0, len(rewards), group):
+        values = list(rewards[start : start + group])
+        mean = sum(values) / len(values)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        for value in values:
+            centred = value - mean
+            if scale == "group":
+                centred /= std + GROUP_STD_EPSILON
+            elif scale == "batch":
+                centred /= (batch_std or 0.0) + GROUP_STD_EPSILON
+            out.append(centred)
+    return out
+
+
+class RolloutMaker:
+    """Sampling, scoring and packing a round of rollouts (see the module docstring); a mixin of the
+    GRPO objective, whose ``settings``, ``engine``, ``tokenizer``, ``rewards`` and ``chunked`` it reads."""
+
+    config: Any  # the run's config (its seed)
+    settings: Any  # objectives.grpo.GRPOSettings
+    engine: Any  # a RolloutEngine
+    tokenizer: Any
+    rewards: list[RewardFunction]
+    chunked: bool
+
+    @property
+    def sampling(self) -> Sampling:
+        s = self.settings
+        return Sampling(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
+
+    def sample(self, model, prompts: list[dict], seed: int) -> Rollouts:
+        """G completions of each of ``prompts`` by the policy (eval mode, no grad), seeded."""
+        self.engine.sync(model)
+        with eval_mode(model), torch.no_grad():
+            return self.engine.generate(
+                model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
+            )
+
+    def score_rollouts(
+        self, prompts: list[dict], rollouts: Rollouts, G: int
+    ) -> tuple[list[list[float]], list[dict]]:
+        """Every completion's per-function rewards; and each group's completion ids."""
+        texts, ids, prompt_values, columns = [], [], [], {}
+        for row, completions in zip(prompts, rollouts.completions, strict=True):
+            for completion in completions:
+                text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+                texts.append(
+                    [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
+                )
+                ids.append(list(completion.ids))
+                prompt_values.append(row["prompt"])
+        names = sorted({key for row in prompts for key in row["columns"]})
+        for name in names:
+            columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
+        values = score(self.rewards, prompt_values, texts, ids, columns)
+        groups = [
+            {
+                "prompt_ids": row["prompt_ids"],
+                "completions": [c.ids for c in completions],
+                "finished": [c.finished for c in completions],
+            }
+            for row, completions in zip(prompts, rollouts.completions, strict=True)
+        ]
+        return values, groups
+
+    def _stopped(self, context: ObjectiveContext, step: int, error: Exception) -> TrainError:
+        return TrainError(
+            f"step {step + 1}: {error}; nothing of this step was applied ({context.resume_hint()})"
+        )
+
+    def _round(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
+        """Sample, score and pack this rank's share of ``step_bins``; the old log-probs where kept."""
+        config, settings, info = self.config, self.settings, context.ranks
+        G = settings.num_generations
+        mine = [context.bins[i] for i in step_bins[info.rank :: info.world_size]]
+        prompts = [row for rows in mine for row in rows]
+        started = time.perf_counter()
+        rollouts = self.sample(
+            context.base_model, prompts, seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank
+        )
+        generated = time.perf_counter()
+        try:
+            per_function, groups = self.score_rollouts(prompts, rollouts, G)
+        except RewardError as error:
+            raise self._stopped(context, step, error) from None
+        rewards = [weighted(values, self.rewards) for values in per_function]
+        scored = time.perf_counter()
+        # the step's counts over every rank: completions, counted tokens, and the rewards' sums (batch std)
+        lengths = [len(c) for g in groups for c in g["completions"]]
+        finished = [f for g in groups for f in g["finished"]]
+        counted = self.counted_tokens(groups)
+        local = torch.tensor(
+            [len(rewards), sum(counted), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64
+        )
+        totals = info.sum_tensor(local.to(context.device)).tolist() if info.enabled else local.tolist()
+        completions_all, tokens_all, reward_sum, reward_squares = totals
+        batch_std = None
+        if settings.scale_rewards == "batch":
+            mean = reward_sum / completions_all
+            batch_std = math.sqrt(
+                max(0.0, (reward_squares - completions_all * mean * mean) / max(1.0, completions_all - 1))
+            )
+        advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
+        micro = self.pack_update(
+            groups, [len(rows) for rows in mine], advantages, counted, tokens_all, context.device
+        )
+        if settings.beta > 0:  # the reference: the same packed forward with the adapter off, before the clock
+            for item in micro:
+                item.reference = reference_sums(
+                    context.model, item.completions.batch, self.chunked, adapter=True
+                )
+        if settings.num_iterations > 1:  # the sampling policy's log-probs, kept for the round's k updates
+            with torch.no_grad():
+                for item in micro:
+                    item.old = answer_sums(context.model, item.completions.batch, self.chunked).detach()
+        referenced = time.perf_counter()
+        total = self.loss_divisor(completions_all, tokens_all)
+        record = self._record(
+            per_function,
+            rewards,
+            lengths,
+            finished,
+            G,
+            rollouts,
+            generated - started,
+            scored - generated,
+            referenced - scored,
+        )
+        return StepPlan(
+            micro=micro,
+            total=total,
+            tokens=sum(completion_tokens(g, prefix_sharing=False) for g in groups) * info.world_size,
+            documents=[completion_documents(groups, settings.prefix_sharing)],
+            record=record,
+        )
+
+    def counted_tokens(self, groups: list[dict]) -> list[int]:
+        """The tokens each completion of ``groups`` counts in the loss: its length, or 0 where it was
+        cut at ``max_new_tokens`` and ``mask_truncated_completions`` leaves it out."""
+        mask = self.settings.mask_truncated_completions
+        return [
+            0 if (mask and not finished) else len(ids)
+            for g in groups
+            for ids, finished in zip(g["completions"], g["finished"], strict=True)
+        ]
+
+    def pack_update(
+        self,
+        groups: list[dict],
+        sizes: Sequence[int],
+        advantages: Sequence[float],
+        counted: Sequence[int],
+        tokens_all: float,
+        device,
+    ) -> list[GRPOMicro]:
+        """The update's micro-batches: ``groups`` (one prompt's completions each, in order) cut into
+        micro-batches of ``sizes`` groups, each packed ``prompt | completions`` (or prompt + completion
+        G times without prefix sharing), with every token's advantage and loss mask. ``counted``: the
+        tokens each completion counts in the loss (0: masked out); ``tokens_all``: the step's counted
+        tokens over every rank."""
+        settings, G = self.settings, self.settings.num_generations
+        micro, offset = [], 0
+        for count in sizes:
+            first = offset * G
+            packed = collate_completions(
+                groups[offset : offset + count],
+                settings.prefix_sharing,
+                device=None,
+                temperature=settings.temperature,
+            )
+            owner = packed.completion_index
+            adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
+            keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
+            seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
+            micro.append(
+                GRPOMicro(
+                    completions=packed.to(device),
+                    advantages=adv.index_select(0, owner).to(device),
+                    mask=keep.index_select(0, owner).to(device),
+                    seq_tokens=seq_tokens.to(device),
+                    reference=None,
+                    tokens_in_step=max(1.0, tokens_all),
+                )
+            )
+            offset += count
+        return micro
+
+    def loss_divisor(self, completions: float, tokens: float) -> float:
+        """What the step's summed loss is divided by (:func:`slipstream.loss.grpo.loss_divisor`)."""
+        settings = self.settings
+        return loss_divisor(settings.loss, completions, tokens, settings.max_new_tokens)
+
+    def _record(
+        self, per_function, rewards, lengths, finished, G, rollouts, generation_s, scoring_s, reference_s
+    ):
+        """This rank's host-side metrics of a step (rank 0's are logged)."""
+        record: dict[str, Any] = {"reward": statistics.fmean(rewards)}
+        stds = [statistics.stdev(rewards[i : i + G]) for i in range(0, len(rewards), G)]
+        record["reward_std"] = statistics.fmean(stds)
+        record["equal_rewards_share"] = sum(1 for s in stds if s == 0.0) / len(stds)
+        for index, fn in enumerate(self.rewards):
+            values = [v[index] for v in per_function if not math.isnan(v[index])]
+            record[f"reward_{fn.name}"] = statistics.fmean(values) if values else None
+        record["completion_mean_tokens"] = statistics.fmean(lengths)
+        record["completion_max_tokens"] = max(lengths)
+        record["truncated_share"] = sum(1 for f in finished if not f) / len(finished)
+        record["generation_s"] = generation_s
+        record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
+        record["reward_s"] = scoring_s
+        record["reference_s"] = reference_s
+        return record
