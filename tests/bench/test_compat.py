@@ -120,8 +120,8 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
     """A grouped SDPA without its causal mask: each document sees its later tokens and its padding."""
     import torch
 
-    from slipstream.packing import attention as attention_module
     from slipstream.packing import calibration
+    from slipstream.packing.attention import sdpa as attention_module
     from slipstream.packing.costs import BUILTIN
 
     original = attention_module.run_grouped

@@ -120,7 +120,7 @@ def test_chunked_attention_is_attended_per_document_chunk(monkeypatch):
     adapted = run_arm(stock, docs, ref, {})
     assert adapted.status == "pass", adapted.detail
     assert any("chunked-attention layers" in p for p in adapted.policies)
-    monkeypatch.setattr("slipstream.packing.attention.chunked_attention_size", lambda module: None)
+    monkeypatch.setattr("slipstream.packing.attention.call.chunked_attention_size", lambda module: None)
     assert run_arm(stock, docs, ref, {}).status == "WRONG"  # whole documents: wrong for chunked layers
 
 
