@@ -35,14 +35,14 @@ LAYERS = [
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     # model builders and loaders; the sampler that runs them for online RL; the parity kit (a fast arm
     # vs a reference, one training step: the sweep's and doctor's)
-    {"models", "rollouts", "parity"},
+    {"models", "rollouts", "parity", "compat"},  # compat: the compatibility sweep, on the parity kit
     {"preference"},  # preference tuning: pairs, their losses, the reference pass
     # the training loop and its objectives (slipstream.objectives: the plug-ins it calls, which read
     # its eval sets and errors)
     {"train", "objectives"},
     {"export"},  # slipstream export: a run's adapter merged into its base model
     {"generation"},  # slipstream generate: text from a run's base model + adapter
-    {"bench"},  # the A/B harness, the compatibility sweep
+    {"bench"},  # the A/B harness
     {"doctor"},  # slipstream doctor: the machine, each fast path's choice and its check
     {"cli", "__main__"},  # the command line
 ]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.bench.compat import documents, reference, run_arm
 from slipstream.bench.counters import HostSyncCounter
+from slipstream.compat import documents, reference, run_arm
 from slipstream.models import build_model
 from slipstream.models.tiny_any import tiny_model
 from slipstream.packing import calibration, collate_padded

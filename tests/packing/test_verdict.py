@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.bench.compat import documents, reference, run_arm
+from slipstream.compat import documents, reference, run_arm
 from slipstream.models.tiny_any import tiny_config, tiny_model
 from slipstream.offload import RecordingEngine, UnsupportedCheckpointing, enable_checkpointing
 from slipstream.packing import PACKED_BATCH_KWARG, collate_packed

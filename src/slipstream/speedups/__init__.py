@@ -111,9 +111,7 @@ def build_speedups_class(speedups: tuple[Speedup, ...] | None = None) -> type[Sp
     as fields of a subclass, in order: how a plug-in speedup gets its toggles without editing this
     module (``Speedups`` itself when there are none)."""
     names = {f.name for f in dataclasses.fields(Speedups)}
-    added = [
-        option for speedup in speedups or registry.registered() for option in speedup.options
-    ]
+    added = [option for speedup in speedups or registry.registered() for option in speedup.options]
     added = [option for option in added if option.name not in names]
     if not added:
         return Speedups

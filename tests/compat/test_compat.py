@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from slipstream.bench import compat
-from slipstream.bench.compat import (
+from slipstream import compat
+from slipstream.compat import (
     LENGTHS,
     PAIR_LENGTHS,
     _cell,
@@ -246,7 +246,7 @@ def test_the_group_check_reads_the_loss_from_the_logits_without_the_chunked_loss
 
 
 def test_advice_is_read_from_the_refusal_never_from_its_text():
-    from slipstream.bench.sweep_arm import ArmResult, failed
+    from slipstream.compat.arm import ArmResult, failed
     from slipstream.moe.experts import UnsupportedExperts
     from slipstream.packing.guards import UnsupportedArchitecture
 
