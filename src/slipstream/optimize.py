@@ -23,9 +23,7 @@ from .speedups.checkpointing import CheckpointingState
 from .speedups.chunked_loss import ChunkedLossState
 from .speedups.compile import CompileState
 from .speedups.fused_kernels import FusedKernelsState
-from .speedups.moe_routing import MoeRoutingState
 from .speedups.packed_attention import PackedAttentionState
-from .speedups.short_document_kernel import ShortKernelState
 
 logger = logging.getLogger("slipstream")
 
@@ -63,11 +61,6 @@ class OptimizeState:
         return self.of(PackedAttentionState).backend
 
     @property
-    def attention_grouping(self) -> str | None:
-        """``Speedups.attention_grouping`` running, None while the packed attention is off."""
-        return self.of(AttentionGroupingState).choice
-
-    @property
     def attention_costs(self) -> AttentionCosts:
         """What the packed SDPA path's "auto" choices weigh (measured on a CPU, else built in)."""
         return self.of(AttentionGroupingState).costs
@@ -76,15 +69,6 @@ class OptimizeState:
     def grouping_counts(self) -> GroupingCounts:
         """Batches and attention calls the packed SDPA path ran grouped / per document."""
         return self.of(AttentionGroupingState).counts
-
-    @property
-    def short_document_kernel(self) -> str | None:
-        return self.of(ShortKernelState).choice
-
-    @property
-    def moe_routing(self) -> str | None:
-        """ "sorted" when on, None when stock."""
-        return self.of(MoeRoutingState).routing
 
     @property
     def chunked_loss(self) -> ChunkedLoss | None:

@@ -18,9 +18,9 @@ def test_each_speedup_state_is_its_own_object_read_through_the_old_names():
     packed = state.of(PackedAttentionState)
     assert packed is state.of(PackedAttentionState) and packed.hook is not None
     assert state.packed_attention == packed.backend == "slipstream_docwise"
-    assert state.attention_grouping == state.of(AttentionGroupingState).choice == "grouped"
+    assert state.of(AttentionGroupingState).choice == "grouped"
     assert state.grouping_counts is state.of(AttentionGroupingState).counts
-    assert state.short_document_kernel == state.of(ShortKernelState).choice == "on"
+    assert state.of(ShortKernelState).choice == "on"
     assert state.chunked_loss is state.of(ChunkedLossState).loss is not None
     assert set(state.states) >= {PackedAttentionState, AttentionGroupingState, ChunkedLossState}
 
@@ -32,11 +32,11 @@ def test_the_packed_attention_off_and_on_again_chooses_grouping_and_kernel_afres
     slipstream.optimize(model, attention_grouping="grouped")
     state = slipstream.state_of(model)
     slipstream.optimize(model, packed_attention=False, attention_grouping="grouped")
-    assert state.packed_attention is None and state.attention_grouping is None
-    assert state.short_document_kernel is None and state.of(PackedAttentionState).hook is None
+    assert state.packed_attention is None and state.of(AttentionGroupingState).choice is None
+    assert state.of(ShortKernelState).choice is None and state.of(PackedAttentionState).hook is None
     said = len(state.policies)
     slipstream.optimize(model, attention_grouping="grouped")
-    assert state.attention_grouping == "grouped"
+    assert state.of(AttentionGroupingState).choice == "grouped"
     assert any(line.startswith("packed attention grouping: ") for line in state.policies[said:])
     assert any(line.startswith("short-document kernel: ") for line in state.policies[said:])
     state.undo()
