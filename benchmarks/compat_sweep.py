@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from slipstream.atomic import write_text_atomically
-from slipstream.bench.compat import causal_lm_model_types, render_markdown, sweep
+from slipstream.compat import causal_lm_model_types, render_markdown, sweep
 
 
 def main(argv: list[str] | None = None) -> int:

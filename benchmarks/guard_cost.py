@@ -18,7 +18,7 @@ import time
 import torch
 
 import slipstream
-import slipstream.packing.attention as attention
+import slipstream.packing.attention.call as attention
 from slipstream.models import build_model
 from slipstream.packing import PACKED_BATCH_KWARG, collate_packed
 

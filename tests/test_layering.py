@@ -36,13 +36,13 @@ LAYERS = [
     {"speedups", "optimize"},  # the toggles and the one function that applies them
     # model builders and loaders; the sampler that runs them for online RL; the parity kit (a fast arm
     # vs a reference, one training step: the sweep's and doctor's)
-    {"models", "rollouts", "parity"},
+    {"models", "rollouts", "parity", "compat"},  # compat: the compatibility sweep, on the parity kit
     # the objectives: the plug-ins the loop calls (their rows, bins, step losses and evaluation)
     {"objectives"},
     {"train"},  # the training loop: set-up, the step, checkpoints, metrics
     {"export"},  # slipstream export: a run's adapter merged into its base model
     {"generation"},  # slipstream generate: text from a run's base model + adapter
-    {"bench"},  # the A/B harness, the compatibility sweep
+    {"bench"},  # the A/B harness
     {"doctor"},  # slipstream doctor: the machine, each fast path's choice and its check
     {"cli", "__main__"},  # the command line
 ]

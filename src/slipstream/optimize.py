@@ -10,49 +10,88 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .packing.costs import BUILTIN, AttentionCosts
+from .loss import ChunkedLoss
+from .packing.costs import AttentionCosts
 from .packing.grouping import GroupingCounts
 from .speedups import ApplyContext, Speedups, registry
+from .speedups.attention_grouping import AttentionGroupingState
+from .speedups.checkpointing import CheckpointingState
+from .speedups.chunked_loss import ChunkedLossState
+from .speedups.compile import CompileState
+from .speedups.fused_kernels import FusedKernelsState
+from .speedups.packed_attention import PackedAttentionState
 
 logger = logging.getLogger("slipstream")
 
 _STATE_ATTR = "slipstream"  # the one attribute slipstream puts on a model: its OptimizeState
 
 
+T = TypeVar("T")
+
+
 @dataclass
 class OptimizeState:
-    """Everything slipstream attached to a model (``model.slipstream``): each decision, the
-    hooks and managers it installed, the policy log; :meth:`undo` puts the model back."""
+    """Everything slipstream attached to a model (``model.slipstream``): the model's stock config,
+    each speedup's own state (``of``: one object per speedup, its class in the speedup's module,
+    ``speedups/<name>.py``), the policy log; :meth:`undo` puts the model back. The properties below
+    read the built-in speedups' states under the names callers have always used."""
 
     stock_attn_implementation: str | None
     stock_use_cache: bool | None
     stock_experts_implementation: str | None = None
-    packed_attention: str | None = None  # the backend name, None when stock
-    attention_grouping: str | None = None  # Speedups.attention_grouping, None when stock
-    short_document_kernel: str | None = None  # Speedups.short_document_kernel, None when stock
-    # what the packed SDPA path's "auto" choices weigh (packing.costs: measured on a CPU, else built in)
-    attention_costs: AttentionCosts = BUILTIN
-    moe_routing: str | None = None  # "sorted" when on, None when stock
-    checkpointing: str | None = None  # the mode running, None when untouched
-    offload_manager: object | None = field(default=None, repr=False)
-    chunked_loss: object | None = field(default=None, repr=False)  # a loss.ChunkedLoss when on
     policies: list[str] = field(default_factory=list)
     model: object | None = field(default=None, repr=False)  # the transformers model it belongs to
-    hook: object | None = field(default=None, repr=False)
-    guard_hooks: list = field(default_factory=list, repr=False)
-    undo_adaptations: object | None = field(default=None, repr=False)  # removes the verdict's adaptations
-    lora_hook: object | None = field(default=None, repr=False)  # installs lora.compute on the next forward
-    compiled: bool = False  # the decoder layers run compiled (slipstream.compile)
-    # batches and attention calls the packed SDPA path ran grouped / per document (packing.grouping)
-    grouping_counts: GroupingCounts = field(default_factory=GroupingCounts)
-    fused_kernels: str | None = None  # "liger" / "compiled" when fused kernels are on, None when stock
-    undo_fused_kernels: object | None = field(default=None, repr=False)  # puts the model's modules back
-
+    states: dict[type, Any] = field(default_factory=dict)  # each speedup's state, by its class
     extras: dict[str, object] = field(default_factory=dict, repr=False)  # a plug-in speedup's own state
+
+    def of(self, kind: type[T]) -> T:
+        """The state of class ``kind`` (a speedup's), made empty on first use."""
+        found = self.states.get(kind)
+        if found is None:
+            found = self.states[kind] = kind()
+        return found
+
+    @property
+    def packed_attention(self) -> str | None:
+        """The packed attention's backend name, None when stock."""
+        return self.of(PackedAttentionState).backend
+
+    @property
+    def attention_costs(self) -> AttentionCosts:
+        """What the packed SDPA path's "auto" choices weigh (measured on a CPU, else built in)."""
+        return self.of(AttentionGroupingState).costs
+
+    @property
+    def grouping_counts(self) -> GroupingCounts:
+        """Batches and attention calls the packed SDPA path ran grouped / per document."""
+        return self.of(AttentionGroupingState).counts
+
+    @property
+    def chunked_loss(self) -> ChunkedLoss | None:
+        return self.of(ChunkedLossState).loss
+
+    @property
+    def checkpointing(self) -> str | None:
+        """The checkpointing mode running, None when untouched."""
+        return self.of(CheckpointingState).mode
+
+    @property
+    def offload_manager(self) -> Any:
+        return self.of(CheckpointingState).offload_manager
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the decoder layers run compiled (``slipstream.compile``)."""
+        return self.of(CompileState).compiled
+
+    @property
+    def fused_kernels(self) -> str | None:
+        """ "liger" / "compiled" when fused kernels are on, None when stock."""
+        return self.of(FusedKernelsState).kind
 
     def say(self, policy: str, log: str | None = None) -> None:
         """A decision: into the policy log and the ``slipstream`` logger (``log``: its wording there)."""

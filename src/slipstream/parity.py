@@ -1,6 +1,6 @@
 """The parity kit: one training step of a fast arm against a reference, and how far apart they are.
 
-The compatibility sweep (:mod:`slipstream.bench.sweep`) and ``slipstream doctor``
+The compatibility sweep (:mod:`slipstream.compat`) and ``slipstream doctor``
 (:mod:`slipstream.doctor.checks`) both judge a speedup this way:
 
 * :func:`documents`: random documents over the ordinary ids of a (tiny) model's vocabulary,

@@ -269,7 +269,7 @@ def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch, tm
     batch, already differs beyond the strict step-0 tolerance, and the verdict says so; in bf16 also
     against the same step in fp32 (``bench/truth.py``), where the right arm stays as near it as stock."""
     import slipstream.bench.truth as truth
-    import slipstream.packing.attention as attention_module
+    import slipstream.packing.attention.sdpa as attention_module
 
     config = ABConfig(
         model="qwen3", max_seq_len=1024, steps=2, warmup=1, num_rows=120, threads=1, dtype=dtype

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 import slipstream.loss.chunked_loss as chunked_loss_module
-import slipstream.packing.attention as attention_module
+import slipstream.packing.attention.sdpa as attention_module
 from slipstream.cli import main
 from slipstream.compile import BREAK_EVEN_STEPS
 from slipstream.doctor import first_use_hint, has_passed, run_doctor

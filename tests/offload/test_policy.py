@@ -41,7 +41,7 @@ def test_pinned_allocation_failure_means_pageable():
 
 
 def test_pinned_environment_override(monkeypatch):
-    """(SLIPSTREAM_CHECKPOINTING is applied by Speedups, in one place: tests/test_speedups.py.)"""
+    """(SLIPSTREAM_CHECKPOINTING is applied by Speedups, in one place: tests/speedups/test_speedups.py.)"""
     monkeypatch.setenv("SLIPSTREAM_CHECKPOINTING", "recompute")
     assert choose_policy("offload-double", GPU).mode == "offload-double"  # not read here
     monkeypatch.setenv("SLIPSTREAM_PINNED", "0")

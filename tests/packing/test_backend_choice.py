@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from slipstream.packing import attention
-from slipstream.packing.attention import choose_backend
+from slipstream.packing.attention import choose_backend, varlen
 
 CUDA = torch.device("cuda")
 
@@ -12,7 +11,7 @@ CUDA = torch.device("cuda")
 @pytest.fixture
 def varlen_kernel(monkeypatch):
     """A CUDA torch with a varlen kernel, as the GPUs we run on have (nothing is called)."""
-    monkeypatch.setattr(attention, "_varlen_kernel", lambda: ("torch varlen_attn", None))
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: ("torch varlen_attn", None))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -37,7 +36,7 @@ def test_optimize_passes_the_models_dtype(monkeypatch):
     from slipstream.models import build_model
 
     seen = []
-    real = attention.choose_backend
+    real = choose_backend
 
     def spy(requested, device, has_sinks, dtype=None):
         seen.append(dtype)

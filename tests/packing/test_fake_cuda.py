@@ -12,8 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import slipstream
 from slipstream.models import build_model
-from slipstream.packing import attention
-from slipstream.packing.attention import choose_backend
+from slipstream.packing.attention import choose_backend, varlen
 from tests.conftest import random_docs
 from tests.fake_cuda import (
     HOST_READ_ERRORS,
@@ -43,17 +42,17 @@ KERNEL = ("torch.varlen_attn", lambda *args, **kwargs: None)
     ],
 )
 def test_auto_backend_on_cuda(monkeypatch, kernel, sinks, backend, reason):
-    monkeypatch.setattr(attention, "_varlen_kernel", lambda: kernel)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: kernel)
     chosen, why = choose_backend("auto", CUDA, has_sinks=sinks)
     assert chosen == backend and reason in why
 
 
 def test_requested_backends_on_cuda(monkeypatch):
-    monkeypatch.setattr(attention, "_varlen_kernel", lambda: None)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: None)
     with pytest.raises(ValueError, match="needs CUDA"):
         choose_backend("varlen", CUDA, has_sinks=False)
     assert choose_backend("flex", CUDA, has_sinks=False) == ("flex", "requested")
-    monkeypatch.setattr(attention, "_varlen_kernel", lambda: KERNEL)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda: KERNEL)
     assert choose_backend("varlen", CUDA, has_sinks=False) == ("varlen", "requested")
     assert choose_backend("auto", torch.device("cpu"), has_sinks=False)[0] == "sdpa"
 
@@ -61,14 +60,14 @@ def test_requested_backends_on_cuda(monkeypatch):
 def test_varlen_kernel_is_torchs_own_where_cuda_is_available(monkeypatch):
     from torch.nn.attention.varlen import varlen_attn
 
-    assert attention._varlen_kernel() is None  # this CPU build
+    assert varlen.varlen_kernel() is None  # this CPU build
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert attention._varlen_kernel() == ("torch.varlen_attn", varlen_attn)
+    assert varlen.varlen_kernel() == ("torch.varlen_attn", varlen_attn)
 
 
 def varlen_windows(monkeypatch) -> list:
     """Record the window each call of the (real) varlen kernel gets."""
-    windows, real = [], attention._varlen_kernel
+    windows, real = [], varlen.varlen_kernel
 
     def kernel():
         name, fn = real()
@@ -80,7 +79,7 @@ def varlen_windows(monkeypatch) -> list:
 
         return name, recorded
 
-    monkeypatch.setattr(attention, "_varlen_kernel", kernel)
+    monkeypatch.setattr(varlen, "varlen_kernel", kernel)
     return windows
 
 
@@ -251,13 +250,13 @@ def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
 def prefixed_varlen_calls(monkeypatch) -> list[int]:
     """Record the two-call varlen path for shared prefixes: the batch's document count per layer call."""
     calls: list[int] = []
-    real = attention.prefixed_varlen_attention
+    real = varlen.prefixed_varlen_attention
 
     def recorded(query, key, value, batch, scaling):
         calls.append(batch.num_docs)
         return real(query, key, value, batch, scaling)
 
-    monkeypatch.setattr(attention, "prefixed_varlen_attention", recorded)
+    monkeypatch.setattr(varlen, "prefixed_varlen_attention", recorded)
     return calls
 
 

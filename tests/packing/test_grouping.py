@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.bench.compat import documents, reference, run_arm
 from slipstream.bench.counters import HostSyncCounter
+from slipstream.compat import documents, reference, run_arm
 from slipstream.models import build_model
 from slipstream.models.tiny_any import tiny_model
-from slipstream.packing import attention as attention_module
 from slipstream.packing import calibration, collate_padded
+from slipstream.packing.attention import sdpa as attention_module
 from slipstream.packing.costs import BUILTIN
 from slipstream.packing.grouping import document_groups, plan_groups
 from tests.conftest import random_docs

@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 
-from slipstream.packing import attention
 from slipstream.packing.attention import _per_document, _sdpa_one, prefixed_varlen_attention
+from slipstream.packing.attention import prefixed_varlen as attention
 from slipstream.packing.groups import collate_groups
 from slipstream.packing.pairs import collate_pairs
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.bench.compat import LENGTHS, documents, reference, run_arm
 from slipstream.bench.counters import HostSyncCounter
+from slipstream.compat import LENGTHS, documents, reference, run_arm
 from slipstream.models.tiny_any import tiny_model
 from slipstream.packing import collate_packed, rowpos, verdict
 from slipstream.packing.guards import UnsupportedArchitecture

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.bench.compat import documents, reference, run_arm
+from slipstream.compat import documents, reference, run_arm
 from slipstream.models.tiny_any import tiny_config, tiny_model
 from slipstream.offload import RecordingEngine, UnsupportedCheckpointing, enable_checkpointing
 from slipstream.packing import PACKED_BATCH_KWARG, collate_packed
@@ -120,7 +120,7 @@ def test_chunked_attention_is_attended_per_document_chunk(monkeypatch):
     adapted = run_arm(stock, docs, ref, {})
     assert adapted.status == "pass", adapted.detail
     assert any("chunked-attention layers" in p for p in adapted.policies)
-    monkeypatch.setattr("slipstream.packing.attention.chunked_attention_size", lambda module: None)
+    monkeypatch.setattr("slipstream.packing.attention.call.chunked_attention_size", lambda module: None)
     assert run_arm(stock, docs, ref, {}).status == "WRONG"  # whole documents: wrong for chunked layers
 
 

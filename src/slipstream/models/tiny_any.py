@@ -45,7 +45,7 @@ import torch
 from . import tiny_sizes as sizes
 from .tiny_overrides import DEFAULT_KWARGS, OVERRIDES
 
-# Re-exported: the sweep chooses its documents around these (bench.compat reads them here).
+# Re-exported: the sweep chooses its documents around these (slipstream.compat reads them here).
 from .tiny_sizes import DYNAMIC_ROPE_POSITIONS, POSITION_THRESHOLD, RESERVED_HIGH, RESERVED_LOW, WINDOW
 
 # --------------------------------------------------------------------------- generic shrinker

@@ -4,11 +4,31 @@ and the gather with cost figures measured on this CPU (``packing.calibration``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..packing import calibration
-from ..packing.costs import ATTENTION_COSTS, BUILTIN
-from ..packing.grouping import GROUPING_CHOICE, GROUPING_COUNTS, AttentionGrouping, grouping_policy
+from ..packing.costs import ATTENTION_COSTS, BUILTIN, AttentionCosts
+from ..packing.grouping import (
+    GROUPING_CHOICE,
+    GROUPING_COUNTS,
+    AttentionGrouping,
+    GroupingCounts,
+    grouping_policy,
+)
 from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
 from .packed_attention import has_attention_sinks
+
+
+@dataclass
+class AttentionGroupingState:
+    """The packed SDPA path's grouping on a model (``state.of(AttentionGroupingState)``): the choice
+    running (None while the packed attention is off), the cost figures its and the short-document
+    kernel's ``auto`` weigh (measured on a CPU, else built in), and the batches and calls that ran
+    grouped / per document (``packing.grouping``)."""
+
+    choice: str | None = None
+    costs: AttentionCosts = BUILTIN
+    counts: GroupingCounts = field(default_factory=GroupingCounts)
 
 
 def attention_costs(run: ApplyContext):
@@ -23,7 +43,7 @@ def attention_costs(run: ApplyContext):
             costs = calibration.attention_costs(device, run.dtype)
         for module in run.base.modules():  # whichever module the model passes to the attention
             ATTENTION_COSTS[module] = costs
-        run.state.attention_costs = costs
+        run.state.of(AttentionGroupingState).costs = costs
         run.facts["attention_costs"] = costs
     return run.facts["attention_costs"]
 
@@ -51,13 +71,17 @@ class AttentionGroupingSpeedup(Speedup):
             run.state,
             run.speedups.attention_grouping,
         )
-        if backend is None or state.attention_grouping == wanted:
+        own = state.of(AttentionGroupingState)
+        if backend is None:
+            own.choice = None  # the packed attention is off: chosen afresh when it is back
+            return
+        if own.choice == wanted:
             return
         costs = attention_costs(run)
         for module in run.base.modules():
             GROUPING_CHOICE[module] = wanted
-            GROUPING_COUNTS[module] = state.grouping_counts
-        state.attention_grouping = wanted
+            GROUPING_COUNTS[module] = own.counts
+        own.choice = wanted
         line = grouping_policy(wanted, backend, has_attention_sinks(run.base), costs)
         state.say(f"packed attention grouping: {line}")
 

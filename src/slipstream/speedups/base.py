@@ -56,7 +56,9 @@ class ApplyContext:
     speedups found (``facts``: packed attention's backend, the attention costs)."""
 
     base: Any
-    state: Any  # optimize.OptimizeState (duck-typed: speedups sit beside optimize, not below it)
+    # optimize.OptimizeState (duck-typed: speedups sit beside optimize, not below it); a speedup keeps
+    # its own state in a dataclass of its module, ``state.of(ItsState)``
+    state: Any
     speedups: Any
     expected_steps: int | None = None
     environment_note: str | None = None

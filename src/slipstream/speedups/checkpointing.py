@@ -5,6 +5,9 @@ overrides it (said in the policy log)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from ..offload import enable_checkpointing
@@ -13,6 +16,14 @@ from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
 
 ENV_CHECKPOINTING = "SLIPSTREAM_CHECKPOINTING"
 OFFLOAD_TOKENS = 8192  # the reload buffer doctor sizes offload's second copy by (see enable_checkpointing)
+
+
+@dataclass
+class CheckpointingState:
+    """The checkpointing mode running on a model (None: left as it is) and its offload manager."""
+
+    mode: str | None = None
+    offload_manager: Any = field(default=None, repr=False)
 
 
 class ActivationCheckpointing(Speedup):
@@ -37,8 +48,9 @@ class ActivationCheckpointing(Speedup):
             return
         if run.environment_note:
             state.say(f"checkpointing: {run.environment_note}")
-        policy, state.offload_manager = enable_checkpointing(run.base, mode)
-        state.checkpointing = policy.mode
+        own = state.of(CheckpointingState)
+        policy, own.offload_manager = enable_checkpointing(run.base, mode)
+        own.mode = policy.mode
         state.policies += [f"checkpointing: {reason}" for reason in policy.reasons]
         state.policies.append(f"checkpointing: {policy.mode}")
 

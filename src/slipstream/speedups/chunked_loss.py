@@ -4,11 +4,19 @@ exactly, else logged and off (``loss.ChunkedLoss``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
 from ..fields import Range
 from ..loss import ChunkedLoss, UnsupportedLoss, choose_chunk_tokens
 from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
+
+
+@dataclass
+class ChunkedLossState:
+    """The ``loss.ChunkedLoss`` installed on a model, or None (the stock loss)."""
+
+    loss: ChunkedLoss | None = None
 
 
 class ChunkedLossSpeedup(Speedup):
@@ -37,12 +45,13 @@ class ChunkedLossSpeedup(Speedup):
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
+        own = state.of(ChunkedLossState)
         wanted, chunk_tokens = run.speedups.chunked_loss, run.speedups.loss_chunk_tokens
-        current = state.chunked_loss
+        current = own.loss
         if wanted is False:
             if current is not None:
                 current.remove()
-                state.chunked_loss = None
+                own.loss = None
                 state.say("chunked loss: off (stock loss)")
             return
         if current is not None:
@@ -50,13 +59,13 @@ class ChunkedLossSpeedup(Speedup):
                 current.requested_chunk_tokens, current.chunk_tokens = chunk_tokens, None
             return
         try:
-            state.chunked_loss = ChunkedLoss.install(base, chunk_tokens=chunk_tokens)
+            own.loss = ChunkedLoss.install(base, chunk_tokens=chunk_tokens)
         except UnsupportedLoss as error:
             if wanted:
                 raise
             state.say(f"chunked loss: off ({error})")
             return
-        state.chunked_loss.policies = state.policies  # its first-call decisions join the model's log
+        own.loss.policies = state.policies  # its first-call decisions join the model's log
         state.say("chunked loss: on (LM head + cross-entropy over labelled tokens, a chunk at a time)")
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:

@@ -4,6 +4,8 @@ the cold start measured on this device (``compile.should_compile``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..compile import (
     BREAK_EVEN_STEPS,
     CompileMode,
@@ -21,6 +23,13 @@ def by_run_length(break_even: int | None, on: str) -> str:
     return (
         "off, whatever the run's length" if break_even is None else f"{on} from {break_even} steps, off below"
     )
+
+
+@dataclass
+class CompileState:
+    """Whether a model's decoder layers run compiled (``slipstream.compile``)."""
+
+    compiled: bool = False
 
 
 class RegionalCompile(Speedup):
@@ -51,10 +60,10 @@ class RegionalCompile(Speedup):
             else:
                 layers = ", ".join(f"{count} {name}" for name, count in classes.items())
                 policy = f"compile: decoder layers ({layers}), dynamic shapes, attention eager between graphs ({why})"
-                state.compiled = True
+                state.of(CompileState).compiled = True
         else:
             if uncompile_layers(base):
-                state.compiled = False
+                state.of(CompileState).compiled = False
             policy = f"compile: {why}"
         state.say(policy)
 

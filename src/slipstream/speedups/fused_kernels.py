@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +48,15 @@ def kernels_matched(model: torch.nn.Module) -> str | None:
     return "+".join(name for name, found in (("RMSNorm", plan.norms), ("SwiGLU", plan.mlps)) if found) or None
 
 
+@dataclass
+class FusedKernelsState:
+    """The fused kernels on a model ("liger" / "compiled"; None: the model's own modules) and what
+    puts the model's modules back."""
+
+    kind: str | None = None
+    undo: Any = field(default=None, repr=False)
+
+
 class FusedKernelsSpeedup(Speedup):
     name = "fused kernels"
     stage = 60  # before compile: the graphs trace them
@@ -70,17 +81,18 @@ class FusedKernelsSpeedup(Speedup):
         cannot run), applied to the transformers model, undone by putting back what was changed; a
         decision that differs from what is on undoes the old kernels first."""
         base, state = run.base, run.state
+        own = state.of(FusedKernelsState)
         decision = decide_fused_kernels(base, run.device, run.speedups.fused_kernels, run.expected_steps)
         why = decision.why
-        if state.fused_kernels is not None and state.fused_kernels != decision.kind:
-            state.undo_fused_kernels()
-            state.undo_fused_kernels = None
-            state.fused_kernels = None
+        if own.kind is not None and own.kind != decision.kind:
+            own.undo()
+            own.undo = None
+            own.kind = None
             if decision.kind is None:
                 why += "; the model's own modules restored"
-        if decision.kind is not None and state.fused_kernels is None:
-            state.undo_fused_kernels = decision.apply(base)
-            state.fused_kernels = decision.kind
+        if decision.kind is not None and own.kind is None:
+            own.undo = decision.apply(base)
+            own.kind = decision.kind
         state.say(f"fused kernels: {why}")
 
     def ablation_applies(self, run: AblationRun) -> bool:

@@ -5,8 +5,18 @@ next forward, by a pre-hook that then removes itself; the decision joins the pol
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 from .. import lora as lora_compute
 from .base import AblationRun, ApplyContext, Option, ParityCase, Speedup
+
+
+@dataclass
+class LoraComputeState:
+    """The pre-hook that adapts a model's LoRA layers on its next forward (None once it has run)."""
+
+    hook: Any = field(default=None, repr=False)
 
 
 class LoraInComputeDtype(Speedup):
@@ -27,19 +37,20 @@ class LoraInComputeDtype(Speedup):
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
+        own = state.of(LoraComputeState)
         if not run.speedups.lora_in_compute_dtype:
-            if state.lora_hook is not None:
-                state.lora_hook.remove()
-                state.lora_hook = None
+            if own.hook is not None:
+                own.hook.remove()
+                own.hook = None
             if lora_compute.uninstall(base):
                 state.say("lora compute: PEFT's forward (stock)")
             return
-        if state.lora_hook is not None:
+        if own.hook is not None:
             return
 
         def adapt_on_first_forward(module, args, kwargs):
-            state.lora_hook.remove()
-            state.lora_hook = None
+            own.hook.remove()
+            own.hook = None
             installed, kept = lora_compute.install(base)
             if not installed and not kept:
                 return  # no LoRA on this model: nothing to say
@@ -47,7 +58,7 @@ class LoraInComputeDtype(Speedup):
             policy += "".join(f"; {count} keep PEFT's forward: {why}" for why, count in kept.items())
             state.say(policy)
 
-        state.lora_hook = base.register_forward_pre_hook(adapt_on_first_forward, with_kwargs=True)
+        own.hook = base.register_forward_pre_hook(adapt_on_first_forward, with_kwargs=True)
 
     def ablation_applies(self, run: AblationRun) -> bool:
         return bool(run.config.lora_rank)  # a full fine-tune: the same run as slipstream's

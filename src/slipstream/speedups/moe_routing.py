@@ -4,6 +4,8 @@ on wherever the experts allow it exactly, else logged and stock."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..moe.experts import (
@@ -44,6 +46,13 @@ def check_sorted_routing(base: torch.nn.Module, modules: list[torch.nn.Module]) 
         check_experts_module(module)
 
 
+@dataclass
+class MoeRoutingState:
+    """The MoE routing a model runs: "sorted", or None (transformers' own)."""
+
+    routing: str | None = None
+
+
 class SortedMoeRouting(Speedup):
     name = "moe routing"
     stage = 20
@@ -65,6 +74,7 @@ class SortedMoeRouting(Speedup):
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
+        own = state.of(MoeRoutingState)
         routing, compute = run.speedups.moe_routing, run.speedups.moe_compute
         modules = experts_modules(base)
         if routing is None:  # the default: sorted where it plugs in exactly, else stock (logged)
@@ -80,15 +90,15 @@ class SortedMoeRouting(Speedup):
             for module in modules:
                 COMPUTE_CHOICE[module] = compute
             register_experts_implementation()
-            if state.moe_routing != "sorted":
+            if own.routing != "sorted":
                 base.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-                state.moe_routing = "sorted"
+                own.routing = "sorted"
             state.say(f"moe routing: sorted ({len(modules)} experts modules, compute {compute})")
-        elif state.moe_routing is not None:
+        elif own.routing is not None:
             if any(getattr(m, "slipstream_nf4", None) is not None for m in modules):
                 raise ValueError("4-bit experts run only with moe_routing='sorted'")
             base.set_experts_implementation(state.stock_experts_implementation or "eager")
-            state.moe_routing = None
+            own.routing = None
             state.say("moe routing: stock", log=f"moe routing: stock ({state.stock_experts_implementation})")
 
     def ablation_applies(self, run: AblationRun) -> bool:

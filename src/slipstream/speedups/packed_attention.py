@@ -8,6 +8,9 @@ pre-hook rather than silently dropping its mask. Off: the model's own attention 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import torch
 
 from ..loss import ChunkedLoss
@@ -68,6 +71,18 @@ def padding_guard(module, args, kwargs):
     return None
 
 
+@dataclass
+class PackedAttentionState:
+    """What the packed attention installed on a model (``state.of(PackedAttentionState)``): the
+    backend's attention name (None: stock), the padding guard and the attention guards' hooks, and
+    the undo of the verdict's adaptations."""
+
+    backend: str | None = None
+    hook: Any = field(default=None, repr=False)
+    guard_hooks: list = field(default_factory=list, repr=False)
+    undo_adaptations: Any = field(default=None, repr=False)
+
+
 class PackedAttention(Speedup):
     name = "packed attention"
     stage = 10
@@ -95,10 +110,11 @@ class PackedAttention(Speedup):
 
     def apply(self, run: ApplyContext) -> None:
         base, state = run.base, run.state
+        own = state.of(PackedAttentionState)
         if not run.speedups.packed_attention:
             run.facts["attention_backend"] = None
-            if state.packed_attention is not None:
-                self._restore(base, state)
+            if own.backend is not None:
+                self._restore(base, state, own)
             return
         verdict = architecture_verdict(base)  # refuses what packed training cannot do exactly
         register_attention_functions()
@@ -108,7 +124,7 @@ class PackedAttention(Speedup):
         )
         run.facts["attention_backend"] = backend
         name = BACKEND_NAMES[backend]
-        if state.packed_attention == name:
+        if own.backend == name:
             return
         try:
             base.set_attn_implementation(name)
@@ -121,36 +137,36 @@ class PackedAttention(Speedup):
                 f"transformers refused attention implementation {name!r} for {type(base).__name__}. {TRAIN_UNPACKED}"
             )
         base.config.use_cache = False
-        if state.hook is None:
-            state.hook = base.register_forward_pre_hook(padding_guard, with_kwargs=True)
-            state.guard_hooks = [  # the running forward's batch, for the attention guards
+        if own.hook is None:
+            own.hook = base.register_forward_pre_hook(padding_guard, with_kwargs=True)
+            own.guard_hooks = [  # the running forward's batch, for the attention guards
                 base.register_forward_pre_hook(enter_forward, with_kwargs=True),
                 base.register_forward_hook(leave_forward, with_kwargs=True, always_call=True),
             ]
-        state.packed_attention = name
+        own.backend = name
         state.say(f"packed attention: {name} ({reason}); use_cache off")
-        if state.undo_adaptations is None:
-            state.undo_adaptations = apply_adaptations(base, verdict)
+        if own.undo_adaptations is None:
+            own.undo_adaptations = apply_adaptations(base, verdict)
             for note in verdict.adaptations():
                 state.say(f"packed attention: {note}")
 
     @staticmethod
-    def _restore(base, state) -> None:
+    def _restore(base, state, own: PackedAttentionState) -> None:
+        """The model's stock attention and ``use_cache`` back (the grouping and the short-document
+        kernel forget their choices on their own: they run after this, with no backend)."""
         base.set_attn_implementation(state.stock_attn_implementation)
         if state.stock_use_cache is not None:
             base.config.use_cache = state.stock_use_cache
-        if state.hook is not None:
-            state.hook.remove()
-            state.hook = None
-            for handle in state.guard_hooks:
+        if own.hook is not None:
+            own.hook.remove()
+            own.hook = None
+            for handle in own.guard_hooks:
                 handle.remove()
-            state.guard_hooks = []
-        if state.undo_adaptations is not None:
-            state.undo_adaptations()
-            state.undo_adaptations = None
-        state.packed_attention = None
-        state.attention_grouping = None
-        state.short_document_kernel = None
+            own.guard_hooks = []
+        if own.undo_adaptations is not None:
+            own.undo_adaptations()
+            own.undo_adaptations = None
+        own.backend = None
         state.say(
             "packed attention: off (stock)",
             log=f"packed attention: off (stock {state.stock_attn_implementation})",

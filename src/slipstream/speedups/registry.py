@@ -1,9 +1,9 @@
 """The registered speedups, in the order their options appear; ``optimize`` applies them by stage.
 
 The built-in ones are listed here; another (a plug-in, a test's toy) joins with :func:`register`
-and leaves with :func:`unregister`. ``Speedups`` is built from this list
-(``speedups.build_speedups_class``), and so are the A/B's ablation arms, doctor's decision rows
-and checks, and the compatibility sweep's columns.
+and leaves with :func:`unregister`. ``Speedups``' fields follow this list (a test holds them in
+step; a plug-in's come from ``speedups.build_speedups_class``), and the A/B's ablation arms,
+doctor's decision rows and checks, and the compatibility sweep's columns are built from it.
 """
 
 from __future__ import annotations

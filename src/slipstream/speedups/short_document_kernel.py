@@ -4,12 +4,21 @@ in bf16 / fp16 up to the length this CPU's calibration found it faster than SDPA
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..packing.short_attention import SHORT_KERNEL_CHOICE, ShortKernel, short_kernel_policy
 from .attention_grouping import attention_costs
 from .base import AblationRun, ApplyContext, DecisionContext, Option, ParityCase, Speedup
 from .packed_attention import has_attention_sinks
+
+
+@dataclass
+class ShortKernelState:
+    """The short-document kernel's mode on a model (None while the packed attention is off)."""
+
+    choice: str | None = None
 
 
 class ShortDocumentKernel(Speedup):
@@ -36,12 +45,16 @@ class ShortDocumentKernel(Speedup):
             run.state,
             run.speedups.short_document_kernel,
         )
-        if backend is None or state.short_document_kernel == wanted:
+        own = state.of(ShortKernelState)
+        if backend is None:
+            own.choice = None  # the packed attention is off: chosen afresh when it is back
+            return
+        if own.choice == wanted:
             return
         costs = attention_costs(run)
         for module in run.base.modules():
             SHORT_KERNEL_CHOICE[module] = wanted
-        state.short_document_kernel = wanted
+        own.choice = wanted
         state.say(f"short-document kernel: {short_kernel_policy(wanted, backend, costs, run.dtype)}")
 
     def ablation_applies(self, run: AblationRun) -> bool:

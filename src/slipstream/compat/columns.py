@@ -23,6 +23,7 @@ import torch
 
 from ..parity import SEED, Step
 from ..speedups import ParityCase, registry
+from .arm import ArmResult, Verdict, run_arm, short, where
 from .prefix_parity import (
     check_prefix_groups,
     check_prefix_sharing,
@@ -30,7 +31,6 @@ from .prefix_parity import (
     preference_pairs,
     prefix_groups,
 )
-from .sweep_arm import ArmResult, Verdict, run_arm, short, where
 
 # The shared-prefix columns: (header, Verdict.speedups key), after the speedups' parity cases.
 PREFIX_COLUMNS = (("prefix", "prefix_sharing"), ("groups", "prefix_groups"))

@@ -1,21 +1,25 @@
 """The compatibility sweep's public face: is packed training exact, or refused, on every causal-LM
-architecture? (What each piece does: :mod:`slipstream.bench.sweep`'s docstring.)
+architecture? (What each piece does: :mod:`slipstream.compat.architectures`'s docstring.) A
+correctness tool on the parity kit, so it sits beside it, below the A/B harness.
 
 Its rooms, each one job:
 
 * :mod:`slipstream.parity`: the documents, the stock reference step, an arm's step, the comparison
   and its tolerances (doctor's too);
-* :mod:`.sweep_arm`: one arm's outcome (pass / refused / WRONG / CRASH), the refusal's advice;
-* :mod:`.sweep_columns`: the per-speedup columns, in table order;
+* :mod:`.arm`: one arm's outcome (pass / refused / WRONG / CRASH), the refusal's advice;
+* :mod:`.columns`: the per-speedup columns, in table order;
 * :mod:`.prefix_parity`: the prefix-shared pairs and prefix groups checks;
-* :mod:`.sweep`: one architecture's verdict, the registry in worker processes;
-* :mod:`.sweep_render`: ``docs/compatibility.md``.
+* :mod:`.architectures`: one architecture's verdict, the registry in worker processes;
+* :mod:`.render`: ``docs/compatibility.md``.
 """
 
 from __future__ import annotations
 
 from ..parity import LENGTHS, SEED, TOLERANCE, documents, gradient_errors, reference
 from ..speedups.fused_kernels import SWEEP_BACKENDS as FUSED_BACKENDS
+from .architectures import ABLATIONS, NOT_CHECKABLE, causal_lm_model_types, check_architecture, sweep
+from .arm import ArmResult, Verdict, advice_of, run_arm
+from .columns import columns
 from .prefix_parity import (
     GROUP_SHAPES,
     GROUP_TOLERANCE,
@@ -27,10 +31,7 @@ from .prefix_parity import (
     preference_pairs,
     prefix_groups,
 )
-from .sweep import ABLATIONS, NOT_CHECKABLE, causal_lm_model_types, check_architecture, sweep
-from .sweep_arm import ArmResult, Verdict, advice_of, run_arm
-from .sweep_columns import columns
-from .sweep_render import _cell, render_audit, render_markdown
+from .render import _cell, render_audit, render_markdown
 
 __all__ = [
     "ABLATIONS",

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from slipstream.bench import compat
-from slipstream.bench.compat import (
+from slipstream import compat
+from slipstream.compat import (
     LENGTHS,
     PAIR_LENGTHS,
     _cell,
@@ -120,8 +120,8 @@ def test_the_sweep_reports_grouped_attention_wrong_when_groups_see_their_padding
     """A grouped SDPA without its causal mask: each document sees its later tokens and its padding."""
     import torch
 
-    from slipstream.packing import attention as attention_module
     from slipstream.packing import calibration
+    from slipstream.packing.attention import sdpa as attention_module
     from slipstream.packing.costs import BUILTIN
 
     original = attention_module.run_grouped
@@ -246,7 +246,7 @@ def test_the_group_check_reads_the_loss_from_the_logits_without_the_chunked_loss
 
 
 def test_advice_is_read_from_the_refusal_never_from_its_text():
-    from slipstream.bench.sweep_arm import ArmResult, failed
+    from slipstream.compat.arm import ArmResult, failed
     from slipstream.moe.experts import UnsupportedExperts
     from slipstream.packing.guards import UnsupportedArchitecture
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 import transformers
 
+from ..hardware import cpu_name
 from ..models.tiny_any import DYNAMIC_ROPE_POSITIONS, POSITION_THRESHOLD
 from ..packing.rowpos import AUDIT
 from ..parity import LENGTHS, TOLERANCE
-from .fingerprint import cpu_name
+from .columns import columns
 from .prefix_parity import GROUP_TOLERANCE, PAIR_LENGTHS, PAIR_TOLERANCE
-from .sweep_columns import columns
 
 _STATUS_TEXT = {
     "pass": "packed, exact",

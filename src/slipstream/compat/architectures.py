@@ -43,8 +43,8 @@ exception), ``unbuilt`` (the tiny model could not be made: a gap in the sweep, n
 
 Where the pieces live: the documents, the reference step, an arm's step and the comparison are the
 parity kit's (:mod:`slipstream.parity`); one arm's outcome and the refusal's advice
-:mod:`.sweep_arm`; the per-speedup columns :mod:`.sweep_columns`; the prefix checks
-:mod:`.prefix_parity`; the markdown :mod:`.sweep_render`; this module: one architecture's verdict
+:mod:`.arm`; the per-speedup columns :mod:`.columns`; the prefix checks
+:mod:`.prefix_parity`; the markdown :mod:`.render`; this module: one architecture's verdict
 (:func:`check_architecture`) and the sweep over the registry in worker processes (:func:`sweep`).
 """
 
@@ -66,8 +66,8 @@ import transformers
 from ..models.tiny_any import causal_lm_class, tiny_model
 from ..moe.experts import is_moe_model
 from ..parity import SEED, documents, reference
-from .sweep_arm import Verdict, advice_of, run_arm, run_with_offload_fallback, short, where
-from .sweep_columns import Subject, base_columns, check_columns
+from .arm import Verdict, advice_of, run_arm, run_with_offload_fallback, short, where
+from .columns import Subject, base_columns, check_columns
 
 # Registry entries a plain token-ids training step cannot exercise, and why: the sweep reports
 # them as "not checked" rather than pretending a verdict.
@@ -201,7 +201,7 @@ def sweep(
             command = [
                 sys.executable,
                 "-c",
-                f"from slipstream.bench.sweep import _worker; _worker({batch!r}, compile={compile!r})",
+                f"from slipstream.compat.architectures import _worker; _worker({batch!r}, compile={compile!r})",
             ]
             process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             lines: queue.Queue[str | None] = queue.Queue()

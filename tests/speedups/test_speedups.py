@@ -208,7 +208,7 @@ def test_a_toy_speedup_has_its_doctor_row_and_check(toy, monkeypatch):
 def test_a_toy_speedup_has_its_sweep_columns(toy):
     """The compatibility sweep's columns come from the registry: the toy's policy column and its parity
     case's column, checked against the stock reference, and both in docs/compatibility.md's table."""
-    from slipstream.bench.compat import check_architecture, render_markdown
+    from slipstream.compat import check_architecture, render_markdown
 
     verdict = check_architecture("llama")
     assert verdict.status == "pass", verdict.detail

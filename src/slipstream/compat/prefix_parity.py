@@ -1,7 +1,7 @@
 """Prefix parity: packed rows that share a prefix give every token what the stock model gives it alone.
 
 Two checks of the compatibility sweep (its ``prefix`` and ``groups`` columns,
-:mod:`slipstream.bench.sweep_columns`), each on a copy of a tiny stock model under
+:mod:`slipstream.compat.columns`), each on a copy of a tiny stock model under
 ``optimize(**options)``:
 
 * :func:`check_prefix_sharing`: preference pairs (:data:`PAIR_LENGTHS`) packed
@@ -25,7 +25,7 @@ import torch
 
 from ..optimize import optimize, state_of
 from ..parity import SEED, Step, compare, copy_model, documents, grads_of, policies_of, problems
-from .sweep_arm import ArmResult, failed
+from .arm import ArmResult, failed
 
 # Preference pairs of the prefix-sharing column, (prompt, chosen, rejected) tokens: answers
 # shorter and longer than the windows (8) so a rejected answer's window reaches into its prompt
