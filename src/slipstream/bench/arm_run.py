@@ -43,10 +43,11 @@ from .arms import ARM_SPECS, micro_batch_inputs
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
+from .peers import PeerStep
 from .step_gradient import HeldGradient
 
 
-def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str):
+def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
     """The TRL trainer that drives a ``trl`` / ``trl-dpo`` arm's steps (``peers/trl_step.py``,
     ``peers/trl_dpo_step.py``), built on ``model`` for the run's workload; None for any other arm."""
     spec = ARM_SPECS[arm]

@@ -28,18 +28,18 @@ import torch
 from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
+from ..objectives.base import StepPlan
 from ..objectives.grpo import GRPO, advantages_of, stop_ids
-from ..optimize import base_model
+from ..optimize import base_model, state_of
 from ..packing.completions import completion_documents
 from ..rewards import RewardError, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
-from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile
 from .ab_config import ABConfig, resolve_device
 from .arm_result import (
     ArmResult,
-    arm_optimizer,
     check_next_step,
+    open_arm_driver,
     open_arm_model,
     peak_memory_mb,
     record_machine,
@@ -170,13 +170,21 @@ class GrpoArmSession:
     ):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb, fp32)
-        device, model, state = self.device, self.model, self.state
+        self.trl, self.driver = None, None
         tokenizer = ab_tokenizer(config)
-        self.objective = _objective(config, arm, tokenizer, model)
-        self.objective.chunked = state is not None and state.chunked_loss is not None
+        if spec.peer == "trl":
+            self.device, self.model, self.state, moved = open_arm_model(
+                config, arm, vocab_size, perturb, fp32
+            )
+            self.objective = _objective(config, arm, tokenizer, self.model)
+            self.objective.chunked = self.state is not None and self.state.chunked_loss is not None
+        else:  # slipstream's: the step driver slipstream train runs, its objective's sampler and update
+            self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
+            self.model, self.objective = self.driver.model, self.driver.objective
+            self.state = state_of(base_model(self.model))
+            self.driver.prepare()  # the objective's sampler (CachedSampler), as train's before step 0
+        device, model, state = self.device, self.model, self.state
         self.settings = self.objective.settings
-        self.trl = None
         if spec.peer == "trl":
             from .peers.trl_grpo_step import TrlGrpoStep
 
@@ -194,17 +202,6 @@ class GrpoArmSession:
                 device=device,
             )
             state.policies.extend(self.trl.policies)
-        else:
-            self.optimizer, self.scheduler = arm_optimizer(model, config)
-            state.policies.append(
-                "grpo: each prompt prefilled once, its KV cache shared by its G samples (CachedSampler); the "
-                "update packs "
-                + (
-                    "prompt | completions (the prompt once)"
-                    if self.settings.prefix_sharing
-                    else "prompt + completion, G times"
-                )
-            )
         profile = flop_profile(model)
         model_flops = [
             profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
@@ -271,19 +268,17 @@ class GrpoArmSession:
                 per_micro.append(advantages[cut : cut + len(micro) * G])
                 cut += len(micro) * G
             return self.trl.update(micro_groups, per_micro, sum(counted))
-        lr = self.optimizer.param_groups[0]["lr"]
         micro = objective.pack_update(
             groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
         )
-        metrics = train_step(
-            self.model,
-            micro,
-            self.optimizer,
-            global_tokens=objective.loss_divisor(len(rewards), float(sum(counted))),
-            objective=objective,
+        plan = StepPlan(
+            micro=micro,
+            total=objective.loss_divisor(len(rewards), float(sum(counted))),
+            tokens=sum(counted),
+            documents=[],
         )
-        self.scheduler.step()
-        return {**metrics, "lr": lr}
+        done = self.driver.run(plan)  # the driver's step on the shared rollouts
+        return {**done.metrics, "lr": done.lr}
 
     def _sync(self) -> None:
         sync(self.device)
