@@ -184,12 +184,12 @@ class ArmSession:
             return self.trl_step.collate(docs)
         return micro_batch_inputs(self.arm, docs, self.device)
 
-    def _step_fn(self, step: int | None, micro=None, model_context=contextlib.nullcontext) -> dict[str, Any]:
-        """Step ``step`` (the driver's; None: the last plan again), or a peer's or stock arm's on ``micro``."""
+    def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
+        """One optimizer step on ``micro``: the driver's plan (a ``StepPlan``), or a peer's or stock arm's
+        micro-batches."""
         if self.driver is not None:
-            plan = self.driver.plan(step) if step is not None else self.last_plan
-            done = self.driver.run(plan, model_context)
-            self.last_plan = plan
+            done = self.driver.run(micro, model_context)
+            self.last_plan = micro
             return {**done.metrics, "lr": done.lr, "tokens": done.tokens, "pairs": done.pairs}
         if self.trl_step:  # TRL's trainer, with its own optimizer, scheduler and clipping
             found = self.trl_step(micro, model_context=model_context)
@@ -210,18 +210,19 @@ class ArmSession:
         check_next_step(self.arm, result, step)
         self.warm_pages.release()  # what the wait held goes back warm, for this step (and before its inputs)
         micro_docs = self.plan[step]
-        micro = None if self.driver else [self._inputs(docs) for docs in micro_docs]
+        # collated before the clock, as every arm's: the driver's plan of the step, or the rows' batches
+        micro = self.driver.plan(step) if self.driver else [self._inputs(docs) for docs in micro_docs]
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         with hardware.other_load(torch.get_num_threads()) as load:
             start = time.perf_counter()
             if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
                 syncs = HostSyncCounter()
-                metrics = self._step_fn(step, micro, model_context=lambda counter=syncs: counter)
+                metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
                 result.host_syncs_by_op = dict(syncs.by_op)
                 result.host_syncs_per_step = syncs.total
             else:
-                metrics = self._step_fn(step, micro)
+                metrics = self._step_fn(micro)
             self._sync()
             result.step_s.append(time.perf_counter() - start)
         record_machine(result, usage, load)
@@ -261,14 +262,14 @@ class ArmSession:
             self.config.profile_step and not self.pairs
         ):  # after the figures: its overhead touches none of them
             last = self.plan[-1]
-            micro = None if self.driver else [self._inputs(docs) for docs in last]
+            micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
             documents = self.last_plan.documents if self.driver else last
             config = self.config
             peak = matmul_peak(
                 self.device, getattr(torch, config.dtype), config.threads
             )  # the record's, cached
             result.step_profile = profile_step(
-                lambda: self._step_fn(None, micro),
+                lambda: self._step_fn(micro),
                 self.device,
                 linear_flops=sum(self.profile.linear_flops(*docs_micro_batch(docs)) for docs in documents),
                 peak_flops_per_s=peak["flops_per_s"],
