@@ -63,3 +63,19 @@ def test_a_pair_arm_steps_as_train_does(tmp_path, arm):
     logged, arm_step = _train_and_ab(tmp_path, workload, arm)
     assert arm_step["loss"] == logged["loss"]
     assert arm_step["grad_norm"] == logged["grad_norm"]
+
+
+def test_the_grpo_arm_steps_as_train_does(tmp_path):
+    """The arm updates on rollouts sampled once for every arm, from train's prompts in train's order on
+    the same starting weights and seed: train's own step 0."""
+    from tests.objectives.test_grpo import grpo_config
+
+    path = grpo_config(tmp_path, training={"steps": 2})
+    train(load_config(path, []), progress=False)
+    logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    config = ABConfig(
+        **{**workload_of_train_config(str(path)), "arms": ("slipstream-grpo",), "steps": 2, "warmup": 1}
+    )
+    plan, vocab, _ = prepare_bins(config)
+    result = run_arm(dataclasses.asdict(config), "slipstream-grpo", plan, vocab)
+    assert (result["loss"][0], result["grad_norm"][0]) == (logged["loss"], logged["grad_norm"])

@@ -19,7 +19,6 @@ its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
 from __future__ import annotations
 
 import dataclasses
-import random
 import resource
 import time
 
@@ -28,6 +27,7 @@ import torch
 from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
+from ..data.steps import step_order
 from ..objectives.base import StepPlan
 from ..objectives.grpo import GRPO, advantages_of, stop_ids
 from ..optimize import base_model, state_of
@@ -48,6 +48,7 @@ from .arm_result import (
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .step_gradient import HeldGradient
+from .workload import train_config_of
 
 
 def grpo_settings_of(values: dict, **changes):
@@ -91,14 +92,16 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         rows, _ = load_prompts(config.data, tokenizer, room=room)
     except DataError as error:
         raise ABInputError(str(error)) from None
-    per_step = settings.prompts_per_batch * config.grad_accum
-    needed = config.steps * per_step
-    if len(rows) < needed:
+    # the prompts of each step as slipstream train takes them: the objective's bins of prompts_per_batch
+    # prompts, in data.steps' seeded order, grad_accum bins a step
+    bins = GRPO(train_config_of(config, "slipstream-grpo"))._bins(rows)
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
         raise ABInputError(
-            f"{config.data}: {len(rows)} prompts, fewer than steps x grad_accum x prompts_per_batch = {needed}"
+            f"{config.data}: {len(rows)} prompts make {len(bins)} batches of prompts_per_batch, fewer than "
+            f"steps x grad_accum = {needed}"
         )
-    order = list(range(len(rows)))
-    random.Random(f"slipstream ab grpo {config.seed}").shuffle(order)
+    bins_for = step_order(len(bins), config.grad_accum, config.seed)
     device = resolve_device(config.device)
     model, _ = build_arm_model(config, "slipstream-grpo", vocab, device)
     try:
@@ -110,7 +113,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     plan, started = [], time.perf_counter()
     all_rewards, lengths, finished = [], [], []
     for step in range(config.steps):
-        prompts = [rows[i] for i in order[step * per_step : (step + 1) * per_step]]
+        prompts = [row for index in bins_for(step) for row in bins[index]]
         rollouts = objective.sample(model, prompts, _seed(config, step))
         try:
             per_function, groups = objective.score_rollouts(prompts, rollouts, G)
@@ -120,8 +123,10 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
             group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
             group["rewards"] = rewards[index * G : (index + 1) * G]
-        size = settings.prompts_per_batch
-        plan.append([groups[start : start + size] for start in range(0, len(groups), size)])
+        cuts = [0]
+        for index in bins_for(step):  # a micro-batch per bin, as train's step has them
+            cuts.append(cuts[-1] + len(bins[index]))
+        plan.append([groups[start:end] for start, end in zip(cuts, cuts[1:], strict=False)])
         all_rewards += rewards
         lengths += [len(c) for g in groups for c in g["completions"]]
         finished += [f for g in groups for f in g["finished"]]
