@@ -94,22 +94,6 @@ def vocab_size(config, tokenizer) -> int:
     return preset_vocab_size(config.model) or len(tokenizer)
 
 
-def ab_samples(config, tokenizer) -> list[dict]:
-    """The documents every arm trains on, read by ``slipstream train``'s own reader (the SFT objective's:
-    the user's data file, or the built-in demo rows); ABInputError naming the file when it has no
-    usable row."""
-    from ..data import DataError
-    from ..objectives.sft import SFT
-    from ..train.errors import TrainError
-    from .workload import train_config_of
-
-    try:
-        samples, _ = SFT(train_config_of(config, "slipstream")).samples(tokenizer)
-    except (DataError, TrainError) as error:  # DataError names the file and line; TrainError the file
-        raise ABInputError(str(error)) from None
-    return samples
-
-
 def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
     """Every id exists in the model's embedding (the tokenizer belongs to the model); ABInputError otherwise."""
     check_ids_in_vocab(samples, vocab, source, error=ABInputError)

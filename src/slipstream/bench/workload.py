@@ -2,7 +2,8 @@
 
 Every slipstream arm builds the one step driver (``train/driver.py``) from this config: the run's
 model, data, LoRA, optimizer and objective with the arm's own speedups and layout, so what the arm
-times is what ``train`` runs.
+times is what ``train`` runs; the documents every arm trains on are read by train's own reader
+(``ab_samples``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..train.config import (
 )
 from .adapter import lora_alpha
 from .arms import ARM_SPECS, arm_speedups, shares_prefixes
-from .inputs import is_model_dir
+from .inputs import ABInputError, is_model_dir
 
 
 def train_config_of(config, arm: str) -> TrainConfig:
@@ -72,3 +73,18 @@ def train_config_of(config, arm: str) -> TrainConfig:
         speedups=arm_speedups(config, arm),
         seed=config.seed,
     )
+
+
+def ab_samples(config, tokenizer) -> list[dict]:
+    """The documents every arm trains on, read by ``slipstream train``'s own reader (the SFT objective's:
+    the user's data file, or the built-in demo rows); ABInputError naming the file when it has no
+    usable row."""
+    from ..data import DataError
+    from ..objectives.sft import SFT
+    from ..train.errors import TrainError
+
+    try:
+        samples, _ = SFT(train_config_of(config, "slipstream")).samples(tokenizer)
+    except (DataError, TrainError) as error:  # DataError names the file and line; TrainError the file
+        raise ABInputError(str(error)) from None
+    return samples
