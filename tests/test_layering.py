@@ -108,7 +108,7 @@ def test_the_walk_sees_relative_absolute_and_function_level_imports(tmp_path):
     assert {"packing", "loss"} <= components
     components = {c for c, _ in _imported_components(ROOT / "speedups" / "moe_routing.py")}
     assert "moe" in components
-    components = {c for c, _ in _imported_components(ROOT / "train" / "setup.py")}
+    components = {c for c, _ in _imported_components(ROOT / "train" / "driver.py")}
     assert "models" in components  # a function-level import (the QLoRA loader)
 
 

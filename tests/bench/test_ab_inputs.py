@@ -239,7 +239,8 @@ def test_chat_template_renders_the_arms_rows_with_another_template(model_dir, ch
     """``ab --chat-template FILE`` (or a train config's data.chat_template): the tokenizer every arm
     uses renders with that template, the samples differ accordingly, the record names the template."""
     from slipstream.bench.command import workload_of_train_config
-    from slipstream.bench.inputs import ab_samples, ab_tokenizer, data_fingerprint
+    from slipstream.bench.inputs import ab_tokenizer, data_fingerprint
+    from slipstream.bench.workload import ab_samples
 
     template = tmp_path / "shouted.jinja"
     template.write_text(

@@ -88,7 +88,8 @@ def test_every_arm_gets_each_steps_rows_whole_and_the_sharing_arm_regroups_the_s
 
 
 def test_the_plan_takes_the_bins_in_trains_order(tmp_path):
-    from slipstream.bench.inputs import ab_samples, ab_tokenizer
+    from slipstream.bench.inputs import ab_tokenizer
+    from slipstream.bench.workload import ab_samples
     from slipstream.data import pack_samples
 
     cfg = config(tmp_path, share_prefixes="off", grad_accum=2)

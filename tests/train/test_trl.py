@@ -14,7 +14,7 @@ import torch
 from transformers import TrainerCallback
 
 import slipstream
-from slipstream.bench.peers.trl_step import checkpointing_argument as _checkpointing_argument
+from slipstream.bench.peers.trl_base import checkpointing_argument as _checkpointing_argument
 from slipstream.data import demo_samples, demo_tokenizer, pack_samples
 from slipstream.models import build_model
 from slipstream.packing import PackedCollator, PackedInputs

@@ -122,18 +122,44 @@ def open_arm_model(config, arm: str, vocab_size: int, perturb: bool, fp32: bool 
     return device, model, state, moved
 
 
-def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW on the trainable parameters (no weight decay) and the run's schedule: what ``slipstream
-    train`` steps with (``optimizer.schedule``), for every slipstream arm."""
-    from transformers import get_scheduler
+def open_arm_driver(config, arm: str, plan: list, vocab_size: int, perturb: bool, fp32: bool = False):
+    """A slipstream arm's step driver: ``slipstream train``'s (``train/driver.py``) built from the
+    arm's ``TrainConfig`` (``workload.train_config_of``) on the run's planned rows, with the same
+    weights, adapter, ``fp32`` cast and ``perturb`` as :func:`open_arm_model`; returns ``(device,
+    driver, weights moved)``. Not yet prepared (the caller times the reference pass)."""
+    from ..train.driver import driver_for
+    from .ab_config import resolve_device
+    from .inputs import ab_tokenizer
+    from .workload import train_config_of
 
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.0
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    driver = driver_for(
+        train_config_of(config, arm),
+        tokenizer=ab_tokenizer(config),
+        plan=plan,
+        device=torch.device(device),
+        dtype=getattr(torch, config.dtype),
+        vocab_size=vocab_size,
     )
-    scheduler = get_scheduler(
-        config.schedule, optimizer, num_warmup_steps=config.lr_warmup_steps, num_training_steps=config.steps
+    if fp32:
+        driver.model.float()
+    moved = perturb_by_one_ulp(driver.model, config.seed + 1) if perturb else 0
+    return device, driver, moved
+
+
+def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
+    """What a stock arm or a peer without its own trainer steps with: the step driver's AdamW (fused
+    where the device has it) and schedule on the run's settings, as every slipstream arm has it."""
+    from ..train.driver import optimizer_and_schedule
+    from .ab_config import resolve_device
+    from .workload import train_config_of
+
+    device = torch.device(resolve_device(config.device))
+    return optimizer_and_schedule(
+        model.parameters(), train_config_of(config, "slipstream"), device, config.steps
     )
-    return optimizer, scheduler
 
 
 def check_next_step(arm: str, result: ArmResult, step: int) -> None:

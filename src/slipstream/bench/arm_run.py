@@ -21,9 +21,9 @@ import torch
 from .. import hardware
 from ..compile import graph_counts
 from ..data.prefix_groups import unshared_tokens
-from ..objectives.sharing import LayoutCost, PrefixSharing
+from ..objectives.sharing import PrefixSharing
 from ..offload import device_activation_bytes
-from ..optimize import base_model
+from ..optimize import base_model, state_of
 from ..packing.groups import group_documents
 from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
@@ -33,19 +33,21 @@ from .arm_result import (
     ArmResult,
     arm_optimizer,
     check_next_step,
+    open_arm_driver,
     open_arm_model,
     peak_memory_mb,
     record_machine,
     sync,
 )
-from .arms import ARM_SPECS, micro_batch_inputs, shares_prefixes
+from .arms import ARM_SPECS, micro_batch_inputs
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
+from .peers import PeerStep
 from .step_gradient import HeldGradient
 
 
-def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str):
+def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
     """The TRL trainer that drives a ``trl`` / ``trl-dpo`` arm's steps (``peers/trl_step.py``,
     ``peers/trl_dpo_step.py``), built on ``model`` for the run's workload; None for any other arm."""
     spec = ARM_SPECS[arm]
@@ -71,8 +73,19 @@ def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: st
     return TrlStep(model, config, ab_tokenizer(config), device)
 
 
+def drives(arm: str) -> bool:
+    """Whether ``arm`` runs slipstream's own step (the step driver ``slipstream train`` runs); the stock
+    arms and the peers get each step's rows whole and step as they would."""
+    spec = ARM_SPECS[arm]
+    return not spec.stock and spec.peer is None
+
+
 class ArmSession:
-    """An arm set up in this process, ready to train its planned steps one at a time (see the module)."""
+    """An arm set up in this process, ready to train its planned steps one at a time (see the module).
+
+    A slipstream arm builds the step driver ``slipstream train`` runs (``train/driver.py``) from the
+    run's ``TrainConfig`` with its speedups (``workload.train_config_of``) and steps it; a stock arm
+    or a TRL peer steps each planned step's rows in its own layout."""
 
     def __init__(
         self,
@@ -87,51 +100,47 @@ class ArmSession:
     ):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb, fp32)
+        self.driver = None
+        self.last_plan = None  # the driver's last StepPlan (the profiled step runs it again)
+        if drives(arm):
+            self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
+            self.model = self.driver.model
+            self.state = state_of(base_model(self.model))
+        else:
+            self.device, self.model, self.state, moved = open_arm_model(
+                config, arm, vocab_size, perturb, fp32
+            )
         device, model, state = self.device, self.model, self.state
-        self.trl_step = None
         self.warm_pages = WarmPages()
         self.pairs = spec.pairs
-        self.reference: list[list[torch.Tensor | None]] | None = None
-        self.objective = None  # SFT (train_step's default); a pair arm's preference objective
-        if spec.pairs in ("shared", "unshared"):
-            from ..objectives import objective_for
-            from ..objectives.pairs import PairSettings
-
-            settings = PairSettings(beta=config.beta, prefix_sharing=spec.pairs == "shared")
-            self.objective = objective_for(config.objective)(None, settings)
-            self.objective.chunked = state is not None and state.chunked_loss is not None
         self.trl_step = trl_peer_step(config, arm, model, device)
         if self.trl_step is not None:
             state.policies.extend(self.trl_step.policies)
         self.profile = flop_profile(model)
-        # The plan holds each step's rows whole, the same for every arm (peers included); an arm that
-        # shares prefixes regroups each step's rows, as train does (objectives.sharing), and every arm
+        # The plan holds each step's rows whole, the same for every arm (peers included); every arm
         # counts the model FLOPs of the rows' shared layout (the start once): the work the rows need.
         mode = "off" if spec.pairs else config.share_prefixes
-        self.sharing = PrefixSharing(mode, config.max_seq_len, config.seed)
-        grouped_plan = plan
-        if mode != "off":
-            grouped_plan = [self.sharing.share(micro_docs, step) for step, micro_docs in enumerate(plan)]
+        sharing = PrefixSharing(mode, config.max_seq_len, config.seed)
         as_docs = pair_documents if spec.pairs else group_documents if mode != "off" else (lambda docs: docs)
         model_flops = [
-            self.profile.step_flops(docs_micro_batch(as_docs(docs)) for docs in micro_docs)
-            for micro_docs in grouped_plan
+            self.profile.step_flops(
+                docs_micro_batch(as_docs(docs))
+                for docs in (sharing.share(micro_docs, step) if mode != "off" else micro_docs)
+            )
+            for step, micro_docs in enumerate(plan)
         ]
-        self.grouped = False
-        if mode != "off" and shares_prefixes(arm):
-            dtype = next(model.parameters()).dtype
-            if self.sharing.decide(plan, lambda: LayoutCost.of(base_model(model), device, dtype)):
-                self.grouped = True
-                self.plan = plan = grouped_plan
-            state.policies.append(self.sharing.policy)
         reference_pass_s = 0.0
-        if spec.pairs in ("shared", "unshared"):
-            reference_pass_s = self._reference_pass()
+        if self.driver is not None:  # what train runs before step 0: the sharing decision, the reference pass
+            self._sync()
+            started = time.perf_counter()
+            self.driver.prepare()
+            self._sync()
+            if spec.pairs:
+                reference_pass_s = time.perf_counter() - started
         if spec.pairs:  # the activation probe feeds documents; a pair arm's memory is its peak
             activation_bytes, probe_forward_s = None, 0.0
         else:
-            first_inputs, _ = self._inputs(plan[0][0])
+            first_inputs = self.driver.plan(0).micro[0][0] if self.driver else self._inputs(plan[0][0])[0]
             probe_started = time.perf_counter()
             activation_bytes = device_activation_bytes(
                 model, first_inputs, state.offload_manager if state else None
@@ -139,7 +148,7 @@ class ArmSession:
             probe_forward_s = time.perf_counter() - probe_started
         if state is not None:
             state.grouping_counts.reset()  # the steps' batches only, not the probe's
-        if self.trl_step is None:
+        if self.trl_step is None and self.driver is None:
             self.optimizer, self.scheduler = arm_optimizer(model, config)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -169,38 +178,26 @@ class ArmSession:
         # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
         self.gradient = HeldGradient(model, gradient_dir, arm)
 
-    def _reference_pass(self) -> float:
-        """Every planned micro-batch's reference sums, once, before step 0 (``no_grad``, eval mode;
-        the adapter starts at zero, so this is the base model): slipstream's ``precomputed``
-        reference, the pass ``slipstream train`` runs (``preference.reference_pass``); none for a
-        reference-free objective. Returns its time (reported, never inside a step's)."""
-        self._sync()
-        started = time.perf_counter()
-        flat = [pairs for micro_pairs in self.plan for pairs in micro_pairs]
-        sums = self.objective.reference_log_probs(self.model, flat, self.device) or [None] * len(flat)
-        found = iter(sums)
-        self.reference = [[next(found) for _ in micro_pairs] for micro_pairs in self.plan]
-        self._sync()
-        return time.perf_counter() - started
-
-    def _inputs(self, docs, step: int | None = None, index: int = 0):
+    def _inputs(self, docs):
+        """A stock arm's or a peer's micro-batch of ``docs`` (a step's rows whole), in its own layout."""
         if self.trl_step:
             return self.trl_step.collate(docs)
-        if self.pairs:
-            return self.objective.collate(docs, self.device, self.reference[step][index])
         return micro_batch_inputs(self.arm, docs, self.device)
 
     def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
+        """One optimizer step on ``micro``: the driver's plan (a ``StepPlan``), or a peer's or stock arm's
+        micro-batches."""
+        if self.driver is not None:
+            done = self.driver.run(micro, model_context)
+            self.last_plan = micro
+            return {**done.metrics, "lr": done.lr, "tokens": done.tokens, "pairs": done.pairs}
         if self.trl_step:  # TRL's trainer, with its own optimizer, scheduler and clipping
             found = self.trl_step(micro, model_context=model_context)
             if "accuracy" in found:
                 found["reward_accuracy"] = found.pop("accuracy")
             return found
         lr = self.optimizer.param_groups[0]["lr"]
-        # the one optimizer step of every objective (SFT: train_step's default)
-        metrics = train_step(
-            self.model, micro, self.optimizer, model_context=model_context, objective=self.objective
-        )
+        metrics = train_step(self.model, micro, self.optimizer, model_context=model_context)
         self.scheduler.step()
         return {**metrics, "lr": lr}
 
@@ -213,11 +210,8 @@ class ArmSession:
         check_next_step(self.arm, result, step)
         self.warm_pages.release()  # what the wait held goes back warm, for this step (and before its inputs)
         micro_docs = self.plan[step]
-        micro = [self._inputs(docs, step, index) for index, docs in enumerate(micro_docs)]
-        if self.pairs:
-            tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
-        else:
-            tokens = sum(unshared_tokens(docs) for docs in micro_docs)
+        # collated before the clock, as every arm's: the driver's plan of the step, or the rows' batches
+        micro = self.driver.plan(step) if self.driver else [self._inputs(docs) for docs in micro_docs]
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         with hardware.other_load(torch.get_num_threads()) as load:
@@ -241,12 +235,16 @@ class ArmSession:
             result.compile_graphs = {"after_first_step": graph_counts()}
         result.forward_s.append(metrics["forward_s"])
         result.backward_s.append(metrics["backward_s"])
-        result.tokens.append(tokens)
+        if self.pairs:
+            tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
+        else:
+            tokens = sum(unshared_tokens(docs) for docs in micro_docs)
+        result.tokens.append(metrics.get("tokens", tokens))
         result.loss.append(metrics["loss"])
         result.grad_norm.append(metrics["grad_norm"])
         result.lr.append(metrics["lr"])
         if self.pairs:
-            result.pairs.append(sum(len(pairs) for pairs in micro_docs))
+            result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
             result.reward_accuracy.append(metrics["reward_accuracy"])
         return result.step_s[-1]
@@ -264,7 +262,8 @@ class ArmSession:
             self.config.profile_step and not self.pairs
         ):  # after the figures: its overhead touches none of them
             last = self.plan[-1]
-            micro = [self._inputs(docs) for docs in last]
+            micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
+            documents = self.last_plan.documents if self.driver else last
             config = self.config
             peak = matmul_peak(
                 self.device, getattr(torch, config.dtype), config.threads
@@ -272,12 +271,7 @@ class ArmSession:
             result.step_profile = profile_step(
                 lambda: self._step_fn(micro),
                 self.device,
-                linear_flops=sum(
-                    self.profile.linear_flops(
-                        *docs_micro_batch(group_documents(docs) if self.grouped else docs)
-                    )
-                    for docs in last
-                ),
+                linear_flops=sum(self.profile.linear_flops(*docs_micro_batch(docs)) for docs in documents),
                 peak_flops_per_s=peak["flops_per_s"],
             )
         if self.trl_step:

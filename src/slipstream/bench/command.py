@@ -63,6 +63,14 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = Non
                 "that cannot run here is skipped with the reason)",
             )
     add_speedup_arguments(p)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="change a key of --config RUN.yaml as slipstream train --set does (optimizer.lr=1e-4), or of "
+        "its ab: section (ab.steps=20); repeatable",
+    )
 
 
 def _dest(spec: dataclasses.Field) -> str:
@@ -124,9 +132,15 @@ def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
     if getattr(args, "speedup_checkpointing", None) is not None:
         given["checkpointing"] = args.speedup_checkpointing
     from_file: dict = {}
+    sets = list(getattr(args, "set", None) or [])
+    if sets and not given.get("train_config"):
+        raise ValueError("--set changes the file --config RUN.yaml names: give --config too")
     if given.get("train_config"):
-        from_file = workload_of_train_config(given["train_config"])
+        from_file = workload_of_train_config(given["train_config"], sets)
         speedups = {**from_file.pop("speedups"), **speedups}
+        preset = from_file.pop("preset", None)
+        if preset and not getattr(args, "preset", None) and "arms" not in given:
+            args.preset = preset  # the ab: section's preset, where the command line names no arms
     # the defaults as given: a field the defaults filled from their workload (workload_defaults) stays
     # open, so that a model directory named here gets its own workload's default
     filled = defaults.defaults.get("fields", {})
@@ -168,14 +182,73 @@ def _objective_of_train_config(path: str, config) -> dict:
     return {"objective": name, "beta": config.preference.beta, "arms": ARM_PRESETS[name]}
 
 
-def workload_of_train_config(path: str) -> dict:
+# The ABConfig fields a train config sets, by its key: an ``ab:`` section may not set them again.
+TRAIN_KEYS = {
+    "model": "model.path / model.preset",
+    "layers": "model.layers",
+    "data": "data.path",
+    "num_rows": "data.demo_rows",
+    "response_only": "data.response_only",
+    "chat_template": "data.chat_template",
+    "max_seq_len": "data.max_seq_len",
+    "overflow": "data.overflow",
+    "share_prefixes": "data.share_prefixes",
+    "dtype": "model.dtype",
+    "grad_accum": "training.grad_accum",
+    "lr": "optimizer.lr",
+    "schedule": "optimizer.schedule",
+    "lr_warmup_steps": "optimizer.warmup_steps",
+    "seed": "seed",
+    "lora_rank": "lora.rank",
+    "lora_alpha": "lora.alpha",
+    "lora_targets": "lora.target_modules",
+    "checkpointing": "speedups.checkpointing",
+    "objective": "training.objective",
+    "beta": "preference.beta",
+}
+_AB_ALIASES = {"out": "out_dir"}  # the ab: section's key for a field whose flag differs
+
+
+def ab_section(path: str, sets: list[str]) -> dict:
+    """The ``ab:`` section of a train config (arms or preset, steps, warmup, repeats, threads,
+    interleave, out, ...) with ``--set ab.KEY=VALUE`` applied, as ABConfig fields; ValueError naming
+    ``ab.KEY`` for a key it does not know, or one the train config itself sets (naming that key)."""
+    import yaml
+
+    try:
+        section = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("ab") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        section = {}  # the train config's reader says what is wrong with the file
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: 'ab' must be a mapping of slipstream ab's keys")
+    section = dict(section)
+    for override in sets:
+        key, _, raw = override.partition("=")
+        section[key.removeprefix("ab.")] = yaml.safe_load(raw) if raw else None
+    own = {f.name for f in dataclasses.fields(ABConfig) if f.metadata.get("cli", True)} - set(TRAIN_KEYS)
+    own -= {"train_config"}
+    found = {}
+    for key, value in section.items():
+        name = _AB_ALIASES.get(key, key)
+        if name in TRAIN_KEYS:
+            raise ValueError(f"{path}: 'ab.{key}': the train config's '{TRAIN_KEYS[name]}' sets it")
+        if name not in own and name != "preset":
+            raise ValueError(f"{path}: unknown key 'ab.{key}' (valid: {', '.join(sorted(own | {'preset'}))})")
+        if name in _LISTS and isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        found[name] = tuple(value) if isinstance(value, list) else value
+    return found
+
+
+def workload_of_train_config(path: str, sets: list[str] | tuple[str, ...] = ()) -> dict:
     """The ABConfig fields a ``slipstream train`` config sets (its model, data, LoRA, dtype, lr,
-    seed, grad_accum, speedups, and its objective with its settings); ValueError naming the file's
+    seed, grad_accum, speedups, and its objective with its settings), then its ``ab:`` section's;
+    ``sets``: ``--set`` overrides, a train key's or an ``ab.`` key's. ValueError naming the file's
     key for what an A/B cannot run."""
     from ..train.config import load_config  # the train config's reader, errors naming file:line
     from ..train.precision import resolve_dtype
 
-    config = load_config(path, [])
+    config = load_config(path, [s for s in sets if not s.startswith("ab.")])
     unsupported = {
         "quantization.four_bit": config.quantization.four_bit,
         "lora.experts": config.lora.experts,
@@ -223,6 +296,7 @@ def workload_of_train_config(path: str) -> dict:
         "lora_modules_to_save": tuple(config.lora.modules_to_save),
         "checkpointing": checkpointing,
         "speedups": speedups,
+        **ab_section(path, [s for s in sets if s.startswith("ab.")]),
     }
 
 

@@ -19,7 +19,6 @@ its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
 from __future__ import annotations
 
 import dataclasses
-import random
 import resource
 import time
 
@@ -28,19 +27,20 @@ import torch
 from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
+from ..data.steps import step_order
+from ..objectives.base import StepPlan
 from ..objectives.grpo import GRPO
 from ..objectives.grpo_rollouts import advantages_of, stop_ids
-from ..optimize import base_model
+from ..optimize import base_model, state_of
 from ..packing.completions import completion_documents
 from ..rewards import RewardError, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
-from ..train.step import train_step
 from ..utilisation import docs_micro_batch, flop_profile
 from .ab_config import ABConfig, resolve_device
 from .arm_result import (
     ArmResult,
-    arm_optimizer,
     check_next_step,
+    open_arm_driver,
     open_arm_model,
     peak_memory_mb,
     record_machine,
@@ -49,6 +49,7 @@ from .arm_result import (
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .step_gradient import HeldGradient
+from .workload import train_config_of
 
 
 def grpo_settings_of(values: dict, **changes):
@@ -92,14 +93,16 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         rows, _ = load_prompts(config.data, tokenizer, room=room)
     except DataError as error:
         raise ABInputError(str(error)) from None
-    per_step = settings.prompts_per_batch * config.grad_accum
-    needed = config.steps * per_step
-    if len(rows) < needed:
+    # the prompts of each step as slipstream train takes them: the objective's bins of prompts_per_batch
+    # prompts, in data.steps' seeded order, grad_accum bins a step
+    bins = GRPO(train_config_of(config, "slipstream-grpo"))._bins(rows)
+    needed = config.steps * config.grad_accum
+    if len(bins) < needed:
         raise ABInputError(
-            f"{config.data}: {len(rows)} prompts, fewer than steps x grad_accum x prompts_per_batch = {needed}"
+            f"{config.data}: {len(rows)} prompts make {len(bins)} batches of prompts_per_batch, fewer than "
+            f"steps x grad_accum = {needed}"
         )
-    order = list(range(len(rows)))
-    random.Random(f"slipstream ab grpo {config.seed}").shuffle(order)
+    bins_for = step_order(len(bins), config.grad_accum, config.seed)
     device = resolve_device(config.device)
     model, _ = build_arm_model(config, "slipstream-grpo", vocab, device)
     try:
@@ -111,7 +114,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     plan, started = [], time.perf_counter()
     all_rewards, lengths, finished = [], [], []
     for step in range(config.steps):
-        prompts = [rows[i] for i in order[step * per_step : (step + 1) * per_step]]
+        prompts = [row for index in bins_for(step) for row in bins[index]]
         rollouts = objective.sample(model, prompts, _seed(config, step))
         try:
             per_function, groups = objective.score_rollouts(prompts, rollouts, G)
@@ -121,8 +124,10 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
             group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
             group["rewards"] = rewards[index * G : (index + 1) * G]
-        size = settings.prompts_per_batch
-        plan.append([groups[start : start + size] for start in range(0, len(groups), size)])
+        cuts = [0]
+        for index in bins_for(step):  # a micro-batch per bin, as train's step has them
+            cuts.append(cuts[-1] + len(bins[index]))
+        plan.append([groups[start:end] for start, end in zip(cuts, cuts[1:], strict=False)])
         all_rewards += rewards
         lengths += [len(c) for g in groups for c in g["completions"]]
         finished += [f for g in groups for f in g["finished"]]
@@ -171,13 +176,21 @@ class GrpoArmSession:
     ):
         self.config, self.arm, self.plan = config, arm, plan
         spec = ARM_SPECS[arm]
-        self.device, self.model, self.state, moved = open_arm_model(config, arm, vocab_size, perturb, fp32)
-        device, model, state = self.device, self.model, self.state
+        self.trl, self.driver = None, None
         tokenizer = ab_tokenizer(config)
-        self.objective = _objective(config, arm, tokenizer, model)
-        self.objective.chunked = state is not None and state.chunked_loss is not None
+        if spec.peer == "trl":
+            self.device, self.model, self.state, moved = open_arm_model(
+                config, arm, vocab_size, perturb, fp32
+            )
+            self.objective = _objective(config, arm, tokenizer, self.model)
+            self.objective.chunked = self.state is not None and self.state.chunked_loss is not None
+        else:  # slipstream's: the step driver slipstream train runs, its objective's sampler and update
+            self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
+            self.model, self.objective = self.driver.model, self.driver.objective
+            self.state = state_of(base_model(self.model))
+            self.driver.prepare()  # the objective's sampler (CachedSampler), as train's before step 0
+        device, model, state = self.device, self.model, self.state
         self.settings = self.objective.settings
-        self.trl = None
         if spec.peer == "trl":
             from .peers.trl_grpo_step import TrlGrpoStep
 
@@ -195,17 +208,6 @@ class GrpoArmSession:
                 device=device,
             )
             state.policies.extend(self.trl.policies)
-        else:
-            self.optimizer, self.scheduler = arm_optimizer(model, config)
-            state.policies.append(
-                "grpo: each prompt prefilled once, its KV cache shared by its G samples (CachedSampler); the "
-                "update packs "
-                + (
-                    "prompt | completions (the prompt once)"
-                    if self.settings.prefix_sharing
-                    else "prompt + completion, G times"
-                )
-            )
         profile = flop_profile(model)
         model_flops = [
             profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
@@ -272,19 +274,17 @@ class GrpoArmSession:
                 per_micro.append(advantages[cut : cut + len(micro) * G])
                 cut += len(micro) * G
             return self.trl.update(micro_groups, per_micro, sum(counted))
-        lr = self.optimizer.param_groups[0]["lr"]
         micro = objective.pack_update(
             groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
         )
-        metrics = train_step(
-            self.model,
-            micro,
-            self.optimizer,
-            global_tokens=objective.loss_divisor(len(rewards), float(sum(counted))),
-            objective=objective,
+        plan = StepPlan(
+            micro=micro,
+            total=objective.loss_divisor(len(rewards), float(sum(counted))),
+            tokens=sum(counted),
+            documents=[],
         )
-        self.scheduler.step()
-        return {**metrics, "lr": lr}
+        done = self.driver.run(plan)  # the driver's step on the shared rollouts
+        return {**done.metrics, "lr": done.lr}
 
     def _sync(self) -> None:
         sync(self.device)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..data import demo_samples, demo_tokenizer, load_samples
+from ..data import demo_tokenizer
 from ..data.chat import read_chat_template
 from ..data.samples import hash_path
 from ..data.token_ids import check_ids_in_vocab
@@ -92,23 +92,6 @@ def vocab_size(config, tokenizer) -> int:
         text = getattr(model_config, "get_text_config", lambda: model_config)()
         return int(text.vocab_size)
     return preset_vocab_size(config.model) or len(tokenizer)
-
-
-def ab_samples(config, tokenizer) -> list[dict]:
-    """The documents every arm trains on: the user's data file read as ``slipstream train`` reads
-    it, or the built-in demo rows; ValueError naming the file when it has no usable row."""
-    if config.data is None:
-        return demo_samples(
-            tokenizer, num_rows=config.num_rows, seed=config.seed, response_only=config.response_only
-        )
-    try:
-        samples, report = load_samples(config.data, tokenizer, response_only=config.response_only, cache=True)
-    except ValueError as error:  # DataError names the file and line; the tokenizer's own errors do not
-        message = str(error)
-        raise ABInputError(message if config.data in message else f"{config.data}: {message}") from None
-    if not samples:
-        raise ABInputError(f"{config.data}: no usable rows ({report.summary()})")
-    return samples
 
 
 def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:

@@ -37,9 +37,10 @@ from .arm_run import ArmResult, ArmSession, open_arm, run_arm
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
-from .inputs import ABInputError, ab_samples, ab_tokenizer, check_token_ids, inputs_record, vocab_size
+from .inputs import ABInputError, ab_tokenizer, check_token_ids, inputs_record, vocab_size
 from .lockstep import run_in_fresh_process, run_lockstep
 from .truth import gradient_directory, measure_fp32_step0
+from .workload import ab_samples
 
 # what the tests and the benchmark scripts import from here
 __all__ = [

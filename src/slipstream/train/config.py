@@ -317,6 +317,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     lines = _key_lines(text)
     for override in overrides:
         _apply_override(data, override, source, lines)
+    data.pop("ab", None)  # `slipstream ab`'s section of the same file (bench/command.py reads it)
     config = _build(TrainConfig, data, "", source, lines)
     base = path.parent
     for section, key in (

@@ -37,7 +37,6 @@ from .nonfinite import NonFiniteSteps, finite_or_none
 from .output_dir import CHECKPOINTS, FINISHED
 from .samples import Samples
 from .setup import _data, _Run, _set_up, config_advice
-from .step import train_step
 
 __all__ = [
     "CHECKPOINTS",
@@ -53,27 +52,13 @@ __all__ = [
 
 
 def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
-    """Step ``step``: this rank's share of its bins. Returns its loss (over every rank), grad norm,
-    tokens, and whether it was finite (applied); every rank gets the same loss and verdict. The
-    step's metrics (and its pairs) are kept in ``run.last_metrics``."""
-    objective = run.objective
-    context = run.context  # the step's bins: a round's for steps of one round (GRPO's num_iterations)
-    plan = objective.plan_step(context, step, context.step_bins(step))  # GRPO samples its rollouts here
-    result = train_step(
-        run.model,
-        plan.micro,
-        run.optimizer,
-        max_grad_norm=run.config.optimizer.max_grad_norm,
-        global_tokens=plan.total,
-        loss_scale=run.info.world_size,
-        reduce_loss=run.info.sum_tensor,
-        objective=objective,
-    )
-    run.scheduler.step()  # a skipped step keeps the plan: the lr stays a function of the step
-    result["pairs"] = plan.pairs
-    run.last_metrics = result
-    run.last_plan = plan
-    return result["loss"], result["grad_norm"], plan.tokens, result["finite"]
+    """Step ``step`` (the driver's: this rank's share of its bins). Returns its loss (over every rank),
+    grad norm, tokens, and whether it was finite (applied); every rank gets the same loss and verdict.
+    The step's metrics (and its pairs) are kept in ``run.last_metrics``."""
+    done = run.driver.step(step)  # GRPO samples its rollouts in the objective's plan
+    run.last_metrics = {**done.metrics, "pairs": done.pairs}
+    run.last_plan = done.plan
+    return done.loss, done.grad_norm, done.tokens, done.finite
 
 
 def _step_flops(run: _Run) -> int:

@@ -11,150 +11,55 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..atomic import write_text_atomically
-from ..data import DataReport, PackingReport, demo_tokenizer
-from ..data.steps import step_order, steps_per_epoch
-from ..models import build_model
-from ..models.qlora import load_for_qlora
-from ..moe.experts import experts_modules
-from ..moe.lora import add_expert_lora
-from ..objectives import Objective, objective_for
-from ..objectives.base import ObjectiveContext
-from ..optimize import optimize, state_of
-from ..refusal import Refusal, refusal_in
+from ..data import DataReport, PackingReport
+from ..objectives import Objective
 from ..utilisation import FlopProfile, flop_profile, matmul_peak
-from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point, newest_checkpoint
-from .config import ConfigError, TrainConfig
-from .distributed import Distributed, setup, unwrap, wrap
+from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point
+from .config import TrainConfig
+from .distributed import Distributed, setup
+from .driver import (
+    StepDriver,
+    apply_lora,
+    config_advice,
+    driver_for,
+    load_model,
+    load_tokenizer,
+    objective_of,
+)
 from .errors import TrainError
 from .fingerprint import fingerprint as run_fingerprint
 from .lock import RunLock
 from .output_dir import CONFIG, SAMPLES, prepare_output, rewind_metrics
 from .precision import resolve_dtype
-from .preflight import check_lora_targets, check_model_dir, check_token_ids, weights_error, with_chat_template
+
+# the model's building blocks live with the driver (driver.py); export/, generation.py and the tests
+# import them from here too
+__all__ = ["apply_lora", "config_advice", "load_model", "load_tokenizer", "objective_of"]
 
 logger = logging.getLogger("slipstream")
 
 
-def load_tokenizer(config: TrainConfig):
-    if config.model.preset is not None:
-        return with_chat_template(demo_tokenizer(), config)
-    check_model_dir(
-        config.model.path
-    )  # before anything reads it: a missing directory is not a network problem
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code
-        )
-    except (OSError, ValueError) as error:
-        raise TrainError(
-            f"{config.model.path}: no usable tokenizer saved beside the model ({error})"
-        ) from None
-    return with_chat_template(tokenizer, config)  # data.chat_template: another template than the model's
-
-
-def config_advice(error: BaseException) -> str:
-    """The config lines that avoid the refusal in ``error`` (its ``avoid``, read from the exception
-    or its cause: `` (in the config: speedups.packed_attention: false)``), or "" where none does."""
-    refusal = refusal_in(error)
-    lines = refusal.config_lines() if refusal is not None else []
-    return f" (in the config: {', '.join(lines)})" if lines else ""
-
-
-def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
-    if config.model.preset is not None:
-        if config.quantization.four_bit:
-            raise ConfigError(
-                "quantization.four_bit loads a model directory: set model.path, not model.preset"
-            )
-        try:
-            return build_model(
-                config.model.preset,
-                vocab_size=vocab_size,
-                layers=config.model.layers,
-                seed=config.seed,
-                dtype=dtype,
-            )
-        except KeyError as error:
-            raise ConfigError(f"model.preset: {error.args[0]}") from None
-    path = check_model_dir(config.model.path)
-    if config.quantization.four_bit:
-        return load_for_qlora(
-            path,
-            double_quant=config.quantization.double_quant,
-            compute_dtype=dtype,
-            trust_remote_code=config.model.trust_remote_code,
-        )
-    try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
-        )
-    except Exception as error:  # safetensors, torch and transformers each raise their own kinds
-        raise weights_error(path, error) from None
-
-
-def apply_lora(model, config: TrainConfig):
-    if not config.lora.enabled:
-        return model
-    lora = LoraConfig(
-        r=config.lora.rank,
-        lora_alpha=config.lora.alpha,
-        lora_dropout=config.lora.dropout,
-        target_modules=config.lora.target_modules,
-        task_type="CAUSAL_LM",
-        modules_to_save=config.lora.modules_to_save or None,
-    )
-    model = get_peft_model(model, lora)
-    if config.lora.experts:
-        if not experts_modules(model):
-            raise ConfigError("lora.experts is true but the model has no MoE experts")
-        add_expert_lora(model, r=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
-    return model
-
-
-def _step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, Callable]:
-    """Total steps, and step -> the bin indices of the whole (all-rank) step (``data.steps``: the
-    one order every layout and ``slipstream ab`` share)."""
-    per_step = config.training.grad_accum * world_size
-    total = config.training.steps or steps_per_epoch(num_bins, per_step) * config.training.epochs
-    return total, step_order(num_bins, per_step, config.seed)
-
-
 @dataclass
 class _Run:
-    """A run once set up: what the step loop trains, and what the summary reports."""
+    """A run once set up: its driver (the step), and what the loop and the summary keep around it.
 
-    config: TrainConfig
-    info: Distributed
-    out: Path
-    tokenizer: Any
-    objective: Objective  # what the run trains for (slipstream.objectives): the loop never asks its name
-    bins: list[list[dict]]
-    label_tokens: list[int]  # per bin: what weights the loss (label tokens, pairs), known to every rank
+    What the driver holds (config, info, tokenizer, objective, bins, model, optimizer, scheduler,
+    total, bins_for, device, dtype, evals, out, policies) is read through it: ``run.model``."""
+
+    driver: StepDriver
     packing: PackingReport
     data_report: DataReport | None
-    dtype: torch.dtype
-    device: torch.device
     fingerprint: dict | None  # rank 0 only
     point: ResumePoint
-    model: torch.nn.Module
-    policies: list[str]
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    total: int
-    bins_for: Callable[[int], list[int]]
     lock: RunLock | None  # the output directory's, held by rank 0 until the run ends
-    evals: Any = None  # data.eval_path / data.eval_fraction: the objective's eval set
     start: int = 0  # the step resumed from
     # (step, eval loss or None where not finite), the resumed run's earlier ones too
     eval_losses: list[tuple[int, float | None]] = field(default_factory=list)
@@ -166,98 +71,18 @@ class _Run:
     eval_metrics: list[tuple[int, dict]] = field(default_factory=list)
     last_metrics: dict | None = None  # the last step's metrics (loss first)
     last_plan: Any = None  # the last step's objectives.StepPlan (its documents, its record)
-    context: ObjectiveContext | None = None  # what the objective reads of the run (objective_context)
 
-    @property
-    def base_model(self) -> torch.nn.Module:
-        """The model under the ranks' wrapper (what a reference pass runs)."""
-        return unwrap(self.model)
-
-
-def objective_context(run: _Run) -> ObjectiveContext:
-    """What the objective may read of ``run`` (``before_training``, ``plan_step``). The rounds are the
-    loop's: an objective that trains ``updates_per_round`` steps on one round gets round
-    ``step // updates_per_round``'s bins for each of them; the resume hint is the output directory's."""
-    rounds = run.objective.updates_per_round
-
-    def resume_hint() -> str:
-        newest = newest_checkpoint(run.out)
-        return f"--resume continues from {newest}" if newest is not None else "no checkpoint to resume from"
-
-    return ObjectiveContext(
-        ranks=run.info,
-        tokenizer=run.tokenizer,
-        bins=run.bins,
-        weights=run.label_tokens,
-        evals=run.evals,
-        device=run.device,
-        dtype=run.dtype,
-        model=run.model,
-        base_model=run.base_model,
-        steps=run.total,
-        step_bins=run.bins_for if rounds == 1 else lambda step: run.bins_for(step // rounds),
-        resume_hint=resume_hint,
-    )
-
-
-def objective_of(config: TrainConfig) -> Objective:
-    """The objective ``training.objective`` names (the config checked it is registered)."""
-    return objective_for(config.training.objective)(config)
+    def __getattr__(self, name: str) -> Any:
+        """The driver's fields (one copy of each: the loop reads what the step uses)."""
+        if name == "driver":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.driver, name)
 
 
 def _data(config: TrainConfig, tokenizer, info: Distributed, objective: Objective | None = None):
     """The objective's rows and bins, the packing and data reports, and the eval set."""
     found = (objective or objective_of(config)).read(tokenizer, info)
     return found.rows, found.bins, found.packing, found.report, found.evals
-
-
-def _trainable_model(
-    config: TrainConfig,
-    tokenizer,
-    samples,
-    device,
-    dtype,
-    dtype_policy: str,
-    info,
-    evals,
-    objective: Objective,
-    expected_steps: int | None = None,
-):
-    """The model loaded, checked, optimized, with its adapters and wrapped for the ranks; and its policies."""
-    model = load_model(config, len(tokenizer), dtype)
-    check_lora_targets(model, config)
-    check_token_ids(objective.documents(samples), model, config.data.path or "the demo data")
-    if evals is not None and config.data.eval_path is not None:
-        held_out = [d for b in evals.bins for d in b]
-        check_token_ids(objective.documents(held_out), model, config.data.eval_path)
-    if not config.quantization.four_bit:
-        model.to(device)
-    try:
-        # the config's section is a Speedups; the step count decides compile "auto"
-        optimize(model, config.speedups, expected_steps=expected_steps)
-    except Refusal as error:  # UnsupportedArchitecture, FusedKernelsUnavailable, ...: say it in config terms
-        raise TrainError(
-            f"{config.model.path or config.model.preset}: {error}{config_advice(error)}"
-        ) from error
-    torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
-    model = apply_lora(model, config)
-    model.train()
-    # The model's own list: decisions made on the first step (loss chunk size) join it there.
-    policies = state_of(model).policies
-    policies.insert(0, dtype_policy)
-    return wrap(model, info), policies
-
-
-def _optimizer(config: TrainConfig, model, device: torch.device, info: Distributed):
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = {"fused": True} if device.type in ("cuda", "cpu") and info.strategy != "fsdp2" else {}
-    return torch.optim.AdamW(
-        params,
-        lr=config.optimizer.lr,
-        betas=tuple(config.optimizer.betas),
-        weight_decay=config.optimizer.weight_decay,
-        **fused,
-    )
 
 
 def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) -> _Run:
@@ -293,7 +118,7 @@ def _set_up_locked(
     torch.manual_seed(config.seed)
     tokenizer = load_tokenizer(config)
     objective = objective_of(config)
-    samples, bins, packing, data_report, evals = _data(config, tokenizer, info, objective)
+    data = objective.read(tokenizer, info)
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
     fingerprint = (
@@ -311,49 +136,24 @@ def _set_up_locked(
         tqdm.write(f"slipstream train: {dtype_policy}")
     # measured once per device, dtype, threads and torch (cached), before the model takes the memory
     peak = matmul_peak(device, dtype) if info.is_main else None
-    total, bins_for = _step_plan(len(bins), config, info.world_size)
-    model, policies = _trainable_model(
-        config, tokenizer, samples, device, dtype, dtype_policy, info, evals, objective, expected_steps=total
+    driver = driver_for(
+        config, info, tokenizer=tokenizer, objective=objective, data=data, device=device, dtype=dtype, out=out
     )
-    optimizer = _optimizer(config, model, device, info)
-    scheduler = get_scheduler(
-        config.optimizer.schedule,
-        optimizer,
-        num_warmup_steps=config.optimizer.warmup_steps,
-        num_training_steps=total,
-    )
+    driver.policies.insert(0, dtype_policy)
     run = _Run(
-        config=config,
-        info=info,
-        out=out,
-        tokenizer=tokenizer,
-        objective=objective,
-        bins=bins,
-        label_tokens=[objective.weight(b) for b in bins],
-        packing=packing,
-        data_report=data_report,
-        dtype=dtype,
-        device=device,
+        driver=driver,
+        packing=data.packing,
+        data_report=data.report,
         fingerprint=fingerprint,
         point=point,
-        model=model,
-        policies=policies,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        total=total,
-        bins_for=bins_for,
         lock=lock,
-        evals=evals,
-        flops=flop_profile(unwrap(model)),
+        flops=flop_profile(driver.base_model),
         matmul_peak=peak,
     )
     # before a checkpoint's weights are loaded: the policy as it starts (the reference pass)
-    run.context = objective_context(run)
-    line = objective.before_training(run.context)
-    if line is not None:
-        run.policies.append(line)
-        if info.is_main:
-            tqdm.write(f"slipstream train: {line}")
+    line = driver.prepare()
+    if line is not None and info.is_main:
+        tqdm.write(f"slipstream train: {line}")
     run.start = _restore(run, checkpoint, resume=resume)
     del checkpoint  # its tensors are in the model now
     if info.is_main:

@@ -1,11 +1,16 @@
 """The tools users would pick instead of slipstream, as A/B arms on the same bins, weights and seed.
 
-- ``trl``: one optimizer step as TRL's ``SFTTrainer`` takes it (``trl_step.py``).
+- ``trl``: one optimizer step as TRL's ``SFTTrainer`` takes it (``trl_step.py``); ``trl-dpo`` and
+  ``trl-grpo`` as its ``DPOTrainer`` / ``GRPOTrainer`` (``trl_dpo_step.py``, ``trl_grpo_step.py``), all
+  three on one base (``trl_base.py``).
 - ``transformers-offload``: transformers' own ``activation_checkpointing_enable(offload=True)``
   (its copies run on the compute stream); CUDA only: on a CPU activations already live on the host.
 - ``unsloth`` / ``unsloth-same-settings``: Unsloth in a virtualenv of its own (it pins older
   transformers and TRL), on its defaults and then on ours (``unsloth_arm.py``; not ``unsloth.py``: the worker runs from this folder and must import the real one).
 - ``liger``: Liger-Kernel's patched model (its Triton kernels need a CUDA GPU).
+
+A peer that steps in the arm's own process is a :class:`PeerStep`: it gets each planned step's rows
+whole (the same plan the step driver trains on) and steps them as that tool would.
 
 A peer that cannot run here is skipped, never faked: ``unavailable`` says why, and the reason
 goes into the record, the tables and ``slipstream report``.
@@ -14,11 +19,30 @@ goes into the record, the tables and ``slipstream report``.
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Literal, Protocol
 
 import torch
 
 Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings", "unsloth-dpo", "liger"]
+
+
+class PeerStep(Protocol):
+    """A peer stepped by the harness in the arm's process (``trl``, ``trl-dpo``): what ``ArmSession``
+    calls of it, and nothing more."""
+
+    policies: list[str]  # what it runs, for the record's policy lines
+
+    def collate(self, rows: list[dict]) -> Any:
+        """One micro-batch of a step's rows (documents or pairs), in the peer's own layout."""
+
+    def __call__(
+        self, micro_batches: list[Any], model_context: Callable[[], AbstractContextManager] = ...
+    ) -> dict[str, float]:
+        """One optimizer step: loss, grad_norm, lr, forward_s, backward_s (and its own metrics)."""
+
+    def close(self) -> None: ...
 
 
 def unavailable(peer: Peer, config, device: str) -> str | None:

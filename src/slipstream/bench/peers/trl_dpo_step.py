@@ -34,14 +34,11 @@ run's, as in the stock arms. Dropout is disabled, TRL's default.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-import time
 from contextlib import nullcontext
 
 import torch
 
-from .trl_step import ForwardClock, optimizer_step, trainer_arguments
+from .trl_base import TrlTrainerStep
 
 # TRL's per-micro-batch metrics this arm returns, by the name it returns them under.
 REWARD_METRICS = {
@@ -52,7 +49,7 @@ REWARD_METRICS = {
 }
 
 
-class TrlDpoStep:
+class TrlDpoStep(TrlTrainerStep):
     """Drives a real ``DPOTrainer`` one optimizer step at a time over the harness's micro-batches of pairs."""
 
     def __init__(
@@ -73,18 +70,22 @@ class TrlDpoStep:
         from datasets import Dataset
         from trl import DPOConfig, DPOTrainer
 
-        self.device = device
-        self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-dpo-")
-        args = trainer_arguments(
+        # The dataset is never iterated, but TRL prepares (tokenizes) it in any case: one plain-text row.
+        placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token, "chosen": "", "rejected": ""}])
+        # Both forwards run through the trainer's model: the policy's and the reference's are timed.
+        super().__init__(
+            lambda args: DPOTrainer(
+                model=model, ref_model=None, args=args, train_dataset=placeholder, processing_class=tokenizer
+            ),
             DPOConfig,
-            self._output_dir,
-            grad_accum=grad_accum,
+            prefix="slipstream-ab-trl-dpo-",
             steps=steps,
+            device=device,
+            grad_accum=grad_accum,
             lr=lr,
             schedule=schedule,
             warmup_steps=warmup_steps,
             seed=seed,
-            device=device,
             per_device_train_batch_size=1,
             beta=beta,
             loss_type=loss_type,
@@ -92,18 +93,6 @@ class TrlDpoStep:
             precompute_ref_log_probs=False,
             padding_free=False,
         )
-        # The dataset is never iterated, but TRL prepares (tokenizes) it in any case: one plain-text row.
-        placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token, "chosen": "", "rejected": ""}])
-        self.trainer = DPOTrainer(
-            model=model, ref_model=None, args=args, train_dataset=placeholder, processing_class=tokenizer
-        )
-        self.model = self.trainer.model
-        self.trainer.create_optimizer_and_scheduler(num_training_steps=steps)
-        # Only the active adapter: TRL's frozen "ref" copy, where it made one, is not trained.
-        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
-        self.clock = ForwardClock(device)
-        # Both forwards run through the trainer's model: the policy's and the reference's are timed.
-        self.clock.watch(self.model)
         if "ref" in getattr(self.model, "peft_config", {}):
             reference = "a frozen copy of the initial adapter"
         else:
@@ -124,10 +113,8 @@ class TrlDpoStep:
 
     def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; the step's DPO loss and TRL's reward metrics, pair means."""
-        start = time.perf_counter()
-        self.clock.seconds = 0.0
         trainer = self.trainer
-        lr = trainer.lr_scheduler.get_last_lr()[0]  # what this step's update runs with
+        lr = self.begin()
         # The Trainer's loop sets it to the number of micro-batches in the update; training_step divides by it.
         trainer.current_gradient_accumulation_steps = len(micro_batches)
         metrics = trainer._metrics["train"]
@@ -136,7 +123,7 @@ class TrlDpoStep:
         for inputs, _ in micro_batches:
             with model_context():
                 losses.append(trainer.training_step(self.model, inputs))
-        grad_norm = optimizer_step(trainer, self.model, self.parameters)
+        timed = self.end(lr)
         counts = [count for _, count in micro_batches]
         pairs = sum(counts)
         # Undo the division by the micro-batch count, then weight each micro-batch mean by its pairs.
@@ -147,17 +134,4 @@ class TrlDpoStep:
             for name, key in REWARD_METRICS.items()
         }
         metrics.clear()  # as Trainer.log does every logging step
-        self.clock.sync()
-        total = time.perf_counter() - start
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "forward_s": self.clock.seconds,
-            # backward, TRL's metric reads, clipping and the optimizer step
-            "backward_s": total - self.clock.seconds,
-            **result,
-        }
-
-    def close(self) -> None:
-        shutil.rmtree(self._output_dir, ignore_errors=True)
+        return {"loss": loss, **timed, **result}

@@ -27,13 +27,11 @@ The advantages of the shared rollouts are given with them (the same formula as T
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 
 import torch
 
-from .trl_step import ForwardClock, optimizer_step, trainer_arguments
+from .trl_base import TrlTrainerStep
 
 
 def _trl_reward(reward):
@@ -47,7 +45,7 @@ def _trl_reward(reward):
     return call
 
 
-class TrlGrpoStep:
+class TrlGrpoStep(TrlTrainerStep):
     """Drives a real ``GRPOTrainer``: its sampling on the step's prompts, its update on given rollouts."""
 
     def __init__(
@@ -68,19 +66,26 @@ class TrlGrpoStep:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-        self.device, self.settings, self.seed = device, settings, seed
-        self._output_dir = tempfile.mkdtemp(prefix="slipstream-ab-trl-grpo-")
+        self.settings, self.seed = settings, seed
         G = settings.num_generations
-        args = trainer_arguments(
+        placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
+        super().__init__(
+            lambda args: GRPOTrainer(
+                model=model,
+                reward_funcs=[_trl_reward(fn) for fn in rewards],
+                args=args,
+                train_dataset=placeholder,
+                processing_class=tokenizer,
+            ),
             GRPOConfig,
-            self._output_dir,
-            grad_accum=grad_accum,
+            prefix="slipstream-ab-trl-grpo-",
             steps=steps,
+            device=device,
+            grad_accum=grad_accum,
             lr=lr,
             schedule=schedule,
             warmup_steps=warmup_steps,
             seed=seed,
-            device=device,
             per_device_train_batch_size=settings.prompts_per_batch * G,
             num_generations=G,
             max_completion_length=settings.max_new_tokens,
@@ -96,20 +101,7 @@ class TrlGrpoStep:
             mask_truncated_completions=settings.mask_truncated_completions,
             reward_weights=[fn.weight for fn in rewards],
         )
-        placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
-        self.trainer = GRPOTrainer(
-            model=model,
-            reward_funcs=[_trl_reward(fn) for fn in rewards],
-            args=args,
-            train_dataset=placeholder,
-            processing_class=tokenizer,
-        )
-        self.model = self.trainer.model
-        self.trainer.create_optimizer_and_scheduler(num_training_steps=steps)
-        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
         self.pad_id = self.trainer._tokenizer.pad_token_id
-        self.clock = ForwardClock(device)
-        self.clock.watch(self.model)
         self.generation_s = 0.0
         generate = self.trainer._generate_single_turn
 
@@ -177,9 +169,7 @@ class TrlGrpoStep:
     def update(self, micro_groups: list[list[dict]], micro_advantages: list[list[float]], items: int) -> dict:
         """One optimizer step on the given rollouts; its loss, grad norm and times."""
         trainer = self.trainer
-        started = time.perf_counter()
-        self.clock.seconds = 0.0
-        lr = trainer.lr_scheduler.get_last_lr()[0]
+        lr = self.begin()
         micro = [self._inputs(g, a, items) for g, a in zip(micro_groups, micro_advantages, strict=True)]
         trainer.current_gradient_accumulation_steps = len(micro)
         prepare = trainer._prepare_inputs
@@ -188,18 +178,7 @@ class TrlGrpoStep:
             losses = [trainer.training_step(self.model, inputs, None) for inputs in micro]
         finally:
             trainer._prepare_inputs = prepare
-        grad_norm = optimizer_step(trainer, self.model, self.parameters)
+        timed = self.end(lr)
         loss = float(sum(losses))
         trainer._metrics["train"].clear()
-        self.clock.sync()
-        total = time.perf_counter() - started
-        return {
-            "loss": loss,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "forward_s": self.clock.seconds,
-            "backward_s": total - self.clock.seconds,
-        }
-
-    def close(self) -> None:
-        shutil.rmtree(self._output_dir, ignore_errors=True)
+        return {"loss": loss, **timed}

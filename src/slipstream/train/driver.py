@@ -1,0 +1,377 @@
+"""The one step driver: what ``slipstream train`` and every slipstream arm of ``slipstream ab`` run.
+
+:func:`driver_for` builds a :class:`StepDriver` from one ``TrainConfig`` (the tokenizer, the
+objective, its bins and their step order, the model loaded, checked, optimized and with its
+adapters, the optimizer and schedule); :meth:`StepDriver.prepare` runs what the objective runs
+before step 0; :meth:`StepDriver.step` runs optimizer step i (the objective's ``plan_step``,
+``train_step``, the scheduler) and returns a :class:`StepResult`. ``train``'s loop adds
+checkpoints, evaluation, metrics and samples around it (``loop.py``, its run directory in
+``setup.py``); the A/B adds timing, interleaving and peers (``bench/arm_run.py``). Neither has
+a step of its own, so what ``ab`` times is what ``train`` runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from ..data import demo_tokenizer
+from ..data.steps import step_order, steps_per_epoch
+from ..models import build_model
+from ..models.qlora import load_for_qlora
+from ..moe.experts import experts_modules
+from ..moe.lora import add_expert_lora
+from ..objectives import Objective, ObjectiveData, objective_for
+from ..objectives.base import ObjectiveContext, StepPlan
+from ..optimize import optimize, state_of
+from ..refusal import Refusal, refusal_in
+from .checkpoints import newest_checkpoint
+from .config import ConfigError, TrainConfig
+from .distributed import Distributed, unwrap, wrap
+from .errors import TrainError
+from .precision import resolve_dtype
+from .preflight import check_lora_targets, check_model_dir, check_token_ids, weights_error, with_chat_template
+from .step import train_step
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did: what the loop logs and the A/B times."""
+
+    loss: float  # over every rank
+    grad_norm: float
+    finite: bool  # False: the update was dropped (the loss or the gradient norm was not finite)
+    metrics: dict[str, Any]  # train_step's: the objective's metrics, forward_s, backward_s, ...
+    tokens: int  # the step's tokens over every rank (rows whole)
+    pairs: int  # preference pairs the step held (0: none)
+    lr: float  # the learning rate the step ran with
+    plan: StepPlan  # its micro-batches, documents and the objective's record
+
+    @property
+    def forward_s(self) -> float:
+        return self.metrics["forward_s"]
+
+    @property
+    def backward_s(self) -> float:
+        return self.metrics["backward_s"]
+
+
+@dataclass
+class StepDriver:
+    """A model, its objective, its bins in their step order, its optimizer and schedule: step i on demand.
+
+    It is also what the objective sees of the run (:meth:`context`): its config, ranks, bins,
+    model, device and dtype (``before_training`` and ``plan_step`` read them)."""
+
+    config: TrainConfig
+    info: Distributed
+    objective: Objective
+    model: torch.nn.Module  # wrapped for the ranks
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    bins: list[list[dict]]
+    bins_for: Callable[[int], Sequence[int]]  # step -> the bin indices of the whole (all-rank) step
+    total: int  # the run's steps
+    device: torch.device
+    dtype: torch.dtype
+    tokenizer: Any = None
+    evals: Any = None
+    out: Path | None = None  # the run's directory (``train``); None in an A/B arm
+    policies: list[str] = field(default_factory=list)  # the model's own list: first-step decisions join it
+    label_tokens: list[int] = field(init=False)  # per bin: what weighs the loss, known to every rank
+    _context: ObjectiveContext | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.label_tokens = [self.objective.weight(b) for b in self.bins]
+
+    @property
+    def base_model(self) -> torch.nn.Module:
+        """The model under the ranks' wrapper (what a reference pass or the sampler runs)."""
+        return unwrap(self.model)
+
+    def context(self) -> ObjectiveContext:
+        """What the objective is handed of the run (the one place it is made). The rounds are the
+        loop's: an objective that trains ``updates_per_round`` steps on one round gets round
+        ``step // updates_per_round``'s bins for each of them; the resume hint is the run directory's."""
+        if self._context is None:
+            rounds, bins_for, out = self.objective.updates_per_round, self.bins_for, self.out
+
+            def resume_hint() -> str:
+                newest = newest_checkpoint(out) if out is not None else None
+                if newest is None:
+                    return "no checkpoint to resume from"
+                return f"--resume continues from {newest}"
+
+            self._context = ObjectiveContext(
+                ranks=self.info,
+                tokenizer=self.tokenizer,
+                bins=self.bins,
+                weights=self.label_tokens,
+                evals=self.evals,
+                device=self.device,
+                dtype=self.dtype,
+                model=self.model,
+                base_model=self.base_model,
+                steps=self.total,
+                step_bins=bins_for if rounds == 1 else lambda step: list(bins_for(step // rounds)),
+                resume_hint=resume_hint,
+            )
+        return self._context
+
+    def prepare(self) -> str | None:
+        """What the objective runs before step 0 (the reference pass, the sharing decision); its policy line."""
+        line = self.objective.before_training(self.context())
+        if line is not None:
+            self.policies.append(line)
+        return line
+
+    def plan(self, step: int) -> StepPlan:
+        """What step ``step`` trains (GRPO samples its rollouts here)."""
+        context = self.context()
+        return self.objective.plan_step(context, step, context.step_bins(step))
+
+    def step(
+        self, step: int, model_context: Callable[[], AbstractContextManager] = nullcontext
+    ) -> StepResult:
+        """Optimizer step ``step``: its plan, the one step of every objective, the schedule."""
+        return self.run(self.plan(step), model_context)
+
+    def run(
+        self, plan: StepPlan, model_context: Callable[[], AbstractContextManager] = nullcontext
+    ) -> StepResult:
+        """One optimizer step on ``plan``; ``model_context`` wraps each forward + backward (a sync counter)."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        metrics = train_step(
+            self.model,
+            plan.micro,
+            self.optimizer,
+            max_grad_norm=self.config.optimizer.max_grad_norm,
+            model_context=model_context,
+            global_tokens=plan.total,
+            loss_scale=self.info.world_size,
+            reduce_loss=self.info.sum_tensor,
+            objective=self.objective,
+        )
+        self.scheduler.step()  # a skipped step keeps the plan: the lr stays a function of the step
+        return StepResult(
+            loss=metrics["loss"],
+            grad_norm=metrics["grad_norm"],
+            finite=metrics["finite"],
+            metrics=metrics,
+            tokens=plan.tokens,
+            pairs=plan.pairs,
+            lr=lr,
+            plan=plan,
+        )
+
+
+# ----------------------------------------------------------------------------- building one
+def load_tokenizer(config: TrainConfig):
+    if config.model.preset is not None:
+        return with_chat_template(demo_tokenizer(), config)
+    check_model_dir(
+        config.model.path
+    )  # before anything reads it: a missing directory is not a network problem
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code
+        )
+    except (OSError, ValueError) as error:
+        raise TrainError(
+            f"{config.model.path}: no usable tokenizer saved beside the model ({error})"
+        ) from None
+    return with_chat_template(tokenizer, config)  # data.chat_template: another template than the model's
+
+
+def config_advice(error: BaseException) -> str:
+    """The config lines that avoid the refusal in ``error`` (its ``avoid``, read from the exception
+    or its cause: `` (in the config: speedups.packed_attention: false)``), or "" where none does."""
+    refusal = refusal_in(error)
+    lines = refusal.config_lines() if refusal is not None else []
+    return f" (in the config: {', '.join(lines)})" if lines else ""
+
+
+def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
+    if config.model.preset is not None:
+        if config.quantization.four_bit:
+            raise ConfigError(
+                "quantization.four_bit loads a model directory: set model.path, not model.preset"
+            )
+        try:
+            return build_model(
+                config.model.preset,
+                vocab_size=vocab_size,
+                layers=config.model.layers,
+                seed=config.seed,
+                dtype=dtype,
+            )
+        except KeyError as error:
+            raise ConfigError(f"model.preset: {error.args[0]}") from None
+    path = check_model_dir(config.model.path)
+    if config.quantization.four_bit:
+        return load_for_qlora(
+            path,
+            double_quant=config.quantization.double_quant,
+            compute_dtype=dtype,
+            trust_remote_code=config.model.trust_remote_code,
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
+        )
+    except Exception as error:  # safetensors, torch and transformers each raise their own kinds
+        raise weights_error(path, error) from None
+
+
+def apply_lora(model, config: TrainConfig):
+    if not config.lora.enabled:
+        return model
+    lora = LoraConfig(
+        r=config.lora.rank,
+        lora_alpha=config.lora.alpha,
+        lora_dropout=config.lora.dropout,
+        target_modules=config.lora.target_modules,
+        task_type="CAUSAL_LM",
+        modules_to_save=config.lora.modules_to_save or None,
+    )
+    model = get_peft_model(model, lora)
+    if config.lora.experts:
+        if not experts_modules(model):
+            raise ConfigError("lora.experts is true but the model has no MoE experts")
+        add_expert_lora(model, r=config.lora.rank, alpha=config.lora.alpha, dropout=config.lora.dropout)
+    return model
+
+
+def step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, Callable]:
+    """Total steps, and step -> the bin indices of the whole (all-rank) step (``data.steps``: the
+    one order every layout and ``slipstream ab`` share)."""
+    per_step = config.training.grad_accum * world_size
+    total = config.training.steps or steps_per_epoch(num_bins, per_step) * config.training.epochs
+    return total, step_order(num_bins, per_step, config.seed)
+
+
+def objective_of(config: TrainConfig) -> Objective:
+    """The objective ``training.objective`` names (the config checked it is registered)."""
+    return objective_for(config.training.objective)(config)
+
+
+def trainable_model(
+    config: TrainConfig,
+    tokenizer,
+    rows,
+    device,
+    dtype,
+    info: Distributed,
+    evals,
+    objective: Objective,
+    expected_steps: int | None = None,
+    vocab_size: int | None = None,
+) -> torch.nn.Module:
+    """The model loaded, checked, optimized, with its adapters and wrapped for the ranks."""
+    model = load_model(config, vocab_size or len(tokenizer), dtype)
+    check_lora_targets(model, config)
+    check_token_ids(objective.documents(rows), model, config.data.path or "the demo data")
+    if evals is not None and config.data.eval_path is not None:
+        held_out = [d for b in evals.bins for d in b]
+        check_token_ids(objective.documents(held_out), model, config.data.eval_path)
+    if not config.quantization.four_bit:
+        model.to(device)
+    try:
+        # the config's section is a Speedups; the step count decides compile "auto"
+        optimize(model, config.speedups, expected_steps=expected_steps)
+    except Refusal as error:  # UnsupportedArchitecture, FusedKernelsUnavailable, ...: say it in config terms
+        raise TrainError(
+            f"{config.model.path or config.model.preset}: {error}{config_advice(error)}"
+        ) from error
+    torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
+    model = apply_lora(model, config)
+    model.train()
+    return wrap(model, info)
+
+
+def optimizer_and_schedule(
+    params, config: TrainConfig, device: torch.device, total: int, fused: bool = True
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW (fused where the device has it and the ranks allow) and ``optimizer.schedule`` over ``total``."""
+    settings = config.optimizer
+    optimizer = torch.optim.AdamW(
+        [p for p in params if p.requires_grad],
+        lr=settings.lr,
+        betas=tuple(settings.betas),
+        weight_decay=settings.weight_decay,
+        **({"fused": True} if fused and device.type in ("cuda", "cpu") else {}),
+    )
+    scheduler = get_scheduler(
+        settings.schedule, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=total
+    )
+    return optimizer, scheduler
+
+
+def driver_for(
+    config: TrainConfig,
+    info: Distributed | None = None,
+    *,
+    tokenizer=None,
+    objective: Objective | None = None,
+    data: ObjectiveData | None = None,
+    plan: list[list[list[dict]]] | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    vocab_size: int | None = None,
+    out: Path | None = None,
+) -> StepDriver:
+    """The driver of ``config``, not yet prepared (:meth:`StepDriver.prepare`).
+
+    Its bins are the objective's (``objective.read``, or ``data`` already read) in ``data.steps``'
+    order; or ``plan``, each step's bins in that order already (``[step][micro_batch] -> rows``,
+    what an A/B hands every arm's process). ``vocab_size``: the embedding rows (default: the
+    tokenizer's)."""
+    info = info or Distributed()
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
+    objective = objective or objective_of(config)
+    device = device or info.device()
+    dtype = dtype or resolve_dtype(config.model.dtype, device)[0]
+    evals = None
+    if plan is not None:
+        bins = [rows for micro in plan for rows in micro]
+        per_step = len(plan[0]) if plan else 1
+        total = config.training.steps or len(plan)
+
+        def bins_for(step: int) -> list[int]:
+            return list(range(step * per_step, (step + 1) * per_step))
+
+        rows = [row for rows in bins for row in rows]
+    else:
+        data = data or objective.read(tokenizer, info)
+        bins, rows, evals = data.bins, data.rows, data.evals
+        total, bins_for = step_plan(len(bins), config, info.world_size)
+    model = trainable_model(
+        config, tokenizer, rows, device, dtype, info, evals, objective, total, vocab_size=vocab_size
+    )
+    optimizer, scheduler = optimizer_and_schedule(
+        model.parameters(), config, device, total, fused=info.strategy != "fsdp2"
+    )
+    return StepDriver(
+        config=config,
+        info=info,
+        objective=objective,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        bins=bins,
+        bins_for=bins_for,
+        total=total,
+        device=device,
+        dtype=dtype,
+        tokenizer=tokenizer,
+        evals=evals,
+        out=out,
+        policies=state_of(unwrap(model)).policies,
+    )
