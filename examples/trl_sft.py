@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import slipstream
-from slipstream.bench.peers.trl_step import checkpointing_argument
+from slipstream.bench.peers.trl_base import checkpointing_argument
 from slipstream.data import demo_rows, demo_tokenizer, read_rows
 from slipstream.models import build_model
 
