@@ -57,11 +57,11 @@ $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
-	$(FLOOR_VENV)/bin/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
+	$(FLOOR_VENV)/bin/python -m pytest -q --runslow tests/compat/test_compat.py -k whole_registry
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)
-	$(BIN)/python -m pytest -q --runslow tests/bench/test_compat.py -k whole_registry
+	$(BIN)/python -m pytest -q --runslow tests/compat/test_compat.py -k whole_registry
 
 compile-check: $(STAMP)  # inductor builds: the regional compile's and the fused kernels' parity (slow)
 	$(BIN)/python -m pytest -q --runslow tests/compile/test_regional.py -k compile_once
