@@ -87,31 +87,11 @@ def packed_varlen_attention(
             groups = query.shape[1] // key.shape[1]
             k_THD = k_THD.repeat_interleave(groups, dim=1)
             v_THD = v_THD.repeat_interleave(groups, dim=1)
-        out_THD = fn(
-            q_THD,
-            k_THD,
-            v_THD,
-            batch.cu_seqlens,
-            batch.cu_seqlens,
-            batch.max_seqlen,
-            batch.max_seqlen,
-            scale=scaling,
-            **extra,
-        )
-    else:
-        out_THD = fn(
-            q_THD,
-            k_THD,
-            v_THD,
-            batch.cu_seqlens,
-            batch.cu_seqlens,
-            batch.max_seqlen,
-            batch.max_seqlen,
-            dropout_p=dropout,
-            softmax_scale=scaling,
-            causal=True,
-            window_size=(left, 0),
-        )
+        extra["scale"] = scaling
+    else:  # flash-attn's varlen kernel names its arguments its own way
+        extra = dict(dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=(left, 0))
+    cu, longest = batch.cu_seqlens, batch.max_seqlen
+    out_THD = fn(q_THD, k_THD, v_THD, cu, cu, longest, longest, **extra)
     return out_THD.unsqueeze(0), None
 
 
