@@ -95,7 +95,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         raise ABInputError(str(error)) from None
     # the prompts of each step as slipstream train takes them: the objective's bins of prompts_per_batch
     # prompts, in data.steps' seeded order, grad_accum bins a step
-    bins = GRPO(train_config_of(config, "slipstream-grpo"))._bins(rows)
+    bins = GRPO(train_config_of(config, "slipstream-grpo")).prompt_bins(rows)
     needed = config.steps * config.grad_accum
     if len(bins) < needed:
         raise ABInputError(

@@ -213,21 +213,24 @@ class GRPO(RolloutMaker, Objective):
             rows,
             load=load,
             split=split_prompts,
-            eval_set=lambda held_out, source: PromptEvalSet(self._bins(held_out), source, len(held_out)),
+            eval_set=lambda held_out, source: PromptEvalSet(
+                self.prompt_bins(held_out), source, len(held_out)
+            ),
             what="prompts",
             said=lambda eval_report: eval_report.skipped,
         )
         if info.is_main and report.skipped:
             tqdm.write(f"slipstream train: {report.summary()}")
-        bins = self._bins(rows)
+        bins = self.prompt_bins(rows)
         tokens = sum(len(r["prompt_ids"]) for r in rows)
         packing = PackingReport(
             num_samples=len(rows), num_bins=len(bins), real_tokens=tokens, capacity=tokens, efficiency=1.0
         )
         return ObjectiveData(rows, bins, packing, report, evals)
 
-    def _bins(self, rows: list[dict]) -> list[list[dict]]:
-        """``prompts_per_batch`` prompts a bin, in a seeded order (the step plan shuffles bins per epoch)."""
+    def prompt_bins(self, rows: list[dict]) -> list[list[dict]]:
+        """``prompts_per_batch`` prompts a bin, in a seeded order (the step plan shuffles bins per epoch);
+        public: the A/B draws its shared rollouts from the bins train would."""
         order = list(range(len(rows)))
         random.Random(f"slipstream grpo bins {self.config.seed}").shuffle(order)
         size = self.settings.prompts_per_batch
