@@ -48,6 +48,22 @@ def attention_costs(run: ApplyContext):
     return run.facts["attention_costs"]
 
 
+def choose_on_modules(run: ApplyContext, own, wanted: str, table: dict):
+    """A packed-SDPA choice (``own.choice``) put in ``table`` for every module: the cost
+    figures it weighs, or None where nothing changes (the packed attention is off: chosen afresh
+    when it is back; or ``wanted`` already runs)."""
+    if run.facts.get("attention_backend") is None:
+        own.choice = None
+        return None
+    if own.choice == wanted:
+        return None
+    costs = attention_costs(run)
+    for module in run.base.modules():
+        table[module] = wanted
+    own.choice = wanted
+    return costs
+
+
 class AttentionGroupingSpeedup(Speedup):
     name = "packed attention grouping"
     stage = 11
@@ -66,24 +82,15 @@ class AttentionGroupingSpeedup(Speedup):
     doctor_label = "attention grouping"
 
     def apply(self, run: ApplyContext) -> None:
-        backend, state, wanted = (
-            run.facts.get("attention_backend"),
-            run.state,
-            run.speedups.attention_grouping,
-        )
-        own = state.of(AttentionGroupingState)
-        if backend is None:
-            own.choice = None  # the packed attention is off: chosen afresh when it is back
+        wanted, own = run.speedups.attention_grouping, run.state.of(AttentionGroupingState)
+        costs = choose_on_modules(run, own, wanted, GROUPING_CHOICE)
+        if costs is None:
             return
-        if own.choice == wanted:
-            return
-        costs = attention_costs(run)
         for module in run.base.modules():
-            GROUPING_CHOICE[module] = wanted
             GROUPING_COUNTS[module] = own.counts
-        own.choice = wanted
+        backend = run.facts["attention_backend"]
         line = grouping_policy(wanted, backend, has_attention_sinks(run.base), costs)
-        state.say(f"packed attention grouping: {line}")
+        run.state.say(f"packed attention grouping: {line}")
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
         from ..packing.attention import choose_backend

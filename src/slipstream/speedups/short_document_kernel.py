@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..packing.short_attention import SHORT_KERNEL_CHOICE, ShortKernel, short_kernel_policy
-from .attention_grouping import attention_costs
+from .attention_grouping import choose_on_modules
 from .base import AblationRun, ApplyContext, DecisionContext, Option, ParityCase, Speedup
 from .packed_attention import has_attention_sinks
 
@@ -40,22 +40,11 @@ class ShortDocumentKernel(Speedup):
     doctor_label = "short-document kernel (auto)"
 
     def apply(self, run: ApplyContext) -> None:
-        backend, state, wanted = (
-            run.facts.get("attention_backend"),
-            run.state,
-            run.speedups.short_document_kernel,
-        )
-        own = state.of(ShortKernelState)
-        if backend is None:
-            own.choice = None  # the packed attention is off: chosen afresh when it is back
-            return
-        if own.choice == wanted:
-            return
-        costs = attention_costs(run)
-        for module in run.base.modules():
-            SHORT_KERNEL_CHOICE[module] = wanted
-        own.choice = wanted
-        state.say(f"short-document kernel: {short_kernel_policy(wanted, backend, costs, run.dtype)}")
+        wanted = run.speedups.short_document_kernel
+        costs = choose_on_modules(run, run.state.of(ShortKernelState), wanted, SHORT_KERNEL_CHOICE)
+        if costs is not None:
+            line = short_kernel_policy(wanted, run.facts["attention_backend"], costs, run.dtype)
+            run.state.say(f"short-document kernel: {line}")
 
     def ablation_applies(self, run: AblationRun) -> bool:
         """A CPU kernel: on another device, or where this CPU's calibration found no length it is
