@@ -217,6 +217,23 @@ class Objective:
 _REGISTRY: dict[str, type[Objective]] = {}
 
 
+def tokenizer_refusals(config: Any, reader: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``reader`` (a data file's path -> its rows) with a ValueError its tokenizer raised (no chat
+    template, say) as a TrainError naming the file and the tokenizer; a DataError (naming the file's
+    line) passes as it is."""
+
+    def read(path: str):
+        try:
+            return reader(path)
+        except ValueError as error:
+            if isinstance(error, DataError):
+                raise
+            where = config.model.path or f"model.preset {config.model.preset}"
+            raise TrainError(f"{path}: {error} (the tokenizer of {where})") from None
+
+    return read
+
+
 def split_held_out(
     config: Any, info: Ranks, rows: list, *, load, split, eval_set, what: str, said
 ) -> tuple[list, Any]:

@@ -53,7 +53,7 @@ from typing import Annotated, Any, Literal
 import torch
 from tqdm import tqdm
 
-from ..data import DataError, PackingReport
+from ..data import PackingReport
 from ..data.prompts import load_prompts, split_prompts
 from ..errors import TrainError
 from ..fields import NonNegative, Positive, Range
@@ -63,7 +63,15 @@ from ..optimize import state_of
 from ..rewards import RewardError, RewardFunction, load_rewards, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from .answers import answer_sums
-from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, register_objective, split_held_out
+from .base import (
+    Objective,
+    ObjectiveContext,
+    ObjectiveData,
+    StepPlan,
+    register_objective,
+    split_held_out,
+    tokenizer_refusals,
+)
 from .evaluation import rank_share
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
 
@@ -196,15 +204,9 @@ class GRPO(RolloutMaker, Objective):
         room = config.data.max_seq_len - settings.max_new_tokens
         on_bad_row = "skip" if config.data.skip_bad_rows else "error"
 
-        def load(path: str):
-            try:
-                return load_prompts(path, tokenizer, room=room, on_bad_row=on_bad_row)
-            except ValueError as error:
-                if isinstance(error, DataError):
-                    raise
-                raise TrainError(
-                    f"{path}: {error} (the tokenizer of {config.model.path or config.model.preset})"
-                ) from None
+        load = tokenizer_refusals(
+            config, lambda path: load_prompts(path, tokenizer, room=room, on_bad_row=on_bad_row)
+        )
 
         rows, report = load(config.data.path)
         rows, evals = split_held_out(

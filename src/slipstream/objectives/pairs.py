@@ -26,17 +26,16 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from tqdm import tqdm
 
-from ..data import DataError, PackingReport
+from ..data import PackingReport
 from ..data.cache import cache_root
-from ..data.pairs import PairReport, load_pairs, split_pairs
-from ..errors import TrainError
+from ..data.pairs import load_pairs, split_pairs
 from ..fields import Range
 from ..loss.preference import METRICS, PairTerms
 from ..optimize import state_of
 from ..packing.pairs import collate_pairs, counted_tokens, pack_pairs, pair_documents, pair_tokens
 from . import answers as pair_forward
 from .answers import evaluate_pairs
-from .base import Objective, ObjectiveContext, ObjectiveData, split_held_out
+from .base import Objective, ObjectiveContext, ObjectiveData, split_held_out, tokenizer_refusals
 from .evaluation import rank_share
 from .reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
 
@@ -124,20 +123,15 @@ class PairObjective(Objective):
         """The pairs, their bins and the held-out pairs; what was skipped or cut is said."""
         config, sharing = self.config, self.settings.prefix_sharing
 
-        def load(path: str) -> tuple[list[dict], PairReport]:
-            try:
-                return load_pairs(
-                    path,
-                    tokenizer,
-                    max_seq_len=config.data.max_seq_len,
-                    on_bad_row="skip" if config.data.skip_bad_rows else "error",
-                )
-            except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
-                if isinstance(error, DataError):
-                    raise
-                raise TrainError(
-                    f"{path}: {error} (the tokenizer of {config.model.path or config.model.preset})"
-                ) from None
+        load = tokenizer_refusals(
+            config,
+            lambda path: load_pairs(
+                path,
+                tokenizer,
+                max_seq_len=config.data.max_seq_len,
+                on_bad_row="skip" if config.data.skip_bad_rows else "error",
+            ),
+        )
 
         pairs, report = load(config.data.path)
         pairs, evals = split_held_out(

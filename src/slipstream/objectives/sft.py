@@ -16,14 +16,22 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..data import DataError, demo_samples, load_samples, pack_samples
+from ..data import demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
 from ..data.prefix_groups import group_rows, unshared_tokens
 from ..data.steps import steps_per_epoch
 from ..errors import TrainError
 from ..packing import collate_packed
 from ..packing.groups import collate_groups, group_documents
-from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, register_objective, split_held_out
+from .base import (
+    Objective,
+    ObjectiveContext,
+    ObjectiveData,
+    StepPlan,
+    register_objective,
+    split_held_out,
+    tokenizer_refusals,
+)
 from .evaluation import EvalSet, eval_set, evaluate, split_rows
 from .sharing import LayoutCost, PrefixSharing
 
@@ -65,19 +73,16 @@ class SFT(Objective):
             )
             return samples, None
         path = config.data.path if path is None else path
-        try:
-            samples, report = load_samples(
+        samples, report = tokenizer_refusals(
+            config,
+            lambda path: load_samples(
                 path,
                 tokenizer,
                 response_only=config.data.response_only,
                 on_bad_row="skip" if config.data.skip_bad_rows else "error",
                 cache=config.data.cache,
-            )
-        except ValueError as error:  # the tokenizer cannot do what the data asks (no chat template, say)
-            if isinstance(error, DataError):
-                raise
-            where = config.model.path or f"model.preset {config.model.preset}"
-            raise TrainError(f"{path}: {error} (the tokenizer of {where})") from None
+            ),
+        )(path)
         if not samples:
             raise TrainError(f"{path}: no usable rows ({report.summary()})")
         return samples, report
