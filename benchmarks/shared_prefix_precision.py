@@ -225,7 +225,11 @@ def forward_packed(base, batch, stock: bool):
     return layers, _nll(base, layers[-1], targets), targets
 
 
-def forward_report(args, vocab, groups, options) -> None:
+def forward_report(args, vocab, groups, options) -> dict[str, dict[str, float]]:
+    """Per arm: the batch's mean NLL distance to fp32, each row's (rms over rows) and each
+    prediction's (rms), and the last layer's hidden-state error. A shared start is one draw of the
+    bf16 roundings that every row reads; packed whole, each row computes its own copy of the start
+    (``prefix copies' spread``: the copies differ), so the batch mean averages N draws of them."""
     from slipstream import optimize, state_of
     from slipstream.packing.groups import collate_groups
 
@@ -240,7 +244,15 @@ def forward_report(args, vocab, groups, options) -> None:
         in_prefix += [t < P - 1 for t in range(len(labels) - 1) if labels[t + 1] != -100]
     in_prefix = torch.tensor(in_prefix)
     n_rows = len(g["continuations"])
-    kept = {}
+    row_of = torch.tensor(
+        [
+            r
+            for r, c in enumerate(g["continuations"])
+            for t in range(len(g["prefix_labels"]) + len(c["labels"]) - 1)
+            if (g["prefix_labels"] + c["labels"])[t + 1] != -100
+        ]
+    )
+    kept, summary = {}, {}
     for name in args.arms.split(","):
         base = load(args.model, torch.bfloat16, vocab)
         base.train()
@@ -254,6 +266,20 @@ def forward_report(args, vocab, groups, options) -> None:
         d = nll - ref_nll
         kept[name] = (layers, nll)
         pre, own = d[in_prefix], d[~in_prefix]
+        rows_d = torch.zeros(n_rows).index_add_(0, row_of, d) / torch.bincount(row_of, minlength=n_rows)
+        summary[name] = {
+            "batch": d.mean().item(),
+            "row_rms": rows_d.pow(2).mean().sqrt().item(),
+            "prediction_rms": d.pow(2).mean().sqrt().item(),
+            "hidden_last": errs[-1],
+        }
+        if pre.numel():
+            copy_means = pre.view(n_rows, -1).mean(1)
+            print(
+                f"{name:9s} each row's copy of the start, mean NLL d: min {copy_means.min().item():+.2e} "
+                f"median {copy_means.median().item():+.2e} max {copy_means.max().item():+.2e}; "
+                f"each row's loss d: rms {summary[name]['row_rms']:.2e}"
+            )
         copies = layers[-1][in_prefix].view(n_rows, -1, layers[-1].shape[-1])
         spread = ((copies - copies[:1]).norm() / copies.norm()).item()
         print(
@@ -286,6 +312,7 @@ def forward_report(args, vocab, groups, options) -> None:
             for line in state_of(base).policies:
                 if "short" in line or "grouping" in line or "attention" in line:
                     print("    " + line[:160])
+    return summary
 
 
 def distance(arm, ref) -> dict[str, float]:
@@ -340,6 +367,13 @@ def time_steps(args, vocab, groups, options) -> None:
         print(f"{layout:9s} step {min(times[1:]):.3f} s (best of {args.time} after a warm-up)")
 
 
+def make_groups(args, tokenizer, vocab, seed: int) -> list[dict]:
+    if tokenizer is not None:
+        return real_groups(tokenizer, args.rows, args.prefix, args.labels, seed)
+    own = tuple(int(n) for n in args.own.split(","))
+    return random_groups(vocab, args.rows, args.prefix, args.labels, seed, own)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -364,6 +398,7 @@ def main() -> int:
     parser.add_argument("--time-layouts", default="unshared,shared", help="the layouts --time times")
     parser.add_argument("--policies", action="store_true", help="print the attention policy lines")
     parser.add_argument("--forward", action="store_true", help="forward only: hidden states and NLL per arm")
+    parser.add_argument("--seeds", type=int, default=1, help="--forward: repeat on this many seeds")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     parser.add_argument(
         "--lora-init", choices=("peft", "random"), default="peft", help="B = 0 (PEFT) or random B"
@@ -374,18 +409,16 @@ def main() -> int:
     LAYERS["n"], LORA["init"] = args.layers, args.lora_init
     LORA["targets"] = tuple(args.targets.split(","))
 
+    tokenizer, vocab = None, None
     if args.model == "smollm2":
         from transformers import AutoTokenizer
 
         from slipstream.models import smollm2_dir
 
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
-        groups = real_groups(tokenizer, args.rows, args.prefix, args.labels, args.seed)
-        vocab = None
     else:
         vocab = 512
-        own = tuple(int(n) for n in args.own.split(","))
-        groups = random_groups(vocab, args.rows, args.prefix, args.labels, args.seed, own)
+    groups = make_groups(args, tokenizer, vocab, args.seed)
     g = groups[0]
     lens = [len(c["input_ids"]) for c in g["continuations"]]
     print(
@@ -395,7 +428,20 @@ def main() -> int:
 
     options = {"short_document_kernel": args.short_kernel, "attention_grouping": args.grouping}
     if args.forward:
-        forward_report(args, vocab, groups, options)
+        runs = [forward_report(args, vocab, groups, options)]
+        for seed in range(args.seed + 1, args.seed + args.seeds):
+            print(f"-- seed {seed}")
+            runs.append(forward_report(args, vocab, make_groups(args, tokenizer, vocab, seed), options))
+        if len(runs) > 1:
+            print(f"over {len(runs)} seeds (rows and start drawn anew), the mean NLL's distance to fp32:")
+            for name in runs[0]:
+                batch = torch.tensor([abs(r[name]["batch"]) for r in runs])
+                row = torch.tensor([r[name]["row_rms"] for r in runs])
+                pred = torch.tensor([r[name]["prediction_rms"] for r in runs])
+                print(
+                    f"  {name:9s} batch |d| mean {batch.mean().item():.2e} (max {batch.max().item():.2e})  "
+                    f"each row's |d| rms {row.mean().item():.2e}  each prediction's rms {pred.mean().item():.2e}"
+                )
         return 0
     if args.arms:
         measure_distances(args, vocab, groups, options)
