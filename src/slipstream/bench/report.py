@@ -10,13 +10,12 @@ different rows and are never compared.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from ..atomic import write_text_atomically
 from ..utilisation.step_profile import CATEGORIES
-from .ab_config import ABConfig
+from .ab_config import SHAPE_DEFAULTS, ABConfig, record_config
 from .arms import ARM_SPECS
 from .inputs import short_name
 from .render import step_profile_cells
@@ -50,9 +49,12 @@ RUN_OPTIONS = frozenset(
     )
 )
 # Every other field is workload: a field added to ABConfig separates records unless listed above.
+# A record's workload keys and their defaults (a key an older record lacks ran its default); the ones a
+# workload's defaults fill (the model's, SHAPE_DEFAULTS) were None before any was filled.
 _DEFAULTS = {
-    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    for f in dataclasses.fields(ABConfig)
+    **{key: value for key, value in record_config(ABConfig()).items() if key != "train"},
+    **dict.fromkeys((*SHAPE_DEFAULTS, "lora_alpha")),
+    "defaults": {},
 }
 WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
 # The workload keys its label spells out; any other one shows as "key value" when not its default.
