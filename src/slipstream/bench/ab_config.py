@@ -179,41 +179,28 @@ class ABConfig:
             parse_bytes(ab.max_tokens_within)  # raises ValueError naming the value
 
     def _check_objective(self) -> None:
-        """A registered objective; its arms train what it reads (pairs of this objective, or documents)."""
+        """Its arms train what the objective reads (pairs or prompts of this objective, or documents);
+        its data file and a grpo run's rewards are train's validation's."""
         from ..objectives import objective_for
 
         objective, arms = self.train.training.objective, self.ab.arms
-        reads = objective_for(objective).reads  # train's validation checked the name
-        if reads == "prompts":
-            self._check_prompts_objective()
-            return
-        if reads == "pairs":  # its data file: train's validation asks for it
-            own = [arm for arm in ARMS if ARM_SPECS[arm].objective == objective]
-            if not own:
-                raise ValueError(f"objective {objective}: no A/B arm trains it yet")
-            documents = [arm for arm in arms if not ARM_SPECS[arm].pairs]
-            if documents:
-                raise ValueError(
-                    f"objective {objective}: arm(s) {documents} train documents, not pairs "
-                    f"(use --preset {objective})"
-                )
-            other = [arm for arm in arms if ARM_SPECS[arm].objective != objective]
-            if other:
-                raise ValueError(
-                    f"objective {objective}: arm(s) {other} train another objective "
-                    f"(use --preset {objective}: {', '.join(own)})"
-                )
-        elif any(ARM_SPECS[arm].pairs for arm in arms):
+        reads = objective_for(objective).reads
+        if reads == "samples":
             wanted = sorted({ARM_SPECS[arm].objective for arm in arms if ARM_SPECS[arm].pairs})
-            raise ValueError(
-                f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
-            )
-
-    def _check_prompts_objective(self) -> None:
-        """Online RL (grpo): only its own arms (its prompt rows and rewards: train's validation)."""
-        objective = self.train.training.objective
+            if wanted:
+                raise ValueError(
+                    f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
+                )
+            return
         own = [arm for arm in ARMS if ARM_SPECS[arm].objective == objective]
-        other = [arm for arm in self.ab.arms if ARM_SPECS[arm].objective != objective]
+        if not own:
+            raise ValueError(f"objective {objective}: no A/B arm trains it yet")
+        documents = [arm for arm in arms if reads == "pairs" and not ARM_SPECS[arm].pairs]
+        if documents:
+            raise ValueError(
+                f"objective {objective}: arm(s) {documents} train documents, not pairs (use --preset {objective})"
+            )
+        other = [arm for arm in arms if ARM_SPECS[arm].objective != objective]
         if other:
             raise ValueError(
                 f"objective {objective}: arm(s) {other} train another objective "

@@ -1,9 +1,9 @@
 """``slipstream report``: many A/B records (machines, runs) -> one hardware x workload table.
 
-A workload is everything that decides what a step computes: every ``ABConfig`` field but the
-run options listed below (so model shape, layers, sequence length, micro-batches per step,
-batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and the attention backends the
-arms ran. Records are only ever combined with records of the same workload on the same
+A workload is everything that decides what a step computes: every key of a record's ``config``
+(``ab_config.record_config``) but the run options listed below (so model shape, layers, sequence
+length, micro-batches per step, batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and
+the attention backends the arms ran. Records are only ever combined with records of the same workload on the same
 hardware (their timed steps pooled into one interval); different workloads stay on
 different rows and are never compared.
 """
@@ -21,7 +21,7 @@ from .inputs import short_name
 from .render import step_profile_cells
 from .stats import format_speedup, speedup
 
-# ABConfig fields that do not change what a timed step computes, so runs differing only in them
+# Record keys that do not change what a timed step computes, so runs differing only in them
 # are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr and its
 # schedule), which
 # arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
