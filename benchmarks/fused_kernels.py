@@ -100,13 +100,13 @@ def kernels(args) -> None:
 
 def steps(args) -> None:
     from slipstream import optimize, state_of
-    from slipstream.bench.ab_config import ABConfig
     from slipstream.bench.arms import arm_speedups, build_arm_model, micro_batch_inputs
+    from slipstream.bench.command import ab_config
     from slipstream.bench.runner import prepare_bins
     from slipstream.train.step import train_step
 
-    config = ABConfig.from_dict(
-        dict(
+    config = ab_config(
+        **dict(
             model=args.model,
             data=args.data,
             response_only=True,

@@ -826,14 +826,14 @@ def qwen3_template() -> str:
 def counting_tokenizer(template_file: Path):
     """(tokenizer, its name): SmolLM2's where its directory exists, else Qwen3's; with Qwen3's template,
     loaded as ``slipstream ab --chat-template`` loads it."""
-    from slipstream.bench.ab_config import ABConfig
+    from slipstream.bench.command import ab_config
     from slipstream.bench.inputs import ab_tokenizer
     from slipstream.data.cache import cache_root
     from slipstream.models.real import SMOLLM2_NAME
 
     smollm2 = cache_root() / "models" / SMOLLM2_NAME
     if (smollm2 / "config.json").exists():
-        config = ABConfig(model=str(smollm2), chat_template=str(template_file))
+        config = ab_config(model=str(smollm2), chat_template=str(template_file))
         return ab_tokenizer(config), f"SmolLM2-135M-Instruct's tokenizer ({smollm2})"
     from transformers import AutoTokenizer
 

@@ -85,13 +85,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    add_ab_arguments(parser, ABConfig(steps=3, warmup=1, arms=("stock-packed", "slipstream")))
+    add_ab_arguments(parser, {"steps": 3, "warmup": 1, "arms": ("stock-packed", "slipstream")})
     parser.add_argument("--json", help="write the figures here too")
     args = parser.parse_args()
     config = ab_config_from_args(args)
     plan, vocab_size, _ = prepare_bins(config)
     found = []
-    for arm in config.arms:
+    for arm in config.ab.arms:
         result = run_in_fresh_process(profile_arm, dataclasses.asdict(config), arm, plan, vocab_size)
         found.append(result)
         live = ", ".join(f"{k} {v:.0f}" for k, v in result["live_at_peak_mb"].items() if v >= 1)

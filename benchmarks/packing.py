@@ -22,7 +22,7 @@ from pathlib import Path
 from slipstream.atomic import write_text_atomically
 from slipstream.bench.command import ab_config_from_args, add_ab_arguments
 from slipstream.bench.render import print_tables, write_record
-from slipstream.bench.runner import ABConfig, run_ab
+from slipstream.bench.runner import run_ab
 
 TARGET = 1.6
 
@@ -33,7 +33,7 @@ def main() -> int:
     )
     add_ab_arguments(
         parser,
-        ABConfig(
+        dict(
             model="qwen3-bench-cpu",
             max_seq_len=2048,
             steps=10,
@@ -48,7 +48,7 @@ def main() -> int:
     config = ab_config_from_args(args)
     record = run_ab(config)
     print_tables(record)
-    out = Path(config.out_dir)
+    out = Path(config.ab.out_dir)
     write_record(record, out)
 
     summary = record["summary"]
@@ -58,7 +58,7 @@ def main() -> int:
         return 2
     best_stock = max(stock_arms, key=lambda arm: summary[arm]["tokens_per_s"])
     ratio = summary["slipstream"]["tokens_per_s"] / summary[best_stock]["tokens_per_s"]
-    reference = config.arms[0]
+    reference = config.ab.arms[0]
     parity = {arm: summary[arm][f"loss_vs_{reference}"] for arm in summary}
 
     table = io.StringIO()

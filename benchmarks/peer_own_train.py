@@ -49,9 +49,9 @@ def own_train(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     from slipstream.bench.arms import build_arm_model
 
     config = ABConfig.from_dict(config_dict)
-    device = resolve_device(config.device)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    device = resolve_device(config.ab.device)
+    if config.ab.threads:
+        torch.set_num_threads(config.ab.threads)
     model, _ = build_arm_model(config, arm, vocab_size, device)
     peer = trl_peer_step(config, arm, model, device)  # the very trainer the arm drives
     keys = ("prompt_ids", "chosen_ids", "rejected_ids") if arm == "trl-dpo" else ("input_ids", "labels")
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arm}: skipped: {rounds['arm'][0]['skipped']}", file=sys.stderr)
             return 1
         rounds["own"].append(run_in_fresh_process(own_train, config_dict, arm, plan, vocab))
-    timed = slice(config.warmup, None)
+    timed = slice(config.ab.warmup, None)
     # every round's timed steps together; the loss curves of the first round
     medians = {
         name: statistics.median(s for run in done for s in run["step_s"][timed])
@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(record, indent=1, default=str) + "\n")
     print(f"  the A/B's arm alone:       median step {medians['arm']:.3f} s (rounds: {per_round['arm']})")
     print(f"  TRL's own trainer.train(): median step {medians['own']:.3f} s (rounds: {per_round['own']})")
-    print(f"{arm}, {config.steps} steps ({config.warmup} warm-up), model {config.model}, data {config.data}")
+    print(
+        f"{arm}, {config.ab.steps} steps ({config.ab.warmup} warm-up), model {config.model}, data {config.train.data.path}"
+    )
     print(f"  the A/B's arm alone:       median step {medians['arm']:.3f} s (rounds: {per_round['arm']})")
     print(f"  TRL's own trainer.train(): median step {medians['own']:.3f} s (rounds: {per_round['own']})")
     print(f"  arm / own: {medians['arm'] / medians['own']:.3f}")

@@ -69,7 +69,7 @@ def _cmd_ab(args) -> int:
         print(f"slipstream ab: {error}", file=sys.stderr)
         return 2
     first_use_hint()  # once the options are valid: a mistake stays the one line that names it
-    out_root = Path(args.out or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_root = Path(grid[0][1].ab.out_dir or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         diverged = run_grid(grid, out_root)
     except ABInputError as error:  # the model or data, found unusable before any arm ran

@@ -8,6 +8,7 @@ import pytest
 
 from slipstream import Speedups
 from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS, preset_arms
+from slipstream.bench.command import ab_config
 from slipstream.bench.render import markdown_report, write_record
 from slipstream.bench.runner import ABConfig, parity_failures, run_ab, summarize
 
@@ -26,7 +27,7 @@ def _run(arm, step_s, tokens, loss):
 
 
 def test_summary_speedup_is_a_tokens_per_second_ratio_without_warmup():
-    config = ABConfig(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
+    config = ab_config(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
     # (the interval is bootstrapped from the same two timed steps per arm)
     runs = {
         "stock-packed": [_run("stock-packed", [9.0, 2.0, 2.0], [100, 100, 100], [3.0, 2.0, 1.0])],
@@ -40,7 +41,7 @@ def test_summary_speedup_is_a_tokens_per_second_ratio_without_warmup():
 
 
 def test_every_arm_gets_the_reference_arms_model_flops_over_its_own_time():
-    config = ABConfig(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
+    config = ab_config(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
     runs = {
         "stock-packed": [
             {**_run("stock-packed", [9.0, 2.0, 2.0], [100] * 3, [3.0] * 3), "model_flops": [5, 4e9, 2e9]}
@@ -58,11 +59,11 @@ def test_every_arm_gets_the_reference_arms_model_flops_over_its_own_time():
 
 def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="unknown arm"):
-        ABConfig(arms=("stock", "fast"))
+        ab_config(arms=("stock", "fast"))
     with pytest.raises(ValueError, match="warmup"):
-        ABConfig(steps=2, warmup=2)
+        ab_config(steps=2, warmup=2)
     with pytest.raises(ValueError, match="batching"):
-        ABConfig(batching="greedy")
+        ab_config(batching="greedy")
 
 
 def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
@@ -71,11 +72,11 @@ def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
     # as when an arm's later steps went past the tolerance after a clean step 0: the run then measures
     # its own sensitivity (the reference arm again, its weights moved by one ulp), judged against it
     monkeypatch.setattr(runner, "needs_sensitivity", lambda summary: True)
-    config = ABConfig(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
+    config = ab_config(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
     record = run_ab(config, progress=False)
     sensitivity = record["sensitivity"]
     reference = record["runs"]["stock-padded"][0]
-    assert sensitivity["arm"] == "stock-padded" and len(sensitivity["loss"]) == config.steps
+    assert sensitivity["arm"] == "stock-padded" and len(sensitivity["loss"]) == config.ab.steps
     assert sensitivity["loss"][0] == pytest.approx(
         reference["loss"][0], rel=1e-4
     )  # (a tiny model barely moves)
@@ -94,15 +95,20 @@ def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
     assert summary["slipstream"]["attn_implementation"] == "slipstream_docwise"
     # every step's batch counted once, grouped or per document (the activation probe's is not)
     grouping = record["runs"]["slipstream"][0]["attention_grouping_counts"]
-    assert grouping["batches_grouped"] + grouping["batches_per_document"] == config.steps
+    assert grouping["batches_grouped"] + grouping["batches_per_document"] == config.ab.steps
     layers = 2  # the tiny qwen3's
-    assert grouping["calls_grouped"] + grouping["calls_per_document"] == config.steps * layers
+    assert grouping["calls_grouped"] + grouping["calls_per_document"] == config.ab.steps * layers
     assert record["runs"]["stock-packed"][0]["attention_grouping_counts"] is None
     # the same documents, model and LoRA: every arm counts the same model FLOPs, and each has an MFU
     counts = {arm: tuple(record["runs"][arm][0]["model_flops"]) for arm in summary}
     assert len(set(counts.values())) == 1 and min(counts["slipstream"]) > 0
     peak = record["matmul_peak"]
-    assert peak["flops_per_s"] > 0 and peak["dtype"] == config.dtype and peak["threads"] == 1 and peak["how"]
+    assert (
+        peak["flops_per_s"] > 0
+        and peak["dtype"] == config.train.model.dtype
+        and peak["threads"] == 1
+        and peak["how"]
+    )
     for arm in summary:
         assert 0 < summary[arm]["mfu"] < 1.5, arm  # (a noisy 2-core probe: not strictly under 1)
         assert summary[arm]["achieved_tflops"] * 1e12 == pytest.approx(
@@ -112,7 +118,7 @@ def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
     assert json.loads(json_path.read_text())["config"]["model"] == "qwen3"
     assert md_path.read_text() == markdown_report(json.loads(json_path.read_text()))  # the record read back
     assert "Per-step loss" in md_path.read_text()
-    assert f"attention grouping ran: grouped {grouping['batches_grouped']} of {config.steps} batches" in (
+    assert f"attention grouping ran: grouped {grouping['batches_grouped']} of {config.ab.steps} batches" in (
         md_path.read_text()
     )
     assert (
@@ -133,21 +139,25 @@ def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_leave_one_out_on_the_tiny_moe_model_shows_each_share():
-    config = ABConfig(model="qwen3-moe", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
+    config = ab_config(model="qwen3-moe", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1)
     # the preset as the CLI runs it here: less the arms whose lever this run would not pull
-    config = dataclasses.replace(config, arms=preset_arms("ablation", config, "cpu"))
-    assert "slipstream-no-compile" not in config.arms and "slipstream-no-fused-kernels" not in config.arms
+    config = dataclasses.replace(
+        config, ab=dataclasses.replace(config.ab, arms=preset_arms("ablation", config, "cpu"))
+    )
+    assert (
+        "slipstream-no-compile" not in config.ab.arms and "slipstream-no-fused-kernels" not in config.ab.arms
+    )
     record = run_ab(config, progress=False)
     summary = record["summary"]
     assert summary["slipstream-no-packed-attention"]["attn_implementation"] == "sdpa"
     assert summary["slipstream-no-moe-routing"]["attn_implementation"] == "slipstream_docwise"
     assert summary["slipstream-no-attention-grouping"]["attn_implementation"] == "slipstream_docwise"
-    for arm in config.arms:
+    for arm in config.ab.arms:
         assert summary[arm]["loss_vs_stock-packed"] in ("identical", "within tolerance"), arm
         if arm != "stock-packed":
             assert "interval_vs_stock-packed" in summary[arm]
     # sorted or stock routing, the same top-k experts per token: the same model FLOPs in every arm
-    assert len({tuple(record["runs"][arm][0]["model_flops"]) for arm in config.arms}) == 1
+    assert len({tuple(record["runs"][arm][0]["model_flops"]) for arm in config.ab.arms}) == 1
     # only the packed attention removes the stock path's sync (MoE routing here is grouped_mm: 0 either way)
     assert summary["slipstream"]["host_syncs_per_step"] == 0
     assert summary["slipstream-no-packed-attention"]["host_syncs_per_step"] >= 1
@@ -159,7 +169,7 @@ def test_an_arm_is_a_layout_plus_speedups_and_the_run_options_reach_only_what_it
     from slipstream.bench.runner import ABConfig
 
     assert all(isinstance(arm.speedups, Speedups) for arm in ARM_SPECS.values())
-    config = ABConfig(checkpointing="offload", speedups={"moe_compute": "loop", "moe_routing": "sorted"})
+    config = ab_config(checkpointing="offload", speedups={"moe_compute": "loop", "moe_routing": "sorted"})
     slipstream_arm = arm_speedups(config, "slipstream")
     assert (slipstream_arm.moe_compute, slipstream_arm.moe_routing, slipstream_arm.checkpointing) == (
         "loop",
@@ -191,7 +201,7 @@ def test_the_ablation_preset_leaves_compile_out_unless_the_slipstream_arm_compil
     def arms(*argv):
         parser = argparse.ArgumentParser()
         add_ab_arguments(parser)
-        return ab_config_from_args(parser.parse_args(["--device", "cpu", *argv])).arms
+        return ab_config_from_args(parser.parse_args(["--device", "cpu", *argv])).ab.arms
 
     assert "slipstream-no-compile" in ARM_PRESETS["ablation"]
     monkeypatch.setitem(regional.BREAK_EVEN_STEPS, "cpu", 100)
@@ -211,9 +221,9 @@ def test_the_ablation_preset_keeps_the_short_kernel_where_this_cpus_calibration_
     for dtype in ("float32", "bfloat16"):
         torch_dtype = getattr(torch, dtype)
         takes = attention_costs("cpu", torch_dtype).short_limit(torch_dtype) > 0  # the same measured figures
-        kept = "slipstream-no-short-kernel" in preset_arms("ablation", ABConfig(dtype=dtype), "cpu")
+        kept = "slipstream-no-short-kernel" in preset_arms("ablation", ab_config(dtype=dtype), "cpu")
         assert kept == takes, dtype
-    on = ABConfig(speedups={"short_document_kernel": "on"})
+    on = ab_config(speedups={"short_document_kernel": "on"})
     assert "slipstream-no-short-kernel" in preset_arms("ablation", on, "cpu")
     assert "slipstream-no-short-kernel" not in preset_arms("ablation", ABConfig(), "cuda")  # a CPU kernel
 
@@ -229,12 +239,12 @@ def test_the_ablation_preset_leaves_fused_kernels_out_where_liger_cannot_run(mon
     assert "slipstream-no-fused-kernels" not in preset_arms("ablation", ABConfig(), "cuda")  # not installed
     monkeypatch.setattr(liger.importlib.util, "find_spec", lambda name: object())
     assert "slipstream-no-fused-kernels" in preset_arms("ablation", ABConfig(), "cuda")
-    off = ABConfig(speedups={"fused_kernels": "off"})
+    off = ab_config(speedups={"fused_kernels": "off"})
     assert "slipstream-no-fused-kernels" not in preset_arms("ablation", off, "cuda")
 
 
 def test_a_compiled_arm_gets_its_cold_start_and_break_even_step_against_the_eager_one():
-    config = ABConfig(steps=5, warmup=2, arms=("slipstream-no-compile", "slipstream"))
+    config = ab_config(steps=5, warmup=2, arms=("slipstream-no-compile", "slipstream"))
     compiled = _run("slipstream", [3.0, 40.0, 1.5, 1.5, 1.5], [100] * 5, [3.0, 2.0, 1.0, 1.0, 1.0])
     compiled["policies"] = ["compile: decoder layers (2 LlamaDecoderLayer), ... (requested)"]
     compiled["probe_forward_s"] = 10.0  # the activation probe's forward: where the forward compiles
@@ -271,10 +281,16 @@ def test_step_zero_catches_a_deliberately_wrong_attention(dtype, monkeypatch, tm
     import slipstream.bench.truth as truth
     import slipstream.packing.attention.sdpa as attention_module
 
-    config = ABConfig(
-        model="qwen3", max_seq_len=1024, steps=2, warmup=1, num_rows=120, threads=1, dtype=dtype
+    config = ab_config(
+        model="qwen3",
+        max_seq_len=1024,
+        steps=2,
+        warmup=1,
+        num_rows=120,
+        threads=1,
+        dtype=dtype,
+        speedups={"attention_grouping": "per_document"},  # the path broken
     )
-    config = dataclasses.replace(config, speedups={"attention_grouping": "per_document"})  # the path broken
 
     def leak():
         monkeypatch.setattr(
@@ -355,11 +371,11 @@ def test_an_ablation_arm_beats_auto_only_beyond_the_a_a_noise():
 
 
 def test_the_ablation_preset_leaves_out_arms_that_would_rerun_slipstream():
-    full = ABConfig(model="demo")  # a full fine-tune of a dense model
+    full = ab_config(model="demo")  # a full fine-tune of a dense model
     arms = preset_arms("ablation", full, "cpu")
     assert "slipstream-again" in arms  # the A/A control stays
     assert "slipstream-no-lora-compute" not in arms and "slipstream-no-moe-routing" not in arms
-    lora_moe = ABConfig(model="qwen3-moe", lora_rank=4)
+    lora_moe = ab_config(model="qwen3-moe", lora_rank=4)
     assert {"slipstream-no-lora-compute", "slipstream-no-moe-routing"} <= set(
         preset_arms("ablation", lora_moe, "cpu")
     )
@@ -369,10 +385,12 @@ def test_arms_that_would_not_fit_side_by_side_run_one_after_another_and_say_why(
     from slipstream.bench import lockstep
 
     monkeypatch.setattr(lockstep, "available_memory_bytes", lambda: 2**20)  # a machine with 1 MiB to spare
-    config = ABConfig(model="qwen3", max_seq_len=128, steps=2, warmup=1, num_rows=60, threads=1)
-    config = dataclasses.replace(config, arms=("stock-packed", "slipstream"))
+    config = ab_config(model="qwen3", max_seq_len=128, steps=2, warmup=1, num_rows=60, threads=1)
+    config = dataclasses.replace(
+        config, ab=dataclasses.replace(config.ab, arms=("stock-packed", "slipstream"))
+    )
     record = run_ab(config, progress=False)
     (schedule,) = record["interleaving"]
     assert schedule["mode"] == "arms" and "too little for 1 more beside them" in schedule["why"]
-    assert all(len(record["runs"][arm][0]["step_s"]) == config.steps for arm in config.arms)
+    assert all(len(record["runs"][arm][0]["step_s"]) == config.ab.steps for arm in config.ab.arms)
     assert record["summary"]["slipstream"]["loss_vs_stock-packed"] in ("identical", "within tolerance")

@@ -6,8 +6,9 @@ import math
 import pytest
 
 from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS
+from slipstream.bench.command import ab_config
 from slipstream.bench.render import markdown_report
-from slipstream.bench.runner import ABConfig, run_ab, summarize
+from slipstream.bench.runner import run_ab, summarize
 from slipstream.bench.stats import margin_parity
 
 ROWS = [
@@ -35,11 +36,11 @@ def test_the_dpo_preset_holds_pair_arms_only():
 
 def test_a_dpo_ab_refuses_document_arms_and_a_missing_file(pairs_file):
     with pytest.raises(ValueError, match="train documents, not pairs"):
-        ABConfig(objective="dpo", data=str(pairs_file), arms=("slipstream", "slipstream-dpo"))
-    with pytest.raises(ValueError, match="--data must name a file of preference pairs"):
-        ABConfig(objective="dpo", arms=ARM_PRESETS["dpo"])
+        ab_config(objective="dpo", data=str(pairs_file), arms=("slipstream", "slipstream-dpo"))
+    with pytest.raises(ValueError, match="needs preference pairs: set data.path"):
+        ab_config(objective="dpo", arms=ARM_PRESETS["dpo"])
     with pytest.raises(ValueError, match="add --objective dpo"):
-        ABConfig(arms=("slipstream-dpo",))
+        ab_config(arms=("slipstream-dpo",))
 
 
 def test_reward_margins_are_judged_scaled_then_against_the_sensitivity():
@@ -53,8 +54,7 @@ def test_reward_margins_are_judged_scaled_then_against_the_sensitivity():
 
 
 def test_the_shared_arm_gets_a_speedup_against_the_unshared_one():
-    config = ABConfig.__new__(ABConfig)  # summarize reads plain fields only
-    config.warmup, config.seed, config.beta = 1, 0, 0.1
+    config = ab_config(steps=3, warmup=1)  # summarize reads warmup, seed and beta (0.1)
     run = {
         "step_s": [5.0, 2.0, 2.0],
         "tokens": [100] * 3,
@@ -88,7 +88,7 @@ def test_a_short_dpo_ab_trains_the_same_pairs_in_every_arm(pairs_file, tmp_path)
     slipstream arms' loss and reward-margin curves agree with TRL's."""
     pytest.importorskip("trl")
     arms = ("trl-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo")
-    config = ABConfig(
+    config = ab_config(
         model="demo",
         layers=2,
         data=str(pairs_file),

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slipstream.bench.ab_config import ABConfig
-from slipstream.bench.command import workload_of_train_config
+from slipstream.bench.command import ab_config
 from slipstream.bench.runner import prepare_bins, run_arm
 from slipstream.train.config import load_config
 from slipstream.train.loop import train
@@ -38,8 +37,7 @@ def _train_and_ab(tmp_path: Path, workload: dict, arm: str) -> tuple[dict, dict]
     path.write_text(yaml.safe_dump({**workload, "output_dir": str(tmp_path / "out")}))
     train(load_config(path, []), progress=False)
     logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
-    fields = {**workload_of_train_config(str(path)), "arms": (arm,), "steps": 2, "warmup": 1}
-    config = ABConfig(**fields)
+    config = ab_config(train_config=str(path), arms=(arm,), steps=2, warmup=1)
     plan, vocab, _ = prepare_bins(config)
     result = run_arm(dataclasses.asdict(config), arm, plan, vocab)
     return logged, {"loss": result["loss"][0], "grad_norm": result["grad_norm"][0]}
@@ -73,9 +71,7 @@ def test_the_grpo_arm_steps_as_train_does(tmp_path):
     path = grpo_config(tmp_path, training={"steps": 2})
     train(load_config(path, []), progress=False)
     logged = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
-    config = ABConfig(
-        **{**workload_of_train_config(str(path)), "arms": ("slipstream-grpo",), "steps": 2, "warmup": 1}
-    )
+    config = ab_config(train_config=str(path), arms=("slipstream-grpo",), steps=2, warmup=1)
     plan, vocab, _ = prepare_bins(config)
     result = run_arm(dataclasses.asdict(config), "slipstream-grpo", plan, vocab)
     assert (result["loss"][0], result["grad_norm"][0]) == (logged["loss"], logged["grad_norm"])

@@ -3,9 +3,9 @@
 import pytest
 
 from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS
-from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+from slipstream.bench.command import ab_config, ab_config_from_args, add_ab_arguments
 from slipstream.bench.render import markdown_report
-from slipstream.bench.runner import ABConfig, run_ab
+from slipstream.bench.runner import run_ab
 from tests.objectives.test_grpo import grpo_config
 
 
@@ -20,11 +20,11 @@ def test_a_grpo_ab_refuses_other_arms_missing_rewards_and_missing_prompts(tmp_pa
     prompts.write_text('{"prompt": "hi"}\n')
     rewards = {"rewards": ["answer_tag"]}
     with pytest.raises(ValueError, match="train another objective"):
-        ABConfig(objective="grpo", data=str(prompts), arms=("slipstream", "slipstream-grpo"), grpo=rewards)
-    with pytest.raises(ValueError, match="no reward functions"):
-        ABConfig(objective="grpo", data=str(prompts), arms=ARM_PRESETS["grpo"])
-    with pytest.raises(ValueError, match="--data must name a file of prompt rows"):
-        ABConfig(objective="grpo", arms=ARM_PRESETS["grpo"], grpo=rewards)
+        ab_config(objective="grpo", data=str(prompts), arms=("slipstream", "slipstream-grpo"), grpo=rewards)
+    with pytest.raises(ValueError, match="needs at least one reward function in grpo.rewards"):
+        ab_config(objective="grpo", data=str(prompts), arms=ARM_PRESETS["grpo"])
+    with pytest.raises(ValueError, match="needs prompt rows: set data.path"):
+        ab_config(objective="grpo", arms=ARM_PRESETS["grpo"], grpo=rewards)
 
 
 def _parse(argv):
@@ -37,9 +37,9 @@ def _parse(argv):
 
 def test_a_grpo_train_config_carries_its_settings_and_arms(tmp_path):
     config = _parse(["--config", str(grpo_config(tmp_path))])
-    assert config.objective == "grpo" and config.arms == ARM_PRESETS["grpo"]
-    assert config.grpo["num_generations"] == 4
-    assert config.grpo["rewards"][0].endswith("rewards.py:even_tokens")  # made absolute by load_config
+    assert config.train.training.objective == "grpo" and config.ab.arms == ARM_PRESETS["grpo"]
+    assert config.train.grpo.num_generations == 4
+    assert config.train.grpo.rewards[0].endswith("rewards.py:even_tokens")  # made absolute by load_config
 
 
 def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from slipstream.bench.command import ab_config_from_args, add_ab_arguments
+from slipstream.bench.ab_config import record_config
+from slipstream.bench.command import ab_config, ab_config_from_args, add_ab_arguments
 from slipstream.bench.inputs import model_fingerprint
 from slipstream.bench.render import markdown_report
 from slipstream.bench.report import load_records, report_rows, workload
@@ -58,7 +59,7 @@ def _config(model_dir, chats, **overrides) -> ABConfig:
         lora_rank=4,
         arms=("stock-packed", "slipstream"),
     )
-    return ABConfig(**{**values, **overrides})
+    return ab_config(**{**values, **overrides})
 
 
 def test_every_arm_trains_the_directory_weights_on_the_file_rows_and_the_record_names_both(
@@ -100,7 +101,7 @@ def test_report_keeps_different_models_and_data_apart_and_pools_the_same_bytes(m
         config = _config(model_dir, chats)
         return {
             **base,
-            "config": {**config.__dict__, "data": path},
+            "config": {**record_config(config), "data": path},
             "inputs": {
                 "model": model_fingerprint(str(model_dir)),
                 "data": {"kind": "data file", "path": path, "sha256": data_sha, "bytes": 1},
@@ -136,23 +137,40 @@ def test_config_file_gives_the_workload_and_options_on_the_command_line_win(mode
     )
     parser = build_parser()
     config = ab_config_from_args(parser.parse_args(["ab", "--config", str(run), "--max-seq-len", "128"]))
-    assert config.model == str(model_dir) and config.data == str(chats) and config.response_only
-    assert (config.max_seq_len, config.overflow, config.dtype) == (128, "split", "bfloat16")
-    assert (config.lora_rank, config.lora_alpha, config.lora_targets) == (4, 8.0, ("q_proj", "v_proj"))
-    assert (config.lr, config.seed, config.grad_accum, config.steps) == (1e-3, 7, 2, 40)  # ab's own steps
-    assert config.speedups["chunked_loss"] is False
-    assert config.train_config == str(run)
+    assert (
+        config.model == str(model_dir)
+        and config.train.data.path == str(chats)
+        and config.train.data.response_only
+    )
+    assert (config.train.data.max_seq_len, config.train.data.overflow, config.train.model.dtype) == (
+        128,
+        "split",
+        "bfloat16",
+    )
+    assert (config.lora_rank, config.train.lora.alpha, tuple(config.train.lora.target_modules)) == (
+        4,
+        8.0,
+        ("q_proj", "v_proj"),
+    )
+    assert (
+        config.train.optimizer.lr,
+        config.train.seed,
+        config.train.training.grad_accum,
+        config.ab.steps,
+    ) == (1e-3, 7, 2, 40)  # ab's own steps
+    assert config.train.speedups.chunked_loss is False
+    assert config.ab.train_config == str(run)
     # the command line's explicit value wins even where it equals ab's default
     explicit = ab_config_from_args(parser.parse_args(["ab", "--config", str(run), "--dtype", "float32"]))
-    assert explicit.dtype == "float32"
+    assert explicit.train.model.dtype == "float32"
     # without --config nothing changes: the defaults, as the benchmark scripts pass them
     import argparse
 
     script = argparse.ArgumentParser()
-    add_ab_arguments(script, ABConfig(model="qwen3", max_seq_len=512))
+    add_ab_arguments(script, {"model": "qwen3", "max_seq_len": 512})
     assert (
         ab_config_from_args(script.parse_args([])).model,
-        ab_config_from_args(script.parse_args([])).max_seq_len,
+        ab_config_from_args(script.parse_args([])).train.data.max_seq_len,
     ) == (
         "qwen3",
         512,
@@ -168,24 +186,29 @@ def test_a_model_directory_trains_what_slipstream_train_would_and_the_record_say
 
     config = ab_config_from_args(build_parser().parse_args(["ab", "--model", str(model_dir)]))
     lora, optimizer = LoraConfig(), OptimizerConfig()
-    assert (config.lora_rank, config.lora_alpha, config.lora_targets) == (
+    assert (config.lora_rank, config.train.lora.alpha, tuple(config.train.lora.target_modules)) == (
         lora.rank,
         lora.alpha,
         tuple(lora.target_modules),
     )
-    assert (config.lr, config.schedule) == (optimizer.lr, optimizer.schedule)
-    assert config.dtype == ("float32" if fake_cpu_class == "avx2" else "bfloat16")
+    assert (config.train.optimizer.lr, config.train.optimizer.schedule) == (optimizer.lr, optimizer.schedule)
+    assert config.train.model.dtype == ("float32" if fake_cpu_class == "avx2" else "bfloat16")
     assert config.defaults["source"] == "slipstream train's defaults (a model directory)"
     applied = config.defaults["fields"]
     assert applied["lora_rank"] == lora.rank and applied["schedule"] == "cosine"
-    assert applied["dtype"].startswith(f"auto: {config.dtype} (this CPU has")
+    assert applied["dtype"].startswith(f"auto: {config.train.model.dtype} (this CPU has")
     explicit = ab_config_from_args(
         build_parser().parse_args(["ab", "--model", str(model_dir), "--lora-rank", "0", "--dtype", "float32"])
     )
-    assert (explicit.lora_rank, explicit.dtype) == (0, "float32")  # a full fine-tune, asked for
+    assert (explicit.lora_rank, explicit.train.model.dtype) == (0, "float32")  # a full fine-tune, asked for
     assert {"lora_rank", "lora_alpha", "dtype"}.isdisjoint(explicit.defaults["fields"])
     shape = ab_config_from_args(build_parser().parse_args(["ab"]))  # a built-in shape keeps the A/B's own
-    assert (shape.lora_rank, shape.lr, shape.schedule, shape.dtype) == (0, 2e-3, "constant", "float32")
+    assert (
+        shape.lora_rank,
+        shape.train.optimizer.lr,
+        shape.train.optimizer.schedule,
+        shape.train.model.dtype,
+    ) == (0, 2e-3, "constant", "float32")
     assert shape.defaults["source"] == "the A/B's defaults for a built-in shape"
 
 
@@ -238,7 +261,6 @@ def test_bad_models_and_data_are_one_line_errors(model_dir, chats, tmp_path, cap
 def test_chat_template_renders_the_arms_rows_with_another_template(model_dir, chats, tmp_path):
     """``ab --chat-template FILE`` (or a train config's data.chat_template): the tokenizer every arm
     uses renders with that template, the samples differ accordingly, the record names the template."""
-    from slipstream.bench.command import workload_of_train_config
     from slipstream.bench.inputs import ab_tokenizer, data_fingerprint
     from slipstream.bench.workload import ab_samples
 
@@ -259,11 +281,11 @@ def test_chat_template_renders_the_arms_rows_with_another_template(model_dir, ch
     parser = build_parser()
     assert ab_config_from_args(
         parser.parse_args(["ab", "--chat-template", str(template)])
-    ).chat_template == str(template)
+    ).train.data.chat_template == str(template)
     run = tmp_path / "run.yaml"
     run.write_text(
         f"model:\n  path: {model_dir}\ndata:\n  path: {chats}\n  chat_template: {template}\ntraining:\n  steps: 5\n"
     )
-    assert workload_of_train_config(str(run))["chat_template"] == str(template)
+    assert ab_config(train_config=str(run)).train.data.chat_template == str(template)
     with pytest.raises(ValueError, match=f"^chat_template {tmp_path / 'nowhere.jinja'}: no such file"):
         _config(model_dir, chats, chat_template=str(tmp_path / "nowhere.jinja"))

@@ -13,7 +13,7 @@ import yaml
 
 from slipstream.bench.ab_config import ABConfig
 from slipstream.bench.arms import ARM_PRESETS
-from slipstream.bench.command import ab_config_from_args, add_ab_arguments, workload_of_train_config
+from slipstream.bench.command import ab_config, ab_config_from_args, add_ab_arguments
 from slipstream.bench.runner import run_ab
 from slipstream.data import demo_tokenizer
 from slipstream.models import build_model
@@ -38,13 +38,13 @@ def parse(argv: list[str]) -> ABConfig:
     return ab_config_from_args(parser.parse_args(argv))
 
 
-def test_the_workload_of_a_preference_config_holds_its_objective_beta_and_arms():
-    found = workload_of_train_config(str(EXAMPLE))
-    assert found["objective"] == "dpo" and found["beta"] == 0.1
-    assert found["arms"] == ARM_PRESETS["dpo"]
-    assert Path(found["data"]).name == "pairs.jsonl"
-    orpo = workload_of_train_config(str(ROOT / "examples" / "orpo.yaml"))
-    assert orpo["objective"] == "orpo" and orpo["arms"] == ARM_PRESETS["orpo"]
+def test_the_workload_of_a_preference_config_holds_its_objective_beta_and_arms(model_dir):
+    found = ab_config(train_config=str(EXAMPLE), model=str(model_dir), device="cpu")
+    assert found.train.training.objective == "dpo" and found.train.preference.beta == 0.1
+    assert found.ab.arms == ARM_PRESETS["dpo"]
+    assert Path(found.train.data.path).name == "pairs.jsonl"
+    orpo = ab_config(train_config=str(ROOT / "examples" / "orpo.yaml"), model=str(model_dir), device="cpu")
+    assert orpo.train.training.objective == "orpo" and orpo.ab.arms == ARM_PRESETS["orpo"]
 
 
 def test_an_objective_without_arms_is_refused_naming_the_key(tmp_path):
@@ -54,7 +54,7 @@ def test_an_objective_without_arms_is_refused_naming_the_key(tmp_path):
     path = tmp_path / "ipo.yaml"
     path.write_text(yaml.safe_dump(config))
     with pytest.raises(ValueError, match="'training.objective' 'ipo': slipstream ab has no arms for it yet"):
-        workload_of_train_config(str(path))
+        ab_config(train_config=str(path))
 
 
 @pytest.mark.parametrize(
@@ -69,13 +69,14 @@ def test_ab_with_a_preference_config_runs_its_objectives_arms(config, arms, mode
     argv += ["--max-seq-len", "512", "--dtype", "float32", "--out", str(tmp_path / "ab")]
     argv += ["--arms", ",".join(arms), "--interleave", "arms"]
     ab = parse(argv)
-    assert ab.objective == workload_of_train_config(str(config))["objective"] and ab.arms == arms
+    assert ab.train.training.objective == yaml.safe_load(config.read_text())["training"]["objective"]
+    assert ab.ab.arms == arms
     record = run_ab(ab, progress=False)
     for arm in arms:
         (run,) = record["runs"][arm]
         assert len(run["loss"]) == 3 and all(math.isfinite(loss) for loss in run["loss"])
         assert len(run["reward_margin"]) == 3 and run["pairs"][0] > 0
-    if ab.objective == "dpo":  # at the reference: ln 2
+    if ab.train.training.objective == "dpo":  # at the reference: ln 2
         assert record["runs"][arms[0]][0]["loss"][0] == pytest.approx(math.log(2), abs=1e-5)
     # the prompt shared or not, the same pairs and the same loss
     first = [record["runs"][arm][0]["loss"][0] for arm in arms]

@@ -9,6 +9,7 @@ import pytest
 
 from slipstream.bench.ab_config import ABConfig
 from slipstream.bench.arms import ARM_PRESETS, shares_prefixes
+from slipstream.bench.command import ab_config
 from slipstream.bench.render import markdown_report
 from slipstream.bench.runner import prepare_bins, run_ab
 from slipstream.data.prefix_groups import unshared_tokens
@@ -64,7 +65,7 @@ def config(tmp_path, **overrides) -> ABConfig:
         threads=1,
         arms=("stock-packed", "slipstream-no-prefix-sharing", "slipstream"),
     )
-    return ABConfig(**(options | overrides))
+    return ab_config(**(options | overrides))
 
 
 def test_every_arm_gets_each_steps_rows_whole_and_the_sharing_arm_regroups_the_same_rows(tmp_path):
@@ -94,8 +95,8 @@ def test_the_plan_takes_the_bins_in_trains_order(tmp_path):
 
     cfg = config(tmp_path, share_prefixes="off", grad_accum=2)
     plan, _, _ = prepare_bins(cfg)
-    bins, _ = pack_samples(ab_samples(cfg, ab_tokenizer(cfg)), 512, seed=cfg.seed)
-    bins_for = step_order(len(bins), 2, cfg.seed)
+    bins, _ = pack_samples(ab_samples(cfg, ab_tokenizer(cfg)), 512, seed=cfg.train.seed)
+    bins_for = step_order(len(bins), 2, cfg.train.seed)
     expected = [[[d["input_ids"] for d in bins[i]] for i in bins_for(step)] for step in range(3)]
     assert [[[d["input_ids"] for d in docs] for docs in step] for step in plan] == expected
 

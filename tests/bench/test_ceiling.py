@@ -6,7 +6,8 @@ import pytest
 
 from slipstream.bench.ab_config import parse_bytes
 from slipstream.bench.ceiling import ceiling_docs, fresh_probe, max_tokens_within
-from slipstream.bench.runner import ABConfig, run_in_fresh_process
+from slipstream.bench.command import ab_config
+from slipstream.bench.runner import run_in_fresh_process
 
 
 def test_sizes_parse_and_bad_ones_are_named():
@@ -18,7 +19,7 @@ def test_sizes_parse_and_bad_ones_are_named():
         with pytest.raises(ValueError, match="max_tokens_within"):
             parse_bytes(bad)
     with pytest.raises(ValueError, match="not a memory size"):
-        ABConfig(max_tokens_within="lots")
+        ab_config(max_tokens_within="lots")
 
 
 def _linear_memory(per_token: int, fixed: int, budget: int):
@@ -34,7 +35,7 @@ def _linear_memory(per_token: int, fixed: int, budget: int):
 
 
 def test_doubling_then_bisection_lands_within_the_resolution():
-    config = ABConfig(max_seq_len=1024, max_tokens_within="8GB")
+    config = ab_config(max_seq_len=1024, max_tokens_within="8GB")
     run_probe, calls = _linear_memory(per_token=300_000, fixed=500_000_000, budget=8 * 10**9)
     found = max_tokens_within(config, "slipstream", 1000, run_probe)
     true_ceiling = (8 * 10**9 - 500_000_000) // 300_000  # 25,000 tokens
@@ -44,7 +45,7 @@ def test_doubling_then_bisection_lands_within_the_resolution():
 
 
 def test_a_first_probe_over_budget_halves_and_a_never_failing_arm_is_capped():
-    config = ABConfig(max_seq_len=4096, max_tokens_within="1GB")
+    config = ab_config(max_seq_len=4096, max_tokens_within="1GB")
     run_probe, _ = _linear_memory(per_token=1_000_000, fixed=0, budget=10**9)  # ceiling 1000
     found = max_tokens_within(config, "stock-packed", 1000, run_probe)
     assert 1000 - 128 <= found["max_tokens"] <= 1000
@@ -61,11 +62,10 @@ def test_ceiling_docs_fill_exactly_and_label_every_token():
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
 def test_real_probes_in_fresh_processes_and_the_watchdog():
-    config = ABConfig(model="qwen3", max_seq_len=256, threads=1, max_tokens_within="6GB")
+    config = ab_config(model="qwen3", max_seq_len=256, threads=1, max_tokens_within="6GB")
     fits = fresh_probe(run_in_fresh_process, dataclasses.asdict(config), "slipstream", 256, 2048)
     assert fits["fits"] and 10**8 < fits["peak_bytes"] < 6 * 10**9
-    tight = dataclasses.replace(
-        config, max_tokens_within="1MB"
-    )  # less than any process: the watchdog ends it
+    tight = dataclasses.replace(config, ab=dataclasses.replace(config.ab, max_tokens_within="1MB"))
+    # less than any process: the watchdog ends it
     ended = fresh_probe(run_in_fresh_process, dataclasses.asdict(tight), "stock-packed", 256, 2048)
     assert not ended["fits"] and "over budget" in ended["ended"]

@@ -8,6 +8,7 @@ import torch
 
 from slipstream.bench import host_pages
 from slipstream.bench.ceiling import proc_status_kib
+from slipstream.bench.command import ab_config
 from slipstream.bench.host_pages import WarmPages, churn_bytes
 
 linux_only = pytest.mark.skipif(not __import__("os").path.exists("/proc/self/status"), reason="reads /proc")
@@ -49,11 +50,11 @@ def test_every_arm_step_records_its_faults_its_hold_and_the_other_load(monkeypat
     (on a CPU with --keep-pages-warm, the default; none with it off) and the other load."""
     import dataclasses
 
-    from slipstream.bench.runner import ABConfig, prepare_bins, run_arm
+    from slipstream.bench.runner import prepare_bins, run_arm
 
     monkeypatch.setattr(host_pages, "churn_bytes", lambda: 2**20)  # what a step churned: 1 MiB
     for keep in (True, False):
-        config = ABConfig(steps=3, warmup=1, num_rows=40, max_seq_len=128, keep_pages_warm=keep)
+        config = ab_config(steps=3, warmup=1, num_rows=40, max_seq_len=128, keep_pages_warm=keep)
         plan, vocab, _ = prepare_bins(config)
         result = run_arm(dataclasses.asdict(config), "slipstream", plan, vocab)
         assert len(result["page_faults"]) == len(result["other_cores"]) == len(result["hold_s"]) == 3
@@ -66,10 +67,10 @@ def test_the_report_counts_the_steps_that_shared_the_machine(monkeypatch):
     cores the arm left free) and the report's lines saying so."""
     from slipstream import hardware
     from slipstream.bench.render import machine_state_lines
-    from slipstream.bench.runner import ABConfig, machine_state
+    from slipstream.bench.runner import machine_state
 
     monkeypatch.setattr(hardware, "usable_cores", lambda: 4)
-    config = ABConfig(steps=4, warmup=1, threads=2)  # 2 spare cores: busy past 2 + BUSY_CORES
+    config = ab_config(steps=4, warmup=1, threads=2)  # 2 spare cores: busy past 2 + BUSY_CORES
     run = {
         "page_faults": [900, 100, 300, 200],
         "other_cores": [3.0, 0.1, 2.5, None],  # the warm-up step's load is not counted

@@ -1,6 +1,7 @@
 """Peer arms in the A/B harness: TRL's trainer step like for like, skipped peers with their reason,
 the Unsloth arm in its own virtualenv (slow; only where that virtualenv exists)."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS
+from slipstream.bench.command import ab_config
 from slipstream.bench.peers import unsloth_arm
 from slipstream.bench.render import markdown_report
 from slipstream.bench.report import report_markdown, report_rows
@@ -16,7 +18,7 @@ from slipstream.bench.runner import ABConfig, parity_failures, run_ab, run_arm, 
 
 def _tiny(**overrides) -> ABConfig:
     values = dict(model="qwen3", max_seq_len=256, steps=3, warmup=1, num_rows=200, threads=1, lora_rank=4)
-    return ABConfig(**{**values, **overrides})
+    return ab_config(**{**values, **overrides})
 
 
 def test_the_peers_preset_names_every_peer_and_slipstream():
@@ -98,7 +100,7 @@ def test_the_unsloth_arm_is_skipped_with_the_reason_when_its_venv_cannot_be_made
     failing.write_text("echo 'pip: no network' >&2; exit 1\n")
     monkeypatch.setattr(unsloth_arm, "MAKE_VENV", failing)
     config = _tiny(arms=("unsloth",))
-    result = run_arm(config.__dict__ | {"arms": list(config.arms)}, "unsloth", [], 2048)
+    result = run_arm(dataclasses.asdict(config), "unsloth", [], 2048)
     assert "could not create the Unsloth virtualenv" in result["skipped"]
     assert "pip: no network" in result["skipped"]
     assert "--lora-rank" in unsloth_arm.unsloth_unavailable(_tiny(lora_rank=0), "cpu")

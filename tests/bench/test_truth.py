@@ -4,8 +4,9 @@ import dataclasses
 
 import pytest
 
+from slipstream.bench.command import ab_config
 from slipstream.bench.render import markdown_report
-from slipstream.bench.runner import ABConfig, parity_failures, summarize
+from slipstream.bench.runner import parity_failures, summarize
 from slipstream.bench.stats import FIRST_STEP_TOLERANCES, FP32_MARGINS
 
 
@@ -24,7 +25,7 @@ def _run(arm: str, loss0: float, grad_norm0: float) -> dict:
     }
 
 
-BF16 = ABConfig(steps=3, warmup=1, arms=("stock-packed", "slipstream"), dtype="bfloat16")
+BF16 = ab_config(steps=3, warmup=1, arms=("stock-packed", "slipstream"), dtype="bfloat16")
 # what the SmolLM2-135M run showed: step 0 1.5e-3 apart in the loss, 4.8% in the gradient norm
 RUNS = {"stock-packed": [_run("stock-packed", 2.0, 1.0)], "slipstream": [_run("slipstream", 2.003, 1.048)]}
 
@@ -150,7 +151,7 @@ def test_only_a_reduced_precision_run_keeps_gradients_and_takes_the_fp32_pass(dt
     monkeypatch.setattr(runner, "measure_fp32_step0", measure)
     monkeypatch.setattr(runner, "matmul_peak", lambda *args: {})
     monkeypatch.setattr(runner, "needs_sensitivity", lambda summary: False)
-    config = dataclasses.replace(BF16, dtype=dtype, num_rows=40, max_seq_len=256)
+    config = ab_config(steps=3, warmup=1, arms=BF16.ab.arms, dtype=dtype, num_rows=40, max_seq_len=256)
     record = runner.run_ab(config, progress=False)
     if dtype == "float32":
         assert asked == {"gradient_dir": None} and "fp32_step0" not in record
@@ -172,7 +173,7 @@ def test_each_arm_keeps_its_step_zero_gradient_and_the_fp32_step_measures_every_
     from slipstream.bench.runner import prepare_bins, run_arm
 
     monkeypatch.setattr(truth, "run_in_fresh_process", lambda fn, *args: fn(*args))
-    config = ABConfig(
+    config = ab_config(
         model="demo",
         layers=2,
         max_seq_len=128,
@@ -189,7 +190,7 @@ def test_each_arm_keeps_its_step_zero_gradient_and_the_fp32_step_measures_every_
     plan, vocab, _ = prepare_bins(config)
     runs = {
         arm: [run_arm(dataclasses.asdict(config), arm, plan, vocab, gradient_dir=str(tmp_path))]
-        for arm in config.arms
+        for arm in config.ab.arms
     }
     kept = runs["slipstream"][0]["step0_gradient"]
     assert kept["names"] == runs["stock-packed"][0]["step0_gradient"]["names"]  # LoRA's, by name
@@ -198,7 +199,7 @@ def test_each_arm_keeps_its_step_zero_gradient_and_the_fp32_step_measures_every_
     assert fp32["arm"] == "stock-packed" and fp32["dtype"] == "float32"
     assert fp32["gradient"] == {"parameters": len(kept["names"]), "values": sum(kept["sizes"])}
     assert fp32["loss"] == pytest.approx(runs["stock-packed"][0]["loss"][0], rel=1e-2)
-    for arm in config.arms:
+    for arm in config.ab.arms:
         found = fp32["arms"][arm]
         assert found["loss"] < 1e-2 and found["grad_norm"] < 2e-2 and 0.999 < found["cosine"] <= 1.0, arm
         assert runs[arm][0]["step0_gradient"] == fp32["gradient"]  # what the record keeps: the sizes
@@ -216,7 +217,7 @@ def test_a_short_bf16_run_computes_its_step_zero_once_more_in_fp32_and_judges_ev
     from slipstream.bench.runner import run_ab
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the arms keep their gradients
-    config = ABConfig(
+    config = ab_config(
         model="qwen3",
         max_seq_len=256,
         steps=2,
@@ -234,7 +235,7 @@ def test_a_short_bf16_run_computes_its_step_zero_once_more_in_fp32_and_judges_ev
     assert fp32["loss"] == pytest.approx(record["runs"]["stock-packed"][0]["loss"][0], rel=1e-2)
     values = fp32["gradient"]["values"]  # a full fine-tune: every weight's gradient
     assert values == sum(record["runs"]["slipstream"][0]["step0_gradient"]["values"] for _ in [0])
-    for arm in config.arms:
+    for arm in config.ab.arms:
         found = fp32["arms"][arm]
         assert found["loss"] < 1e-2 and found["grad_norm"] < 2e-2 and 0.999 < found["cosine"] <= 1.0, arm
         judged = record["summary"][arm]["step0_vs_fp32"]

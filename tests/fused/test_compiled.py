@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 import slipstream
 from slipstream import Speedups
-from slipstream.bench.ab_config import ABConfig
 from slipstream.bench.arms import preset_arms
+from slipstream.bench.command import ab_config
 from slipstream.bench.counters import HostSyncCounter
 from slipstream.fused import FusedKernelsUnavailable, compiled_plan, compiled_policy, decide_fused_kernels
 from slipstream.fused import compiled as compiled_module
@@ -171,9 +171,9 @@ def test_the_policy_line_names_each_reason():
 
 
 def test_the_ablation_keeps_its_fused_arm_on_a_cpu_only_where_the_kernels_would_run():
-    assert "slipstream-no-fused-kernels" not in preset_arms("ablation", ABConfig(steps=12), "cpu")
-    assert "slipstream-no-fused-kernels" in preset_arms("ablation", ABConfig(steps=500), "cpu")
-    forced = ABConfig(steps=12, speedups={"fused_kernels": "compiled"})
+    assert "slipstream-no-fused-kernels" not in preset_arms("ablation", ab_config(steps=12), "cpu")
+    assert "slipstream-no-fused-kernels" in preset_arms("ablation", ab_config(steps=500), "cpu")
+    forced = ab_config(steps=12, speedups={"fused_kernels": "compiled"})
     assert "slipstream-no-fused-kernels" in preset_arms("ablation", forced, "cpu")
 
 

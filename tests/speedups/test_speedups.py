@@ -70,7 +70,7 @@ def test_a_new_speedup_is_one_field(monkeypatch, tmp_path):
     ab = parser._subparsers._group_actions[0].choices["ab"]
     assert "--toy-fusion" in ab.format_help() and "fuse the toy kernels" in ab.format_help()
     config = ab_config_from_args(parser.parse_args(["ab", "--toy-fusion", "true"]))
-    assert config.speedups == {"toy_fusion": True}
+    assert config.train.speedups.toy_fusion is True
     train = parser._subparsers._group_actions[0].choices["train"]
     assert "speedups.toy_fusion: true|false" in train.format_help()
 
@@ -151,9 +151,10 @@ def test_a_toy_speedup_in_a_test_file_is_an_option_a_stock_value_and_an_optimize
     parser = build_parser()
     ab = parser._subparsers._group_actions[0].choices["ab"]
     assert "--toy-scale" in ab.format_help()
-    assert ab_config_from_args(parser.parse_args(["ab", "--toy-scale", "false"])).speedups == {
-        "toy_scale": False
-    }
+    assert (
+        ab_config_from_args(parser.parse_args(["ab", "--toy-scale", "false"])).train.speedups.toy_scale
+        is False
+    )
     train = parser._subparsers._group_actions[0].choices["train"]
     assert "speedups.toy_scale: true|false" in train.format_help()
 
@@ -167,15 +168,12 @@ def test_a_toy_speedup_in_a_test_file_is_an_option_a_stock_value_and_an_optimize
 
 
 def test_a_toy_speedup_has_its_leave_one_out_arm_in_the_ablation_preset(toy):
-    from types import SimpleNamespace
-
     from slipstream.bench.arms import ARM_PRESETS, ARM_SPECS, ARMS, arm_speedups, preset_arms
+    from slipstream.bench.command import ab_config
 
     assert ARM_PRESETS["ablation"][-1] == "slipstream-no-toy-scale" and "slipstream-no-toy-scale" in ARMS
     assert ARM_SPECS["slipstream-no-toy-scale"].speedups.toy_scale is False
-    config = SimpleNamespace(
-        model="demo", lora_rank=0, steps=4, dtype="float32", threads=1, checkpointing="off", speedups={}
-    )
+    config = ab_config(steps=4, warmup=1, threads=1)
     assert "slipstream-no-toy-scale" in preset_arms("ablation", config, "cpu")
     assert arm_speedups(config, "slipstream-no-toy-scale").toy_scale is False
 

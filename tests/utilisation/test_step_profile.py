@@ -1,10 +1,13 @@
 """Where a profiled step's time goes: each op's category, and a real step through ``run_arm``."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from slipstream.bench.command import ab_config
 from slipstream.bench.render import step_profile_lines
-from slipstream.bench.runner import ABConfig, prepare_bins, run_arm
+from slipstream.bench.runner import prepare_bins, run_arm
 from slipstream.utilisation import CATEGORIES, profile_step
 from slipstream.utilisation.step_profile import categorize, category_of
 
@@ -71,21 +74,23 @@ def test_a_profiled_matmul_is_a_matmul_and_its_rate_is_its_flops_over_its_time()
 
 
 def test_profile_step_puts_a_profiled_step_in_the_arm_record_after_the_timed_ones():
-    config = ABConfig(
+    config = ab_config(
         model="qwen3", max_seq_len=256, steps=2, warmup=1, num_rows=100, threads=1, profile_step=True
     )
     plan, vocab, _ = prepare_bins(config)
-    result = run_arm(config.__dict__ | {"arms": list(config.arms)}, "slipstream", plan, vocab)
+    result = run_arm(dataclasses.asdict(config), "slipstream", plan, vocab)
     found = result["step_profile"]
     assert set(found["seconds"]) == set(CATEGORIES)
     assert found["seconds"]["matmul"] > 0 and found["seconds"]["attention"] > 0
     assert found["gemm_tflops"] > 0 and found["gemm_fraction_of_peak"] > 0
-    assert len(result["step_s"]) == config.steps  # the profiled step is not one of the timed steps
+    assert len(result["step_s"]) == config.ab.steps  # the profiled step is not one of the timed steps
     lines = "\n".join(step_profile_lines({"slipstream": {"step_profile": found}}))
     assert "| slipstream |" in lines and "Where a step goes" in lines and "of peak" in lines
     unprofiled = run_arm(
-        ABConfig(model="qwen3", max_seq_len=256, steps=2, warmup=1, num_rows=100, threads=1).__dict__
-        | {"arms": list(config.arms)},
+        dataclasses.asdict(
+            ab_config(model="qwen3", max_seq_len=256, steps=2, warmup=1, num_rows=100, threads=1)
+        )
+        | {"arms": list(config.ab.arms)},
         "slipstream",
         plan,
         vocab,

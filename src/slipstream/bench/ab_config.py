@@ -1,4 +1,4 @@
-"""One A/B workload, ``ABConfig``: every arm sees exactly this; its fields generate ``slipstream ab``'s options.
+"""One A/B, ``ABConfig``: the ``slipstream train`` config every arm trains, and the A/B's own keys.
 
 Kept apart from the runner so that the runner and the memory-ceiling search (``ceiling.py``),
 which both read it, import it from below instead of from each other.
@@ -13,11 +13,8 @@ from typing import Any, Literal
 
 import torch
 
-from .. import speedups as speedups_module  # read at call time, so a new field is known here
-from ..fields import Dtype, check_fields
-from ..offload.policy import Checkpointing
-from ..train.config import Schedule
-from .adapter import LORA_TARGETS
+from ..fields import check_fields
+from ..train.config import TrainConfig, config_from_data
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS
 from .inputs import check_model, is_model_dir, read_chat_template_option
 
@@ -37,81 +34,18 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _option(
-    default: Any, help: str | None, flag: str | None = None, cli: bool = True, metavar: str | None = None
-):
-    """An ABConfig field and its ``slipstream ab`` option (generated in bench/command.py)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "cli": cli, "metavar": metavar})
+def _option(default: Any, help: str | None, flag: str | None = None, metavar: str | None = None):
+    """An ABSection field and its ``slipstream ab`` option (generated in bench/command.py)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar})
 
 
 @dataclass
-class ABConfig:
-    """One A/B workload. Every arm sees exactly this."""
+class ABSection:
+    """The A/B's own keys (a train config's ``ab:`` section): which arms, and how they are timed."""
 
-    model: str = _option(
-        "demo",
-        "a built-in shape (tiny config or real-model preset, seeded random weights) or a local model "
-        "directory (real weights, with its tokenizer and chat template)",
-        metavar="SHAPE_OR_DIR",
-    )
-    layers: int | None = _option(None, "shorten a built-in shape to N layers")
-    # The documents: the user's file read as `slipstream train` reads it, or the demo rows.
-    data: str | None = _option(
-        None,
-        "a data file in any shape slipstream train reads (JSONL, JSON, Parquet, a datasets directory); "
-        "default: the built-in demo rows",
-        metavar="FILE",
-    )
-    response_only: bool = _option(
-        False, "labels on the assistant's turns only (as train's data.response_only)"
-    )
-    chat_template: str | None = _option(
-        None,
-        "render chats with this template instead of the tokenizer's: a .jinja file or a tokenizer directory "
-        "(as train's data.chat_template)",
-        metavar="FILE_OR_DIR",
-    )
-    # What every arm trains for (slipstream.objectives): next-token SFT on the documents, a
-    # preference objective on pairs ({"prompt", "chosen", "rejected"} rows in --data, read as
-    # slipstream train reads them) whose arms exist: dpo (--preset dpo), orpo (--preset orpo); or
-    # online RL on prompt rows: grpo (--preset grpo; its rewards and settings from --config RUN.yaml).
-    objective: str = _option(
-        "sft",
-        "sft (documents), dpo / orpo (--data holds preference pairs; arms: --preset dpo / --preset orpo), "
-        "or grpo (--data holds prompt rows, --config RUN.yaml its rewards; arms: --preset grpo)",
-    )
-    beta: float = _option(0.1, "the preference objective's beta (dpo; orpo: its lambda)")
-    # Rows that start with the same tokens (a system prompt, a prompt with several answers) run as
-    # groups, the shared start once (data.prefix_groups): each step's rows, the same for every arm,
-    # regrouped by the arms that share; the others (stock, peers, slipstream-no-prefix-sharing) run
-    # them whole.
-    share_prefixes: Literal["auto", "on", "off"] = _option(
-        "auto",
-        "run each step's rows that start with the same tokens with that start once (as train's "
-        "data.share_prefixes); auto: where the device's cost model says it saves time",
-    )
-    max_seq_len: int = _option(1024, "tokens per packed micro-batch")
-    overflow: Literal["truncate", "split"] = _option(
-        "truncate",
-        "a sample longer than --max-seq-len: cut it, or split it in pieces (as train's data.overflow)",
-    )
+    arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
     steps: int = _option(40, "optimizer steps per arm (warm-up included)")
     warmup: int = _option(2, "untimed warm-up steps")
-    grad_accum: int = _option(1, "micro-batches per step")
-    # None: the workload's default (``workload_defaults``): slipstream train's for a model directory
-    # (what a user would train), the A/B's own for a built-in shape (seeded random weights)
-    lr: float | None = _option(
-        None,
-        "peak learning rate (default: 2e-4 for a model directory, as slipstream train; 2e-3 for a shape)",
-    )
-    schedule: Schedule | None = _option(
-        None,
-        "learning-rate schedule over --steps (default: cosine for a model directory, as slipstream train; "
-        "constant for a shape)",
-    )
-    lr_warmup_steps: int = _option(0, "steps the schedule warms the learning rate up over")
-    seed: int = _option(0, "seeds the preset's weights, the demo rows, the bin order and the adapter")
-    num_rows: int = _option(1500, "built-in demo rows to draw from", flag="--rows")
     # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
     # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
     # to the token budget, the batches padded training usually sees. Every arm gets the same.
@@ -120,26 +54,7 @@ class ABConfig:
         "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
         "(sequential: the batches padded training usually sees)",
     )
-    dtype: Dtype | None = _option(
-        None,
-        "the parameters' dtype in every arm; auto: bf16 where the device runs it natively, else fp32 "
-        "(default: auto for a model directory, as slipstream train; float32 for a shape)",
-    )
     device: str = _option("auto", "auto, cpu or cuda")
-    arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
-    # Speedups for the slipstream arms: every Speedups field is an `ab` option (generated in
-    # bench/command.py). checkpointing also makes the stock arms recompute when not "off"; the
-    # others are collected here, and an arm's own ablation wins over them.
-    checkpointing: Checkpointing = _option("off", None, cli=False)
-    speedups: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
-    lora_rank: int | None = _option(
-        None,
-        "train a PEFT LoRA of this rank in every arm, 0: full fine-tune (default: 8 for a model directory, "
-        "as slipstream train; 0 for a shape)",
-    )
-    lora_alpha: float | None = _option(None, "the LoRA's alpha (default: 2 x rank)")
-    lora_targets: tuple[str, ...] = _option(LORA_TARGETS, "comma-separated modules the LoRA wraps")
-    lora_modules_to_save: tuple[str, ...] = _option((), None, cli=False)  # from --config's lora section
     repeats: int = _option(1, "run every arm this many times, interleaved")
     interleave: Interleave = _option(
         "auto",
@@ -171,161 +86,237 @@ class ABConfig:
         "after the timed steps, profile one more step per arm: its time in matmuls, attention, dtype "
         "copies, compiled kernels, the optimizer and the rest, and the linear layers' GEMM rate",
     )
-    # The `slipstream train` config the workload was read from (--config RUN.yaml), for the record.
+    # The `slipstream train` config the A/B was read from (--config RUN.yaml), for the record.
     train_config: str | None = _option(
         None,
-        "A/B the run a slipstream train config describes: its model, data (path, response_only, "
-        "max_seq_len, overflow), LoRA, dtype, lr, seed, grad_accum, speedups and objective (a preference "
-        "objective: its beta and its arms); options given here win",
+        "A/B the run a slipstream train config describes (its model, data, LoRA, optimizer, objective, "
+        "speedups and seed) with its ab: section; options given here win",
         flag="--config",
         metavar="RUN.yaml",
     )
 
-    # An online-RL objective's settings (--objective grpo): ``slipstream train``'s ``grpo:`` section of
-    # --config RUN.yaml (rewards, G, sampling, loss), as a dict; empty: GRPOConfig's defaults.
-    grpo: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
-    # What the workload took from its defaults (``workload_defaults``): {"source": ..., "fields": {...}};
-    # set by __post_init__, kept in the record.
-    defaults: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
+# What a built-in shape (seeded random weights) trains when nothing says otherwise: a full fine-tune
+# at a constant, high learning rate, in fp32 (every earlier A/B record ran so); a model directory
+# gets slipstream train's own defaults. Keyed by the record's names, valued as train keys.
+SHAPE_DEFAULTS = {
+    "lora_rank": ("lora.enabled", False),
+    "lr": ("optimizer.lr", 2e-3),
+    "schedule": ("optimizer.schedule", "constant"),
+    "dtype": ("model.dtype", "float32"),
+}
+DEMO_ROWS = 1500  # the demo rows an A/B draws from (train's data.demo_rows otherwise)
+
+
+def default_train(model: str, steps: int, sets: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The train config of ``model`` without a file: train's defaults, a shape's own (``SHAPE_DEFAULTS``)."""
+    data: dict[str, Any] = {
+        "model": {"path": model} if is_model_dir(model) else {"preset": model},
+        "data": {"demo_rows": DEMO_ROWS},
+        "training": {"steps": steps},
+    }
+    if not is_model_dir(model):
+        for key, value in SHAPE_DEFAULTS.values():
+            section, name = key.split(".")
+            data.setdefault(section, {})[name] = value
+    return config_from_data(data, sets, "slipstream ab")
+
+
+@dataclass
+class ABConfig:
+    """One A/B: ``train`` is what every arm trains, ``ab`` how they are run and timed."""
+
+    train: TrainConfig = field(default_factory=lambda: default_train("demo", ABSection.steps))
+    ab: ABSection = field(default_factory=ABSection)
+    # What the train config took from the defaults: {"source": ..., "fields": {...}}, kept in the record.
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str:
+        return self.train.model.path or self.train.model.preset
+
+    @property
+    def lora_rank(self) -> int:
+        return self.train.lora.rank if self.train.lora.enabled else 0
 
     def __post_init__(self):
+        train, ab = self.train, self.ab
         check_model(self.model)  # raises ValueError naming a model that is neither shape nor directory
-        self._apply_defaults()
-        unknown = [arm for arm in self.arms if arm not in ARMS]
+        self._resolve_dtype()
+        unknown = [arm for arm in ab.arms if arm not in ARMS]
         if unknown:
             raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
-        if self.steps <= self.warmup:
-            raise ValueError(f"steps ({self.steps}) must exceed warmup ({self.warmup})")
-        check_fields(self)  # the typed fields' rules (choices, ranges), as everywhere
-        if self.layers is not None and is_model_dir(self.model):
+        if ab.steps <= ab.warmup:
+            raise ValueError(f"steps ({ab.steps}) must exceed warmup ({ab.warmup})")
+        check_fields(ab)  # the typed fields' rules (choices, ranges), as everywhere
+        source = ab.train_config or "the train config"
+        unsupported = {
+            "quantization.four_bit": train.quantization.four_bit,
+            "lora.experts": train.lora.experts,
+            "model.trust_remote_code": train.model.trust_remote_code,
+        }
+        for key, value in unsupported.items():
+            if value:
+                raise ValueError(
+                    f"{source}: '{key}' is not supported by slipstream ab yet (A/B the run without it)"
+                )
+        if train.data.skip_bad_rows:
+            raise ValueError(
+                f"{source}: 'data.skip_bad_rows': slipstream ab reads every row or stops; fix or drop the bad rows"
+            )
+        if train.model.layers is not None and is_model_dir(self.model):
             raise ValueError(
                 f"layers: a model directory ({self.model}) runs as saved; --layers shortens a built-in shape"
             )
-        if self.data is not None and not Path(self.data).exists():
-            raise ValueError(f"data {self.data}: no such file or directory")
-        if self.chat_template is not None:
-            read_chat_template_option(self.chat_template)  # raises ValueError naming chat_template
+        if train.data.path is not None and not Path(train.data.path).exists():
+            raise ValueError(f"data {train.data.path}: no such file or directory")
+        if train.data.chat_template is not None:
+            read_chat_template_option(train.data.chat_template)  # raises ValueError naming chat_template
         self._check_objective()
-        if self.lora_rank and not self.lora_targets:
-            raise ValueError("lora_targets is empty: name the modules the LoRA wraps")
-        speedups_module.Speedups(**self.speedups)  # the overrides' names and values, checked by Speedups
-        if self.device == "cuda" and not torch.cuda.is_available():
+        if ab.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device 'cuda' asked for, but this torch sees no CUDA device")
-        if self.max_tokens_within is not None:
-            parse_bytes(self.max_tokens_within)  # raises ValueError naming the value
+        if ab.max_tokens_within is not None:
+            parse_bytes(ab.max_tokens_within)  # raises ValueError naming the value
 
     def _check_objective(self) -> None:
-        """A registered objective; its arms train what it reads (pairs of this objective, or documents)."""
-        from ..objectives import objective_for, objective_names
+        """Its arms train what the objective reads (pairs or prompts of this objective, or documents);
+        its data file and a grpo run's rewards are train's validation's."""
+        from ..objectives import objective_for
 
-        try:
-            reads = objective_for(self.objective).reads
-        except KeyError:
-            raise ValueError(
-                f"objective {self.objective!r}: not a registered objective ({', '.join(objective_names())})"
-            ) from None
-        pairs = reads == "pairs"
-        if reads == "prompts":
-            self._check_prompts_objective()
+        objective, arms = self.train.training.objective, self.ab.arms
+        reads = objective_for(objective).reads
+        if reads == "samples":
+            wanted = sorted({ARM_SPECS[arm].objective for arm in arms if ARM_SPECS[arm].pairs})
+            if wanted:
+                raise ValueError(
+                    f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
+                )
             return
-        if pairs:
-            if self.data is None:
-                raise ValueError(f"objective {self.objective}: --data must name a file of preference pairs")
-            own = [arm for arm in ARMS if ARM_SPECS[arm].objective == self.objective]
-            if not own:
-                raise ValueError(f"objective {self.objective}: no A/B arm trains it yet")
-            documents = [arm for arm in self.arms if not ARM_SPECS[arm].pairs]
-            if documents:
-                raise ValueError(
-                    f"objective {self.objective}: arm(s) {documents} train documents, not pairs "
-                    f"(use --preset {self.objective})"
-                )
-            other = [arm for arm in self.arms if ARM_SPECS[arm].objective != self.objective]
-            if other:
-                raise ValueError(
-                    f"objective {self.objective}: arm(s) {other} train another objective "
-                    f"(use --preset {self.objective}: {', '.join(own)})"
-                )
-        elif any(ARM_SPECS[arm].pairs for arm in self.arms):
-            wanted = sorted({ARM_SPECS[arm].objective for arm in self.arms if ARM_SPECS[arm].pairs})
+        own = [arm for arm in ARMS if ARM_SPECS[arm].objective == objective]
+        if not own:
+            raise ValueError(f"objective {objective}: no A/B arm trains it yet")
+        documents = [arm for arm in arms if reads == "pairs" and not ARM_SPECS[arm].pairs]
+        if documents:
             raise ValueError(
-                f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
+                f"objective {objective}: arm(s) {documents} train documents, not pairs (use --preset {objective})"
             )
-
-    def _check_prompts_objective(self) -> None:
-        """Online RL (grpo): prompt rows, its rewards from --config, and only its own arms."""
-        if self.data is None:
-            raise ValueError(f"objective {self.objective}: --data must name a file of prompt rows")
-        own = [arm for arm in ARMS if ARM_SPECS[arm].objective == self.objective]
-        other = [arm for arm in self.arms if ARM_SPECS[arm].objective != self.objective]
+        other = [arm for arm in arms if ARM_SPECS[arm].objective != objective]
         if other:
             raise ValueError(
-                f"objective {self.objective}: arm(s) {other} train another objective "
-                f"(use --preset {self.objective}: {', '.join(own)})"
-            )
-        if not self.grpo.get("rewards"):
-            raise ValueError(
-                f"objective {self.objective}: no reward functions: give --config RUN.yaml whose "
-                f"{self.objective}.rewards names them"
+                f"objective {objective}: arm(s) {other} train another objective "
+                f"(use --preset {objective}: {', '.join(own)})"
             )
 
-    def _apply_defaults(self) -> None:
-        """Fill the fields left None from ``workload_defaults`` and note which (``self.defaults``);
-        ``dtype: auto`` becomes the dtype it resolves to on the run's device, said there too."""
-        source, values = workload_defaults(self.model)
-        applied = {name: value for name, value in values.items() if getattr(self, name) is None}
-        if not applied.get("lora_rank", self.lora_rank):
-            applied.pop("lora_alpha", None)  # a full fine-tune has no alpha to default
-        for name, value in applied.items():
-            setattr(self, name, value)
-        if self.dtype == "auto":
-            from ..train.precision import resolve_dtype  # the rule slipstream train applies
+    def _resolve_dtype(self) -> None:
+        """``dtype: auto`` becomes the dtype it resolves to on the run's device, said in ``defaults``."""
+        if self.train.model.dtype != "auto":
+            return
+        from ..train.precision import resolve_dtype  # the rule slipstream train applies
 
-            chosen, why = resolve_dtype("auto", torch.device(resolve_device(self.device)))
-            self.dtype = str(chosen).removeprefix("torch.")
-            applied["dtype"] = f"auto: {self.dtype} ({why.split('(auto: ', 1)[-1].rstrip(')')})"
-        if applied:
-            self.defaults = {"source": source, "fields": {**self.defaults.get("fields", {}), **applied}}
+        chosen, why = resolve_dtype("auto", torch.device(resolve_device(self.ab.device)))
+        self.train.model.dtype = str(chosen).removeprefix("torch.")
+        said = f"auto: {self.train.model.dtype} ({why.split('(auto: ', 1)[-1].rstrip(')')})"
+        fields = {**self.defaults.get("fields", {}), "dtype": said}
+        self.defaults = {"source": self.defaults.get("source") or source_of(self), "fields": fields}
 
     @classmethod
     def from_dict(cls, config_dict: dict) -> ABConfig:
         """Back from ``dataclasses.asdict`` (how a config reaches an arm's process)."""
-        tuples = {
-            k: tuple(config_dict[k])
-            for k in ("arms", "lora_targets", "lora_modules_to_save")
-            if k in config_dict
-        }
-        return cls(**{**config_dict, **tuples})
+        ab = {**config_dict["ab"], "arms": tuple(config_dict["ab"]["arms"])}
+        train = config_from_data(config_dict["train"], source="slipstream ab")
+        return cls(train, ABSection(**ab), config_dict.get("defaults") or {})
 
 
-# What a built-in shape (seeded random weights) trains when the command line leaves it open: a full
-# fine-tune at a constant, high learning rate, in fp32 (every earlier A/B record ran so).
-SHAPE_DEFAULTS = {"lora_rank": 0, "lr": 2e-3, "schedule": "constant", "dtype": "float32"}
-
-
-def workload_defaults(model: str) -> tuple[str, dict[str, Any]]:
-    """The defaults of the fields an A/B leaves open, and where they come from.
-
-    A model directory holds real weights a user would fine-tune: it gets ``slipstream train``'s own
-    defaults (its LoRA's rank, alpha and target modules, its learning rate and schedule, dtype auto),
-    read from the train config's dataclasses, so the two never drift apart. A full fine-tune is
-    still there, asked for (``--lora-rank 0``). A built-in shape keeps :data:`SHAPE_DEFAULTS`."""
-    if not is_model_dir(model):
-        return "the A/B's defaults for a built-in shape", dict(SHAPE_DEFAULTS)
-    from ..train.config import LoraConfig, ModelConfig, OptimizerConfig
-
-    lora, optimizer = LoraConfig(), OptimizerConfig()
-    return "slipstream train's defaults (a model directory)", {
-        "lora_rank": lora.rank if lora.enabled else 0,
-        "lora_alpha": lora.alpha,
-        "lr": optimizer.lr,
-        "schedule": optimizer.schedule,
-        "dtype": ModelConfig().dtype,
-    }
+def source_of(config: ABConfig) -> str:
+    """Whose defaults the train config took."""
+    if config.ab.train_config:
+        return config.ab.train_config  # its dtype auto, resolved
+    if is_model_dir(config.model):
+        return "slipstream train's defaults (a model directory)"
+    return "the A/B's defaults for a built-in shape"
 
 
 def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
+
+
+# `slipstream ab`'s workload options, each a `--set` of one train key (bench/command.py); the record
+# keeps the workload under these names (bench/report.py compares records by them). --model and
+# --lora-rank set two keys each (the path or the preset; lora.enabled beside the rank).
+TRAIN_FLAGS = {
+    "layers": ("model.layers", "shorten a built-in shape to N layers"),
+    "data": (
+        "data.path",
+        "a file slipstream train reads (JSONL, JSON, Parquet, datasets); default: demo rows",
+    ),
+    "response_only": ("data.response_only", "labels on the assistant's turns only"),
+    "chat_template": (
+        "data.chat_template",
+        "render chats with this template: a .jinja file or tokenizer dir",
+    ),
+    "objective": (
+        "training.objective",
+        "sft (documents), dpo / orpo (--data holds preference pairs; arms: --preset dpo / --preset orpo), "
+        "or grpo (--data holds prompt rows, --config RUN.yaml its rewards; arms: --preset grpo)",
+    ),
+    "beta": ("preference.beta", "the preference objective's beta (dpo; orpo: its lambda)"),
+    # rows that start with the same tokens run with that start once, in the arms that share (data.prefix_groups)
+    "share_prefixes": ("data.share_prefixes", "run rows' shared start once; auto: where the cost model says"),
+    "max_seq_len": ("data.max_seq_len", "tokens per packed micro-batch"),
+    "overflow": ("data.overflow", "a sample longer than --max-seq-len: cut it, or split it in pieces"),
+    "grad_accum": ("training.grad_accum", "micro-batches per step"),
+    "lr": ("optimizer.lr", "peak learning rate (default: 2e-4 for a model directory; 2e-3 for a shape)"),
+    "schedule": (
+        "optimizer.schedule",
+        "over --steps (default: cosine for a model directory; constant for a shape)",
+    ),
+    "lr_warmup_steps": ("optimizer.warmup_steps", "steps the schedule warms the learning rate up over"),
+    "seed": ("seed", "seeds the preset's weights, the demo rows, the bin order and the adapter"),
+    "num_rows": ("data.demo_rows", "built-in demo rows to draw from"),
+    "dtype": (
+        "model.dtype",
+        "every arm's parameters; auto: bf16 where native (default for a directory; shape: fp32)",
+    ),
+    "lora_alpha": ("lora.alpha", "the LoRA's alpha (default: 2 x rank for a shape)"),
+    "lora_targets": ("lora.target_modules", "comma-separated modules the LoRA wraps"),
+}
+
+
+def train_value(train: TrainConfig, key: str) -> Any:
+    """The value of a dotted train key."""
+    value = train
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def record_config(config: ABConfig) -> dict[str, Any]:
+    """The record's ``config``: the A/B's keys, the workload under its option names (what the reports
+    read, older records' names too), and the whole train config under ``train``."""
+    import dataclasses
+
+    from .. import speedups as speedups_module
+
+    train = config.train
+    flat = {name: train_value(train, key) for name, (key, _) in TRAIN_FLAGS.items() if "lora" not in key}
+    default = speedups_module.Speedups()
+    return {  # in the order of the A/B's earlier fields: a report's labels list them so
+        "model": config.model,
+        **flat,
+        "checkpointing": train.speedups.checkpointing or "off",
+        "speedups": {
+            f.name: getattr(train.speedups, f.name)
+            for f in dataclasses.fields(train.speedups)
+            if f.name != "checkpointing" and getattr(train.speedups, f.name) != getattr(default, f.name)
+        },
+        "lora_rank": config.lora_rank,
+        "lora_alpha": train.lora.alpha if config.lora_rank else None,
+        "lora_targets": tuple(train.lora.target_modules),
+        "lora_modules_to_save": tuple(train.lora.modules_to_save),
+        **dataclasses.asdict(config.ab),
+        "grpo": dataclasses.asdict(train.grpo) if train.training.objective == "grpo" else {},
+        "defaults": config.defaults,
+        "train": train.to_dict(),
+    }

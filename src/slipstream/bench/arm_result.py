@@ -114,11 +114,11 @@ def open_arm_model(config, arm: str, vocab_size: int, perturb: bool, fp32: bool 
     from .ab_config import resolve_device
     from .arms import build_arm_model
 
-    device = resolve_device(config.device)
+    device = resolve_device(config.ab.device)
     model, state = build_arm_model(config, arm, vocab_size, device)
     if fp32:
         model.float()
-    moved = perturb_by_one_ulp(model, config.seed + 1) if perturb else 0
+    moved = perturb_by_one_ulp(model, config.train.seed + 1) if perturb else 0
     return device, model, state, moved
 
 
@@ -132,20 +132,20 @@ def open_arm_driver(config, arm: str, plan: list, vocab_size: int, perturb: bool
     from .inputs import ab_tokenizer
     from .workload import train_config_of
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
+    if config.ab.threads:
+        torch.set_num_threads(config.ab.threads)
+    device = resolve_device(config.ab.device)
     driver = driver_for(
         train_config_of(config, arm),
         tokenizer=ab_tokenizer(config),
         plan=plan,
         device=torch.device(device),
-        dtype=getattr(torch, config.dtype),
+        dtype=getattr(torch, config.train.model.dtype),
         vocab_size=vocab_size,
     )
     if fp32:
         driver.model.float()
-    moved = perturb_by_one_ulp(driver.model, config.seed + 1) if perturb else 0
+    moved = perturb_by_one_ulp(driver.model, config.train.seed + 1) if perturb else 0
     return device, driver, moved
 
 
@@ -156,9 +156,9 @@ def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer
     from .ab_config import resolve_device
     from .workload import train_config_of
 
-    device = torch.device(resolve_device(config.device))
+    device = torch.device(resolve_device(config.ab.device))
     return optimizer_and_schedule(
-        model.parameters(), train_config_of(config, "slipstream"), device, config.steps
+        model.parameters(), train_config_of(config, "slipstream"), device, config.ab.steps
     )
 
 

@@ -59,13 +59,13 @@ def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: st
         return TrlDpoStep(
             model,
             ab_tokenizer(config),
-            steps=config.steps,
-            lr=config.lr,
-            schedule=config.schedule,
-            warmup_steps=config.lr_warmup_steps,
-            seed=config.seed,
-            beta=config.beta,
-            grad_accum=config.grad_accum,
+            steps=config.ab.steps,
+            lr=config.train.optimizer.lr,
+            schedule=config.train.optimizer.schedule,
+            warmup_steps=config.train.optimizer.warmup_steps,
+            seed=config.train.seed,
+            beta=config.train.preference.beta,
+            grad_accum=config.train.training.grad_accum,
             device=device,
         )
     from .peers.trl_step import TrlStep
@@ -119,8 +119,8 @@ class ArmSession:
         self.profile = flop_profile(model)
         # The plan holds each step's rows whole, the same for every arm (peers included); every arm
         # counts the model FLOPs of the rows' shared layout (the start once): the work the rows need.
-        mode = "off" if spec.pairs else config.share_prefixes
-        sharing = PrefixSharing(mode, config.max_seq_len, config.seed)
+        mode = "off" if spec.pairs else config.train.data.share_prefixes
+        sharing = PrefixSharing(mode, config.train.data.max_seq_len, config.train.seed)
         as_docs = pair_documents if spec.pairs else group_documents if mode != "off" else (lambda docs: docs)
         model_flops = [
             self.profile.step_flops(
@@ -228,7 +228,7 @@ class ArmSession:
         record_machine(result, usage, load)
         if step == 0:  # written after the clock stopped
             result.step0_gradient = self.gradient.save()
-        held = self.warm_pages.hold() if self.config.keep_pages_warm and self.device == "cpu" else Held()
+        held = self.warm_pages.hold() if self.config.ab.keep_pages_warm and self.device == "cpu" else Held()
         result.held_bytes.append(held.bytes)
         result.hold_s.append(held.seconds)
         if step == 0 and self.state is not None and self.state.compiled:
@@ -259,14 +259,14 @@ class ArmSession:
         if state is not None and state.packed_attention is not None:
             result.attention_grouping_counts = state.grouping_counts.to_dict()
         if (
-            self.config.profile_step and not self.pairs
+            self.config.ab.profile_step and not self.pairs
         ):  # after the figures: its overhead touches none of them
             last = self.plan[-1]
             micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
             documents = self.last_plan.documents if self.driver else last
             config = self.config
             peak = matmul_peak(
-                self.device, getattr(torch, config.dtype), config.threads
+                self.device, getattr(torch, config.train.model.dtype), config.ab.threads
             )  # the record's, cached
             result.step_profile = profile_step(
                 lambda: self._step_fn(micro),
@@ -298,7 +298,7 @@ def open_arm(
     if spec.peer:
         from .peers import unavailable
 
-        reason = unavailable(spec.peer, config, resolve_device(config.device))
+        reason = unavailable(spec.peer, config, resolve_device(config.ab.device))
         if reason:
             return {"arm": arm, "skipped": reason}
         if spec.peer.startswith("unsloth"):
@@ -323,7 +323,7 @@ def run_arm(
     perturb: bool = False,
     gradient_dir: str | None = None,
 ) -> dict:
-    """Train ``config.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
+    """Train ``config.ab.steps`` steps under ``arm`` in this process; returns an ArmResult as a dict,
     or ``{"arm", "skipped": reason}`` for a peer that cannot run here. ``perturb``: from its weights
     moved by one ulp (:func:`perturb_by_one_ulp`), the run's sensitivity (``stats.loss_parity``);
     ``gradient_dir``: keep its step-0 gradient there (``step_gradient.HeldGradient``)."""

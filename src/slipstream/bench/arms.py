@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -253,14 +254,17 @@ def arm_speedups(config, arm: str) -> Speedups:
     """What an arm runs: its own Speedups, the run's checkpointing where it sets none, and the
     run's speedup options on the fields it leaves at their default (slipstream arms only)."""
     spec = ARM_SPECS[arm]
-    checkpointing = spec.speedups.checkpointing or config.checkpointing
+    from .. import speedups as speedups_module  # read now: a plug-in's rebuilt Speedups counts
+
+    run = config.train.speedups
+    checkpointing = spec.speedups.checkpointing or run.checkpointing or "off"
     if spec.stock:
         return spec.speedups.replace(checkpointing="recompute" if checkpointing != "off" else "off")
-    default = Speedups()
-    options = {
-        key: value
-        for key, value in config.speedups.items()
-        if getattr(spec.speedups, key) == getattr(default, key)  # an ablated field stays the arm's
+    default = speedups_module.Speedups()
+    options = {  # the run's changes, on the fields the arm leaves at their default (an ablation stays)
+        f.name: getattr(run, f.name)
+        for f in dataclasses.fields(run)
+        if f.name != "checkpointing" and getattr(spec.speedups, f.name) == getattr(default, f.name)
     }
     return spec.speedups.replace(checkpointing=checkpointing, **options)
 
@@ -269,14 +273,14 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
     """The model an arm trains, set up as the arm says; returns ``(model, slipstream state)``.
 
     Every arm starts from the same weights (the model directory's, or a preset's seeded by
-    ``config.seed``) and, with ``lora_rank``, the same adapter initialisation.
+    ``config.train.seed``) and, with ``lora_rank``, the same adapter initialisation.
     """
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    model = load_arm_model(config, vocab_size, getattr(torch, config.dtype))
+    if config.ab.threads:
+        torch.set_num_threads(config.ab.threads)
+    model = load_arm_model(config, vocab_size, getattr(torch, config.train.model.dtype))
     model.to(device).train()
     spec = ARM_SPECS[arm]
-    optimize(model, arm_speedups(config, arm), expected_steps=config.steps)
+    optimize(model, arm_speedups(config, arm), expected_steps=config.ab.steps)
     state = state_of(model)
     if spec.peer_loss == "trl-fused":
         # TRL is optional and heavy: only this arm imports it

@@ -52,9 +52,11 @@ def _watch_rss(budget: int, stop: threading.Event) -> None:
 def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, budget: int) -> dict:
     """One optimizer step of ``arm`` on ``docs`` packed into one row; its peak memory and whether it fit."""
     config = ABConfig.from_dict(config_dict)
-    device = resolve_device(config.device)
+    device = resolve_device(config.ab.device)
     model, _ = build_arm_model(config, arm, vocab_size, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.lr)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=config.train.optimizer.lr
+    )
     micro = [micro_batch_inputs(arm, docs, device)]
     start = time.perf_counter()
     if device == "cuda":
@@ -94,12 +96,12 @@ def ceiling_docs(tokens: int, seed: int) -> list[dict]:
 
 
 def max_tokens_within(config, arm: str, vocab_size: int, run_probe) -> dict:
-    """Search the largest tokens-per-step of ``arm`` within ``config.max_tokens_within``.
+    """Search the largest tokens-per-step of ``arm`` within ``config.ab.max_tokens_within``.
 
     ``run_probe(tokens) -> probe result`` runs one probe (in a fresh process). Doubling from
-    ``config.max_seq_len`` up to 64x that, then bisection to 1/16 of the bracket.
+    ``config.train.data.max_seq_len`` up to 64x that, then bisection to 1/16 of the bracket.
     """
-    budget = parse_bytes(config.max_tokens_within)
+    budget = parse_bytes(config.ab.max_tokens_within)
     probes: list[dict] = []
 
     def fits(tokens: int) -> bool:
@@ -107,8 +109,8 @@ def max_tokens_within(config, arm: str, vocab_size: int, run_probe) -> dict:
         probes.append({"tokens": tokens, **result})
         return result["fits"]
 
-    cap = 64 * config.max_seq_len
-    low, high, tokens = None, None, config.max_seq_len
+    cap = 64 * config.train.data.max_seq_len
+    low, high, tokens = None, None, config.train.data.max_seq_len
     while high is None and tokens <= cap:
         if fits(tokens):
             low, tokens = tokens, tokens * 2
@@ -139,8 +141,8 @@ def max_tokens_within(config, arm: str, vocab_size: int, run_probe) -> dict:
 
 def fresh_probe(run_in_fresh_process, config_dict: dict, arm: str, tokens: int, vocab_size: int) -> dict:
     """``probe_step`` in a fresh process; a process that ended (the watchdog, the OS) did not fit."""
-    budget = parse_bytes(config_dict["max_tokens_within"])
-    docs = ceiling_docs(tokens, config_dict["seed"])
+    budget = parse_bytes(config_dict["ab"]["max_tokens_within"])
+    docs = ceiling_docs(tokens, config_dict["train"]["seed"])
     try:
         return run_in_fresh_process(probe_step, config_dict, arm, docs, vocab_size, budget)
     except BrokenProcessPool:
@@ -164,6 +166,6 @@ def search_all(config, vocab_size: int, run_in_fresh_process, progress: bool = T
     # peers are left out of the search rather than measured as something they are not.
     return {
         arm: max_tokens_within(config, arm, vocab_size, lambda tokens, arm=arm: probe(arm, tokens))
-        for arm in config.arms
+        for arm in config.ab.arms
         if not ARM_SPECS[arm].peer
     }

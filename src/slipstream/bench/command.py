@@ -8,73 +8,105 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import sys
 from pathlib import Path
 
-import torch
-
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
-from .ab_config import ABConfig, resolve_device
+from ..objectives import objective_for
+from ..train.config import TrainConfig, load_config
+from .ab_config import (
+    TRAIN_FLAGS,
+    ABConfig,
+    ABSection,
+    default_train,
+    record_config,
+    resolve_device,
+    source_of,
+)
 from .arms import ARM_PRESETS, ARM_SPECS, preset_arms
+from .inputs import check_model, is_model_dir
 from .render import print_tables, write_record
 from .runner import parity_failures, run_ab
 
 _LISTS = ("arms", "lora_targets")  # comma-separated on the command line
 
 
-def add_ab_arguments(p: argparse.ArgumentParser, defaults: ABConfig | None = None) -> None:
-    """The A/B workload options (shared by ``slipstream ab`` and the benchmark scripts), generated
-    from ABConfig's fields and Speedups' fields: a new field is a new option, no edit here.
+def _train_type(key: str):
+    """The annotation of a dotted train key (its option's type and choices)."""
+    cls, *sections, name = (TrainConfig, *key.split("."))
+    for section in sections:
+        cls = field_types(cls)[section]
+    return field_types(cls)[name]
 
-    Every option parses to None when not given, so ``--config RUN.yaml`` can fill what the
-    command line leaves out; ``ab_config_from_args`` then falls back to ``defaults``."""
-    defaults = defaults or ABConfig()
+
+def _argument(p: argparse.ArgumentParser, flag: str, expected, help_text: str | None, shown=None, **extra):
+    """An option that parses to None when not given, typed and choosing from its annotation."""
+    options: dict = {"default": None, "help": help_text, **extra}
+    if help_text is not None and shown not in (None, False, ""):
+        options["help"] = f"{help_text} (default: {shown})"
+    if is_kind(expected, bool):
+        options["action"] = argparse.BooleanOptionalAction
+    elif choices(expected):
+        options["choices"] = choices(expected)
+    elif is_kind(expected, int) or is_kind(expected, float):
+        options["type"] = int if is_kind(expected, int) else float
+    p.add_argument(flag, **options)
+
+
+def add_ab_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """The A/B options (shared by ``slipstream ab`` and the benchmark scripts): ABSection's fields,
+    and the workload options, each a ``--set`` of its train key (``TRAIN_FLAGS``, Speedups' fields).
+
+    Every option parses to None when not given, so ``--config RUN.yaml`` fills what the command line
+    leaves out; ``defaults`` (options by name, e.g. a benchmark script's) sit under the given ones."""
+    defaults = dict(defaults or {})
     p.set_defaults(ab_defaults=defaults)
-    types_ = field_types(ABConfig)
-    for spec in dataclasses.fields(ABConfig):
-        if not spec.metadata.get("cli", True):
-            continue
-        expected, value = types_[spec.name], getattr(defaults, spec.name)
-        shown = ",".join(value) if spec.name in _LISTS else value
-        if spec.name in defaults.defaults.get("fields", {}):
-            shown = None  # the workload's default (a model directory's differs from a shape's): in the help
-        help_text = spec.metadata.get("help")
-        options: dict = {"default": None, "help": help_text}
-        if help_text is not None and shown not in (None, False, ""):
-            options["help"] = f"{help_text} (default: {shown})"
-        if is_kind(expected, bool):
-            options["action"] = argparse.BooleanOptionalAction
-        elif choices(expected):
-            options["choices"] = choices(expected)
-        elif is_kind(expected, int) or is_kind(expected, float):
-            options["type"] = int if is_kind(expected, int) else float
-        if spec.metadata.get("metavar"):
-            options["metavar"] = spec.metadata["metavar"]
-        p.add_argument(spec.metadata.get("flag") or "--" + spec.name.replace("_", "-"), **options)
-        if spec.name == "lora_rank":  # the arms preset sits beside the arms it picks
-            p.add_argument(
-                "--preset",
-                choices=tuple(ARM_PRESETS),
-                default=None,
-                help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out), "
-                "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload) or peers (trl, "
-                "stock-packed, stock-offload, unsloth, unsloth-same-settings, liger, slipstream; a peer "
-                "that cannot run here is skipped with the reason)",
-            )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="SHAPE_OR_DIR",
+        help="a built-in shape (tiny config or real-model preset, seeded random weights) or a local model "
+        f"directory (real weights, with its tokenizer and chat template) (default: {defaults.get('model', 'demo')})",
+    )
+    for name, (key, help_text) in TRAIN_FLAGS.items():
+        flag = "--rows" if name == "num_rows" else "--" + name.replace("_", "-")
+        extra = {"dest": name, "metavar": "FILE" if name in ("data", "chat_template") else None}
+        _argument(p, flag, _train_type(key), f"{help_text} (train's {key})", defaults.get(name), **extra)
+    _argument(
+        p,
+        "--lora-rank",
+        int,
+        "train a PEFT LoRA of this rank in every arm, 0: full fine-tune (default: 8 for a model directory, "
+        "as slipstream train; 0 for a shape)",
+        defaults.get("lora_rank"),
+    )
+    p.add_argument(
+        "--preset",
+        choices=tuple(ARM_PRESETS),
+        default=None,
+        help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out), "
+        "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload) or peers (trl, "
+        "stock-packed, stock-offload, unsloth, unsloth-same-settings, liger, slipstream; a peer "
+        "that cannot run here is skipped with the reason)",
+    )
+    types_ = field_types(ABSection)
+    for spec in dataclasses.fields(ABSection):
+        shown = defaults.get(spec.name, getattr(ABSection, spec.name, None))
+        shown = ",".join(shown) if spec.name in _LISTS and shown else shown
+        flag = spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
+        extra = {"dest": spec.name, "metavar": spec.metadata.get("metavar")}
+        _argument(p, flag, types_[spec.name], spec.metadata["help"], shown, **extra)
     add_speedup_arguments(p)
     p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="change a key of --config RUN.yaml as slipstream train --set does (optimizer.lr=1e-4), or of "
-        "its ab: section (ab.steps=20); repeatable",
+        help="change a train key as slipstream train --set does (optimizer.lr=1e-4), of --config RUN.yaml or "
+        "of the built-in defaults, or a key of its ab: section (ab.steps=20); repeatable",
     )
-
-
-def _dest(spec: dataclasses.Field) -> str:
-    return (spec.metadata.get("flag") or "--" + spec.name).lstrip("-").replace("-", "_")
 
 
 def _bool(text: str) -> bool:
@@ -86,10 +118,7 @@ def _bool(text: str) -> bool:
 
 def add_speedup_arguments(p: argparse.ArgumentParser) -> None:
     """One option per ``Speedups`` field, generated: a new speedup is a new option, no edit here.
-
-    ``checkpointing`` is ABConfig's own (it also sets the stock arms' recompute); every other
-    field is collected into ``ABConfig.speedups`` for the slipstream arms.
-    """
+    Each is a ``--set speedups.NAME`` (checkpointing also makes the stock arms recompute)."""
     for spec in dataclasses.fields(speedups_module.Speedups):
         flag = "--" + spec.name.replace("_", "-")
         expected = field_types(speedups_module.Speedups)[spec.name]
@@ -106,132 +135,130 @@ def add_speedup_arguments(p: argparse.ArgumentParser) -> None:
         )
 
 
-def _speedup_options(args: argparse.Namespace) -> dict:
-    return {
-        spec.name: getattr(args, f"speedup_{spec.name}")
+def ab_config_from_args(args: argparse.Namespace, **point) -> ABConfig:
+    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one); ``point``:
+    options over them (a sweep's)."""
+    names = (*(f.name for f in dataclasses.fields(ABSection)), *TRAIN_FLAGS, "model", "lora_rank", "preset")
+    given = {name: value for name in names if (value := getattr(args, name, None)) is not None}
+    speedups = {
+        spec.name: value
         for spec in dataclasses.fields(speedups_module.Speedups)
-        if spec.name != "checkpointing" and getattr(args, f"speedup_{spec.name}", None) is not None
+        if (value := getattr(args, f"speedup_{spec.name}", None)) is not None
     }
+    options = {**(getattr(args, "ab_defaults", None) or {}), **given, **point}
+    if speedups:
+        options["speedups"] = {**options.get("speedups", {}), **speedups}
+    return ab_config(getattr(args, "set", None) or (), **options)
 
 
-def ab_config_from_args(args: argparse.Namespace) -> ABConfig:
-    """An ABConfig from parsed ``add_ab_arguments`` options (raises ValueError on a bad one): the
-    options given, then ``--config RUN.yaml``'s workload, then the defaults."""
-    defaults: ABConfig = getattr(args, "ab_defaults", None) or ABConfig()
-    given = {
-        spec.name: getattr(args, _dest(spec))
-        for spec in dataclasses.fields(ABConfig)
-        if spec.metadata.get("cli", True) and getattr(args, _dest(spec), None) is not None
-    }
-    for name in _LISTS:
-        if name in given:
-            given[name] = tuple(item.strip() for item in given[name].split(",") if item.strip())
-    if getattr(args, "preset", None):
-        given["arms"] = ARM_PRESETS[args.preset]
-    speedups = _speedup_options(args)
-    if getattr(args, "speedup_checkpointing", None) is not None:
-        given["checkpointing"] = args.speedup_checkpointing
-    from_file: dict = {}
-    sets = list(getattr(args, "set", None) or [])
-    if sets and not given.get("train_config"):
-        raise ValueError("--set changes the file --config RUN.yaml names: give --config too")
-    if given.get("train_config"):
-        from_file = workload_of_train_config(given["train_config"], sets)
-        speedups = {**from_file.pop("speedups"), **speedups}
-        preset = from_file.pop("preset", None)
-        if preset and not getattr(args, "preset", None) and "arms" not in given:
-            args.preset = preset  # the ab: section's preset, where the command line names no arms
-    # the defaults as given: a field the defaults filled from their workload (workload_defaults) stays
-    # open, so that a model directory named here gets its own workload's default
-    filled = defaults.defaults.get("fields", {})
-    values = {
-        spec.name: None if spec.name in filled else getattr(defaults, spec.name)
-        for spec in dataclasses.fields(ABConfig)
-        if spec.name not in ("speedups", "defaults")
-    }
-    config = ABConfig(**{**values, **from_file, **given, "speedups": {**defaults.speedups, **speedups}})
-    if getattr(args, "preset", None):
-        config = dataclasses.replace(
-            config, arms=preset_arms(args.preset, config, resolve_device(config.device))
-        )
+def _sets(options: dict, shape: bool) -> list[str]:
+    """The ``--set KEY=VALUE`` of each workload option (``TRAIN_FLAGS``, a Speedups field; a dict names a
+    section)."""
+    sets = []
+    for name, value in options.items():
+        if name in _LISTS and isinstance(value, str):
+            value = [item.strip() for item in value.split(",") if item.strip()]
+        if name == "model":
+            directory = is_model_dir(value)
+            sets += [f"model.path={json.dumps(value if directory else None)}"]
+            sets += [f"model.preset={json.dumps(None if directory else value)}"]
+        elif name == "lora_rank":
+            sets += [f"lora.enabled={json.dumps(bool(value))}"] + ([f"lora.rank={value}"] if value else [])
+            if value and shape and "lora_alpha" not in options:
+                sets.append(f"lora.alpha={2.0 * value}")  # a shape's LoRA: alpha twice the rank
+        elif name in TRAIN_FLAGS:
+            sets.append(f"{TRAIN_FLAGS[name][0]}={json.dumps(list(value) if name in _LISTS else value)}")
+        elif name in {f.name for f in dataclasses.fields(speedups_module.Speedups)}:
+            sets.append(f"speedups.{name}={json.dumps(value)}")
+        elif isinstance(value, dict):  # a train config section: speedups, grpo, preference, ...
+            sets += [f"{name}.{key}={json.dumps(item)}" for key, item in value.items()]
+        else:
+            raise ValueError(f"unknown option {name!r}")
+    return sets
+
+
+def ab_config(sets: list[str] | tuple[str, ...] = (), **options) -> ABConfig:
+    """An ABConfig from options by name (``--NAME``'s: ABSection's fields, ``TRAIN_FLAGS``, model,
+    lora_rank, preset, a train section as a dict) and ``--set KEY=VALUE``s: the train config read from
+    ``train_config`` (RUN.yaml, its ``ab:`` section under the options) or built from ``model``'s
+    defaults, each workload option a ``--set`` of its train key (None: not given); ValueError naming
+    what is wrong."""
+    options = {name: value for name, value in options.items() if value is not None}
+    ab = {f.name: options.pop(f.name) for f in dataclasses.fields(ABSection) if f.name in options}
+    if isinstance(ab.get("arms"), str):
+        ab["arms"] = tuple(item.strip() for item in ab["arms"].split(",") if item.strip())
+    preset, path = options.pop("preset", None), ab.get("train_config")
+    train_sets = [s for s in sets if not s.startswith("ab.")]
+    if path:
+        from_file = ab_section(path, [s for s in sets if s.startswith("ab.")])
+        preset = preset or (from_file.pop("preset", None) if "arms" not in ab else None)
+        ab = {**{k: v for k, v in from_file.items() if k != "preset"}, **ab}
+        train = load_config(path, train_sets + _sets(options, shape=False))
+        objective = train.training.objective
+        if objective_for(objective).reads != "samples" and objective not in ARM_PRESETS:
+            with_arms = sorted({spec.objective for spec in ARM_SPECS.values() if spec.objective})
+            raise ValueError(
+                f"{path}: 'training.objective' {objective!r}: slipstream ab has no arms for it yet "
+                f"(it A/Bs {', '.join(with_arms)})"
+            )
+        preset = preset or (objective if "arms" not in ab and objective in ARM_PRESETS else None)
+        if train.lora.enabled and train.lora.dropout:
+            print(
+                f"slipstream ab: {path}: lora.dropout {train.lora.dropout:g} runs as 0 here: each arm would "
+                "draw its own dropout masks, and the loss curves could not be compared",
+                file=sys.stderr,
+            )
+    else:
+        ab = {**ab_section_sets([s for s in sets if s.startswith("ab.")]), **ab}
+        model = options.pop("model", "demo")
+        check_model(model)  # the model's own error before its defaults are looked for
+        shape = not is_model_dir(model)
+        train = default_train(model, ab.get("steps", ABSection.steps), train_sets + _sets(options, shape))
+    config = ABConfig(train, ABSection(**{**ab, **({"arms": ARM_PRESETS[preset]} if preset else {})}))
+    if not path:  # what the built-in defaults filled, said in the record
+        view, keys = record_config(config), {"lora_rank": "lora.", "lora_alpha": "lora.alpha"}
+        keys |= {name: TRAIN_FLAGS[name][0] for name in ("lr", "schedule", "dtype")}
+        said = {
+            name: view[name]
+            for name, key in keys.items()
+            if name not in options and view[name] is not None and not (shape and name == "lora_alpha")
+            if not any(s.startswith(key) for s in train_sets)
+        }
+        if said:
+            config.defaults = {
+                "source": source_of(config),
+                "fields": {**said, **config.defaults.get("fields", {})},
+            }
+    if preset:
+        arms = preset_arms(preset, config, resolve_device(config.ab.device))
+        config = dataclasses.replace(config, ab=dataclasses.replace(config.ab, arms=arms))
     return config
 
 
-def _objective_of_train_config(path: str, config) -> dict:
-    """The objective a train config trains and its settings, as ABConfig fields: a preference
-    objective's ``beta`` and its arms (the preset of its name: its slipstream arms, with and
-    without the prompt shared, and the peers where they exist; ``--arms`` / ``--preset`` win)."""
-    from ..objectives import objective_for
-
-    name = config.training.objective
-    reads = objective_for(name).reads
-    if reads == "samples":
-        return {"objective": name}
-    if name not in ARM_PRESETS:
-        with_arms = sorted({spec.objective for spec in ARM_SPECS.values() if spec.objective})
-        raise ValueError(
-            f"{path}: 'training.objective' {name!r}: slipstream ab has no arms for it yet "
-            f"(it A/Bs {', '.join(with_arms)})"
-        )
-    if reads == "prompts":  # online RL: its settings section (rewards, G, sampling, loss)
-        return {
-            "objective": name,
-            "grpo": dataclasses.asdict(getattr(config, name)),
-            "arms": ARM_PRESETS[name],
-        }
-    return {"objective": name, "beta": config.preference.beta, "arms": ARM_PRESETS[name]}
-
-
-# The ABConfig fields a train config sets, by its key: an ``ab:`` section may not set them again.
-TRAIN_KEYS = {
-    "model": "model.path / model.preset",
-    "layers": "model.layers",
-    "data": "data.path",
-    "num_rows": "data.demo_rows",
-    "response_only": "data.response_only",
-    "chat_template": "data.chat_template",
-    "max_seq_len": "data.max_seq_len",
-    "overflow": "data.overflow",
-    "share_prefixes": "data.share_prefixes",
-    "dtype": "model.dtype",
-    "grad_accum": "training.grad_accum",
-    "lr": "optimizer.lr",
-    "schedule": "optimizer.schedule",
-    "lr_warmup_steps": "optimizer.warmup_steps",
-    "seed": "seed",
-    "lora_rank": "lora.rank",
-    "lora_alpha": "lora.alpha",
-    "lora_targets": "lora.target_modules",
-    "checkpointing": "speedups.checkpointing",
-    "objective": "training.objective",
-    "beta": "preference.beta",
-}
 _AB_ALIASES = {"out": "out_dir"}  # the ab: section's key for a field whose flag differs
+_TRAIN_KEY_OF = {
+    **{name: key for name, (key, _) in TRAIN_FLAGS.items()},
+    "model": "model.path / model.preset",
+    "lora_rank": "lora.rank",
+    "checkpointing": "speedups.checkpointing",
+}
 
 
-def ab_section(path: str, sets: list[str]) -> dict:
-    """The ``ab:`` section of a train config (arms or preset, steps, warmup, repeats, threads,
-    interleave, out, ...) with ``--set ab.KEY=VALUE`` applied, as ABConfig fields; ValueError naming
-    ``ab.KEY`` for a key it does not know, or one the train config itself sets (naming that key)."""
+def ab_section_sets(sets: list[str], section: dict | None = None, path: str = "--set") -> dict:
+    """``section`` (an ``ab:`` mapping) with ``--set ab.KEY=VALUE`` applied, as ABSection fields;
+    ValueError naming ``ab.KEY`` for a key it does not know, or one the train config sets (naming it)."""
     import yaml
 
-    try:
-        section = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("ab") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        section = {}  # the train config's reader says what is wrong with the file
-    if not isinstance(section, dict):
-        raise ValueError(f"{path}: 'ab' must be a mapping of slipstream ab's keys")
-    section = dict(section)
+    section = dict(section or {})
     for override in sets:
         key, _, raw = override.partition("=")
         section[key.removeprefix("ab.")] = yaml.safe_load(raw) if raw else None
-    own = {f.name for f in dataclasses.fields(ABConfig) if f.metadata.get("cli", True)} - set(TRAIN_KEYS)
-    own -= {"train_config"}
+    own = {f.name for f in dataclasses.fields(ABSection)} - {"train_config"}
     found = {}
     for key, value in section.items():
         name = _AB_ALIASES.get(key, key)
-        if name in TRAIN_KEYS:
-            raise ValueError(f"{path}: 'ab.{key}': the train config's '{TRAIN_KEYS[name]}' sets it")
+        if name in _TRAIN_KEY_OF:
+            raise ValueError(f"{path}: 'ab.{key}': the train config's '{_TRAIN_KEY_OF[name]}' sets it")
         if name not in own and name != "preset":
             raise ValueError(f"{path}: unknown key 'ab.{key}' (valid: {', '.join(sorted(own | {'preset'}))})")
         if name in _LISTS and isinstance(value, str):
@@ -240,89 +267,42 @@ def ab_section(path: str, sets: list[str]) -> dict:
     return found
 
 
-def workload_of_train_config(path: str, sets: list[str] | tuple[str, ...] = ()) -> dict:
-    """The ABConfig fields a ``slipstream train`` config sets (its model, data, LoRA, dtype, lr,
-    seed, grad_accum, speedups, and its objective with its settings), then its ``ab:`` section's;
-    ``sets``: ``--set`` overrides, a train key's or an ``ab.`` key's. ValueError naming the file's
-    key for what an A/B cannot run."""
-    from ..train.config import load_config  # the train config's reader, errors naming file:line
-    from ..train.precision import resolve_dtype
+def ab_section(path: str, sets: list[str]) -> dict:
+    """The ``ab:`` section of a train config (arms or preset, steps, warmup, repeats, threads,
+    interleave, out, ...) with ``--set ab.KEY=VALUE`` applied, as ABSection fields."""
+    import yaml
 
-    config = load_config(path, [s for s in sets if not s.startswith("ab.")])
-    unsupported = {
-        "quantization.four_bit": config.quantization.four_bit,
-        "lora.experts": config.lora.experts,
-        "model.trust_remote_code": config.model.trust_remote_code,
-    }
-    for key, value in unsupported.items():
-        if value:
-            raise ValueError(
-                f"{path}: '{key}' is not supported by slipstream ab yet (A/B the run without it)"
-            )
-    if config.data.skip_bad_rows:
-        raise ValueError(
-            f"{path}: 'data.skip_bad_rows': slipstream ab reads every row or stops; fix or drop the bad rows"
-        )
-    device = resolve_device("auto")
-    dtype, _ = resolve_dtype(config.model.dtype, torch.device(device))
-    if config.lora.enabled and config.lora.dropout:
-        print(
-            f"slipstream ab: {path}: lora.dropout {config.lora.dropout:g} runs as 0 here: each arm would "
-            "draw its own dropout masks, and the loss curves could not be compared",
-            file=sys.stderr,
-        )
-    speedups = dataclasses.asdict(config.speedups)
-    checkpointing = speedups.pop("checkpointing") or "off"  # None: the model as it is, not checkpointed
-    return {
-        **_objective_of_train_config(path, config),
-        "model": config.model.path or config.model.preset,
-        "layers": config.model.layers,
-        "data": config.data.path,
-        "num_rows": config.data.demo_rows,
-        "response_only": config.data.response_only,
-        "chat_template": config.data.chat_template,
-        "max_seq_len": config.data.max_seq_len,
-        "overflow": config.data.overflow,
-        "share_prefixes": config.data.share_prefixes,
-        "dtype": str(dtype).removeprefix("torch."),
-        "grad_accum": config.training.grad_accum,
-        "lr": config.optimizer.lr,
-        "schedule": config.optimizer.schedule,
-        "lr_warmup_steps": config.optimizer.warmup_steps,
-        "seed": config.seed,
-        "lora_rank": config.lora.rank if config.lora.enabled else 0,
-        "lora_alpha": config.lora.alpha,
-        "lora_targets": tuple(config.lora.target_modules),
-        "lora_modules_to_save": tuple(config.lora.modules_to_save),
-        "checkpointing": checkpointing,
-        "speedups": speedups,
-        **ab_section(path, [s for s in sets if s.startswith("ab.")]),
-    }
+    try:
+        section = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("ab") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        section = {}  # the train config's reader says what is wrong with the file
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: 'ab' must be a mapping of slipstream ab's keys")
+    return ab_section_sets(sets, section, path)
 
 
 SWEEP_ALIASES = {"batch_tokens": "max_seq_len", "tokens": "max_seq_len"}
 
 
 def sweep_grid(sweeps: list[str]) -> list[dict]:
-    """[{field: value, ...}, ...] for every combination of the --sweep options."""
-    fields = {f.name: f for f in dataclasses.fields(ABConfig)}
+    """[{option: value, ...}, ...] for every combination of the --sweep options."""
+    kinds = {**{name: _train_type(key) for name, (key, _) in TRAIN_FLAGS.items()}, **field_types(ABSection)}
+    kinds |= {"model": str, "lora_rank": int}
     axes = []
     for sweep in sweeps:
         key, _, values = sweep.partition("=")
         key = SWEEP_ALIASES.get(key.strip(), key.strip())
-        if key not in fields or not values:
-            raise ValueError(f"--sweep {sweep!r}: expected KEY=V1,V2 with KEY one of {', '.join(fields)}")
-        kind = type(getattr(ABConfig(), key))
-        cast = int if kind is int or key in ("layers", "threads") else float if kind is float else str
+        if key not in kinds or not values:
+            raise ValueError(f"--sweep {sweep!r}: expected KEY=V1,V2 with KEY one of {', '.join(kinds)}")
+        kind = kinds[key]
+        cast = int if is_kind(kind, int) else float if is_kind(kind, float) else str
         axes.append([(key, cast(v.strip())) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)] if axes else [{}]
 
 
 def ab_grid(args: argparse.Namespace) -> list[tuple[dict, ABConfig]]:
     """Every (sweep point, config) the parsed options ask for (raises ValueError on a bad one)."""
-    base = ab_config_from_args(args)
-    points = sweep_grid(args.sweep)
-    return [(point, dataclasses.replace(base, **point)) for point in points]
+    return [(point, ab_config_from_args(args, **point)) for point in sweep_grid(args.sweep)]
 
 
 def run_grid(grid: list[tuple[dict, ABConfig]], out_root: Path) -> list[str]:

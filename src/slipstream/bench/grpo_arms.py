@@ -52,21 +52,14 @@ from .step_gradient import HeldGradient
 from .workload import train_config_of
 
 
-def grpo_settings_of(values: dict, **changes):
-    """The run's ``grpo:`` settings (``slipstream train``'s ``GRPOSettings``) from ``ABConfig.grpo``."""
-    from ..objectives.grpo import GRPOSettings as GRPOConfig
-
-    return dataclasses.replace(GRPOConfig(**values), **changes)
-
-
 def _seed(config: ABConfig, step: int) -> int:
     """The sampling seed of ``step`` (as ``slipstream train`` draws it on rank 0)."""
-    return (config.seed * 1_000_003 + step) * 1_009
+    return (config.train.seed * 1_000_003 + step) * 1_009
 
 
 def _objective(config: ABConfig, arm: str, tokenizer, model) -> GRPO:
     """Slipstream's GRPO objective for ``arm`` (its prefix sharing), with our sampler."""
-    settings = grpo_settings_of(config.grpo, prefix_sharing=ARM_SPECS[arm].prefixes != "unshared")
+    settings = dataclasses.replace(config.train.grpo, prefix_sharing=ARM_SPECS[arm].prefixes != "unshared")
     objective = GRPO(None, settings)
     objective.tokenizer = tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
@@ -77,43 +70,43 @@ def _objective(config: ABConfig, arm: str, tokenizer, model) -> GRPO:
 def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     """The rollouts of every step, ``[step][micro_batch] -> groups`` (a prompt's row, its G completions,
     whether each ended, their rewards), sampled once by slipstream's sampler on the starting weights."""
-    settings = grpo_settings_of(config.grpo)
+    settings = config.train.grpo
     if not settings.rewards:
         raise ABInputError(
             "objective grpo: the workload names no reward function (--config RUN.yaml with grpo.rewards)"
         )
     tokenizer = ab_tokenizer(config)
     vocab = vocab_size(config, tokenizer)
-    room = config.max_seq_len - settings.max_new_tokens
+    room = config.train.data.max_seq_len - settings.max_new_tokens
     if room <= 0:
         raise ABInputError(
-            f"max_seq_len {config.max_seq_len} leaves no room for a prompt beside max_new_tokens {settings.max_new_tokens}"
+            f"max_seq_len {config.train.data.max_seq_len} leaves no room for a prompt beside max_new_tokens {settings.max_new_tokens}"
         )
     try:
-        rows, _ = load_prompts(config.data, tokenizer, room=room)
+        rows, _ = load_prompts(config.train.data.path, tokenizer, room=room)
     except DataError as error:
         raise ABInputError(str(error)) from None
     # the prompts of each step as slipstream train takes them: the objective's bins of prompts_per_batch
     # prompts, in data.steps' seeded order, grad_accum bins a step
     bins = GRPO(train_config_of(config, "slipstream-grpo")).prompt_bins(rows)
-    needed = config.steps * config.grad_accum
+    needed = config.ab.steps * config.train.training.grad_accum
     if len(bins) < needed:
         raise ABInputError(
-            f"{config.data}: {len(rows)} prompts make {len(bins)} batches of prompts_per_batch, fewer than "
+            f"{config.train.data.path}: {len(rows)} prompts make {len(bins)} batches of prompts_per_batch, fewer than "
             f"steps x grad_accum = {needed}"
         )
-    bins_for = step_order(len(bins), config.grad_accum, config.seed)
-    device = resolve_device(config.device)
+    bins_for = step_order(len(bins), config.train.training.grad_accum, config.train.seed)
+    device = resolve_device(config.ab.device)
     model, _ = build_arm_model(config, "slipstream-grpo", vocab, device)
     try:
-        check_sampleable(base_model(model), config.max_seq_len)
+        check_sampleable(base_model(model), config.train.data.max_seq_len)
     except UnsupportedRollout as error:
         raise ABInputError(f"model {config.model}: {error}") from None
     objective = _objective(config, "slipstream-grpo", tokenizer, model)
     G = settings.num_generations
     plan, started = [], time.perf_counter()
     all_rewards, lengths, finished = [], [], []
-    for step in range(config.steps):
+    for step in range(config.ab.steps):
         prompts = [row for index in bins_for(step) for row in bins[index]]
         rollouts = objective.sample(model, prompts, _seed(config, step))
         try:
@@ -199,12 +192,12 @@ class GrpoArmSession:
                 tokenizer,
                 self.settings,
                 self.objective.rewards,
-                steps=config.steps,
-                lr=config.lr,
-                schedule=config.schedule,
-                warmup_steps=config.lr_warmup_steps,
-                seed=config.seed,
-                grad_accum=config.grad_accum,
+                steps=config.ab.steps,
+                lr=config.train.optimizer.lr,
+                schedule=config.train.optimizer.schedule,
+                warmup_steps=config.train.optimizer.warmup_steps,
+                seed=config.train.seed,
+                grad_accum=config.train.training.grad_accum,
                 device=device,
             )
             state.policies.extend(self.trl.policies)

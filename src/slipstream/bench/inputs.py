@@ -57,7 +57,7 @@ def check_model(model: str) -> None:
 
 def ab_tokenizer(config):
     """The model directory's own tokenizer (and chat template), or the demo tokenizer for a preset;
-    with ``config.chat_template``'s template in place of its own where one is given."""
+    with ``config.train.data.chat_template``'s template in place of its own where one is given."""
     if not is_model_dir(config.model):
         tokenizer = demo_tokenizer()
     else:
@@ -69,8 +69,8 @@ def ab_tokenizer(config):
             raise ValueError(
                 f"model {config.model}: no usable tokenizer saved beside the model ({error})"
             ) from None
-    if config.chat_template is not None:
-        tokenizer.chat_template = read_chat_template_option(config.chat_template)
+    if config.train.data.chat_template is not None:
+        tokenizer.chat_template = read_chat_template_option(config.train.data.chat_template)
     return tokenizer
 
 
@@ -100,10 +100,14 @@ def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
 
 
 def load_arm_model(config, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
-    """The base model every arm starts from: the directory's weights, or a preset seeded by ``config.seed``."""
+    """The base model every arm starts from: the directory's weights, or a preset seeded by ``config.train.seed``."""
     if not is_model_dir(config.model):
         return build_model(
-            config.model, vocab_size=vocab, layers=config.layers, seed=config.seed, dtype=dtype
+            config.model,
+            vocab_size=vocab,
+            layers=config.train.model.layers,
+            seed=config.train.seed,
+            dtype=dtype,
         )
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -164,18 +168,18 @@ def data_fingerprint(config) -> dict:
     """What names the data in a record: the demo rows (count, seed), or the file's path and SHA-256;
     with the SHA-256 of the chat template it was rendered with where ``chat_template`` replaced the
     tokenizer's."""
-    if config.data is None:
-        fingerprint = {"kind": "demo", "rows": config.num_rows, "seed": config.seed}
+    if config.train.data.path is None:
+        fingerprint = {"kind": "demo", "rows": config.train.data.demo_rows, "seed": config.train.seed}
     else:
-        sha, size = hash_path(config.data)
+        sha, size = hash_path(config.train.data.path)
         fingerprint = {
             "kind": "data file",
-            "path": str(Path(config.data).resolve()),
+            "path": str(Path(config.train.data.path).resolve()),
             "sha256": sha,
             "bytes": size,
         }
-    if config.chat_template is not None:
-        template = read_chat_template_option(config.chat_template)
+    if config.train.data.chat_template is not None:
+        template = read_chat_template_option(config.train.data.chat_template)
         fingerprint["chat_template_sha256"] = hashlib.sha256(template.encode()).hexdigest()
     return fingerprint
 

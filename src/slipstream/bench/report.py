@@ -1,28 +1,27 @@
 """``slipstream report``: many A/B records (machines, runs) -> one hardware x workload table.
 
-A workload is everything that decides what a step computes: every ``ABConfig`` field but the
-run options listed below (so model shape, layers, sequence length, micro-batches per step,
-batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and the attention backends the
-arms ran. Records are only ever combined with records of the same workload on the same
+A workload is everything that decides what a step computes: every key of a record's ``config``
+(``ab_config.record_config``) but the run options listed below (so model shape, layers, sequence
+length, micro-batches per step, batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and
+the attention backends the arms ran. Records are only ever combined with records of the same workload on the same
 hardware (their timed steps pooled into one interval); different workloads stay on
 different rows and are never compared.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from ..atomic import write_text_atomically
 from ..utilisation.step_profile import CATEGORIES
-from .ab_config import ABConfig
+from .ab_config import SHAPE_DEFAULTS, ABConfig, record_config
 from .arms import ARM_SPECS
 from .inputs import short_name
 from .render import step_profile_cells
 from .stats import format_speedup, speedup
 
-# ABConfig fields that do not change what a timed step computes, so runs differing only in them
+# Record keys that do not change what a timed step computes, so runs differing only in them
 # are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr and its
 # schedule), which
 # arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
@@ -50,9 +49,12 @@ RUN_OPTIONS = frozenset(
     )
 )
 # Every other field is workload: a field added to ABConfig separates records unless listed above.
+# A record's workload keys and their defaults (a key an older record lacks ran its default); the ones a
+# workload's defaults fill (the model's, SHAPE_DEFAULTS) were None before any was filled.
 _DEFAULTS = {
-    f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    for f in dataclasses.fields(ABConfig)
+    **{key: value for key, value in record_config(ABConfig()).items() if key != "train"},
+    **dict.fromkeys((*SHAPE_DEFAULTS, "lora_alpha")),
+    "defaults": {},
 }
 WORKLOAD_KEYS = tuple(name for name in _DEFAULTS if name not in RUN_OPTIONS)
 # The workload keys its label spells out; any other one shows as "key value" when not its default.

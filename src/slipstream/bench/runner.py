@@ -31,7 +31,7 @@ from ..data.steps import step_order
 from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
-from .ab_config import ABConfig, resolve_device
+from .ab_config import ABConfig, record_config, resolve_device
 from .arm_result import perturb_by_one_ulp
 from .arm_run import ArmResult, ArmSession, open_arm, run_arm
 from .arms import ARM_SPECS, shares_prefixes
@@ -63,14 +63,15 @@ def _plan(bins: list, config: ABConfig, source: str) -> list:
     """Each step's bins (a step's micro-batches), in the order ``slipstream train`` takes them
     (``data.steps``: a seeded permutation of the bins, ``grad_accum`` a step); too few bins for
     distinct steps is an error naming ``source``."""
-    needed = config.steps * config.grad_accum
+    train, accum = config.train, config.train.training.grad_accum
+    needed = config.ab.steps * accum
     if len(bins) < needed:
         raise ABInputError(
-            f"{source} packs into {len(bins)} bins of {config.max_seq_len} tokens, fewer than steps x "
+            f"{source} packs into {len(bins)} bins of {train.data.max_seq_len} tokens, fewer than steps x "
             f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
         )
-    bins_for = step_order(len(bins), config.grad_accum, config.seed)
-    return [[bins[i] for i in bins_for(step)] for step in range(config.steps)]
+    bins_for = step_order(len(bins), accum, train.seed)
+    return [[bins[i] for i in bins_for(step)] for step in range(config.ab.steps)]
 
 
 def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
@@ -80,24 +81,24 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
     from ..data.pairs import load_pairs
     from ..packing.pairs import pack_pairs
 
-    tokenizer = ab_tokenizer(config)
+    tokenizer, data = ab_tokenizer(config), config.train.data
     vocab = vocab_size(config, tokenizer)
     try:
-        pairs, report = load_pairs(config.data, tokenizer, max_seq_len=config.max_seq_len)
+        pairs, report = load_pairs(data.path, tokenizer, max_seq_len=data.max_seq_len)
     except ValueError as error:
         message = str(error)
-        raise ABInputError(message if isinstance(error, DataError) else f"{config.data}: {message}") from None
+        raise ABInputError(message if isinstance(error, DataError) else f"{data.path}: {message}") from None
     docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
-    check_token_ids(docs, vocab, config.data)
-    plan = _plan(pack_pairs(pairs, config.max_seq_len, seed=config.seed), config, config.data)
-    needed = config.steps * config.grad_accum
+    check_token_ids(docs, vocab, data.path)
+    plan = _plan(pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), config, data.path)
+    needed = config.ab.steps * config.train.training.grad_accum
     used = [p for step in plan for mb in step for p in mb]
     shared_tokens = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
     return (
         plan,
         vocab,
         {
-            "efficiency": shared_tokens / (needed * config.max_seq_len),  # the bins' fill, prompt once
+            "efficiency": shared_tokens / (needed * data.max_seq_len),  # the bins' fill, prompt once
             **report.to_dict(),
             "pairs_trained": len(used),
             "bins": needed,
@@ -113,37 +114,40 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
     from ..objectives import objective_for
 
-    if objective_for(config.objective).reads == "pairs":
+    reads, data, seed = (
+        objective_for(config.train.training.objective).reads,
+        config.train.data,
+        config.train.seed,
+    )
+    if reads == "pairs":
         return prepare_pair_bins(config)
-    if objective_for(config.objective).reads == "prompts":  # online RL: rollouts sampled once (grpo_arms)
+    if reads == "prompts":  # online RL: rollouts sampled once (grpo_arms)
         from .grpo_arms import prepare_rollouts
 
         return prepare_rollouts(config)
     tokenizer = ab_tokenizer(config)
     samples = ab_samples(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
-    source = config.data or "the demo rows"
+    source = data.path or "the demo rows"
     check_token_ids(samples, vocab, source)
     bins, report = pack_samples(
-        samples, config.max_seq_len, seed=config.seed, overflow=config.overflow, strategy=config.batching
+        samples, data.max_seq_len, seed=seed, overflow=data.overflow, strategy=config.ab.batching
     )
     plan = _plan(bins, config, source)  # every arm's rows, step by step, whole
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]
     record = dataclasses.asdict(report)
-    if config.share_prefixes == "off":
+    if data.share_prefixes == "off":
         record["sharing_policy"] = "shared prefixes off (--share-prefixes off): every row runs whole"
     else:  # what sharing each step's rows saves; whether an arm shares is its own policy line
         steps = [
-            share_rows([row for docs in step for row in docs], config.max_seq_len, seed=config.seed + number)[
-                1
-            ]
+            share_rows([row for docs in step for row in docs], data.max_seq_len, seed=seed + number)[1]
             for number, step in enumerate(slim)
         ]
         record["sharing"] = combined(steps).as_dict()
         record["sharing_policy"] = (
-            f"--share-prefixes {config.share_prefixes}: each step's rows regrouped by the arms that share "
+            f"--share-prefixes {data.share_prefixes}: each step's rows regrouped by the arms that share "
             "(the same rows a step as every other arm)"
         )
     return slim, vocab, record
@@ -178,9 +182,10 @@ def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, pea
     timed steps' time, all repeats) and ``mfu`` (that over the measured peak); {} without a count."""
     if not flops:
         return {}
-    timed_flops = sum(sum(flops[config.warmup : len(run["step_s"])]) for run in runs)
-    seconds = sum(sum(run["step_s"][config.warmup :]) for run in runs)
-    steps = sum(len(run["step_s"][config.warmup :]) for run in runs)
+    warmup = config.ab.warmup
+    timed_flops = sum(sum(flops[warmup : len(run["step_s"])]) for run in runs)
+    seconds = sum(sum(run["step_s"][warmup:]) for run in runs)
+    steps = sum(len(run["step_s"][warmup:]) for run in runs)
     achieved = timed_flops / seconds if seconds > 0 else 0.0
     found = {"model_flops_per_step": timed_flops / max(steps, 1), "achieved_tflops": achieved / 1e12}
     if peak and peak.get("flops_per_s"):
@@ -193,10 +198,10 @@ def machine_state(config: ABConfig, runs: list[dict]) -> dict[str, Any]:
     held warm between steps (``bench/host_pages.py``; the largest), and how many of its steps ran while
     other work took cores beyond those the arm left free (``hardware.OtherLoad``: then that step's time
     is not this machine's alone)."""
-    timed = slice(config.warmup, None)
+    timed = slice(config.ab.warmup, None)
     faults = [f for run in runs for f in run.get("page_faults", [])[timed]]
     others = [c for run in runs for c in run.get("other_cores", [])[timed] if c is not None]
-    threads = config.threads or torch.get_num_threads()
+    threads = config.ab.threads or torch.get_num_threads()
     return {
         "median_page_faults": _median(faults) if faults else None,
         "held_bytes": max((b for run in runs for b in run.get("held_bytes", [])), default=0),
@@ -221,6 +226,7 @@ def summarize(
     ulp); model FLOPs and MFU against ``peak`` (``utilisation.matmul_peak``). Skipped arms keep their
     reason."""
     summary: dict[str, Any] = {}
+    warmup, seed, beta = config.ab.warmup, config.train.seed, config.train.preference.beta
     timed: dict[str, list[float]] = {}
     timed_parts: dict[str, dict[str, list[float]]] = {}  # grpo: per arm, its generation and update times
     ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
@@ -229,41 +235,38 @@ def summarize(
         if arm not in ran:
             summary[arm] = {"skipped": skipped_reason(runs)}
             continue
-        step_s = [s for run in runs for s in run["step_s"][config.warmup :]]
-        tokens = [t for run in runs for t in run["tokens"][config.warmup :]]
+        step_s = [s for run in runs for s in run["step_s"][warmup:]]
+        tokens = [t for run in runs for t in run["tokens"][warmup:]]
         timed[arm] = step_s
         first = runs[0]
         summary[arm] = {
             "median_step_s": statistics.median(step_s),
-            "median_forward_s": _median(f for run in runs for f in run.get("forward_s", [])[config.warmup :]),
-            "median_backward_s": _median(
-                b for run in runs for b in run.get("backward_s", [])[config.warmup :]
-            ),
+            "median_forward_s": _median(f for run in runs for f in run.get("forward_s", [])[warmup:]),
+            "median_backward_s": _median(b for run in runs for b in run.get("backward_s", [])[warmup:]),
             "tokens_per_s": sum(tokens) / sum(step_s),
             "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
             "memory_kind": first["memory_kind"],
             "activation_bytes": first.get("activation_bytes", 0),
             "host_syncs_per_step": first["host_syncs_per_step"],
             "attn_implementation": first["attn_implementation"],
-            "dtype": first.get("dtype") or config.dtype,
+            "dtype": first.get("dtype") or config.train.model.dtype,
             "final_loss": first["loss"][-1],
             "step_profile": first.get("step_profile"),  # --profile-step (first repeat); None: not profiled
             # what the warm-up steps and the activation probe's forward took beyond as many timed
             # steps (a compile's cold start shows here: its forward compiles in the probe)
-            "warmup_extra_s": sum(first["step_s"][: config.warmup])
+            "warmup_extra_s": sum(first["step_s"][:warmup])
             + first.get("probe_forward_s", 0.0)
-            - config.warmup * statistics.median(first["step_s"][config.warmup :]),
+            - warmup * statistics.median(first["step_s"][warmup:]),
             **utilisation(config, runs, flops, peak),
             **machine_state(config, runs),
         }
         if first.get("generation_s") is not None:  # --objective grpo: sampling and the update apart
             summary[arm].update(_rollout_figures(config, runs))
             timed_parts[arm] = {
-                part: [t for run in runs for t in run[part][config.warmup :]]
-                for part in ("generation_s", "update_s")
+                part: [t for run in runs for t in run[part][warmup:]] for part in ("generation_s", "update_s")
             }
         if first.get("pairs"):
-            pairs = [n for run in runs for n in run["pairs"][config.warmup :]]
+            pairs = [n for run in runs for n in run["pairs"][warmup:]]
             summary[arm]["pairs_per_s"] = sum(pairs) / sum(step_s)
             summary[arm]["final_reward_margin"] = first["reward_margin"][-1]
             summary[arm]["reference_pass_s"] = first.get("reference_pass_s", 0.0)
@@ -295,9 +298,7 @@ def summarize(
         summary[arm]["loss_parity"] = dataclasses.asdict(parity)
         if first.get("reward_margin") and run.get("reward_margin"):
             summary[arm]["reward_margin_parity"] = dataclasses.asdict(
-                margin_parity(
-                    first["reward_margin"], run["reward_margin"], dtype, config.beta, margin_sensitivity
-                )
+                margin_parity(first["reward_margin"], run["reward_margin"], dtype, beta, margin_sensitivity)
             )
     baselines = [a for a in ran if ARM_SPECS[a].stock]
     for arm in ran:
@@ -309,7 +310,7 @@ def summarize(
         unshared += [a for a in ran if shares_prefixes(arm) and ARM_SPECS[a].prefixes == "unshared"]
         for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
-            interval = speedup(timed[base], timed[arm], seed=config.seed, repeats=config.repeats)
+            interval = speedup(timed[base], timed[arm], seed=seed, repeats=config.ab.repeats)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
             if arm in timed_parts and base in timed_parts:  # grpo: each half against the base's
                 for part, name in (("generation_s", "generation"), ("update_s", "update")):
@@ -317,10 +318,10 @@ def summarize(
                     summary[arm][f"{name}_speedup_vs_{base}"] = (
                         summary[arm][f"{name}_completions_per_s"] / summary[base][f"{name}_completions_per_s"]
                     )
-                    interval = speedup(theirs, mine, seed=config.seed, repeats=config.repeats)
+                    interval = speedup(theirs, mine, seed=seed, repeats=config.ab.repeats)
                     summary[arm][f"{name}_interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
-    ablation.ablation_verdicts(summary, timed, config.seed)
+    ablation.ablation_verdicts(summary, timed, seed)
     return summary
 
 
@@ -339,7 +340,7 @@ def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
     its generated tokens per second and the mean length of what it sampled."""
 
     def timed(key):
-        return [v for run in runs for v in run[key][config.warmup :]]
+        return [v for run in runs for v in run[key][config.ab.warmup :]]
 
     completions, generated = sum(timed("completions")), sum(timed("generated_tokens"))
     generation, scoring, update = sum(timed("generation_s")), sum(timed("scoring_s")), sum(timed("update_s"))
@@ -409,29 +410,30 @@ def parity_failures(record: dict) -> list[str]:
 
 
 def run_ab(config: ABConfig, progress: bool = True) -> dict:
-    """Run every arm ``config.repeats`` times (interleaved) and return the full record."""
+    """Run every arm ``config.ab.repeats`` times (interleaved) and return the full record."""
     plan, vocab_size, packing = prepare_bins(config)
     # the peak the arms could reach: their device, dtype and threads (measured once per machine, cached)
-    peak = matmul_peak(resolve_device(config.device), getattr(torch, config.dtype), config.threads)
-    runs: dict[str, list[dict]] = {arm: [] for arm in config.arms}
+    ab = config.ab
+    peak = matmul_peak(resolve_device(ab.device), getattr(torch, config.train.model.dtype), ab.threads)
+    runs: dict[str, list[dict]] = {arm: [] for arm in ab.arms}
     schedules = []
     fp32_step = None
     # bf16 / fp16: every arm keeps its first repeat's step-0 gradient, for the fp32 step (bench/truth.py)
     with gradient_directory(config) as gradient_dir:
-        for repeat in tqdm(range(config.repeats), desc="A/B repeats", disable=not progress, unit="repeat"):
+        for repeat in tqdm(range(ab.repeats), desc="A/B repeats", disable=not progress, unit="repeat"):
             # each repeat starts the arms in another order, so none always goes first
-            order = config.arms[repeat % len(config.arms) :] + config.arms[: repeat % len(config.arms)]
+            order = ab.arms[repeat % len(ab.arms) :] + ab.arms[: repeat % len(ab.arms)]
             results, schedule = run_lockstep(
                 dataclasses.asdict(config),
                 list(order),
                 plan,
                 vocab_size,
-                config.interleave,
+                ab.interleave,
                 progress=tqdm.write if progress else None,
                 gradient_dir=gradient_dir if repeat == 0 else None,
             )
             schedules.append(schedule)
-            for arm in config.arms:
+            for arm in ab.arms:
                 runs[arm].append(results[arm])
         if gradient_dir is not None:
             fp32_step = measure_fp32_step0(config, runs, plan, vocab_size, gradient_dir)
@@ -448,11 +450,11 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
             )
     record = {
         "kind": "slipstream-ab",
-        "config": dataclasses.asdict(config),
+        "config": record_config(config),  # the A/B's keys, the workload by option name, the train config
         "inputs": inputs_record(config),  # the model and data, named and fingerprinted
         "vocab_size": vocab_size,
         # The arms' own thread count (--threads), not this parent process's.
-        "fingerprint": {**fingerprint(), **({"torch_threads": config.threads} if config.threads else {})},
+        "fingerprint": {**fingerprint(), **({"torch_threads": ab.threads} if ab.threads else {})},
         "packing": packing,
         "interleaving": schedules,  # per repeat: lockstep ("steps") or one arm after another ("arms"), and why
         "summary": summary,
@@ -462,9 +464,9 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         "runs": runs,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    if config.max_tokens_within:
+    if config.ab.max_tokens_within:
         record["ceiling"] = search_all(config, vocab_size, run_in_fresh_process, progress)
         for arm, found in record["ceiling"].items():
             record["summary"][arm]["max_tokens_within"] = found["max_tokens"]
-    ablation.remember(record, torch.device(resolve_device(config.device)))  # for slipstream doctor
+    ablation.remember(record, torch.device(resolve_device(config.ab.device)))  # for slipstream doctor
     return record

@@ -43,7 +43,7 @@ HOW = "the reference arm's step 0 once more, its weights cast up to fp32 (forwar
 
 def wants_fp32_step(config: ABConfig) -> bool:
     """Whether the run's step 0 is judged against an fp32 step (a reduced-precision run)."""
-    return config.dtype in REDUCED_PRECISION
+    return config.train.model.dtype in REDUCED_PRECISION
 
 
 @contextlib.contextmanager

@@ -10,68 +10,43 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..train.config import (
-    DataConfig,
-    GRPOConfig,
-    LoraConfig,
-    ModelConfig,
-    OptimizerConfig,
-    PreferenceConfig,
-    TrainConfig,
-    TrainingConfig,
-)
-from .adapter import lora_alpha
+from ..train.config import OptimizerConfig, TrainConfig, TrainingConfig
 from .arms import ARM_SPECS, arm_speedups, shares_prefixes
-from .inputs import ABInputError, is_model_dir
+from .inputs import ABInputError
 
 
 def train_config_of(config, arm: str) -> TrainConfig:
-    """``slipstream train``'s config of ``arm`` on the A/B workload ``config`` (an ``ABConfig``)."""
+    """``slipstream train``'s config of ``arm``: the A/B's one train config (an ``ABConfig``'s) with the
+    arm's own speedups and prefix sharing, run for the A/B's steps."""
     from ..objectives import objective_for
 
-    spec = ARM_SPECS[arm]
-    directory = is_model_dir(config.model)
-    reads = objective_for(config.objective).reads
-    lora = LoraConfig(enabled=False)
-    if config.lora_rank:
-        lora = LoraConfig(
-            rank=config.lora_rank,
-            alpha=lora_alpha(config),
-            dropout=0.0,  # each arm would draw its own masks: no dropout in an A/B
-            target_modules=list(config.lora_targets),
-            modules_to_save=list(config.lora_modules_to_save),
-        )
-    return TrainConfig(
-        model=ModelConfig(
-            path=config.model if directory else None,
-            preset=None if directory else config.model,
-            layers=config.layers,
-            dtype=config.dtype,
-        ),
-        data=DataConfig(
-            path=config.data,
-            demo_rows=config.num_rows,
-            response_only=config.response_only,
-            max_seq_len=config.max_seq_len,
-            overflow=config.overflow,
+    spec, train = ARM_SPECS[arm], config.train
+    replace = dataclasses.replace
+    return replace(
+        train,
+        data=replace(
+            train.data,
             # documents are read through the cache (as ``ab`` always read them); a reference pass is
             # computed in every arm's process, not read back, so its time is the arm's own
-            cache=reads == "samples",
-            share_prefixes=config.share_prefixes if shares_prefixes(arm) else "off",
-            chat_template=config.chat_template,
+            cache=objective_for(train.training.objective).reads == "samples",
+            share_prefixes=train.data.share_prefixes if shares_prefixes(arm) else "off",
+            eval_path=None,  # a timed A/B trains; it does not evaluate
+            eval_fraction=None,
         ),
-        lora=lora,
-        optimizer=OptimizerConfig(
-            lr=config.lr,
-            weight_decay=0.0,
-            schedule=config.schedule,
-            warmup_steps=config.lr_warmup_steps,
+        lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
+        # the peers' optimizer (AdamW at its default betas, clipped at 1.0, no weight decay) at the run's lr
+        optimizer=replace(
+            OptimizerConfig(),
+            lr=train.optimizer.lr,
+            schedule=train.optimizer.schedule,
+            warmup_steps=train.optimizer.warmup_steps,
         ),
-        training=TrainingConfig(objective=config.objective, steps=config.steps, grad_accum=config.grad_accum),
-        preference=PreferenceConfig(beta=config.beta, prefix_sharing=spec.pairs != "unshared"),
-        grpo=dataclasses.replace(GRPOConfig(**config.grpo), prefix_sharing=spec.prefixes != "unshared"),
+        training=TrainingConfig(
+            objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
+        ),
+        preference=replace(train.preference, prefix_sharing=spec.pairs != "unshared"),
+        grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared"),
         speedups=arm_speedups(config, arm),
-        seed=config.seed,
     )
 
 

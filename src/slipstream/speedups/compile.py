@@ -68,7 +68,7 @@ class RegionalCompile(Speedup):
         state.say(policy)
 
     def ablation_applies(self, run: AblationRun) -> bool:
-        return should_compile(run.speedups.compile, run.config.steps, run.device)[0]
+        return should_compile(run.speedups.compile, run.config.ab.steps, run.device)[0]
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
         """What "auto" does on the device (it depends on the run's length, which doctor does not

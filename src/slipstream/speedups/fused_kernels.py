@@ -100,7 +100,7 @@ class FusedKernelsSpeedup(Speedup):
         break-even, no inductor) would run: dropped ("off" too). A model type Liger lacks, or one
         with no module class the compiled kernels match, is only found when the arm's model is built."""
         fused, device = run.speedups.fused_kernels, run.device
-        return liger_available(device, fused)[0] or compiled_policy(device, fused, run.config.steps)[0]
+        return liger_available(device, fused)[0] or compiled_policy(device, fused, run.config.ab.steps)[0]
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
         model, device = context.model, context.device

@@ -56,8 +56,8 @@ class ShortDocumentKernel(Speedup):
             return mode == "on"
         from ..packing.calibration import attention_costs as measured  # once per device, dtype, threads
 
-        dtype = getattr(torch, run.config.dtype)
-        return measured(torch.device("cpu"), dtype, run.config.threads).short_limit(dtype) > 0
+        dtype = getattr(torch, run.config.train.model.dtype)
+        return measured(torch.device("cpu"), dtype, run.config.ab.threads).short_limit(dtype) > 0
 
     def decide(self, context: DecisionContext) -> tuple[str, str]:
         from ..packing.attention import choose_backend

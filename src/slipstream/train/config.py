@@ -314,26 +314,38 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    lines = _key_lines(text)
+    return config_from_data(data, overrides, source, _key_lines(text), path.parent)
+
+
+def config_from_data(
+    data: dict,
+    overrides: list[str] | tuple[str, ...] = (),
+    source: str = "the config",
+    lines: dict[str, int] | None = None,
+    base: Path | None = None,
+) -> TrainConfig:
+    """A config from its mapping (a YAML file's, or one built in, as ``slipstream ab`` builds one),
+    overridden and validated; relative paths are taken from ``base`` (the file's directory) where given."""
+    data, lines = dict(data), dict(lines or {})
     for override in overrides:
         _apply_override(data, override, source, lines)
     data.pop("ab", None)  # `slipstream ab`'s section of the same file (bench/command.py reads it)
     config = _build(TrainConfig, data, "", source, lines)
-    base = path.parent
-    for section, key in (
-        ("model", "path"),
-        ("data", "path"),
-        ("data", "eval_path"),
-        ("data", "chat_template"),
-    ):
-        value = getattr(getattr(config, section), key)
-        if value is not None and not Path(value).is_absolute():
-            setattr(
-                getattr(config, section),
-                key,
-                str((base / value).resolve()) if (base / value).exists() else value,
-            )
-    config.grpo.rewards = [_reward_near(spec, base) for spec in config.grpo.rewards]
+    if base is not None:
+        for section, key in (
+            ("model", "path"),
+            ("data", "path"),
+            ("data", "eval_path"),
+            ("data", "chat_template"),
+        ):
+            value = getattr(getattr(config, section), key)
+            if value is not None and not Path(value).is_absolute():
+                setattr(
+                    getattr(config, section),
+                    key,
+                    str((base / value).resolve()) if (base / value).exists() else value,
+                )
+        config.grpo.rewards = [_reward_near(spec, base) for spec in config.grpo.rewards]
     return config.validate(source, lines)
 
 

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from ..adapter import lora_alpha
-
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "unsloth_worker.py"
 MAKE_VENV = HERE / "make_unsloth_venv.sh"
@@ -50,7 +48,7 @@ def unsloth_unavailable(config, device: str) -> str | None:
         )
     if not config.lora_rank:
         return "the unsloth arms train a LoRA: set --lora-rank"
-    if config.lora_modules_to_save:
+    if config.train.lora.modules_to_save:
         return "this harness's Unsloth worker trains LoRA only, not lora.modules_to_save"
     python = unsloth_venv() / "bin" / "python"
     if python.exists():
@@ -79,7 +77,7 @@ def _write_workload(config, plan: list, vocab_size: int, work: Path) -> Path:
     from ..adapter import attach_lora
     from ..inputs import ab_tokenizer, is_model_dir, load_arm_model
 
-    model = load_arm_model(config, vocab_size, getattr(torch, config.dtype))
+    model = load_arm_model(config, vocab_size, getattr(torch, config.train.model.dtype))
     if is_model_dir(config.model):
         model_dir = Path(config.model)  # its weights, tokenizer and chat template, as every arm loads them
     else:
@@ -115,24 +113,28 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="slipstream-ab-unsloth-") as tmp:
         work = Path(tmp)
         model_dir = _write_workload(config, plan, vocab_size, work)
-        threads = config.threads or torch.get_num_threads()
-        checkpointing = ("off" if config.checkpointing == "off" else "on") if same_settings else "default"
+        threads = config.ab.threads or torch.get_num_threads()
+        checkpointing = (
+            ("off" if (config.train.speedups.checkpointing or "off") == "off" else "on")
+            if same_settings
+            else "default"
+        )
         command = [
             str(unsloth_venv() / "bin" / "python"),
             str(WORKER),
             "--model-dir", str(model_dir),
             "--batches", str(work / "batches.json"),
             "--adapter-init", str(work / "adapter_init.safetensors"),
-            "--dtype", config.dtype if same_settings else "default",
+            "--dtype", config.train.model.dtype if same_settings else "default",
             "--checkpointing", checkpointing,
             "--lora-rank", str(config.lora_rank),
-            "--lora-alpha", str(lora_alpha(config)),
-            "--lora-targets", ",".join(config.lora_targets),
+            "--lora-alpha", str(config.train.lora.alpha),
+            "--lora-targets", ",".join(config.train.lora.target_modules),
             "--threads", str(threads),
-            "--lr", str(config.lr),
-            "--schedule", config.schedule,
-            "--lr-warmup-steps", str(config.lr_warmup_steps),
-            "--max-seq-len", str(config.max_seq_len * config.grad_accum),
+            "--lr", str(config.train.optimizer.lr),
+            "--schedule", config.train.optimizer.schedule,
+            "--lr-warmup-steps", str(config.train.optimizer.warmup_steps),
+            "--max-seq-len", str(config.train.data.max_seq_len * config.train.training.grad_accum),
             "--out", str(work / "result.json"),
         ]  # fmt: skip
         env = dict(os.environ, UNSLOTH_FORCE_CPU="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
