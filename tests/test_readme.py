@@ -152,9 +152,7 @@ def _anchors(page: Path) -> set[str]:
     return anchors
 
 
-@pytest.mark.parametrize(
-    "page", [*doc_pages(), HISTORY, ROOT / "BENCHMARKS.md"], ids=lambda page: page.name
-)
+@pytest.mark.parametrize("page", [*doc_pages(), HISTORY, ROOT / "BENCHMARKS.md"], ids=lambda page: page.name)
 def test_every_relative_link_resolves(page):
     """Each relative link (and image) of the README, the docs pages, BENCHMARKS.md and its log names
     a file that exists, and a `#heading` anchor into a Markdown file names one of its headings."""
