@@ -298,8 +298,10 @@ def record_config(config: ABConfig) -> dict[str, Any]:
     import dataclasses
 
     from .. import speedups as speedups_module
+    from ..objectives import objective_for
 
     train = config.train
+    online = objective_for(train.training.objective).reads == "prompts"
     flat = {name: train_value(train, key) for name, (key, _) in TRAIN_FLAGS.items() if "lora" not in key}
     default = speedups_module.Speedups()
     return {  # in the order of the A/B's earlier fields: a report's labels list them so
@@ -316,7 +318,7 @@ def record_config(config: ABConfig) -> dict[str, Any]:
         "lora_targets": tuple(train.lora.target_modules),
         "lora_modules_to_save": tuple(train.lora.modules_to_save),
         **dataclasses.asdict(config.ab),
-        "grpo": dataclasses.asdict(train.grpo) if train.training.objective == "grpo" else {},
+        "grpo": dataclasses.asdict(train.grpo) if online else {},  # online RL's settings (rewards, G)
         "defaults": config.defaults,
         "train": train.to_dict(),
     }
