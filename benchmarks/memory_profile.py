@@ -24,7 +24,7 @@ import json
 import torch
 
 from slipstream.bench.ab_config import ABConfig
-from slipstream.bench.arm_run import ArmSession, peak_memory_mb
+from slipstream.bench.arm_run import RowsArmSession, peak_memory_mb
 from slipstream.bench.ceiling import proc_status_kib
 from slipstream.bench.command import ab_config_from_args, add_ab_arguments
 from slipstream.bench.lockstep import run_in_fresh_process
@@ -39,7 +39,7 @@ def profile_arm(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dic
     from torch.profiler._memory_profiler import MemoryProfileTimeline
 
     config = ABConfig.from_dict(config_dict)
-    session = ArmSession(config, arm, plan, vocab_size)
+    session = RowsArmSession(config, arm, plan, vocab_size)
     warm = len(plan) - 1
     for step in range(warm):
         session.step(step)

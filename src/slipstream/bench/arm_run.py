@@ -44,6 +44,7 @@ from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
 from .peers import PeerStep
+from .peers.trl_base import trainer_run
 from .step_gradient import HeldGradient
 
 
@@ -53,24 +54,16 @@ def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: st
     spec = ARM_SPECS[arm]
     if spec.peer != "trl":
         return None
+    run = trainer_run(config)
     if spec.pairs == "peer":
         from .peers.trl_dpo_step import TrlDpoStep
 
         return TrlDpoStep(
-            model,
-            ab_tokenizer(config),
-            steps=config.ab.steps,
-            lr=config.train.optimizer.lr,
-            schedule=config.train.optimizer.schedule,
-            warmup_steps=config.train.optimizer.warmup_steps,
-            seed=config.train.seed,
-            beta=config.train.preference.beta,
-            grad_accum=config.train.training.grad_accum,
-            device=device,
+            model, ab_tokenizer(config), beta=config.train.preference.beta, device=device, **run
         )
     from .peers.trl_step import TrlStep
 
-    return TrlStep(model, config, ab_tokenizer(config), device)
+    return TrlStep(model, ab_tokenizer(config), device=device, **run)
 
 
 def drives(arm: str) -> bool:
@@ -83,9 +76,12 @@ def drives(arm: str) -> bool:
 class ArmSession:
     """An arm set up in this process, ready to train its planned steps one at a time (see the module).
 
-    A slipstream arm builds the step driver ``slipstream train`` runs (``train/driver.py``) from the
-    run's ``TrainConfig`` with its speedups (``workload.train_config_of``) and steps it; a stock arm
-    or a TRL peer steps each planned step's rows in its own layout."""
+    What every kind of arm does alike: a slipstream arm builds the step driver ``slipstream train``
+    runs (``train/driver.py``) from the run's ``TrainConfig`` with its speedups
+    (``workload.train_config_of``); a stock arm or a peer gets its model as the arm says. Each step
+    is timed in the same frame (the machine's share, the step-0 gradient, the curves); what a kind
+    of arm adds is :meth:`_set_up` (before the clock's first step), :meth:`_prepare` (a step's
+    inputs, untimed), :meth:`_timed_step` and :meth:`_record`."""
 
     def __init__(
         self,
@@ -98,10 +94,8 @@ class ArmSession:
         fp32: bool = False,
         gradient_dir: str | None = None,
     ):
-        self.config, self.arm, self.plan = config, arm, plan
-        spec = ARM_SPECS[arm]
-        self.driver = None
-        self.last_plan = None  # the driver's last StepPlan (the profiled step runs it again)
+        self.config, self.arm, self.plan, self.spec = config, arm, plan, ARM_SPECS[arm]
+        self.driver, self.peer = None, None
         if drives(arm):
             self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
             self.model = self.driver.model
@@ -110,13 +104,99 @@ class ArmSession:
             self.device, self.model, self.state, moved = open_arm_model(
                 config, arm, vocab_size, perturb, fp32
             )
-        device, model, state = self.device, self.model, self.state
+        self.peer = self._open_peer()
+        if self.peer is not None:
+            self.state.policies.extend(self.peer.policies)
+        self.profile = flop_profile(self.model)
+        extra = self._set_up()
+        if self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.result = ArmResult(
+            arm=arm,
+            step_s=[],
+            forward_s=[],
+            backward_s=[],
+            tokens=[],
+            loss=[],
+            grad_norm=[],
+            host_syncs_by_op={},
+            peak_memory_mb=0.0,
+            memory_kind="cuda max allocated" if self.device == "cuda" else "cpu peak RSS",
+            attn_implementation=base_model(self.model).config._attn_implementation,
+            policies=self.state.policies
+            if self.state
+            else [],  # the model's own list: first-step decisions join it
+            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            lr=[],
+            perturbed_weights=moved,
+            **{"host_syncs_per_step": None, "activation_bytes": None, **extra},
+        )
+        # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
+        self.gradient = HeldGradient(self.model, gradient_dir, arm)
+
+    def _open_peer(self) -> Any:
+        """The peer's trainer that steps this arm (``peers/trl_*.py``); None for any other arm."""
+        return None
+
+    def _set_up(self) -> dict[str, Any]:
+        """The kind's own set-up (the driver's preparation, its probes); the ArmResult fields it fills."""
+        raise NotImplementedError
+
+    def _prepare(self, step: int) -> Any:
+        """Step ``step``'s inputs, built before the clock starts."""
+        raise NotImplementedError
+
+    def _timed_step(self, step: int, prepared: Any) -> tuple[dict[str, Any], float]:
+        """Run step ``step`` on the clock; its metrics (loss, grad_norm, lr, forward_s, backward_s) and seconds."""
+        raise NotImplementedError
+
+    def _record(self, step: int, metrics: dict[str, Any]) -> None:
+        """What the kind keeps of a step beyond the curves every arm keeps."""
+
+    def _after_figures(self) -> None:
+        """What the kind measures after the figures (the optional profiled step)."""
+
+    def _sync(self) -> None:
+        sync(self.device)
+
+    def step(self, step: int) -> float:
+        """Train planned step ``step`` (the next one); returns its time in seconds."""
+        result = self.result
+        check_next_step(self.arm, result, step)
+        prepared = self._prepare(step)
+        self._sync()
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        with hardware.other_load(torch.get_num_threads()) as load:
+            metrics, seconds = self._timed_step(step, prepared)
+        record_machine(result, usage, load)
+        result.step_s.append(seconds)
+        if step == 0:  # written after the clock stopped
+            result.step0_gradient = self.gradient.save()
+        for key in ("forward_s", "backward_s", "loss", "grad_norm", "lr"):
+            getattr(result, key).append(metrics[key])
+        self._record(step, metrics)
+        return seconds
+
+    def finish(self) -> dict:
+        """The arm's figures (after every step), as a dict."""
+        self.result.peak_memory_mb = peak_memory_mb(self.device)
+        self._after_figures()
+        if self.peer is not None:
+            self.peer.close()
+        return dataclasses.asdict(self.result)
+
+
+class RowsArmSession(ArmSession):
+    """An SFT or preference-pair arm: each planned step's rows, through the step driver (a slipstream
+    arm) or collated in a stock arm's or a TRL peer's own layout."""
+
+    def _open_peer(self) -> PeerStep | None:
+        return trl_peer_step(self.config, self.arm, self.model, self.device)
+
+    def _set_up(self) -> dict[str, Any]:
+        config, spec, plan = self.config, self.spec, self.plan
         self.warm_pages = WarmPages()
-        self.pairs = spec.pairs
-        self.trl_step = trl_peer_step(config, arm, model, device)
-        if self.trl_step is not None:
-            state.policies.extend(self.trl_step.policies)
-        self.profile = flop_profile(model)
+        self.last_plan = None  # the driver's last StepPlan (the profiled step runs it again)
         # The plan holds each step's rows whole, the same for every arm (peers included); every arm
         # counts the model FLOPs of the rows' shared layout (the start once): the work the rows need.
         mode = "off" if spec.pairs else config.train.data.share_prefixes
@@ -143,45 +223,26 @@ class ArmSession:
             first_inputs = self.driver.plan(0).micro[0][0] if self.driver else self._inputs(plan[0][0])[0]
             probe_started = time.perf_counter()
             activation_bytes = device_activation_bytes(
-                model, first_inputs, state.offload_manager if state else None
+                self.model, first_inputs, self.state.offload_manager if self.state else None
             )
             probe_forward_s = time.perf_counter() - probe_started
-        if state is not None:
-            state.grouping_counts.reset()  # the steps' batches only, not the probe's
-        if self.trl_step is None and self.driver is None:
-            self.optimizer, self.scheduler = arm_optimizer(model, config)
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        self.result = ArmResult(
-            arm=arm,
-            step_s=[],
-            forward_s=[],
-            backward_s=[],
-            tokens=[],
-            loss=[],
-            grad_norm=[],
-            host_syncs_per_step=0,
-            host_syncs_by_op={},
-            peak_memory_mb=0.0,
-            memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-            attn_implementation=base_model(model).config._attn_implementation,
-            policies=state.policies if state else [],  # the model's own list: first-step decisions join it
-            activation_bytes=activation_bytes,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            model_flops=model_flops,
-            probe_forward_s=probe_forward_s,
-            lr=[],
-            perturbed_weights=moved,
+        if self.state is not None:
+            self.state.grouping_counts.reset()  # the steps' batches only, not the probe's
+        if self.peer is None and self.driver is None:
+            self.optimizer, self.scheduler = arm_optimizer(self.model, config)
+        return {
+            "host_syncs_per_step": 0,
+            "activation_bytes": activation_bytes,
+            "probe_forward_s": probe_forward_s,
+            "model_flops": model_flops,
+            "reference_pass_s": reference_pass_s,
             **({"pairs": [], "reward_margin": [], "reward_accuracy": []} if spec.pairs else {}),
-            reference_pass_s=reference_pass_s,
-        )
-        # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
-        self.gradient = HeldGradient(model, gradient_dir, arm)
+        }
 
     def _inputs(self, docs):
         """A stock arm's or a peer's micro-batch of ``docs`` (a step's rows whole), in its own layout."""
-        if self.trl_step:
-            return self.trl_step.collate(docs)
+        if self.peer:
+            return self.peer.collate(docs)
         return micro_batch_inputs(self.arm, docs, self.device)
 
     def _step_fn(self, micro, model_context=contextlib.nullcontext) -> dict[str, Any]:
@@ -191,8 +252,8 @@ class ArmSession:
             done = self.driver.run(micro, model_context)
             self.last_plan = micro
             return {**done.metrics, "lr": done.lr, "tokens": done.tokens, "pairs": done.pairs}
-        if self.trl_step:  # TRL's trainer, with its own optimizer, scheduler and clipping
-            found = self.trl_step(micro, model_context=model_context)
+        if self.peer:  # TRL's trainer, with its own optimizer, scheduler and clipping
+            found = self.peer(micro, model_context=model_context)
             if "accuracy" in found:
                 found["reward_accuracy"] = found.pop("accuracy")
             return found
@@ -201,66 +262,50 @@ class ArmSession:
         self.scheduler.step()
         return {**metrics, "lr": lr}
 
-    def _sync(self) -> None:
-        sync(self.device)
-
-    def step(self, step: int) -> float:
-        """Train planned step ``step`` (the next one); returns its time in seconds."""
-        result = self.result
-        check_next_step(self.arm, result, step)
+    def _prepare(self, step: int):
         self.warm_pages.release()  # what the wait held goes back warm, for this step (and before its inputs)
-        micro_docs = self.plan[step]
         # collated before the clock, as every arm's: the driver's plan of the step, or the rows' batches
-        micro = self.driver.plan(step) if self.driver else [self._inputs(docs) for docs in micro_docs]
+        return self.driver.plan(step) if self.driver else [self._inputs(docs) for docs in self.plan[step]]
+
+    def _timed_step(self, step: int, micro) -> tuple[dict[str, Any], float]:
+        start = time.perf_counter()
+        if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
+            syncs = HostSyncCounter()
+            metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
+            self.result.host_syncs_by_op = dict(syncs.by_op)
+            self.result.host_syncs_per_step = syncs.total
+        else:
+            metrics = self._step_fn(micro)
         self._sync()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        with hardware.other_load(torch.get_num_threads()) as load:
-            start = time.perf_counter()
-            if step == 0:  # a warm-up step: count the model's host syncs where the counter's cost is untimed
-                syncs = HostSyncCounter()
-                metrics = self._step_fn(micro, model_context=lambda counter=syncs: counter)
-                result.host_syncs_by_op = dict(syncs.by_op)
-                result.host_syncs_per_step = syncs.total
-            else:
-                metrics = self._step_fn(micro)
-            self._sync()
-            result.step_s.append(time.perf_counter() - start)
-        record_machine(result, usage, load)
-        if step == 0:  # written after the clock stopped
-            result.step0_gradient = self.gradient.save()
+        return metrics, time.perf_counter() - start
+
+    def _record(self, step: int, metrics: dict[str, Any]) -> None:
+        result, micro_docs = self.result, self.plan[step]
         held = self.warm_pages.hold() if self.config.ab.keep_pages_warm and self.device == "cpu" else Held()
         result.held_bytes.append(held.bytes)
         result.hold_s.append(held.seconds)
         if step == 0 and self.state is not None and self.state.compiled:
             result.compile_graphs = {"after_first_step": graph_counts()}
-        result.forward_s.append(metrics["forward_s"])
-        result.backward_s.append(metrics["backward_s"])
-        if self.pairs:
+        if self.spec.pairs:
             tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
         else:
             tokens = sum(unshared_tokens(docs) for docs in micro_docs)
         result.tokens.append(metrics.get("tokens", tokens))
-        result.loss.append(metrics["loss"])
-        result.grad_norm.append(metrics["grad_norm"])
-        result.lr.append(metrics["lr"])
-        if self.pairs:
+        if self.spec.pairs:
             result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
             result.reward_accuracy.append(metrics["reward_accuracy"])
-        return result.step_s[-1]
 
-    def finish(self) -> dict:
-        """The arm's figures (after every step), as a dict; the optional profiled step after them."""
+    def _after_figures(self) -> None:
+        """Held pages back; the compile and grouping counts; the optional profiled step (its overhead
+        touches none of the figures)."""
         result, state = self.result, self.state
         self.warm_pages.release()
-        result.peak_memory_mb = peak_memory_mb(self.device)
         if result.compile_graphs is not None:
             result.compile_graphs["after_last_step"] = graph_counts()
         if state is not None and state.packed_attention is not None:
             result.attention_grouping_counts = state.grouping_counts.to_dict()
-        if (
-            self.config.ab.profile_step and not self.pairs
-        ):  # after the figures: its overhead touches none of them
+        if self.config.ab.profile_step and not self.spec.pairs:
             last = self.plan[-1]
             micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
             documents = self.last_plan.documents if self.driver else last
@@ -274,9 +319,6 @@ class ArmSession:
                 linear_flops=sum(self.profile.linear_flops(*docs_micro_batch(docs)) for docs in documents),
                 peak_flops_per_s=peak["flops_per_s"],
             )
-        if self.trl_step:
-            self.trl_step.close()
-        return dataclasses.asdict(result)
 
 
 def open_arm(
@@ -312,7 +354,7 @@ def open_arm(
         from .grpo_arms import GrpoArmSession
 
         return GrpoArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
-    return ArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
+    return RowsArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
 
 
 def run_arm(

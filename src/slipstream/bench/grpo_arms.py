@@ -19,36 +19,24 @@ its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
 from __future__ import annotations
 
 import dataclasses
-import resource
 import time
 
-import torch
-
-from .. import hardware
 from ..data import DataError
 from ..data.prompts import load_prompts
 from ..data.steps import step_order
 from ..objectives.base import StepPlan
 from ..objectives.grpo import GRPO
 from ..objectives.grpo_rollouts import advantages_of, stop_ids
-from ..optimize import base_model, state_of
+from ..optimize import base_model
 from ..packing.completions import completion_documents
 from ..rewards import RewardError, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
-from ..utilisation import docs_micro_batch, flop_profile
+from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
-from .arm_result import (
-    ArmResult,
-    check_next_step,
-    open_arm_driver,
-    open_arm_model,
-    peak_memory_mb,
-    record_machine,
-    sync,
-)
+from .arm_run import ArmSession
 from .arms import ARM_SPECS, build_arm_model
 from .inputs import ABInputError, ab_tokenizer, vocab_size
-from .step_gradient import HeldGradient
+from .peers.trl_base import trainer_run
 from .workload import train_config_of
 
 
@@ -153,93 +141,52 @@ def _weighted(per_function: list[list[float]], objective: GRPO) -> list[float]:
     return [weighted(values, objective.rewards) for values in per_function]
 
 
-class GrpoArmSession:
-    """One GRPO arm in this process (the lockstep scheduler's session interface: ``step``, ``finish``)."""
+class GrpoArmSession(ArmSession):
+    """One GRPO arm in this process: its own sampling and scoring of each step's prompts, then the
+    update on the shared rollouts (the step driver's for slipstream's arms, TRL's for its peer)."""
 
-    def __init__(
-        self,
-        config: ABConfig,
-        arm: str,
-        plan: list,
-        vocab_size: int,
-        perturb: bool = False,
-        *,
-        fp32: bool = False,
-        gradient_dir: str | None = None,
-    ):
-        self.config, self.arm, self.plan = config, arm, plan
-        spec = ARM_SPECS[arm]
-        self.trl, self.driver = None, None
-        tokenizer = ab_tokenizer(config)
-        if spec.peer == "trl":
-            self.device, self.model, self.state, moved = open_arm_model(
-                config, arm, vocab_size, perturb, fp32
-            )
-            self.objective = _objective(config, arm, tokenizer, self.model)
-            self.objective.chunked = self.state is not None and self.state.chunked_loss is not None
-        else:  # slipstream's: the step driver slipstream train runs, its objective's sampler and update
-            self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
-            self.model, self.objective = self.driver.model, self.driver.objective
-            self.state = state_of(base_model(self.model))
-            self.driver.prepare()  # the objective's sampler (CachedSampler), as train's before step 0
-        device, model, state = self.device, self.model, self.state
-        self.settings = self.objective.settings
-        if spec.peer == "trl":
-            from .peers.trl_grpo_step import TrlGrpoStep
+    def _open_peer(self):
+        """slipstream's GRPO objective (the driver's, or one for the TRL arm's scoring); TRL's trainer."""
+        if self.driver is not None:
+            self.objective = self.driver.objective
+            return None
+        tokenizer = ab_tokenizer(self.config)
+        self.objective = _objective(self.config, self.arm, tokenizer, self.model)
+        self.objective.chunked = self.state is not None and self.state.chunked_loss is not None
+        if self.spec.peer != "trl":
+            return None
+        from .peers.trl_grpo_step import TrlGrpoStep
 
-            self.trl = TrlGrpoStep(
-                model,
-                tokenizer,
-                self.settings,
-                self.objective.rewards,
-                steps=config.ab.steps,
-                lr=config.train.optimizer.lr,
-                schedule=config.train.optimizer.schedule,
-                warmup_steps=config.train.optimizer.warmup_steps,
-                seed=config.train.seed,
-                grad_accum=config.train.training.grad_accum,
-                device=device,
-            )
-            state.policies.extend(self.trl.policies)
-        profile = flop_profile(model)
-        model_flops = [
-            profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
-            for step in plan
-        ]
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        self.result = ArmResult(
-            arm=arm,
-            step_s=[],
-            forward_s=[],
-            backward_s=[],
-            tokens=[],
-            loss=[],
-            grad_norm=[],
-            host_syncs_per_step=None,
-            host_syncs_by_op={},
-            peak_memory_mb=0.0,
-            memory_kind="cuda max allocated" if device == "cuda" else "cpu peak RSS",
-            attn_implementation=base_model(model).config._attn_implementation,
-            policies=state.policies if state else [],
-            activation_bytes=None,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
-            model_flops=model_flops,
-            lr=[],
-            perturbed_weights=moved,
-            generation_s=[],
-            scoring_s=[],
-            update_s=[],
-            completions=[],
-            generated_tokens=[],
+        return TrlGrpoStep(
+            self.model,
+            tokenizer,
+            self.objective.settings,
+            self.objective.rewards,
+            device=self.device,
+            **trainer_run(self.config),
         )
-        # the update's step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
-        self.gradient = HeldGradient(model, gradient_dir, arm)
+
+    def _set_up(self) -> dict:
+        self.settings = self.objective.settings
+        if self.driver is not None:
+            self.driver.prepare()  # the objective's sampler (CachedSampler), as train's before step 0
+        model_flops = [
+            self.profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
+            for step in self.plan
+        ]
+        return {
+            "model_flops": model_flops,
+            "generation_s": [],
+            "scoring_s": [],
+            "update_s": [],
+            "completions": [],
+            "generated_tokens": [],
+        }
 
     def _sample(self, rows: list[dict], step: int) -> dict:
         """Sampling and scoring of this step's prompts with this arm's engine (its own completions)."""
-        if self.trl is not None:
-            return self.trl.sample(rows, step)
+        if self.peer is not None:
+            return self.peer.sample(rows, step)
         objective, G = self.objective, self.settings.num_generations
         started = time.perf_counter()
         rollouts = objective.sample(self.model, rows, _seed(self.config, step))
@@ -261,12 +208,12 @@ class GrpoArmSession:
         rewards = [r for g in groups for r in g["rewards"]]
         advantages = advantages_of(rewards, G, settings.scale_rewards)  # one process: the step's own std
         counted = objective.counted_tokens(groups)
-        if self.trl is not None:
+        if self.peer is not None:
             cut, per_micro = 0, []
             for micro in micro_groups:
                 per_micro.append(advantages[cut : cut + len(micro) * G])
                 cut += len(micro) * G
-            return self.trl.update(micro_groups, per_micro, sum(counted))
+            return self.peer.update(micro_groups, per_micro, sum(counted))
         micro = objective.pack_update(
             groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
         )
@@ -279,44 +226,27 @@ class GrpoArmSession:
         done = self.driver.run(plan)  # the driver's step on the shared rollouts
         return {**done.metrics, "lr": done.lr}
 
-    def _sync(self) -> None:
-        sync(self.device)
+    def _prepare(self, step: int) -> list[list[dict]]:
+        return self.plan[step]
 
-    def step(self, step: int) -> float:
-        """Sample, score and update step ``step`` (the next one); returns its time in seconds."""
-        result = self.result
-        check_next_step(self.arm, result, step)
-        micro_groups = self.plan[step]
+    def _timed_step(self, step: int, micro_groups) -> tuple[dict, float]:
+        """Sample and score the step's prompts, then update on its shared rollouts (each on its clock)."""
         rows = [g["row"] for micro in micro_groups for g in micro]
+        self.sampled = self._sample(rows, step)
         self._sync()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        with hardware.other_load(torch.get_num_threads()) as load:
-            sampled = self._sample(rows, step)
-            self._sync()
-            started = time.perf_counter()
-            metrics = self._update(micro_groups)
-            self._sync()
-            update_s = time.perf_counter() - started
-        record_machine(result, usage, load)
-        if step == 0:  # written after the clock stopped
-            result.step0_gradient = self.gradient.save()
-        result.generation_s.append(sampled["generation_s"])
-        result.scoring_s.append(sampled["scoring_s"])
-        result.completions.append(sampled["completions"])
-        result.generated_tokens.append(sampled["generated_tokens"])
-        result.update_s.append(update_s)
-        result.step_s.append(sampled["generation_s"] + sampled["scoring_s"] + update_s)
-        result.forward_s.append(metrics["forward_s"])
-        result.backward_s.append(metrics["backward_s"])
-        # the update's completion tokens (the same rollouts for every arm)
-        result.tokens.append(sum(len(c) for micro in micro_groups for g in micro for c in g["completions"]))
-        result.loss.append(metrics["loss"])
-        result.grad_norm.append(metrics["grad_norm"])
-        result.lr.append(metrics["lr"])
-        return result.step_s[-1]
+        started = time.perf_counter()
+        metrics = self._update(micro_groups)
+        self._sync()
+        self.update_s = time.perf_counter() - started
+        sampled = self.sampled
+        return metrics, sampled["generation_s"] + sampled["scoring_s"] + self.update_s
 
-    def finish(self) -> dict:
-        self.result.peak_memory_mb = peak_memory_mb(self.device)
-        if self.trl is not None:
-            self.trl.close()
-        return dataclasses.asdict(self.result)
+    def _record(self, step: int, metrics: dict) -> None:
+        result, sampled = self.result, self.sampled
+        for key in ("generation_s", "scoring_s", "completions", "generated_tokens"):
+            getattr(result, key).append(sampled[key])
+        result.update_s.append(self.update_s)
+        # the update's completion tokens (the same rollouts for every arm)
+        result.tokens.append(
+            sum(len(c) for micro in self.plan[step] for g in micro for c in g["completions"])
+        )

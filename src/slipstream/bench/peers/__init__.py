@@ -29,7 +29,7 @@ Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings"
 
 
 class PeerStep(Protocol):
-    """A peer stepped by the harness in the arm's process (``trl``, ``trl-dpo``): what ``ArmSession``
+    """A peer stepped by the harness in the arm's process (``trl``, ``trl-dpo``): what ``RowsArmSession``
     calls of it, and nothing more."""
 
     policies: list[str]  # what it runs, for the record's policy lines

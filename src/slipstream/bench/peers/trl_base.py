@@ -47,11 +47,25 @@ def checkpointing_argument(arguments_class) -> str:
     return "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
 
 
+def trainer_run(config) -> dict:
+    """The run's settings every TRL arm's trainer takes (``config``: the A/B's ``ABConfig``): its steps,
+    learning rate and schedule, seed and accumulation, as slipstream's arms train them."""
+    optimizer = config.train.optimizer
+    return dict(
+        steps=config.ab.steps,
+        lr=optimizer.lr,
+        schedule=optimizer.schedule,
+        warmup_steps=optimizer.warmup_steps,
+        seed=config.train.seed,
+        grad_accum=config.train.training.grad_accum,
+    )
+
+
 def trainer_arguments(
     arguments_class,
     output_dir: str,
     *,
-    grad_accum: int,
+    grad_accum: int = 1,
     steps: int,
     lr: float,
     schedule: str,

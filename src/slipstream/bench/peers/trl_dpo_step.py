@@ -57,16 +57,12 @@ class TrlDpoStep(TrlTrainerStep):
         model: torch.nn.Module,
         tokenizer,
         *,
-        steps: int,
-        lr: float,
-        schedule: str,
-        warmup_steps: int,
-        seed: int,
         beta: float = 0.1,
         loss_type: str = "sigmoid",
-        grad_accum: int = 1,
         device: str = "cpu",
+        **run,
     ):
+        """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``)."""
         from datasets import Dataset
         from trl import DPOConfig, DPOTrainer
 
@@ -79,13 +75,8 @@ class TrlDpoStep(TrlTrainerStep):
             ),
             DPOConfig,
             prefix="slipstream-ab-trl-dpo-",
-            steps=steps,
             device=device,
-            grad_accum=grad_accum,
-            lr=lr,
-            schedule=schedule,
-            warmup_steps=warmup_steps,
-            seed=seed,
+            **run,
             per_device_train_batch_size=1,
             beta=beta,
             loss_type=loss_type,

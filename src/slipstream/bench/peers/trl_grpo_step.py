@@ -55,18 +55,14 @@ class TrlGrpoStep(TrlTrainerStep):
         settings,
         rewards,
         *,
-        steps,
-        lr,
-        schedule,
-        warmup_steps,
-        seed,
-        grad_accum: int = 1,
         device: str = "cpu",
+        **run,
     ):
+        """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``)."""
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-        self.settings, self.seed = settings, seed
+        self.settings, self.seed = settings, run["seed"]
         G = settings.num_generations
         placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
         super().__init__(
@@ -79,13 +75,8 @@ class TrlGrpoStep(TrlTrainerStep):
             ),
             GRPOConfig,
             prefix="slipstream-ab-trl-grpo-",
-            steps=steps,
             device=device,
-            grad_accum=grad_accum,
-            lr=lr,
-            schedule=schedule,
-            warmup_steps=warmup_steps,
-            seed=seed,
+            **run,
             per_device_train_batch_size=settings.prompts_per_batch * G,
             num_generations=G,
             max_completion_length=settings.max_new_tokens,

@@ -29,7 +29,8 @@ IGNORE_INDEX = -100
 class TrlStep(TrlTrainerStep):
     """Drives a real ``SFTTrainer`` one optimizer step at a time over the harness's micro-batches."""
 
-    def __init__(self, model: torch.nn.Module, config, tokenizer, device: str):
+    def __init__(self, model: torch.nn.Module, tokenizer, *, device: str = "cpu", **run):
+        """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``)."""
         from datasets import Dataset
         from trl import SFTConfig, SFTTrainer
 
@@ -41,13 +42,8 @@ class TrlStep(TrlTrainerStep):
             ),
             SFTConfig,
             prefix="slipstream-ab-trl-",
-            steps=config.ab.steps,
             device=device,
-            grad_accum=config.train.training.grad_accum,
-            lr=config.train.optimizer.lr,
-            schedule=config.train.optimizer.schedule,
-            warmup_steps=config.train.optimizer.warmup_steps,
-            seed=config.train.seed,
+            **run,
             per_device_train_batch_size=1,
             padding_free=True,
             packing=False,
