@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -155,18 +154,6 @@ def chat_char_spans(
         spans.append((start, end))
         previous_end = end
     return spans
-
-
-def labels_from_spans(
-    input_ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
-) -> list[int]:
-    """Each token's label: itself where it starts inside a span, else ignored."""
-    ids = np.asarray(input_ids, dtype=np.int64)
-    starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
-    inside = np.zeros(len(ids), dtype=bool)
-    for span_start, span_end in spans:
-        inside |= (starts >= span_start) & (starts < span_end)
-    return np.where(inside, ids, IGNORE_INDEX).tolist()
 
 
 def generation_marked_labels(tokenizer: Any, messages, location: str, tools=None) -> dict[str, list[int]]:

@@ -20,58 +20,37 @@ from transformers import (
 )
 
 # Tiny shapes for tests and the demo: every family feature on (GQA, sliding windows, sinks, MoE).
+# Each starts from one small shape and states only what differs from it.
+_TINY_SHAPE: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 TINY: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        family=LlamaConfig,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
-    "qwen3": dict(
-        family=Qwen3Config,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ),
+    "llama": dict(_TINY_SHAPE, family=LlamaConfig),
+    "qwen3": dict(_TINY_SHAPE, family=Qwen3Config),
     "qwen3-sliding": dict(
+        _TINY_SHAPE,
         family=Qwen3Config,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         use_sliding_window=True,
         sliding_window=8,
         layer_types=["sliding_attention", "full_attention"],
     ),
     "qwen3-moe": dict(
+        _TINY_SHAPE,
         family=Qwen3MoeConfig,
-        hidden_size=64,
-        intermediate_size=128,
         moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_experts=8,
         num_experts_per_tok=2,
         norm_topk_prob=True,
     ),
     "gpt-oss": dict(
+        _TINY_SHAPE,
         family=GptOssConfig,
-        hidden_size=64,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         num_local_experts=8,
         num_experts_per_tok=2,
         sliding_window=8,
@@ -80,12 +59,11 @@ TINY: dict[str, dict[str, Any]] = {
     ),
     # The demo's model: big enough to learn the built-in tasks, small enough for 2 CPU cores.
     "demo": dict(
+        _TINY_SHAPE,
         family=Qwen3Config,
         hidden_size=128,
         intermediate_size=384,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=32,
     ),
 }

@@ -18,7 +18,6 @@ Weights are 3D, ``[E, out, in]`` (``transposed=False``, Qwen3-MoE) or ``[E, in, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -30,14 +29,6 @@ class GroupedMmUnavailable(Refusal, RuntimeError):
     """``moe_compute='grouped_mm'`` asked for by name where grouped_mm cannot run these operands."""
 
     avoid = {"moe_compute": "auto"}  # grouped_mm where it runs, the loop elsewhere
-
-
-class ExpertWeightStore(Protocol):
-    """Hands out dense weights of chosen experts (in the layer's layout) when asked."""
-
-    weight_shape: tuple[int, int, int]
-
-    def dequantize_many(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor: ...
 
 
 def _grouped_mm_fn():
@@ -215,7 +206,10 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
 
 
 def quantized_linear(x_S, store, counts: Sequence[int], transposed: bool, chunk_bytes: int = 256 << 20):
-    """``x_e @ dequant(W_e)`` for every expert with rows; at most ``chunk_bytes`` of dense weights at once."""
+    """``x_e @ dequant(W_e)`` for every expert with rows; at most ``chunk_bytes`` of dense weights at once.
+
+    ``store`` hands out the dense weights of chosen experts: ``weight_shape`` and
+    ``dequantize_many(experts, dtype)``."""
     _, a, b = store.weight_shape
     experts_per_chunk = max(1, chunk_bytes // (a * b * x_S.element_size()))
     return _QuantizedGroupedLinear.apply(x_S, counts, transposed, store, experts_per_chunk)

@@ -25,9 +25,7 @@ NO_STOCK: Any = object()  # an option whose stock arm leaves the model as it is 
 def one_line(error: BaseException) -> str:
     """An error as one line of a report: its type and its message's words."""
     text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}"[
-        :400
-    ]  # an option whose stock arm leaves the model as it is (checkpointing)
+    return f"{type(error).__name__}: {text}"[:400]
 
 
 def dtype_name(dtype: Any) -> str:
