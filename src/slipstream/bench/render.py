@@ -16,6 +16,8 @@ from .fingerprint import describe
 from .inputs import short_name
 from .stats import format_speedup
 
+CATEGORY_COLUMNS = " | ".join(name.replace("_", " ") for name in CATEGORIES)  # a profiled step's headers
+
 
 def _speedup_cells(s: dict) -> list[str]:
     """'1.44x [1.39, 1.50] faster vs stock-packed' for every stock arm an arm was compared with."""
@@ -160,9 +162,7 @@ def step_profile_lines(summary: dict) -> list[str]:
         "an op inside attention or a compiled graph counts there; GEMM rate = the linear layers' model "
         "FLOPs / the matmuls' time):",
         "",
-        "| arm | "
-        + " | ".join(name.replace("_", " ") for name in CATEGORIES)
-        + " | profiled (s) | GEMM rate |",
+        f"| arm | {CATEGORY_COLUMNS} | profiled (s) | GEMM rate |",
         "|---|" + "---:|" * (len(CATEGORIES) + 2),
     ]
     for arm, found in profiled.items():

@@ -18,7 +18,7 @@ from ..utilisation.step_profile import CATEGORIES
 from .ab_config import SHAPE_DEFAULTS, ABConfig, record_config
 from .arms import ARM_SPECS
 from .inputs import short_name
-from .render import step_profile_cells
+from .render import CATEGORY_COLUMNS, step_profile_cells
 from .stats import format_speedup, speedup
 
 # Record keys that do not change what a timed step computes, so runs differing only in them
@@ -269,9 +269,7 @@ def step_profile_table(records: list[tuple[Path, dict]]) -> str:
     if not lines:
         return ""
     header = [
-        "| machine | workload | arm | MFU | "
-        + " | ".join(n.replace("_", " ") for n in CATEGORIES)
-        + " | GEMM rate | record |",
+        f"| machine | workload | arm | MFU | {CATEGORY_COLUMNS} | GEMM rate | record |",
         "|---|---|---|---:|" + "---:|" * (len(CATEGORIES) + 1) + "---|",
     ]
     return "\n".join(header + lines) + "\n"
