@@ -6,6 +6,7 @@ which both read it, import it from below instead of from each other.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,7 +14,9 @@ from typing import Any, Literal
 
 import torch
 
+from .. import speedups as speedups_module
 from ..fields import check_fields
+from ..objectives import objective_for
 from ..train.config import TrainConfig, config_from_data
 from .arms import ARM_PRESETS, ARM_SPECS, ARMS
 from .inputs import check_model, is_model_dir, read_chat_template_option
@@ -181,8 +184,6 @@ class ABConfig:
     def _check_objective(self) -> None:
         """Its arms train what the objective reads (pairs or prompts of this objective, or documents);
         its data file and a grpo run's rewards are train's validation's."""
-        from ..objectives import objective_for
-
         objective, arms = self.train.training.objective, self.ab.arms
         reads = objective_for(objective).reads
         if reads == "samples":
@@ -295,11 +296,6 @@ def train_value(train: TrainConfig, key: str) -> Any:
 def record_config(config: ABConfig) -> dict[str, Any]:
     """The record's ``config``: the A/B's keys, the workload under its option names (what the reports
     read, older records' names too), and the whole train config under ``train``."""
-    import dataclasses
-
-    from .. import speedups as speedups_module
-    from ..objectives import objective_for
-
     train = config.train
     online = objective_for(train.training.objective).reads == "prompts"
     flat = {name: train_value(train, key) for name, (key, _) in TRAIN_FLAGS.items() if "lora" not in key}

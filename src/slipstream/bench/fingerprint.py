@@ -17,20 +17,13 @@ from ..hardware import (
 )
 
 
-def _git_revision() -> str | None:
+def _first_line(command: list[str], timeout: float, cwd: Path | None = None) -> str | None:
+    """The first line ``command`` prints; None where it is missing, fails or prints nothing."""
     try:
-        here = Path(__file__).resolve().parent
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=here,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-        return out.stdout.strip() or None
+        out = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
 def fingerprint() -> dict:
@@ -45,7 +38,9 @@ def fingerprint() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "slipstream": __version__,
-        "git_revision": _git_revision(),
+        "git_revision": _first_line(
+            ["git", "rev-parse", "--short", "HEAD"], timeout=5, cwd=Path(__file__).resolve().parent
+        ),
         "device": "cpu",
     }
     if torch.cuda.is_available():
@@ -54,23 +49,9 @@ def fingerprint() -> dict:
             device=props.name,
             device_memory_gb=round(props.total_memory / 2**30, 1),
             cuda=torch.version.cuda,
-            driver=_nvidia_driver(),
+            driver=_first_line(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], 10),
         )
     return info
-
-
-def _nvidia_driver() -> str | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def describe(info: dict) -> str:

@@ -10,7 +10,6 @@ its seeded random weights and the demo tokenizer; the demo rows stay the default
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -196,14 +195,3 @@ def short_name(fingerprint: dict) -> str:
     if fingerprint["kind"] == "demo":
         return "demo rows"
     return f"{Path(fingerprint['path']).name}@{fingerprint['sha256'][:8]}"
-
-
-def inputs_key(record: dict) -> str:
-    """The inputs as one comparable string (records older than ``inputs`` ran a preset on demo rows)."""
-    inputs = record.get("inputs")
-    if not inputs:
-        return ""
-    return json.dumps(
-        {k: {f: v for f, v in fp.items() if f not in ("path", "hashed")} for k, fp in inputs.items()},
-        sort_keys=True,
-    )

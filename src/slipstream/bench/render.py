@@ -16,6 +16,8 @@ from .fingerprint import describe
 from .inputs import short_name
 from .stats import format_speedup
 
+CATEGORY_COLUMNS = " | ".join(name.replace("_", " ") for name in CATEGORIES)  # a profiled step's headers
+
 
 def _speedup_cells(s: dict) -> list[str]:
     """'1.44x [1.39, 1.50] faster vs stock-packed' for every stock arm an arm was compared with."""
@@ -160,9 +162,7 @@ def step_profile_lines(summary: dict) -> list[str]:
         "an op inside attention or a compiled graph counts there; GEMM rate = the linear layers' model "
         "FLOPs / the matmuls' time):",
         "",
-        "| arm | "
-        + " | ".join(name.replace("_", " ") for name in CATEGORIES)
-        + " | profiled (s) | GEMM rate |",
+        f"| arm | {CATEGORY_COLUMNS} | profiled (s) | GEMM rate |",
         "|---|" + "---:|" * (len(CATEGORIES) + 2),
     ]
     for arm, found in profiled.items():
@@ -210,13 +210,9 @@ def markdown_report(record: dict) -> str:
             f"{mfu_cell(s)} | {s['peak_memory_mb']:.0f} | {_count(s.get('activation_bytes', 0))} | {_count(s['host_syncs_per_step'])} | "
             f"{'<br>'.join(_speedup_cells(s)) or '-'} | {_parity(s)} ({s['loss_max_rel_diff']:.1e}) |"
         )
-    lines += loss_verdict_lines(record)
-    lines += fp32_step_lines(record)
-    lines += preference_lines(record)
-    lines += rollout_lines(record)
-    lines += ablation_lines(summary)
-    lines += ceiling_lines(record)
-    lines += machine_state_lines(record)
+    sections = (loss_verdict_lines, fp32_step_lines, preference_lines, rollout_lines, ablation_lines)
+    for section in (*sections, ceiling_lines, machine_state_lines):
+        lines += section(record)
     lines += step_profile_lines(summary)
     arms = ran_arms(record)
     lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
@@ -228,18 +224,23 @@ def markdown_report(record: dict) -> str:
         "",
         "Per-step loss (first repeat):",
         "",
-        "| step | " + " | ".join(arms) + " |",
-        "|---:|" + "---:|" * len(arms),
+        *_per_step_table(record, arms, "loss", config["steps"]),
     ]
-    for step in range(config["steps"]):
-        lines.append(
-            f"| {step} | " + " | ".join(f"{record['runs'][arm][0]['loss'][step]:.6f}" for arm in arms) + " |"
-        )
     return "\n".join(lines) + "\n"
 
 
-def ablation_lines(summary: dict) -> list[str]:
+def _per_step_table(record: dict, arms: list[str], key: str, steps: int) -> list[str]:
+    """A Markdown table of each arm's ``key`` (a per-step curve of its first repeat), a row per step."""
+    rows = [
+        f"| {step} | " + " | ".join(f"{record['runs'][arm][0][key][step]:.6f}" for arm in arms) + " |"
+        for step in range(steps)
+    ]
+    return ["| step | " + " | ".join(arms) + " |", "|---:|" + "---:|" * len(arms), *rows]
+
+
+def ablation_lines(record: dict) -> list[str]:
     """The leave-one-out arms against ``slipstream`` (its ``auto`` choices), judged beyond the A/A noise."""
+    summary = record["summary"]
     ablation = summary.get("slipstream", {}).get("ablation")
     if not ablation:
         return []
@@ -417,13 +418,7 @@ def rollout_lines(record: dict) -> list[str]:
         )
     arms = list(judged)
     lines += ["", "Update gradient norm per step (the same rollouts for every arm):", ""]
-    lines += ["| step | " + " | ".join(arms) + " |", "|---:|" + "---:|" * len(arms)]
-    steps = len(record["runs"][arms[0]][0]["grad_norm"])
-    for step in range(steps):
-        lines.append(
-            f"| {step} | " + " | ".join(f"{record['runs'][a][0]['grad_norm'][step]:.6f}" for a in arms) + " |"
-        )
-    return lines
+    return lines + _per_step_table(record, arms, "grad_norm", len(record["runs"][arms[0]][0]["grad_norm"]))
 
 
 def machine_state_lines(record: dict) -> list[str]:
@@ -467,23 +462,21 @@ def ceiling_lines(record: dict) -> list[str]:
     if not ceiling:
         return []
     budget = next(iter(ceiling.values()))["budget_bytes"]
+    stock = [arm for arm in ceiling if ARM_SPECS[arm].stock]
     lines = [
         "",
         f"Memory ceiling: the most packed tokens one optimizer step trains within {budget / 1e9:.1f} GB "
         f"({record['summary'][next(iter(ceiling))]['memory_kind']}; doubling then bisection, each probe a fresh process):",
         "",
-        "| arm | max tokens per step | vs "
-        + " | vs ".join(a for a in ceiling if ARM_SPECS[a].stock)
-        + " | probes (tokens: peak GB) |",
-        "|---|---:|" + "---:|" * sum(1 for a in ceiling if ARM_SPECS[a].stock) + "---|",
+        "| arm | max tokens per step | vs " + " | vs ".join(stock) + " | probes (tokens: peak GB) |",
+        "|---|---:|" + "---:|" * len(stock) + "---|",
     ]
     for arm, found in ceiling.items():
         ratios = [
             f"{found['max_tokens'] / ceiling[base]['max_tokens']:.1f}x"
             if ceiling[base]["max_tokens"]
             else "-"
-            for base in ceiling
-            if ARM_SPECS[base].stock
+            for base in stock
         ]
         probes = ", ".join(
             f"{p['tokens']}: {p['peak_bytes'] / 1e9:.2f}" if p["peak_bytes"] else f"{p['tokens']}: over"
@@ -512,17 +505,10 @@ def print_tables(record: dict) -> None:
         title=f"slipstream ab: {inputs_title(record)}, max_seq_len {config['max_seq_len']}, {config['dtype']}, "
         f"batching {config['batching']}"
     )
-    for column in (
-        "arm",
-        "median step (s)",
-        "tokens/s",
-        "MFU",
-        "peak mem (MB)",
-        "host syncs/step",
-        "speedup [95%]",
-        "loss",
-    ):
-        table.add_column(column, justify="left" if column in ("arm", "loss", "speedup [95%]") else "right")
+    for column in ("arm", "median step (s)", "tokens/s", "MFU", "peak mem (MB)", "host syncs/step"):
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    table.add_column("speedup [95%]")
+    table.add_column("loss")
     for arm, s in summary.items():
         if "skipped" in s:
             table.add_row(arm, "-", "-", "-", "-", "-", "skipped", s["skipped"])
@@ -550,10 +536,9 @@ def print_tables(record: dict) -> None:
         console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
     if fp32_step := fp32_step_lines(record):
         console.print("\n".join(fp32_step[1:]))
-    if pairs := preference_lines(record):
-        console.print("\n".join(line.replace("**", "") for line in pairs[1:]))
-    if rollouts := rollout_lines(record):
-        console.print("\n".join(line.replace("**", "") for line in rollouts[1:]))
+    for section in (preference_lines, rollout_lines):  # less the leading blank line and the bold
+        if lines := section(record):
+            console.print("\n".join(line.replace("**", "") for line in lines[1:]))
     if record.get("ceiling"):
         console.print("\n".join(ceiling_lines(record)))
     if state := machine_state_lines(record):

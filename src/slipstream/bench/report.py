@@ -18,7 +18,7 @@ from ..utilisation.step_profile import CATEGORIES
 from .ab_config import SHAPE_DEFAULTS, ABConfig, record_config
 from .arms import ARM_SPECS
 from .inputs import short_name
-from .render import step_profile_cells
+from .render import CATEGORY_COLUMNS, step_profile_cells
 from .stats import format_speedup, speedup
 
 # Record keys that do not change what a timed step computes, so runs differing only in them
@@ -94,9 +94,6 @@ def workload(record: dict) -> str:
     config = record["config"]
     shape = _name(record, "model") + (f" x{config['layers']}L" if config.get("layers") else "")
     data = _name(record, "data")
-    backends = "/".join(
-        sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s})
-    )
     others = "".join(
         f"{key} {_setting(record, key)} · "
         for key in WORKLOAD_KEYS
@@ -104,7 +101,7 @@ def workload(record: dict) -> str:
     )
     return (
         f"{shape} · {data} · seq {config['max_seq_len']} · accum {config['grad_accum']} · {config['batching']} · "
-        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {others}{backends} · "
+        f"{config['dtype']} · ckpt {config.get('checkpointing', 'off')} · {others}{'/'.join(_backends(record))} · "
         f"vocab {record.get('vocab_size', '?')}"
     )
 
@@ -116,11 +113,13 @@ def hardware(record: dict) -> str:
     )
 
 
+def _backends(record: dict) -> tuple[str, ...]:
+    """The attention backends the arms that trained ran, sorted."""
+    return tuple(sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s}))
+
+
 def _key(record: dict) -> tuple:
-    backends = tuple(
-        sorted({s["attn_implementation"] for s in record["summary"].values() if "skipped" not in s})
-    )
-    return (*(_setting(record, k) for k in WORKLOAD_KEYS), record.get("vocab_size"), backends)
+    return (*(_setting(record, k) for k in WORKLOAD_KEYS), record.get("vocab_size"), _backends(record))
 
 
 def pair_records(a: dict, b: dict) -> None:
@@ -216,9 +215,17 @@ def cross_table(rows: list[dict]) -> str:
                 else ""
             )
         )
-    lines = ["| workload | comparison | " + " | ".join(machines) + " |", "|---|---|" + "---|" * len(machines)]
-    for (load, arm), by_machine in cells.items():
-        lines.append(f"| {load} | {arm} | " + " | ".join(by_machine.get(m, "—") for m in machines) + " |")
+    return _by_machine(("workload", "comparison"), cells, machines)
+
+
+def _by_machine(labels: tuple[str, ...], cells: dict[tuple, dict[str, str]], machines: list[str]) -> str:
+    """Markdown: a row per key of ``cells`` (its ``labels`` columns), a column per machine ("—": no record)."""
+
+    def row(key: tuple[str, ...], values) -> str:
+        return "| " + " | ".join(key) + " | " + " | ".join(values) + " |"
+
+    lines = [row(labels, machines), "|---" * len(labels) + "|" + "---|" * len(machines)]
+    lines += [row(key, (by_machine.get(m, "—") for m in machines)) for key, by_machine in cells.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -242,18 +249,7 @@ def ceiling_table(records: list[tuple[Path, dict]]) -> str:
             )
     if not cells:
         return ""
-    machines_sorted = sorted(machines)
-    lines = [
-        "| workload | budget | arm | " + " | ".join(machines_sorted) + " |",
-        "|---|---|---|" + "---|" * len(machines_sorted),
-    ]
-    for (load, budget, arm), by_machine in cells.items():
-        lines.append(
-            f"| {load} | {budget} | {arm} | "
-            + " | ".join(by_machine.get(m, "—") for m in machines_sorted)
-            + " |"
-        )
-    return "\n".join(lines) + "\n"
+    return _by_machine(("workload", "budget", "arm"), cells, sorted(machines))
 
 
 def step_profile_table(records: list[tuple[Path, dict]]) -> str:
@@ -273,9 +269,7 @@ def step_profile_table(records: list[tuple[Path, dict]]) -> str:
     if not lines:
         return ""
     header = [
-        "| machine | workload | arm | MFU | "
-        + " | ".join(n.replace("_", " ") for n in CATEGORIES)
-        + " | GEMM rate | record |",
+        f"| machine | workload | arm | MFU | {CATEGORY_COLUMNS} | GEMM rate | record |",
         "|---|---|---|---:|" + "---:|" * (len(CATEGORIES) + 1) + "---|",
     ]
     return "\n".join(header + lines) + "\n"

@@ -114,11 +114,8 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
     from ..objectives import objective_for
 
-    reads, data, seed = (
-        objective_for(config.train.training.objective).reads,
-        config.train.data,
-        config.train.seed,
-    )
+    reads = objective_for(config.train.training.objective).reads
+    data, seed = config.train.data, config.train.seed
     if reads == "pairs":
         return prepare_pair_bins(config)
     if reads == "prompts":  # online RL: rollouts sampled once (grpo_arms)
@@ -170,11 +167,9 @@ def _looser(dtype: str, other: str) -> str:
 
 def reference_model_flops(arms: dict[str, list[dict]]) -> list[int] | None:
     """Each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)."""
-    for runs in arms.values():
-        for run in runs:
-            if run.get("model_flops"):
-                return run["model_flops"]
-    return None
+    return next(
+        (run["model_flops"] for runs in arms.values() for run in runs if run.get("model_flops")), None
+    )
 
 
 def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, peak: dict | None) -> dict:

@@ -123,9 +123,8 @@ class FirstStepTruth:
     margins: tuple[float, float, float]  # FP32_MARGINS of the pair's dtype
     further: tuple[str, ...]  # what is further from fp32 than the reference's by more than its margin
     diverged: bool
-    judgement: (
-        str  # "as near fp32 as the reference or nearer", "within the margin", "further than the margin"
-    )
+    # "as near fp32 as the reference or nearer", "within the margin", "further than the margin"
+    judgement: str
     detail: str  # one sentence: both distances, and the judgement
 
 
