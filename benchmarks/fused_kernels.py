@@ -121,7 +121,7 @@ def steps(args) -> None:
     plan, vocab, _ = prepare_bins(config)
     arms = {}
     for kernels_mode in ("off", "compiled"):
-        model, _ = build_arm_model(config, "slipstream", vocab, "cpu")
+        model = build_arm_model(config, "slipstream", vocab, "cpu")
         optimize(model, arm_speedups(config, "slipstream").replace(fused_kernels=kernels_mode))
         print(next(p for p in reversed(state_of(model).policies) if p.startswith("fused kernels")))
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -52,7 +52,7 @@ def own_train(config_dict: dict, arm: str, plan: list, vocab_size: int) -> dict:
     device = resolve_device(config.ab.device)
     if config.ab.threads:
         torch.set_num_threads(config.ab.threads)
-    model, _ = build_arm_model(config, arm, vocab_size, device)
+    model = build_arm_model(config, arm, vocab_size, device)
     peer = trl_peer_step(config, arm, model, device)  # the very trainer the arm drives
     keys = ("prompt_ids", "chosen_ids", "rejected_ids") if arm == "trl-dpo" else ("input_ids", "labels")
     rows = [{key: row[key] for key in keys} for step in plan for micro in step for row in micro]

@@ -105,48 +105,40 @@ def perturb_by_one_ulp(model: torch.nn.Module, seed: int) -> int:
     return moved
 
 
-def open_arm_model(config, arm: str, vocab_size: int, perturb: bool, fp32: bool = False):
-    """What both arm sessions start from: the device, the arm's model and slipstream state as the arm
-    says (``arms.build_arm_model``), and the weights moved by one ulp for the sensitivity run
-    (``perturb``); returns ``(device, model, state, weights moved)``. ``fp32``: the very same weights
-    and adapter, built in the run's dtype, then cast up to fp32 (exactly: every reduced-precision value
-    is an fp32 value), for the fp32 step 0 a reduced-precision run is judged against (``bench/truth.py``)."""
-    from .ab_config import resolve_device
-    from .arms import build_arm_model
-
-    device = resolve_device(config.ab.device)
-    model, state = build_arm_model(config, arm, vocab_size, device)
-    if fp32:
-        model.float()
-    moved = perturb_by_one_ulp(model, config.train.seed + 1) if perturb else 0
-    return device, model, state, moved
-
-
-def open_arm_driver(config, arm: str, plan: list, vocab_size: int, perturb: bool, fp32: bool = False):
-    """A slipstream arm's step driver: ``slipstream train``'s (``train/driver.py``) built from the
-    arm's ``TrainConfig`` (``workload.train_config_of``) on the run's planned rows, with the same
-    weights, adapter, ``fp32`` cast and ``perturb`` as :func:`open_arm_model`; returns ``(device,
-    driver, weights moved)``. Not yet prepared (the caller times the reference pass)."""
+def open_arm_model(config, arm: str, plan: list, vocab_size: int, perturb: bool, fp32: bool = False):
+    """What every arm session starts from: the device; for a slipstream arm, the step driver
+    ``slipstream train`` runs (``train/driver.py``) built from the arm's ``TrainConfig``
+    (``arms.train_config_of``) on the run's planned rows, not yet prepared (the caller times the
+    reference pass); for a stock arm or a peer, its model as the arm says (``arms.build_arm_model``).
+    ``fp32``: the very same weights and adapter, built in the run's dtype, then cast up to fp32
+    (exactly: every reduced-precision value is an fp32 value), for the fp32 step 0 a reduced-precision
+    run is judged against (``bench/truth.py``); ``perturb``: the weights moved by one ulp, the run's
+    sensitivity. Returns ``(device, driver or None, model, weights moved)``."""
     from ..train.driver import driver_for
     from .ab_config import resolve_device
-    from .inputs import ab_tokenizer
-    from .workload import train_config_of
+    from .arms import build_arm_model, drives, train_config_of
+    from .inputs import ab_tokenizer, quiet_progress_bars
 
     if config.ab.threads:
         torch.set_num_threads(config.ab.threads)
-    device = resolve_device(config.ab.device)
-    driver = driver_for(
-        train_config_of(config, arm),
-        tokenizer=ab_tokenizer(config),
-        plan=plan,
-        device=torch.device(device),
-        dtype=getattr(torch, config.train.model.dtype),
-        vocab_size=vocab_size,
-    )
+    device, driver = resolve_device(config.ab.device), None
+    if drives(arm):
+        with quiet_progress_bars():
+            driver = driver_for(
+                train_config_of(config, arm),
+                tokenizer=ab_tokenizer(config),
+                plan=plan,
+                device=torch.device(device),
+                dtype=getattr(torch, config.train.model.dtype),
+                vocab_size=vocab_size,
+            )
+        model = driver.model
+    else:
+        model = build_arm_model(config, arm, vocab_size, device)
     if fp32:
-        driver.model.float()
-    moved = perturb_by_one_ulp(driver.model, config.train.seed + 1) if perturb else 0
-    return device, driver, moved
+        model.float()
+    moved = perturb_by_one_ulp(model, config.train.seed + 1) if perturb else 0
+    return device, driver, model, moved
 
 
 def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
@@ -154,7 +146,7 @@ def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer
     where the device has it) and schedule on the run's settings, as every slipstream arm has it."""
     from ..train.driver import optimizer_and_schedule
     from .ab_config import resolve_device
-    from .workload import train_config_of
+    from .arms import train_config_of
 
     device = torch.device(resolve_device(config.ab.device))
     return optimizer_and_schedule(

@@ -1,8 +1,8 @@
 """One arm of an A/B, in the process it runs in: its model, its steps one at a time, its figures.
 
-:func:`open_arm` builds the arm (model, LoRA, optimizer, schedule, the untimed activation probe)
-and returns an :class:`ArmSession`, whose :meth:`~ArmSession.step` trains one planned step and
-whose :meth:`~ArmSession.finish` returns the :class:`ArmResult`. :func:`run_arm` runs every step
+:func:`open_arm` builds the arm and returns its session (``arm_session.ArmSession``: an SFT or pair
+arm's :class:`RowsArmSession`, a GRPO arm's ``grpo_arms.GrpoArmSession``), whose ``step`` trains one
+planned step and whose ``finish`` returns the ``ArmResult``. :func:`run_arm` runs every step
 in a row; the lockstep scheduler (``lockstep.py``) drives several sessions, one process each, a
 step at a time, so that every arm's step k runs next to the others' (a machine's slow phase then
 slows every arm alike instead of one).
@@ -11,41 +11,28 @@ slows every arm alike instead of one).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import resource
 import time
 from typing import Any
 
 import torch
 
-from .. import hardware
 from ..compile import graph_counts
 from ..data.prefix_groups import unshared_tokens
 from ..objectives.sharing import PrefixSharing
 from ..offload import device_activation_bytes
-from ..optimize import base_model, state_of
 from ..packing.groups import group_documents
 from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
-from ..utilisation import docs_micro_batch, flop_profile, matmul_peak, profile_step
+from ..utilisation import docs_micro_batch, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
-from .arm_result import (
-    ArmResult,
-    arm_optimizer,
-    check_next_step,
-    open_arm_driver,
-    open_arm_model,
-    peak_memory_mb,
-    record_machine,
-    sync,
-)
+from .arm_result import arm_optimizer
+from .arm_session import ArmSession
 from .arms import ARM_SPECS, micro_batch_inputs
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
 from .peers import PeerStep
 from .peers.trl_base import trainer_run
-from .step_gradient import HeldGradient
 
 
 def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
@@ -64,126 +51,6 @@ def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: st
     from .peers.trl_step import TrlStep
 
     return TrlStep(model, ab_tokenizer(config), device=device, **run)
-
-
-def drives(arm: str) -> bool:
-    """Whether ``arm`` runs slipstream's own step (the step driver ``slipstream train`` runs); the stock
-    arms and the peers get each step's rows whole and step as they would."""
-    spec = ARM_SPECS[arm]
-    return not spec.stock and spec.peer is None
-
-
-class ArmSession:
-    """An arm set up in this process, ready to train its planned steps one at a time (see the module).
-
-    What every kind of arm does alike: a slipstream arm builds the step driver ``slipstream train``
-    runs (``train/driver.py``) from the run's ``TrainConfig`` with its speedups
-    (``workload.train_config_of``); a stock arm or a peer gets its model as the arm says. Each step
-    is timed in the same frame (the machine's share, the step-0 gradient, the curves); what a kind
-    of arm adds is :meth:`_set_up` (before the clock's first step), :meth:`_prepare` (a step's
-    inputs, untimed), :meth:`_timed_step` and :meth:`_record`."""
-
-    def __init__(
-        self,
-        config: ABConfig,
-        arm: str,
-        plan: list,
-        vocab_size: int,
-        perturb: bool = False,
-        *,
-        fp32: bool = False,
-        gradient_dir: str | None = None,
-    ):
-        self.config, self.arm, self.plan, self.spec = config, arm, plan, ARM_SPECS[arm]
-        self.driver, self.peer = None, None
-        if drives(arm):
-            self.device, self.driver, moved = open_arm_driver(config, arm, plan, vocab_size, perturb, fp32)
-            self.model = self.driver.model
-            self.state = state_of(base_model(self.model))
-        else:
-            self.device, self.model, self.state, moved = open_arm_model(
-                config, arm, vocab_size, perturb, fp32
-            )
-        self.peer = self._open_peer()
-        if self.peer is not None:
-            self.state.policies.extend(self.peer.policies)
-        self.profile = flop_profile(self.model)
-        extra = self._set_up()
-        if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        self.result = ArmResult(
-            arm=arm,
-            step_s=[],
-            forward_s=[],
-            backward_s=[],
-            tokens=[],
-            loss=[],
-            grad_norm=[],
-            host_syncs_by_op={},
-            peak_memory_mb=0.0,
-            memory_kind="cuda max allocated" if self.device == "cuda" else "cpu peak RSS",
-            attn_implementation=base_model(self.model).config._attn_implementation,
-            policies=self.state.policies
-            if self.state
-            else [],  # the model's own list: first-step decisions join it
-            dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
-            lr=[],
-            perturbed_weights=moved,
-            **{"host_syncs_per_step": None, "activation_bytes": None, **extra},
-        )
-        # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
-        self.gradient = HeldGradient(self.model, gradient_dir, arm)
-
-    def _open_peer(self) -> Any:
-        """The peer's trainer that steps this arm (``peers/trl_*.py``); None for any other arm."""
-        return None
-
-    def _set_up(self) -> dict[str, Any]:
-        """The kind's own set-up (the driver's preparation, its probes); the ArmResult fields it fills."""
-        raise NotImplementedError
-
-    def _prepare(self, step: int) -> Any:
-        """Step ``step``'s inputs, built before the clock starts."""
-        raise NotImplementedError
-
-    def _timed_step(self, step: int, prepared: Any) -> tuple[dict[str, Any], float]:
-        """Run step ``step`` on the clock; its metrics (loss, grad_norm, lr, forward_s, backward_s) and seconds."""
-        raise NotImplementedError
-
-    def _record(self, step: int, metrics: dict[str, Any]) -> None:
-        """What the kind keeps of a step beyond the curves every arm keeps."""
-
-    def _after_figures(self) -> None:
-        """What the kind measures after the figures (the optional profiled step)."""
-
-    def _sync(self) -> None:
-        sync(self.device)
-
-    def step(self, step: int) -> float:
-        """Train planned step ``step`` (the next one); returns its time in seconds."""
-        result = self.result
-        check_next_step(self.arm, result, step)
-        prepared = self._prepare(step)
-        self._sync()
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        with hardware.other_load(torch.get_num_threads()) as load:
-            metrics, seconds = self._timed_step(step, prepared)
-        record_machine(result, usage, load)
-        result.step_s.append(seconds)
-        if step == 0:  # written after the clock stopped
-            result.step0_gradient = self.gradient.save()
-        for key in ("forward_s", "backward_s", "loss", "grad_norm", "lr"):
-            getattr(result, key).append(metrics[key])
-        self._record(step, metrics)
-        return seconds
-
-    def finish(self) -> dict:
-        """The arm's figures (after every step), as a dict."""
-        self.result.peak_memory_mb = peak_memory_mb(self.device)
-        self._after_figures()
-        if self.peer is not None:
-            self.peer.close()
-        return dataclasses.asdict(self.result)
 
 
 class RowsArmSession(ArmSession):

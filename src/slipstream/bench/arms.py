@@ -21,13 +21,13 @@ from typing import Literal
 import torch
 
 from ..data.labels import count_label_tokens
+from ..objectives import objective_for
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups, registry
 from ..speedups.base import AblationRun
 from ..speedups.registry import ablation_arms
-from .adapter import attach_lora
-from .inputs import load_arm_model
+from ..train.config import OptimizerConfig, TrainConfig, TrainingConfig
 from .peers import Peer, prepare_base_model
 
 
@@ -269,18 +269,65 @@ def arm_speedups(config, arm: str) -> Speedups:
     return spec.speedups.replace(checkpointing=checkpointing, **options)
 
 
-def build_arm_model(config, arm: str, vocab_size: int, device: str):
-    """The model an arm trains, set up as the arm says; returns ``(model, slipstream state)``.
+def drives(arm: str) -> bool:
+    """Whether ``arm`` runs slipstream's own step (the step driver ``slipstream train`` runs); the stock
+    arms and the peers get each step's rows whole and step as they would."""
+    spec = ARM_SPECS[arm]
+    return not spec.stock and spec.peer is None
 
-    Every arm starts from the same weights (the model directory's, or a preset's seeded by
-    ``config.train.seed``) and, with ``lora_rank``, the same adapter initialisation.
-    """
+
+def train_config_of(config, arm: str) -> TrainConfig:
+    """``slipstream train``'s config of ``arm``: the A/B's one train config (an ``ABConfig``'s) with the
+    arm's own speedups and prefix sharing, run for the A/B's steps. Every slipstream arm builds the one
+    step driver (``train/driver.py``) from it, so what the arm times is what ``train`` runs; a stock arm
+    or a peer loads its model and adapter from it (:func:`build_arm_model`)."""
+
+    spec, train = ARM_SPECS[arm], config.train
+    replace = dataclasses.replace
+    return replace(
+        train,
+        data=replace(
+            train.data,
+            # documents are read through the cache (as ``ab`` always read them); a reference pass is
+            # computed in every arm's process, not read back, so its time is the arm's own
+            cache=objective_for(train.training.objective).reads == "samples",
+            share_prefixes=train.data.share_prefixes if shares_prefixes(arm) else "off",
+            eval_path=None,  # a timed A/B trains; it does not evaluate
+            eval_fraction=None,
+        ),
+        lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
+        # the peers' optimizer (AdamW at its default betas, clipped at 1.0, no weight decay) at the run's lr
+        optimizer=replace(
+            OptimizerConfig(),
+            lr=train.optimizer.lr,
+            schedule=train.optimizer.schedule,
+            warmup_steps=train.optimizer.warmup_steps,
+        ),
+        training=TrainingConfig(
+            objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
+        ),
+        preference=replace(train.preference, prefix_sharing=spec.pairs != "unshared"),
+        grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared"),
+        speedups=arm_speedups(config, arm),
+    )
+
+
+def build_arm_model(config, arm: str, vocab_size: int, device: str):
+    """The model a stock arm or a peer trains, set up as the arm says, by ``slipstream train``'s own
+    loader and adapter (``train/driver.py``) on the arm's ``TrainConfig``: every arm starts from the
+    same weights (the model directory's, or a preset's seeded by ``config.train.seed``) and the same
+    adapter initialisation. The peer's own set-up goes between the two (TRL's fused head before PEFT)."""
+    from ..train.driver import apply_lora, load_model
+    from .inputs import quiet_progress_bars
+
     if config.ab.threads:
         torch.set_num_threads(config.ab.threads)
-    model = load_arm_model(config, vocab_size, getattr(torch, config.train.model.dtype))
+    train = train_config_of(config, arm)
+    with quiet_progress_bars():
+        model = load_model(train, vocab_size, getattr(torch, train.model.dtype))
     model.to(device).train()
     spec = ARM_SPECS[arm]
-    optimize(model, arm_speedups(config, arm), expected_steps=config.ab.steps)
+    optimize(model, train.speedups, expected_steps=config.ab.steps)
     state = state_of(model)
     if spec.peer_loss == "trl-fused":
         # TRL is optional and heavy: only this arm imports it
@@ -290,4 +337,4 @@ def build_arm_model(config, arm: str, vocab_size: int, device: str):
         state.policies.append("loss: TRL's fused LM head (trl.trainer.utils.add_fused_lm_head)")
     if spec.peer:
         state.policies.extend(prepare_base_model(spec.peer, model))
-    return attach_lora(model, config), state
+    return apply_lora(model, train)

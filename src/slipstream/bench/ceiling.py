@@ -53,7 +53,7 @@ def probe_step(config_dict: dict, arm: str, docs: list[dict], vocab_size: int, b
     """One optimizer step of ``arm`` on ``docs`` packed into one row; its peak memory and whether it fit."""
     config = ABConfig.from_dict(config_dict)
     device = resolve_device(config.ab.device)
-    model, _ = build_arm_model(config, arm, vocab_size, device)
+    model = build_arm_model(config, arm, vocab_size, device)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=config.train.optimizer.lr
     )

@@ -33,11 +33,10 @@ from ..rewards import RewardError, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
-from .arm_run import ArmSession
-from .arms import ARM_SPECS, build_arm_model
+from .arm_session import ArmSession
+from .arms import ARM_SPECS, build_arm_model, train_config_of
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .peers.trl_base import trainer_run
-from .workload import train_config_of
 
 
 def _seed(config: ABConfig, step: int) -> int:
@@ -85,7 +84,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         )
     bins_for = step_order(len(bins), config.train.training.grad_accum, config.train.seed)
     device = resolve_device(config.ab.device)
-    model, _ = build_arm_model(config, "slipstream-grpo", vocab, device)
+    model = build_arm_model(config, "slipstream-grpo", vocab, device)
     try:
         check_sampleable(base_model(model), config.train.data.max_seq_len)
     except UnsupportedRollout as error:

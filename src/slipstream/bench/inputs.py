@@ -9,16 +9,14 @@ its seeded random weights and the demo tokenizer; the demo rows stay the default
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from pathlib import Path
 
-import torch
-
-from ..data import demo_tokenizer
 from ..data.chat import read_chat_template
 from ..data.samples import hash_path
 from ..data.token_ids import check_ids_in_vocab
-from ..models import build_model, model_names, preset_vocab_size
+from ..models import model_names, preset_vocab_size
 
 # Weights up to this size are hashed whole; above it, each weight file's size, its safetensors
 # header and evenly spaced samples of its bytes (a 70B checkpoint would take minutes to hash).
@@ -55,22 +53,17 @@ def check_model(model: str) -> None:
 
 
 def ab_tokenizer(config):
-    """The model directory's own tokenizer (and chat template), or the demo tokenizer for a preset;
-    with ``config.train.data.chat_template``'s template in place of its own where one is given."""
-    if not is_model_dir(config.model):
-        tokenizer = demo_tokenizer()
-    else:
-        from transformers import AutoTokenizer
+    """``slipstream train``'s tokenizer of the run (``train/driver.load_tokenizer``): the model
+    directory's own (and chat template), or the demo tokenizer for a preset; with
+    ``data.chat_template``'s template in place of its own where one is given. ABInputError naming
+    what cannot be used."""
+    from ..errors import TrainError
+    from ..train.driver import load_tokenizer
 
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        except (OSError, ValueError) as error:
-            raise ValueError(
-                f"model {config.model}: no usable tokenizer saved beside the model ({error})"
-            ) from None
-    if config.train.data.chat_template is not None:
-        tokenizer.chat_template = read_chat_template_option(config.train.data.chat_template)
-    return tokenizer
+    try:
+        return load_tokenizer(config.train)
+    except TrainError as error:
+        raise ABInputError(str(error)) from None
 
 
 def read_chat_template_option(source: str) -> str:
@@ -98,23 +91,15 @@ def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
     check_ids_in_vocab(samples, vocab, source, error=ABInputError)
 
 
-def load_arm_model(config, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
-    """The base model every arm starts from: the directory's weights, or a preset seeded by ``config.train.seed``."""
-    if not is_model_dir(config.model):
-        return build_model(
-            config.model,
-            vocab_size=vocab,
-            layers=config.train.model.layers,
-            seed=config.train.seed,
-            dtype=dtype,
-        )
-    from transformers import AutoModelForCausalLM
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """No transformers progress bar ("Loading weights", "Writing model shards") per arm inside ab's own."""
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Loading weights" bar per arm inside ab's own bar
+    hf_logging.disable_progress_bar()
     try:
-        return AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=dtype)
+        yield
     finally:
         if shown:
             hf_logging.enable_progress_bar()

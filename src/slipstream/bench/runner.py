@@ -32,8 +32,9 @@ from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, record_config, resolve_device
-from .arm_result import perturb_by_one_ulp
-from .arm_run import ArmResult, ArmSession, open_arm, run_arm
+from .arm_result import ArmResult, perturb_by_one_ulp
+from .arm_run import open_arm, run_arm
+from .arm_session import ArmSession
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint

@@ -231,8 +231,11 @@ def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
 
 
 def apply_lora(model, config: TrainConfig):
+    """``config.lora``'s adapter, initialised from ``config.seed`` whatever the set-up consumed before:
+    the same adapter in ``train`` and in every arm of an A/B (peers included)."""
     if not config.lora.enabled:
         return model
+    torch.manual_seed(config.seed)
     lora = LoraConfig(
         r=config.lora.rank,
         lora_alpha=config.lora.alpha,
@@ -290,7 +293,6 @@ def trainable_model(
         raise TrainError(
             f"{config.model.path or config.model.preset}: {error}{config_advice(error)}"
         ) from error
-    torch.manual_seed(config.seed)  # adapters start the same whatever the set-up consumed
     model = apply_lora(model, config)
     model.train()
     return wrap(model, info)

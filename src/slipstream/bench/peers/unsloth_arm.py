@@ -74,27 +74,22 @@ def _write_workload(config, plan: list, vocab_size: int, work: Path) -> Path:
     returns the model directory the worker loads (the user's own, for ``ab --model DIR``)."""
     from safetensors.torch import save_file
 
-    from ..adapter import attach_lora
-    from ..inputs import ab_tokenizer, is_model_dir, load_arm_model
+    from ...train.driver import apply_lora, load_model
+    from ..inputs import ab_tokenizer, is_model_dir, quiet_progress_bars
 
-    model = load_arm_model(config, vocab_size, getattr(torch, config.train.model.dtype))
+    train = config.train  # the run's model and adapter, as every arm's (dropout draws no initial weight)
+    with quiet_progress_bars():
+        model = load_model(train, vocab_size, getattr(torch, train.model.dtype))
     if is_model_dir(config.model):
         model_dir = Path(config.model)  # its weights, tokenizer and chat template, as every arm loads them
     else:
         model_dir = work / "model"
         tokenizer = ab_tokenizer(config)
         model.config.pad_token_id = tokenizer.pad_token_id
-        from transformers.utils import logging as hf_logging
-
-        shown = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a temporary copy, inside ab's own bar
-        try:
+        with quiet_progress_bars():  # a temporary copy
             model.save_pretrained(model_dir)
-        finally:
-            if shown:
-                hf_logging.enable_progress_bar()
         tokenizer.save_pretrained(model_dir)
-    peft_model = attach_lora(model, config)
+    peft_model = apply_lora(model, train)
     adapter = {}
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
