@@ -68,9 +68,8 @@ class ArmSession:
             peak_memory_mb=0.0,
             memory_kind="cuda max allocated" if self.device == "cuda" else "cpu peak RSS",
             attn_implementation=base_model(self.model).config._attn_implementation,
-            policies=self.state.policies
-            if self.state
-            else [],  # the model's own list: first-step decisions join it
+            # the model's own list: first-step decisions join it
+            policies=self.state.policies if self.state else [],
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             lr=[],
             perturbed_weights=moved,

@@ -229,22 +229,22 @@ class GrpoArmSession(ArmSession):
         return self.plan[step]
 
     def _timed_step(self, step: int, micro_groups) -> tuple[dict, float]:
-        """Sample and score the step's prompts, then update on its shared rollouts (each on its clock)."""
+        """Sample and score the step's prompts, then update on its shared rollouts (each on its clock);
+        the update's metrics carry the sampling's times and counts to :meth:`_record`."""
         rows = [g["row"] for micro in micro_groups for g in micro]
-        self.sampled = self._sample(rows, step)
+        sampled = self._sample(rows, step)
         self._sync()
         started = time.perf_counter()
         metrics = self._update(micro_groups)
         self._sync()
-        self.update_s = time.perf_counter() - started
-        sampled = self.sampled
-        return metrics, sampled["generation_s"] + sampled["scoring_s"] + self.update_s
+        update_s = time.perf_counter() - started
+        seconds = sampled["generation_s"] + sampled["scoring_s"] + update_s
+        return {**metrics, **sampled, "update_s": update_s}, seconds
 
     def _record(self, step: int, metrics: dict) -> None:
-        result, sampled = self.result, self.sampled
-        for key in ("generation_s", "scoring_s", "completions", "generated_tokens"):
-            getattr(result, key).append(sampled[key])
-        result.update_s.append(self.update_s)
+        result = self.result
+        for key in ("generation_s", "scoring_s", "completions", "generated_tokens", "update_s"):
+            getattr(result, key).append(metrics[key])
         # the update's completion tokens (the same rollouts for every arm)
         result.tokens.append(
             sum(len(c) for micro in self.plan[step] for g in micro for c in g["completions"])
