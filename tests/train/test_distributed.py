@@ -7,6 +7,7 @@ training loss and the eval loss.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -40,16 +41,24 @@ def eval_losses(out):
     return [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
 
 
-def run(args, **env):
-    done = subprocess.run(
+def run(args, timeout=300, **env):
+    """Run to the end; a run still going after ``timeout`` fails with every process's Python stacks
+    (SIGABRT under PYTHONFAULTHANDLER), so that a hang names where it hangs."""
+    process = subprocess.Popen(
         [sys.executable, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **env},
+        start_new_session=True,  # its own process group: the launcher and its ranks
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGABRT)
+        _, stderr = process.communicate()
+        pytest.fail(f"still running after {timeout} s; the processes' stacks:\n{stderr[-8000:]}")
+    assert process.returncode == 0, stderr[-3000:]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
