@@ -25,9 +25,8 @@ from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
-from .arm_result import arm_optimizer
 from .arm_session import ArmSession
-from .arms import ARM_SPECS, micro_batch_inputs
+from .arms import ARM_SPECS, micro_batch_inputs, train_config_of
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
@@ -95,8 +94,13 @@ class RowsArmSession(ArmSession):
             probe_forward_s = time.perf_counter() - probe_started
         if self.state is not None:
             self.state.grouping_counts.reset()  # the steps' batches only, not the probe's
-        if self.peer is None and self.driver is None:
-            self.optimizer, self.scheduler = arm_optimizer(self.model, config)
+        if self.peer is None and self.driver is None:  # the driver's AdamW and schedule, as train's
+            from ..train.driver import optimizer_and_schedule
+
+            settings = train_config_of(config, "slipstream")
+            self.optimizer, self.scheduler = optimizer_and_schedule(
+                self.model.parameters(), settings, torch.device(self.device), config.ab.steps
+            )
         return {
             "host_syncs_per_step": 0,
             "activation_bytes": activation_bytes,
@@ -176,10 +180,8 @@ class RowsArmSession(ArmSession):
             last = self.plan[-1]
             micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
             documents = self.last_plan.documents if self.driver else last
-            config = self.config
-            peak = matmul_peak(
-                self.device, getattr(torch, config.train.model.dtype), config.ab.threads
-            )  # the record's, cached
+            dtype = getattr(torch, self.config.train.model.dtype)
+            peak = matmul_peak(self.device, dtype, self.config.ab.threads)  # the record's, cached
             result.step_profile = profile_step(
                 lambda: self._step_fn(micro),
                 self.device,

@@ -38,6 +38,9 @@ from .arms import ARM_SPECS, build_arm_model, train_config_of
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .peers.trl_base import trainer_run
 
+# what a GRPO arm keeps of each step beyond the curves every arm keeps
+_PER_STEP = ("generation_s", "scoring_s", "update_s", "completions", "generated_tokens")
+
 
 def _seed(config: ABConfig, step: int) -> int:
     """The sampling seed of ``step`` (as ``slipstream train`` draws it on rank 0)."""
@@ -173,14 +176,7 @@ class GrpoArmSession(ArmSession):
             self.profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
             for step in self.plan
         ]
-        return {
-            "model_flops": model_flops,
-            "generation_s": [],
-            "scoring_s": [],
-            "update_s": [],
-            "completions": [],
-            "generated_tokens": [],
-        }
+        return {"model_flops": model_flops, **{key: [] for key in _PER_STEP}}
 
     def _sample(self, rows: list[dict], step: int) -> dict:
         """Sampling and scoring of this step's prompts with this arm's engine (its own completions)."""
@@ -243,7 +239,7 @@ class GrpoArmSession(ArmSession):
 
     def _record(self, step: int, metrics: dict) -> None:
         result = self.result
-        for key in ("generation_s", "scoring_s", "completions", "generated_tokens", "update_s"):
+        for key in _PER_STEP:
             getattr(result, key).append(metrics[key])
         # the update's completion tokens (the same rollouts for every arm)
         result.tokens.append(

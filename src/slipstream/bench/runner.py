@@ -32,9 +32,8 @@ from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, record_config, resolve_device
-from .arm_result import ArmResult, perturb_by_one_ulp
-from .arm_run import open_arm, run_arm
-from .arm_session import ArmSession
+from .arm_result import perturb_by_one_ulp
+from .arm_run import run_arm
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
@@ -46,10 +45,6 @@ from .workload import ab_samples
 # what the tests and the benchmark scripts import from here
 __all__ = [
     "ABConfig",
-    "ABInputError",
-    "ArmResult",
-    "ArmSession",
-    "open_arm",
     "perturb_by_one_ulp",
     "prepare_bins",
     "run_ab",
@@ -166,13 +161,6 @@ def _looser(dtype: str, other: str) -> str:
     return "bfloat16" if "bfloat16" in (dtype, other) else "float16" if "float16" in (dtype, other) else dtype
 
 
-def reference_model_flops(arms: dict[str, list[dict]]) -> list[int] | None:
-    """Each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)."""
-    return next(
-        (run["model_flops"] for runs in arms.values() for run in runs if run.get("model_flops")), None
-    )
-
-
 def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, peak: dict | None) -> dict:
     """``model_flops_per_step`` (the mean over timed steps), ``achieved_tflops`` (model FLOPs over the
     timed steps' time, all repeats) and ``mfu`` (that over the measured peak); {} without a count."""
@@ -226,7 +214,8 @@ def summarize(
     timed: dict[str, list[float]] = {}
     timed_parts: dict[str, dict[str, list[float]]] = {}  # grpo: per arm, its generation and update times
     ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
-    flops = reference_model_flops(ran)
+    # each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)
+    flops = next((r["model_flops"] for runs in ran.values() for r in runs if r.get("model_flops")), None)
     for arm, runs in arms.items():
         if arm not in ran:
             summary[arm] = {"skipped": skipped_reason(runs)}
@@ -270,12 +259,14 @@ def summarize(
         return summary
     reference = next(iter(ran))
     first = ran[reference][0]
+    measured = (fp32_step or {}).get("arms", {})  # none in an fp32 run, a skipped fp32 step
     for arm in ran:
         dtype = _looser(summary[reference]["dtype"], summary[arm]["dtype"])
         run = ran[arm][0]
-        first_step = step0_against_fp32(fp32_step, arm, reference, dtype)
-        if first_step is not None:
-            why = fp32_step["arms"][arm].get("cosine_not_measured")
+        first_step = None  # arm's distance to the fp32 step next to the reference's, where both were measured
+        if arm in measured and reference in measured:
+            first_step = against_fp32(measured[arm], measured[reference], dtype)
+            why = measured[arm].get("cosine_not_measured")
             summary[arm]["step0_vs_fp32"] = {
                 **dataclasses.asdict(first_step),
                 **({"cosine_not_measured": why} if why else {}),
@@ -319,15 +310,6 @@ def summarize(
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, seed)
     return summary
-
-
-def step0_against_fp32(fp32_step: dict | None, arm: str, reference: str, dtype: str):
-    """``stats.against_fp32`` of ``arm``'s distance to the fp32 step next to ``reference``'s; None where
-    there is none (an fp32 run, a skipped fp32 step, an arm it did not measure)."""
-    measured = (fp32_step or {}).get("arms", {})
-    if arm not in measured or reference not in measured:
-        return None
-    return against_fp32(measured[arm], measured[reference], dtype)
 
 
 def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
