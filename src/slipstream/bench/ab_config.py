@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
 
@@ -285,20 +286,15 @@ TRAIN_FLAGS = {
 }
 
 
-def train_value(train: TrainConfig, key: str) -> Any:
-    """The value of a dotted train key."""
-    value = train
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def record_config(config: ABConfig) -> dict[str, Any]:
     """The record's ``config``: the A/B's keys, the workload under its option names (what the reports
     read, older records' names too), and the whole train config under ``train``."""
     train = config.train
     online = objective_for(train.training.objective).reads == "prompts"
-    flat = {name: train_value(train, key) for name, (key, _) in TRAIN_FLAGS.items() if "lora" not in key}
+    # each workload option's value: its dotted train key's
+    flat = {
+        name: reduce(getattr, k.split("."), train) for name, (k, _) in TRAIN_FLAGS.items() if "lora" not in k
+    }
     default = speedups_module.Speedups()
     return {  # in the order of the A/B's earlier fields: a report's labels list them so
         "model": config.model,

@@ -125,11 +125,8 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
-ABLATION_CONTROLS = (
-    "stock-packed",
-    "slipstream",
-    "slipstream-again",  # the A/A control: how far two processes of the same arm differ
-)
+# slipstream-again is the A/A control: how far two processes of the same arm differ
+ABLATION_CONTROLS = ("stock-packed", "slipstream", "slipstream-again")
 
 
 _BUILT: dict[str, object] = {}

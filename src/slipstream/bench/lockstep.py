@@ -199,9 +199,7 @@ def run_lockstep(
             why = "one arm trains here"
         if progress:
             progress(f"arms {'in lockstep' if lockstep else 'one after another'} ({why})")
-        for step in range(1, len(plan)):
-            if not lockstep:
-                break
+        for step in range(1, len(plan) if lockstep else 1):
             turn = step % len(live)
             for process in live[turn:] + live[:turn]:
                 process.step(step)

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ..data import pack_samples
 from ..data.prefix_groups import combined, share_rows
 from ..data.steps import step_order
+from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
@@ -37,7 +38,7 @@ from .arm_run import run_arm
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
-from .inputs import ABInputError, ab_tokenizer, check_token_ids, inputs_record, vocab_size
+from .inputs import ABInputError, ab_tokenizer, inputs_record, vocab_size
 from .lockstep import run_in_fresh_process, run_lockstep
 from .truth import gradient_directory, measure_fp32_step0
 from .workload import ab_samples
@@ -85,7 +86,7 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
         message = str(error)
         raise ABInputError(message if isinstance(error, DataError) else f"{data.path}: {message}") from None
     docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
-    check_token_ids(docs, vocab, data.path)
+    check_ids_in_vocab(docs, vocab, data.path, error=ABInputError)
     plan = _plan(pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), config, data.path)
     needed = config.ab.steps * config.train.training.grad_accum
     used = [p for step in plan for mb in step for p in mb]
@@ -122,7 +123,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     samples = ab_samples(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
     source = data.path or "the demo rows"
-    check_token_ids(samples, vocab, source)
+    check_ids_in_vocab(samples, vocab, source, error=ABInputError)  # the tokenizer belongs to the model
     bins, report = pack_samples(
         samples, data.max_seq_len, seed=seed, overflow=data.overflow, strategy=config.ab.batching
     )
