@@ -3,9 +3,7 @@
 :func:`open_arm` builds the arm and returns its session (``arm_session.ArmSession``: an SFT or pair
 arm's :class:`RowsArmSession`, a GRPO arm's ``grpo_arms.GrpoArmSession``), whose ``step`` trains one
 planned step and whose ``finish`` returns the ``ArmResult``. :func:`run_arm` runs every step
-in a row; the lockstep scheduler (``lockstep.py``) drives several sessions, one process each, a
-step at a time, so that every arm's step k runs next to the others' (a machine's slow phase then
-slows every arm alike instead of one).
+in a row; the lockstep scheduler (``lockstep.py``) drives several sessions a step at a time.
 """
 
 from __future__ import annotations
@@ -157,11 +155,8 @@ class RowsArmSession(ArmSession):
         result.hold_s.append(held.seconds)
         if step == 0 and self.state is not None and self.state.compiled:
             result.compile_graphs = {"after_first_step": graph_counts()}
-        if self.spec.pairs:
-            tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
-        else:
-            tokens = sum(unshared_tokens(docs) for docs in micro_docs)
-        result.tokens.append(metrics.get("tokens", tokens))
+        count = counted_tokens if self.spec.pairs else unshared_tokens
+        result.tokens.append(metrics.get("tokens", sum(count(docs) for docs in micro_docs)))
         if self.spec.pairs:
             result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
@@ -209,8 +204,7 @@ def open_arm(
     if spec.peer:
         from .peers import unavailable
 
-        reason = unavailable(spec.peer, config, resolve_device(config.ab.device))
-        if reason:
+        if reason := unavailable(spec.peer, config, resolve_device(config.ab.device)):
             return {"arm": arm, "skipped": reason}
         if spec.peer.startswith("unsloth"):
             from .peers.unsloth_arm import run_unsloth_arm

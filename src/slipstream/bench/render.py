@@ -133,8 +133,7 @@ def inputs_lines(record: dict) -> list[str]:
         )
     if config.get("train_config"):
         lines.append(f"Read from: {config['train_config']}")
-    sharing = record.get("packing", {}).get("sharing")
-    if sharing:
+    if sharing := record.get("packing", {}).get("sharing"):
         decisions = [
             f"{arm}: {line}"
             for arm, runs in record.get("runs", {}).items()

@@ -84,8 +84,7 @@ def _setting(record: dict, key: str):
 
 def _name(record: dict, key: str) -> str:
     """The model or data as a label: a preset's name, or a directory's or file's name and hash prefix."""
-    found = record.get("inputs", {}).get(key)
-    if found:
+    if found := record.get("inputs", {}).get(key):
         return short_name(found)
     return record["config"].get(key) or "demo rows"
 
@@ -287,14 +286,11 @@ def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
     arm, with both sides' MFU where the records have it), any memory ceilings, any profiled steps
     (where each step's time went), then the arms that were skipped and why."""
     table = cross_table(rows)
-    ceilings = ceiling_table(records)
-    if ceilings:
+    if ceilings := ceiling_table(records):
         table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
-    profiles = step_profile_table(records)
-    if profiles:
+    if profiles := step_profile_table(records):
         table += f"\nWhere a step goes (`ab --profile-step`; self time by category, an op inside attention or a compiled graph counted there):\n\n{profiles}"
-    skipped = skipped_lines(records)
-    if skipped:
+    if skipped := skipped_lines(records):
         table += "\nArms skipped (not run on that machine):\n\n" + "\n".join(skipped) + "\n"
     return table
 

@@ -249,7 +249,8 @@ def summarize(
         if first.get("generation_s") is not None:  # --objective grpo: sampling and the update apart
             summary[arm].update(_rollout_figures(config, runs))
             timed_parts[arm] = {
-                part: [t for run in runs for t in run[part][warmup:]] for part in ("generation_s", "update_s")
+                half: [t for run in runs for t in run[f"{half}_s"][warmup:]]
+                for half in ("generation", "update")
             }
         if first.get("pairs"):
             pairs = [n for run in runs for n in run["pairs"][warmup:]]
@@ -301,13 +302,11 @@ def summarize(
             interval = speedup(timed[base], timed[arm], seed=seed, repeats=config.ab.repeats)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
             if arm in timed_parts and base in timed_parts:  # grpo: each half against the base's
-                for part, name in (("generation_s", "generation"), ("update_s", "update")):
-                    mine, theirs = timed_parts[arm][part], timed_parts[base][part]
-                    summary[arm][f"{name}_speedup_vs_{base}"] = (
-                        summary[arm][f"{name}_completions_per_s"] / summary[base][f"{name}_completions_per_s"]
-                    )
-                    interval = speedup(theirs, mine, seed=seed, repeats=config.ab.repeats)
-                    summary[arm][f"{name}_interval_vs_{base}"] = dataclasses.asdict(interval)
+                for half, mine in timed_parts[arm].items():
+                    rate = f"{half}_completions_per_s"
+                    summary[arm][f"{half}_speedup_vs_{base}"] = summary[arm][rate] / summary[base][rate]
+                    interval = speedup(timed_parts[base][half], mine, seed=seed, repeats=config.ab.repeats)
+                    summary[arm][f"{half}_interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, seed)
     return summary
