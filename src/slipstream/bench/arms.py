@@ -185,12 +185,9 @@ ARMS: Sequence[str] = _ArmNames()
 
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
-    not pull on ``device`` (it would run the same thing twice): each speedup says where its lever
-    is pulled (``Speedup.ablation_applies``: compile where the run would not compile, the short
-    kernel off a CPU or where this CPU's calibration found no length for it, LoRA compute in a full
-    fine-tune, MoE routing without experts, the fused kernels where neither Liger nor the compiled
-    kernels would run; a model type Liger lacks, or a model with no module class the compiled
-    kernels match, is only found when the arm's model is built, and logged)."""
+    not pull on ``device`` (it would run the same thing twice), as each speedup's
+    ``Speedup.ablation_applies`` says (what only the built model shows, such as a model type Liger
+    lacks, is found when the arm's model is built, and logged)."""
     arms = ARM_PRESETS[preset]
     slipstream = arm_speedups(config, "slipstream")
     leave_one_out = ablation_arms()
