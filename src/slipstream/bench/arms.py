@@ -275,8 +275,7 @@ def train_config_of(config, arm: str) -> TrainConfig:
     arm's own speedups and prefix sharing, run for the A/B's steps. Every slipstream arm builds the one
     step driver (``train/driver.py``) from it, so what the arm times is what ``train`` runs; a stock arm
     or a peer loads its model and adapter from it (:func:`build_arm_model`)."""
-
-    spec, train = ARM_SPECS[arm], config.train
+    spec, train, opt = ARM_SPECS[arm], config.train, config.train.optimizer
     replace = dataclasses.replace
     return replace(
         train,
@@ -291,12 +290,7 @@ def train_config_of(config, arm: str) -> TrainConfig:
         ),
         lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
         # the peers' optimizer (AdamW at its default betas, clipped at 1.0, no weight decay) at the run's lr
-        optimizer=replace(
-            OptimizerConfig(),
-            lr=train.optimizer.lr,
-            schedule=train.optimizer.schedule,
-            warmup_steps=train.optimizer.warmup_steps,
-        ),
+        optimizer=OptimizerConfig(lr=opt.lr, schedule=opt.schedule, warmup_steps=opt.warmup_steps),
         training=TrainingConfig(
             objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
         ),
