@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from functools import reduce
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,9 +50,7 @@ class ABSection:
     arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
     steps: int = _option(40, "optimizer steps per arm (warm-up included)")
     warmup: int = _option(2, "untimed warm-up steps")
-    # "bfd" = slipstream's best-fit-decreasing bins, which gather similar lengths and so also
-    # spare the padded arm most of its padding; "sequential" = documents in shuffled order up
-    # to the token budget, the batches padded training usually sees. Every arm gets the same.
+    # bfd's bins gather similar lengths, so they also spare the padded arm most of its padding
     batching: Literal["bfd", "sequential"] = _option(
         "bfd",
         "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
@@ -66,24 +65,20 @@ class ABSection:
         "the arms' memory fits side by side",
     )
     threads: int | None = _option(None, "torch CPU threads per arm")
-    # Between two steps (CPU, untimed): hold the memory the arm's steps churn while it waits, so its
-    # next step starts as one straight after another does (bench/host_pages.py: on a VM the host takes
-    # a waiting process's freed pages back, and they fault in cold).
+    # why: on a VM the host takes a waiting process's freed pages back; they fault in cold (host_pages.py)
     keep_pages_warm: bool = _option(
         True,
         "CPU: between two steps, hold the memory the arm's steps churn (untimed) and free it just before the "
         "next, so an arm that waited (lockstep) pays no colder page faults than one stepping alone",
     )
     out_dir: str | None = _option(None, "output directory (default: runs/ab-<time>)", flag="--out")
-    # The memory ceiling: for each arm, the most packed tokens one step trains within this
-    # budget (e.g. "8GB"; peak RSS on a CPU, max_memory_allocated on CUDA). None: not searched.
+    # the memory ceiling (bench/ceiling.py); None: not searched
     max_tokens_within: str | None = _option(
         None,
         "also find each arm's memory ceiling: the most packed tokens one step trains within SIZE "
         "(e.g. 8GB; peak RSS on a CPU, max_memory_allocated on CUDA)",
         metavar="SIZE",
     )
-    # One more step per arm after the timed ones, under torch.profiler: where its time goes.
     profile_step: bool = _option(
         False,
         "after the timed steps, profile one more step per arm: its time in matmuls, attention, dtype "
@@ -146,8 +141,7 @@ class ABConfig:
         train, ab = self.train, self.ab
         check_model(self.model)  # raises ValueError naming a model that is neither shape nor directory
         self._resolve_dtype()
-        unknown = [arm for arm in ab.arms if arm not in ARMS]
-        if unknown:
+        if unknown := [arm for arm in ab.arms if arm not in ARMS]:
             raise ValueError(f"unknown arm(s) {unknown}; choose from {ARMS}")
         if ab.steps <= ab.warmup:
             raise ValueError(f"steps ({ab.steps}) must exceed warmup ({ab.warmup})")
@@ -187,8 +181,7 @@ class ABConfig:
         objective, arms = self.train.training.objective, self.ab.arms
         reads = objective_for(objective).reads
         if reads == "samples":
-            wanted = sorted({ARM_SPECS[arm].objective for arm in arms if ARM_SPECS[arm].pairs})
-            if wanted:
+            if wanted := sorted({ARM_SPECS[arm].objective for arm in arms if ARM_SPECS[arm].pairs}):
                 raise ValueError(
                     f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
                 )
@@ -196,13 +189,11 @@ class ABConfig:
         own = [arm for arm in ARMS if ARM_SPECS[arm].objective == objective]
         if not own:
             raise ValueError(f"objective {objective}: no A/B arm trains it yet")
-        documents = [arm for arm in arms if reads == "pairs" and not ARM_SPECS[arm].pairs]
-        if documents:
+        if documents := [arm for arm in arms if reads == "pairs" and not ARM_SPECS[arm].pairs]:
             raise ValueError(
                 f"objective {objective}: arm(s) {documents} train documents, not pairs (use --preset {objective})"
             )
-        other = [arm for arm in arms if ARM_SPECS[arm].objective != objective]
-        if other:
+        if other := [arm for arm in arms if ARM_SPECS[arm].objective != objective]:
             raise ValueError(
                 f"objective {objective}: arm(s) {other} train another objective "
                 f"(use --preset {objective}: {', '.join(own)})"
@@ -285,20 +276,15 @@ TRAIN_FLAGS = {
 }
 
 
-def train_value(train: TrainConfig, key: str) -> Any:
-    """The value of a dotted train key."""
-    value = train
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def record_config(config: ABConfig) -> dict[str, Any]:
     """The record's ``config``: the A/B's keys, the workload under its option names (what the reports
     read, older records' names too), and the whole train config under ``train``."""
     train = config.train
     online = objective_for(train.training.objective).reads == "prompts"
-    flat = {name: train_value(train, key) for name, (key, _) in TRAIN_FLAGS.items() if "lora" not in key}
+    # each workload option's value: its dotted train key's
+    flat = {
+        name: reduce(getattr, k.split("."), train) for name, (k, _) in TRAIN_FLAGS.items() if "lora" not in k
+    }
     default = speedups_module.Speedups()
     return {  # in the order of the A/B's earlier fields: a report's labels list them so
         "model": config.model,

@@ -1,6 +1,5 @@
-"""What one A/B arm measured (``ArmResult``), and what every kind of arm session does alike: its
-optimizer and schedule (slipstream train's), the step-order check, the machine's share of a step, its
-peak memory and the one-ulp perturbation of its weights (the run's sensitivity)."""
+"""What one A/B arm measured (``ArmResult``), and what every kind of arm session opens with: its
+model or step driver, its peak memory and the one-ulp perturbation of its weights (the run's sensitivity)."""
 
 from __future__ import annotations
 
@@ -16,17 +15,17 @@ from .ceiling import proc_status_kib
 @dataclass
 class ArmResult:
     arm: str
-    step_s: list[float]
-    forward_s: list[float]
-    backward_s: list[float]
-    tokens: list[int]
-    loss: list[float]
-    grad_norm: list[float]
-    host_syncs_per_step: int | None  # None: not counted (a peer run outside our counter)
-    host_syncs_by_op: dict[str, int]
-    peak_memory_mb: float
-    memory_kind: str
-    attn_implementation: str
+    step_s: list[float] = field(default_factory=list)
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    host_syncs_per_step: int | None = None  # None: not counted (a peer run outside our counter)
+    host_syncs_by_op: dict[str, int] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0
+    memory_kind: str = ""
+    attn_implementation: str = ""
     policies: list[str] = field(default_factory=list)
     # kept on the device at the end of forward (hardware-independent); None: not measured
     activation_bytes: int | None = 0
@@ -139,36 +138,3 @@ def open_arm_model(config, arm: str, plan: list, vocab_size: int, perturb: bool,
         model.float()
     moved = perturb_by_one_ulp(model, config.train.seed + 1) if perturb else 0
     return device, driver, model, moved
-
-
-def arm_optimizer(model: torch.nn.Module, config) -> tuple[torch.optim.Optimizer, Any]:
-    """What a stock arm or a peer without its own trainer steps with: the step driver's AdamW (fused
-    where the device has it) and schedule on the run's settings, as every slipstream arm has it."""
-    from ..train.driver import optimizer_and_schedule
-    from .ab_config import resolve_device
-    from .arms import train_config_of
-
-    device = torch.device(resolve_device(config.ab.device))
-    return optimizer_and_schedule(
-        model.parameters(), train_config_of(config, "slipstream"), device, config.ab.steps
-    )
-
-
-def check_next_step(arm: str, result: ArmResult, step: int) -> None:
-    """Steps run in order: ``step`` must be the next one."""
-    if step != len(result.step_s):
-        raise ValueError(f"{arm}: step {step} asked for, step {len(result.step_s)} is next")
-
-
-def record_machine(result: ArmResult, usage, load) -> None:
-    """What the machine did during a step: other work's cores (``hardware.OtherLoad``), this process's
-    page faults and kernel seconds since ``usage`` (``resource.getrusage`` before the step)."""
-    result.other_cores.append(round(load.other_cores, 3) if load.known else None)
-    after = resource.getrusage(resource.RUSAGE_SELF)
-    result.page_faults.append(after.ru_minflt - usage.ru_minflt)
-    result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()

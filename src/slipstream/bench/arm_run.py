@@ -3,9 +3,7 @@
 :func:`open_arm` builds the arm and returns its session (``arm_session.ArmSession``: an SFT or pair
 arm's :class:`RowsArmSession`, a GRPO arm's ``grpo_arms.GrpoArmSession``), whose ``step`` trains one
 planned step and whose ``finish`` returns the ``ArmResult``. :func:`run_arm` runs every step
-in a row; the lockstep scheduler (``lockstep.py``) drives several sessions, one process each, a
-step at a time, so that every arm's step k runs next to the others' (a machine's slow phase then
-slows every arm alike instead of one).
+in a row; the lockstep scheduler (``lockstep.py``) drives several sessions a step at a time.
 """
 
 from __future__ import annotations
@@ -25,9 +23,8 @@ from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
-from .arm_result import arm_optimizer
 from .arm_session import ArmSession
-from .arms import ARM_SPECS, micro_batch_inputs
+from .arms import ARM_SPECS, micro_batch_inputs, train_config_of
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
@@ -95,8 +92,13 @@ class RowsArmSession(ArmSession):
             probe_forward_s = time.perf_counter() - probe_started
         if self.state is not None:
             self.state.grouping_counts.reset()  # the steps' batches only, not the probe's
-        if self.peer is None and self.driver is None:
-            self.optimizer, self.scheduler = arm_optimizer(self.model, config)
+        if self.peer is None and self.driver is None:  # the driver's AdamW and schedule, as train's
+            from ..train.driver import optimizer_and_schedule
+
+            settings = train_config_of(config, "slipstream")
+            self.optimizer, self.scheduler = optimizer_and_schedule(
+                self.model.parameters(), settings, torch.device(self.device), config.ab.steps
+            )
         return {
             "host_syncs_per_step": 0,
             "activation_bytes": activation_bytes,
@@ -153,11 +155,8 @@ class RowsArmSession(ArmSession):
         result.hold_s.append(held.seconds)
         if step == 0 and self.state is not None and self.state.compiled:
             result.compile_graphs = {"after_first_step": graph_counts()}
-        if self.spec.pairs:
-            tokens = sum(counted_tokens(pairs) for pairs in micro_docs)
-        else:
-            tokens = sum(unshared_tokens(docs) for docs in micro_docs)
-        result.tokens.append(metrics.get("tokens", tokens))
+        count = counted_tokens if self.spec.pairs else unshared_tokens
+        result.tokens.append(metrics.get("tokens", sum(count(docs) for docs in micro_docs)))
         if self.spec.pairs:
             result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
@@ -176,10 +175,8 @@ class RowsArmSession(ArmSession):
             last = self.plan[-1]
             micro = self.last_plan if self.driver else [self._inputs(docs) for docs in last]
             documents = self.last_plan.documents if self.driver else last
-            config = self.config
-            peak = matmul_peak(
-                self.device, getattr(torch, config.train.model.dtype), config.ab.threads
-            )  # the record's, cached
+            dtype = getattr(torch, self.config.train.model.dtype)
+            peak = matmul_peak(self.device, dtype, self.config.ab.threads)  # the record's, cached
             result.step_profile = profile_step(
                 lambda: self._step_fn(micro),
                 self.device,
@@ -207,8 +204,7 @@ def open_arm(
     if spec.peer:
         from .peers import unavailable
 
-        reason = unavailable(spec.peer, config, resolve_device(config.ab.device))
-        if reason:
+        if reason := unavailable(spec.peer, config, resolve_device(config.ab.device)):
             return {"arm": arm, "skipped": reason}
         if spec.peer.startswith("unsloth"):
             from .peers.unsloth_arm import run_unsloth_arm

@@ -18,20 +18,15 @@ from .. import hardware
 from ..optimize import base_model, state_of
 from ..utilisation import flop_profile
 from .ab_config import ABConfig
-from .arm_result import ArmResult, check_next_step, open_arm_model, peak_memory_mb, record_machine, sync
+from .arm_result import ArmResult, open_arm_model, peak_memory_mb
 from .arms import ARM_SPECS
 from .step_gradient import HeldGradient
 
 
 class ArmSession:
-    """An arm set up in this process, ready to train its planned steps one at a time (see the module).
-
-    What every kind of arm does alike: a slipstream arm builds the step driver ``slipstream train``
-    runs (``train/driver.py``) from the run's ``TrainConfig`` with its speedups
-    (``arms.train_config_of``); a stock arm or a peer gets its model as the arm says. Each step
-    is timed in the same frame (the machine's share, the step-0 gradient, the curves); what a kind
-    of arm adds is :meth:`_set_up` (before the clock's first step), :meth:`_prepare` (a step's
-    inputs, untimed), :meth:`_timed_step` and :meth:`_record`."""
+    """An arm set up in this process, ready to train its planned steps one at a time (see the module);
+    what a kind of arm adds is :meth:`_set_up` (before the clock's first step), :meth:`_prepare` (a
+    step's inputs, untimed), :meth:`_timed_step` and :meth:`_record`."""
 
     def __init__(
         self,
@@ -58,14 +53,6 @@ class ArmSession:
             torch.cuda.reset_peak_memory_stats()
         self.result = ArmResult(
             arm=arm,
-            step_s=[],
-            forward_s=[],
-            backward_s=[],
-            tokens=[],
-            loss=[],
-            grad_norm=[],
-            host_syncs_by_op={},
-            peak_memory_mb=0.0,
             memory_kind="cuda max allocated" if self.device == "cuda" else "cpu peak RSS",
             attn_implementation=base_model(self.model).config._attn_implementation,
             # the model's own list: first-step decisions join it
@@ -73,7 +60,7 @@ class ArmSession:
             dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
             lr=[],
             perturbed_weights=moved,
-            **{"host_syncs_per_step": None, "activation_bytes": None, **extra},
+            **{"activation_bytes": None, **extra},
         )
         # the step-0 gradient, for the fp32 truth of a reduced-precision run (bench/truth.py)
         self.gradient = HeldGradient(self.model, gradient_dir, arm)
@@ -101,18 +88,24 @@ class ArmSession:
         """What the kind measures after the figures (the optional profiled step)."""
 
     def _sync(self) -> None:
-        sync(self.device)
+        if self.device == "cuda":
+            torch.cuda.synchronize()
 
     def step(self, step: int) -> float:
         """Train planned step ``step`` (the next one); returns its time in seconds."""
         result = self.result
-        check_next_step(self.arm, result, step)
+        if step != len(result.step_s):
+            raise ValueError(f"{self.arm}: step {step} asked for, step {len(result.step_s)} is next")
         prepared = self._prepare(step)
         self._sync()
         usage = resource.getrusage(resource.RUSAGE_SELF)
         with hardware.other_load(torch.get_num_threads()) as load:
             metrics, seconds = self._timed_step(step, prepared)
-        record_machine(result, usage, load)
+        # what the machine did meanwhile: other work's cores, this process's page faults and kernel seconds
+        result.other_cores.append(round(load.other_cores, 3) if load.known else None)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        result.page_faults.append(after.ru_minflt - usage.ru_minflt)
+        result.system_s.append(round(after.ru_stime - usage.ru_stime, 4))
         result.step_s.append(seconds)
         if step == 0:  # written after the clock stopped
             result.step0_gradient = self.gradient.save()

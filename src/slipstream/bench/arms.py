@@ -125,11 +125,8 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
 }
 
 
-ABLATION_CONTROLS = (
-    "stock-packed",
-    "slipstream",
-    "slipstream-again",  # the A/A control: how far two processes of the same arm differ
-)
+# slipstream-again is the A/A control: how far two processes of the same arm differ
+ABLATION_CONTROLS = ("stock-packed", "slipstream", "slipstream-again")
 
 
 _BUILT: dict[str, object] = {}
@@ -188,12 +185,9 @@ ARMS: Sequence[str] = _ArmNames()
 
 def preset_arms(preset: str, config, device: str) -> tuple[str, ...]:
     """The arms of ``--preset``, less a leave-one-out whose lever the run's ``slipstream`` arm would
-    not pull on ``device`` (it would run the same thing twice): each speedup says where its lever
-    is pulled (``Speedup.ablation_applies``: compile where the run would not compile, the short
-    kernel off a CPU or where this CPU's calibration found no length for it, LoRA compute in a full
-    fine-tune, MoE routing without experts, the fused kernels where neither Liger nor the compiled
-    kernels would run; a model type Liger lacks, or a model with no module class the compiled
-    kernels match, is only found when the arm's model is built, and logged)."""
+    not pull on ``device`` (it would run the same thing twice), as each speedup's
+    ``Speedup.ablation_applies`` says (what only the built model shows, such as a model type Liger
+    lacks, is found when the arm's model is built, and logged)."""
     arms = ARM_PRESETS[preset]
     slipstream = arm_speedups(config, "slipstream")
     leave_one_out = ablation_arms()
@@ -281,8 +275,7 @@ def train_config_of(config, arm: str) -> TrainConfig:
     arm's own speedups and prefix sharing, run for the A/B's steps. Every slipstream arm builds the one
     step driver (``train/driver.py``) from it, so what the arm times is what ``train`` runs; a stock arm
     or a peer loads its model and adapter from it (:func:`build_arm_model`)."""
-
-    spec, train = ARM_SPECS[arm], config.train
+    spec, train, opt = ARM_SPECS[arm], config.train, config.train.optimizer
     replace = dataclasses.replace
     return replace(
         train,
@@ -297,12 +290,7 @@ def train_config_of(config, arm: str) -> TrainConfig:
         ),
         lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
         # the peers' optimizer (AdamW at its default betas, clipped at 1.0, no weight decay) at the run's lr
-        optimizer=replace(
-            OptimizerConfig(),
-            lr=train.optimizer.lr,
-            schedule=train.optimizer.schedule,
-            warmup_steps=train.optimizer.warmup_steps,
-        ),
+        optimizer=OptimizerConfig(lr=opt.lr, schedule=opt.schedule, warmup_steps=opt.warmup_steps),
         training=TrainingConfig(
             objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
         ),

@@ -11,10 +11,7 @@ import torch
 import transformers
 
 from .._version import __version__
-from ..hardware import (
-    cpu_class,
-    cpu_name,  # noqa: F401 - where doctor and callers find it
-)
+from ..hardware import cpu_class, cpu_name
 
 
 def _first_line(command: list[str], timeout: float, cwd: Path | None = None) -> str | None:
@@ -28,7 +25,6 @@ def _first_line(command: list[str], timeout: float, cwd: Path | None = None) -> 
 
 def fingerprint() -> dict:
     """Where a figure was measured: device, CPU, library versions, git revision."""
-
     info = {
         "cpu": cpu_name(),
         "cpu_class": cpu_class().name,  # hardware.CPU_CLASSES; SLIPSTREAM_CPU_CLASS overrides the probe

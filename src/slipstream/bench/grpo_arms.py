@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from itertools import accumulate
 
 from ..data import DataError
 from ..data.prompts import load_prompts
@@ -37,6 +38,9 @@ from .arm_session import ArmSession
 from .arms import ARM_SPECS, build_arm_model, train_config_of
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .peers.trl_base import trainer_run
+
+# what a GRPO arm keeps of each step beyond the curves every arm keeps
+_PER_STEP = ("generation_s", "scoring_s", "update_s", "completions", "generated_tokens")
 
 
 def _seed(config: ABConfig, step: int) -> int:
@@ -100,13 +104,12 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
             per_function, groups = objective.score_rollouts(prompts, rollouts, G)
         except RewardError as error:
             raise ABInputError(f"step {step + 1} of the shared rollouts: {error}") from None
-        rewards = _weighted(per_function, objective)
+        rewards = [weighted(values, objective.rewards) for values in per_function]
         for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
             group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
             group["rewards"] = rewards[index * G : (index + 1) * G]
-        cuts = [0]
-        for index in bins_for(step):  # a micro-batch per bin, as train's step has them
-            cuts.append(cuts[-1] + len(bins[index]))
+        # a micro-batch per bin, as train's step has them
+        cuts = [0, *accumulate(len(bins[index]) for index in bins_for(step))]
         plan.append([groups[start:end] for start, end in zip(cuts, cuts[1:], strict=False)])
         all_rewards += rewards
         lengths += [len(c) for g in groups for c in g["completions"]]
@@ -133,11 +136,6 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
             "sampled_by": "slipstream's CachedSampler on the starting weights (the adapter at zero)",
         },
     )
-
-
-def _weighted(per_function: list[list[float]], objective: GRPO) -> list[float]:
-    """Each completion's reward: its functions' values, weighted and summed (NaN ones left out)."""
-    return [weighted(values, objective.rewards) for values in per_function]
 
 
 class GrpoArmSession(ArmSession):
@@ -173,14 +171,7 @@ class GrpoArmSession(ArmSession):
             self.profile.step_flops(docs_micro_batch(completion_documents(groups)) for groups in step)
             for step in self.plan
         ]
-        return {
-            "model_flops": model_flops,
-            "generation_s": [],
-            "scoring_s": [],
-            "update_s": [],
-            "completions": [],
-            "generated_tokens": [],
-        }
+        return {"model_flops": model_flops, **{key: [] for key in _PER_STEP}}
 
     def _sample(self, rows: list[dict], step: int) -> dict:
         """Sampling and scoring of this step's prompts with this arm's engine (its own completions)."""
@@ -192,7 +183,8 @@ class GrpoArmSession(ArmSession):
         generated = time.perf_counter()
         per_function, groups = objective.score_rollouts(rows, rollouts, G)
         # as a real step (and TRL's scoring) does; the update uses the shared rollouts' own
-        advantages_of(_weighted(per_function, objective), G, self.settings.scale_rewards)
+        rewards = [weighted(values, objective.rewards) for values in per_function]
+        advantages_of(rewards, G, self.settings.scale_rewards)
         return {
             "generation_s": generated - started,
             "scoring_s": time.perf_counter() - generated,
@@ -208,10 +200,8 @@ class GrpoArmSession(ArmSession):
         advantages = advantages_of(rewards, G, settings.scale_rewards)  # one process: the step's own std
         counted = objective.counted_tokens(groups)
         if self.peer is not None:
-            cut, per_micro = 0, []
-            for micro in micro_groups:
-                per_micro.append(advantages[cut : cut + len(micro) * G])
-                cut += len(micro) * G
+            cuts = [0, *accumulate(len(micro) * G for micro in micro_groups)]
+            per_micro = [advantages[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
             return self.peer.update(micro_groups, per_micro, sum(counted))
         micro = objective.pack_update(
             groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
@@ -243,7 +233,7 @@ class GrpoArmSession(ArmSession):
 
     def _record(self, step: int, metrics: dict) -> None:
         result = self.result
-        for key in ("generation_s", "scoring_s", "completions", "generated_tokens", "update_s"):
+        for key in _PER_STEP:
             getattr(result, key).append(metrics[key])
         # the update's completion tokens (the same rollouts for every arm)
         result.tokens.append(

@@ -68,8 +68,7 @@ class WarmPages:
         if nbytes > 0:
             self._block = torch.empty(nbytes, dtype=torch.uint8)
             self._block.fill_(1)  # a write to every page: each is this process's until released
-        seconds = time.perf_counter() - started
-        return Held(nbytes, seconds)
+        return Held(nbytes, time.perf_counter() - started)
 
     @property
     def held_bytes(self) -> int:

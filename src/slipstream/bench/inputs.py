@@ -15,7 +15,6 @@ from pathlib import Path
 
 from ..data.chat import read_chat_template
 from ..data.samples import hash_path
-from ..data.token_ids import check_ids_in_vocab
 from ..models import model_names, preset_vocab_size
 
 # Weights up to this size are hashed whole; above it, each weight file's size, its safetensors
@@ -84,11 +83,6 @@ def vocab_size(config, tokenizer) -> int:
         text = getattr(model_config, "get_text_config", lambda: model_config)()
         return int(text.vocab_size)
     return preset_vocab_size(config.model) or len(tokenizer)
-
-
-def check_token_ids(samples: list[dict], vocab: int, source: str) -> None:
-    """Every id exists in the model's embedding (the tokenizer belongs to the model); ABInputError otherwise."""
-    check_ids_in_vocab(samples, vocab, source, error=ABInputError)
 
 
 @contextlib.contextmanager

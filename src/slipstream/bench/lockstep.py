@@ -167,15 +167,9 @@ def run_lockstep(
     progress: Callable[[str], None] | None = None,
     gradient_dir: str | None = None,
 ) -> tuple[dict[str, dict], dict]:
-    """Every arm of one repeat: its result, and how they were scheduled (``{"mode", "why"}``).
-
-    The arms are opened one by one, each running its first (untimed) step at once: an arm is
-    admitted while the largest peak seen so far, with a margin, fits in the memory still available
-    (``"auto"``), so each admission is judged on what the arms already alive really hold. With
-    every arm admitted, each later step goes round them, the order rotated by one each step. Where
-    they do not all fit (or ``mode="arms"``), the arms already open finish their steps one after
-    another, then the rest, each in its own process, as before. ``gradient_dir``: every arm keeps its
-    step-0 gradient there (``step_gradient.HeldGradient``, for ``bench/truth.py``)."""
+    """Every arm of one repeat, scheduled as the module says: its result, and how they were scheduled
+    (``{"mode", "why"}``). ``gradient_dir``: every arm keeps its step-0 gradient there
+    (``step_gradient.HeldGradient``, for ``bench/truth.py``)."""
     results: dict[str, dict] = {}
     live: list[ArmProcess] = []
     why = "asked for (--interleave arms)" if mode == "arms" else None
@@ -199,9 +193,7 @@ def run_lockstep(
             why = "one arm trains here"
         if progress:
             progress(f"arms {'in lockstep' if lockstep else 'one after another'} ({why})")
-        for step in range(1, len(plan)):
-            if not lockstep:
-                break
+        for step in range(1, len(plan) if lockstep else 1):
             turn = step % len(live)
             for process in live[turn:] + live[:turn]:
                 process.step(step)

@@ -133,8 +133,7 @@ def inputs_lines(record: dict) -> list[str]:
         )
     if config.get("train_config"):
         lines.append(f"Read from: {config['train_config']}")
-    sharing = record.get("packing", {}).get("sharing")
-    if sharing:
+    if sharing := record.get("packing", {}).get("sharing"):
         decisions = [
             f"{arm}: {line}"
             for arm, runs in record.get("runs", {}).items()
@@ -532,17 +531,11 @@ def print_tables(record: dict) -> None:
     for step in range(config["steps"]):
         losses.add_row(str(step), *(f"{record['runs'][arm][0]['loss'][step]:.5f}" for arm in arms))
     console.print(losses)
-    if verdicts := loss_verdict_lines(record):
-        console.print("\n".join(line.replace("**", "") for line in verdicts[1:]))
-    if fp32_step := fp32_step_lines(record):
-        console.print("\n".join(fp32_step[1:]))
-    for section in (preference_lines, rollout_lines):  # less the leading blank line and the bold
-        if lines := section(record):
-            console.print("\n".join(line.replace("**", "") for line in lines[1:]))
-    if record.get("ceiling"):
-        console.print("\n".join(ceiling_lines(record)))
-    if state := machine_state_lines(record):
-        console.print("\n".join(line.replace("**", "") for line in state[1:]))
+    sections = (loss_verdict_lines, fp32_step_lines, preference_lines, rollout_lines, ceiling_lines)
+    for section in (*sections, machine_state_lines):
+        if lines := section(record):  # less the bold, and the leading blank line but the ceiling's
+            shown = lines if section is ceiling_lines else lines[1:]
+            console.print("\n".join(line.replace("**", "") for line in shown))
     console.print(f"measured on {describe(record['fingerprint'])}")
     if line := utilisation_line(record):
         console.print(line)

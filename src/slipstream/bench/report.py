@@ -3,13 +3,14 @@
 A workload is everything that decides what a step computes: every key of a record's ``config``
 (``ab_config.record_config``) but the run options listed below (so model shape, layers, sequence
 length, micro-batches per step, batching, dtype, checkpointing, LoRA rank, ...), the vocabulary and
-the attention backends the arms ran. Records are only ever combined with records of the same workload on the same
-hardware (their timed steps pooled into one interval); different workloads stay on
+the attention backends the arms ran. Records are only ever combined with records of the same workload
+on the same hardware (their timed steps pooled into one interval); different workloads stay on
 different rows and are never compared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,11 +24,10 @@ from .stats import format_speedup, speedup
 
 # Record keys that do not change what a timed step computes, so runs differing only in them
 # are repeats of one workload and pool: how long and from where (steps, warmup, seed, lr and its
-# schedule), which
-# arms and how often (arms, repeats), the ceiling search (max_tokens_within), where results go
-# (out_dir), and the machine (device, threads), which is the hardware column, not the workload.
-# ``train_config`` is where the workload was read from, ``defaults`` which fields took their defaults;
-# the values are the fields themselves.
+# schedule), which arms and how often (arms, repeats), the ceiling search (max_tokens_within), where
+# results go (out_dir), and the machine (device, threads), which is the hardware column, not the
+# workload. ``train_config`` is where the workload was read from, ``defaults`` which fields took their
+# defaults; the values are the fields themselves.
 RUN_OPTIONS = frozenset(
     (
         "steps",
@@ -84,8 +84,7 @@ def _setting(record: dict, key: str):
 
 def _name(record: dict, key: str) -> str:
     """The model or data as a label: a preset's name, or a directory's or file's name and hash prefix."""
-    found = record.get("inputs", {}).get(key)
-    if found:
+    if found := record.get("inputs", {}).get(key):
         return short_name(found)
     return record["config"].get(key) or "demo rows"
 
@@ -189,10 +188,7 @@ def report_rows(records: list[tuple[Path, dict]]) -> list[dict]:
                         "workload": workload(group[0]),
                         "hardware": machine,
                         "arm": f"{arm} vs {base}",
-                        "ratio": interval.ratio,
-                        "low": interval.low,
-                        "high": interval.high,
-                        "verdict": interval.verdict,
+                        **dataclasses.asdict(interval),  # ratio, low, high, verdict
                         "records": len(group),
                         "mfu": pooled_mfu(group, arm),
                         "base_mfu": pooled_mfu(group, base),
@@ -290,14 +286,11 @@ def report_markdown(records: list[tuple[Path, dict]], rows: list[dict]) -> str:
     arm, with both sides' MFU where the records have it), any memory ceilings, any profiled steps
     (where each step's time went), then the arms that were skipped and why."""
     table = cross_table(rows)
-    ceilings = ceiling_table(records)
-    if ceilings:
+    if ceilings := ceiling_table(records):
         table += f"\nMemory ceiling (max packed tokens per step within the budget):\n\n{ceilings}"
-    profiles = step_profile_table(records)
-    if profiles:
+    if profiles := step_profile_table(records):
         table += f"\nWhere a step goes (`ab --profile-step`; self time by category, an op inside attention or a compiled graph counted there):\n\n{profiles}"
-    skipped = skipped_lines(records)
-    if skipped:
+    if skipped := skipped_lines(records):
         table += "\nArms skipped (not run on that machine):\n\n" + "\n".join(skipped) + "\n"
     return table
 

@@ -28,17 +28,17 @@ from tqdm import tqdm
 from ..data import pack_samples
 from ..data.prefix_groups import combined, share_rows
 from ..data.steps import step_order
+from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, record_config, resolve_device
-from .arm_result import ArmResult, perturb_by_one_ulp
-from .arm_run import open_arm, run_arm
-from .arm_session import ArmSession
+from .arm_result import perturb_by_one_ulp
+from .arm_run import run_arm
 from .arms import ARM_SPECS, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
-from .inputs import ABInputError, ab_tokenizer, check_token_ids, inputs_record, vocab_size
+from .inputs import ABInputError, ab_tokenizer, inputs_record, vocab_size
 from .lockstep import run_in_fresh_process, run_lockstep
 from .truth import gradient_directory, measure_fp32_step0
 from .workload import ab_samples
@@ -46,10 +46,6 @@ from .workload import ab_samples
 # what the tests and the benchmark scripts import from here
 __all__ = [
     "ABConfig",
-    "ABInputError",
-    "ArmResult",
-    "ArmSession",
-    "open_arm",
     "perturb_by_one_ulp",
     "prepare_bins",
     "run_ab",
@@ -90,7 +86,7 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
         message = str(error)
         raise ABInputError(message if isinstance(error, DataError) else f"{data.path}: {message}") from None
     docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
-    check_token_ids(docs, vocab, data.path)
+    check_ids_in_vocab(docs, vocab, data.path, error=ABInputError)
     plan = _plan(pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), config, data.path)
     needed = config.ab.steps * config.train.training.grad_accum
     used = [p for step in plan for mb in step for p in mb]
@@ -127,7 +123,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     samples = ab_samples(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
     source = data.path or "the demo rows"
-    check_token_ids(samples, vocab, source)
+    check_ids_in_vocab(samples, vocab, source, error=ABInputError)  # the tokenizer belongs to the model
     bins, report = pack_samples(
         samples, data.max_seq_len, seed=seed, overflow=data.overflow, strategy=config.ab.batching
     )
@@ -164,13 +160,6 @@ def skipped_reason(runs: list[dict]) -> str | None:
 def _looser(dtype: str, other: str) -> str:
     """The dtype whose loss tolerance applies to a pair of arms (a peer may pick bf16 on its defaults)."""
     return "bfloat16" if "bfloat16" in (dtype, other) else "float16" if "float16" in (dtype, other) else dtype
-
-
-def reference_model_flops(arms: dict[str, list[dict]]) -> list[int] | None:
-    """Each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)."""
-    return next(
-        (run["model_flops"] for runs in arms.values() for run in runs if run.get("model_flops")), None
-    )
 
 
 def utilisation(config: ABConfig, runs: list[dict], flops: list[int] | None, peak: dict | None) -> dict:
@@ -226,7 +215,8 @@ def summarize(
     timed: dict[str, list[float]] = {}
     timed_parts: dict[str, dict[str, list[float]]] = {}  # grpo: per arm, its generation and update times
     ran = {arm: runs for arm, runs in arms.items() if skipped_reason(runs) is None}
-    flops = reference_model_flops(ran)
+    # each step's model FLOPs, as the first arm that counted them counted them (None: no arm did)
+    flops = next((r["model_flops"] for runs in ran.values() for r in runs if r.get("model_flops")), None)
     for arm, runs in arms.items():
         if arm not in ran:
             summary[arm] = {"skipped": skipped_reason(runs)}
@@ -259,7 +249,8 @@ def summarize(
         if first.get("generation_s") is not None:  # --objective grpo: sampling and the update apart
             summary[arm].update(_rollout_figures(config, runs))
             timed_parts[arm] = {
-                part: [t for run in runs for t in run[part][warmup:]] for part in ("generation_s", "update_s")
+                half: [t for run in runs for t in run[f"{half}_s"][warmup:]]
+                for half in ("generation", "update")
             }
         if first.get("pairs"):
             pairs = [n for run in runs for n in run["pairs"][warmup:]]
@@ -270,12 +261,14 @@ def summarize(
         return summary
     reference = next(iter(ran))
     first = ran[reference][0]
+    measured = (fp32_step or {}).get("arms", {})  # none in an fp32 run, a skipped fp32 step
     for arm in ran:
         dtype = _looser(summary[reference]["dtype"], summary[arm]["dtype"])
         run = ran[arm][0]
-        first_step = step0_against_fp32(fp32_step, arm, reference, dtype)
-        if first_step is not None:
-            why = fp32_step["arms"][arm].get("cosine_not_measured")
+        first_step = None  # arm's distance to the fp32 step next to the reference's, where both were measured
+        if arm in measured and reference in measured:
+            first_step = against_fp32(measured[arm], measured[reference], dtype)
+            why = measured[arm].get("cosine_not_measured")
             summary[arm]["step0_vs_fp32"] = {
                 **dataclasses.asdict(first_step),
                 **({"cosine_not_measured": why} if why else {}),
@@ -309,25 +302,14 @@ def summarize(
             interval = speedup(timed[base], timed[arm], seed=seed, repeats=config.ab.repeats)
             summary[arm][f"interval_vs_{base}"] = dataclasses.asdict(interval)
             if arm in timed_parts and base in timed_parts:  # grpo: each half against the base's
-                for part, name in (("generation_s", "generation"), ("update_s", "update")):
-                    mine, theirs = timed_parts[arm][part], timed_parts[base][part]
-                    summary[arm][f"{name}_speedup_vs_{base}"] = (
-                        summary[arm][f"{name}_completions_per_s"] / summary[base][f"{name}_completions_per_s"]
-                    )
-                    interval = speedup(theirs, mine, seed=seed, repeats=config.ab.repeats)
-                    summary[arm][f"{name}_interval_vs_{base}"] = dataclasses.asdict(interval)
+                for half, mine in timed_parts[arm].items():
+                    rate = f"{half}_completions_per_s"
+                    summary[arm][f"{half}_speedup_vs_{base}"] = summary[arm][rate] / summary[base][rate]
+                    interval = speedup(timed_parts[base][half], mine, seed=seed, repeats=config.ab.repeats)
+                    summary[arm][f"{half}_interval_vs_{base}"] = dataclasses.asdict(interval)
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, seed)
     return summary
-
-
-def step0_against_fp32(fp32_step: dict | None, arm: str, reference: str, dtype: str):
-    """``stats.against_fp32`` of ``arm``'s distance to the fp32 step next to ``reference``'s; None where
-    there is none (an fp32 run, a skipped fp32 step, an arm it did not measure)."""
-    measured = (fp32_step or {}).get("arms", {})
-    if arm not in measured or reference not in measured:
-        return None
-    return against_fp32(measured[arm], measured[reference], dtype)
 
 
 def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:

@@ -90,7 +90,6 @@ DIFFERENCE_FLOOR = {"float32": 1e-7, "bfloat16": 1e-5, "float16": 1e-5}
 # one-ulp perturbation of the reference's weights moved it by then (``sensitivity``), scaled to the
 # arm's step-0 difference where that is the larger start.
 DRIFT_FACTOR = 10.0
-VERDICTS = ("identical", "within tolerance", "drift within sensitivity", "diverged")
 # A reduced-precision run's step 0 is judged against the truth instead (``bench/truth.py``): the same
 # step once more in fp32 (same weights, same batch), each arm's distance to it next to the reference
 # arm's. Two correct arms in bf16 may differ from each other by more than FIRST_STEP_TOLERANCES (each
@@ -185,7 +184,7 @@ def against_fp32(arm: Mapping, reference: Mapping, dtype: str) -> FirstStepTruth
 class Parity:
     """How an arm's loss curve compares with the reference arm's (:func:`loss_parity`)."""
 
-    verdict: str  # one of VERDICTS
+    verdict: str  # "identical", "within tolerance", "drift within sensitivity" or "diverged"
     max_rel_diff: float
     worst_step: int
     first_step_loss: float  # step 0's relative loss difference

@@ -41,15 +41,11 @@ REDUCED_PRECISION = ("bfloat16", "float16")
 HOW = "the reference arm's step 0 once more, its weights cast up to fp32 (forward and backward; the update discarded)"
 
 
-def wants_fp32_step(config: ABConfig) -> bool:
-    """Whether the run's step 0 is judged against an fp32 step (a reduced-precision run)."""
-    return config.train.model.dtype in REDUCED_PRECISION
-
-
 @contextlib.contextmanager
 def gradient_directory(config: ABConfig) -> Iterator[str | None]:
-    """Where the arms keep their step-0 gradients (None in fp32: none is kept); removed afterwards."""
-    if not wants_fp32_step(config):
+    """Where the arms keep their step-0 gradients (None in fp32: none is kept, step 0 is judged without
+    an fp32 step); removed afterwards."""
+    if config.train.model.dtype not in REDUCED_PRECISION:
         yield None
         return
     directory = tempfile.mkdtemp(prefix="slipstream-ab-step0-")
