@@ -24,7 +24,8 @@ import json
 import torch
 
 from slipstream.bench.ab_config import ABConfig
-from slipstream.bench.arm_run import RowsArmSession, peak_memory_mb
+from slipstream.bench.arm_result import peak_memory_mb
+from slipstream.bench.arm_run import RowsArmSession
 from slipstream.bench.ceiling import proc_status_kib
 from slipstream.bench.command import ab_config_from_args, add_ab_arguments
 from slipstream.bench.lockstep import run_in_fresh_process

@@ -177,6 +177,9 @@ class _ArmNames(Sequence):
     def __len__(self) -> int:
         return len(_tables()["names"])
 
+    def __repr__(self) -> str:  # what an error message that lists them shows
+        return repr(tuple(self))
+
 
 ARM_SPECS: Mapping[str, Arm] = _Live("specs")
 ARM_PRESETS: Mapping[str, tuple[str, ...]] = _Live("presets")
