@@ -5,12 +5,14 @@ stock loss: the comparison covers the distributed split and the chunked loss at 
 training loss and the eval loss.
 """
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch.distributed as dist
 import yaml
@@ -50,15 +52,19 @@ def run(args, timeout=300, **env):
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **env},
-        start_new_session=True,  # its own process group: the launcher and its ranks
     )
     try:
         _, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGABRT)
+        launcher = psutil.Process(process.pid)
+        for each in [*launcher.children(recursive=True), launcher]:  # the ranks have sessions of their own
+            with contextlib.suppress(psutil.NoSuchProcess):
+                each.send_signal(signal.SIGABRT)
         _, stderr = process.communicate()
         pytest.fail(f"still running after {timeout} s; the processes' stacks:\n{stderr[-8000:]}")
     assert process.returncode == 0, stderr[-3000:]
+    # the ranks' wrappers went before their process group (a wrapper freed last can hang the exit)
+    assert "outlived the run" not in stderr, stderr[-3000:]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])

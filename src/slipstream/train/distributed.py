@@ -9,6 +9,8 @@ gradients across ranks. Only rank 0 writes.
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -17,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..offload import checkpointing_layers
+
+logger = logging.getLogger("slipstream")
 
 
 @dataclass(frozen=True)
@@ -116,5 +120,15 @@ def full_trainable_state(model: torch.nn.Module, info: Distributed) -> dict[str,
 
 
 def shutdown(info: Distributed) -> None:
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
+    """End the process group once every DDP wrapper is gone (the caller drops its own first).
+
+    DDP's C++ Reducer holds the group and is freed with the GIL held: were it the group's last
+    holder, gloo's destructor would join its worker thread while that thread waits for the GIL to
+    free a finished collective's tensors, a hang at exit now and then (pytorch/pytorch#56297).
+    ``destroy_process_group`` frees the group without the GIL, so it must hold the last reference."""
+    if not (info.enabled and dist.is_initialized()):
+        return
+    gc.collect()  # a wrapper in a reference cycle goes now, while the group is still registered
+    if any(isinstance(o, torch.nn.parallel.DistributedDataParallel) for o in gc.get_objects()):
+        logger.warning("a DDP wrapper outlived the run: its process group ends with it (may hang at exit)")
+    dist.destroy_process_group()

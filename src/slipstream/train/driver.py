@@ -125,6 +125,10 @@ class StepDriver:
             )
         return self._context
 
+    def drop_wrapper(self) -> None:
+        """Hold the bare model from here on (the run's end: the ranks' wrapper must go before the group)."""
+        self.model, self._context = self.base_model, None
+
     def prepare(self) -> str | None:
         """What the objective runs before step 0 (the reference pass, the sharing decision); its policy line."""
         line = self.objective.before_training(self.context())

@@ -283,6 +283,7 @@ def _train_and_save(run: _Run, *, progress: bool, after_step: Callable[[int], No
     # a collective under FSDP2: every rank gathers, rank 0 writes
     state = full_trainable_state(run.model, info) if info.strategy == "fsdp2" else None
     nonfinite.check_weights(run.total, state)
+    del nonfinite  # it holds the ranks' wrapper, which must go before the process group (shutdown)
     if info.is_main:
         save_final(
             run.out,
@@ -293,5 +294,6 @@ def _train_and_save(run: _Run, *, progress: bool, after_step: Callable[[int], No
             expert_lora=config.lora.enabled and config.lora.experts,
         )
     info.barrier()
+    run.driver.drop_wrapper()
     shutdown(info)
     return run.model, summary
