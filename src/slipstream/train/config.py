@@ -114,11 +114,6 @@ class OptimizerConfig:
 # checked against the registry when the config is validated.
 Objective = str
 
-# Each objective's settings are its own dataclass, declared beside its code; the config's sections
-# are those (the names below are what the sections were called here before).
-PreferenceConfig = PairSettings  # preference: (training.objective dpo / ipo / simpo / orpo)
-GRPOConfig = GRPOSettings  # grpo: (training.objective grpo)
-
 
 @dataclass
 class TrainingConfig:
