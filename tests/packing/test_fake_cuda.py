@@ -222,7 +222,7 @@ def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
     the window cuts a sequence, or with sinks), the answers' log-probs come from the chunked head,
     the DPO loss is built on the device, and nothing is read to the host."""
     from slipstream.loss import answer_logprobs_of
-    from slipstream.loss.preference import preference_terms
+    from slipstream.loss.preference import dpo_terms
     from slipstream.packing.pairs import collate_pairs
 
     seen = varlen_windows(monkeypatch)
@@ -239,7 +239,7 @@ def test_prefix_shared_pairs_on_cuda_have_no_host_read(monkeypatch, family):
         model(**batch.model_inputs())
         policy = answer_logprobs_of(batch)
         lengths = torch.tensor(batch.answers.lengths, dtype=torch.float32).to("cuda")
-        terms = preference_terms("dpo", policy, policy.detach() * 0.5, lengths, beta=0.1)
+        terms = dpo_terms(policy, policy.detach() * 0.5, lengths, beta=0.1)
         grads = backward_by_hand([terms.losses.sum()])
     assert seen == []  # every attention call had a shared prompt: never the one-call varlen path
     assert len(merged) == {"llama": 2, "qwen3-sliding": 1, "gpt-oss": 0}[family]  # layers merged by lse

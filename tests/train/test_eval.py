@@ -10,7 +10,6 @@ from slipstream.data import demo_samples, demo_tokenizer
 from slipstream.data.labels import IGNORE_INDEX
 from slipstream.objectives import sft as sft_objective
 from slipstream.objectives.evaluation import split_rows
-from slipstream.train import loop
 from slipstream.train import metrics as train_metrics
 from slipstream.train.config import ConfigError, load_config
 from slipstream.train.distributed import Distributed
@@ -85,7 +84,8 @@ def test_the_eval_split_is_by_row_disjoint_and_seeded(tmp_path):
     # in the run: no training bin holds an eval row, and the split never depends on anything but the seed
     config = load_config(write_config(tmp_path, EVAL))
     tokenizer = demo_tokenizer()
-    _, bins, _, _, evals = loop._data(config, tokenizer, Distributed())
+    data = sft_objective.SFT(config).read(tokenizer, Distributed())
+    bins, evals = data.bins, data.evals
     trained = {tuple(d["input_ids"]) for b in bins for d in b}
     evaluated = {tuple(d["input_ids"]) for b in evals.bins for d in b}
     assert evals.rows == 24 and not trained & evaluated

@@ -106,11 +106,8 @@ class _AnswerLogProbs(torch.autograd.Function):
         none = [None] * 6
         if ctx.keep_grad:
             (hidden_grad,) = saved
-            return (
-                hidden_grad * weights_N.unsqueeze(1).to(hidden_grad.dtype),
-                *none,
-                *[None] * ctx.num_params,
-            )
+            scaled = hidden_grad * weights_N.unsqueeze(1).to(hidden_grad.dtype)
+            return (scaled, *none, *[None] * ctx.num_params)
         hidden_NH, targets_N, *params = saved
         need_hidden = ctx.needs_input_grad[0]
         need = [ctx.needs_input_grad[7 + i] for i in range(len(params))]

@@ -244,11 +244,10 @@ class ChunkedLoss:
     # ------------------------------------------------------------------ the three seams
     def _arm(self, module, args, kwargs):
         self._call = None
-        self._unarmed_batch = kwargs.get(PACKED_BATCH_KWARG)
+        self._unarmed_batch = batch = kwargs.get(PACKED_BATCH_KWARG)
         labels = kwargs.get("labels")
         keep = kwargs.get("logits_to_keep")
         training = module.training and torch.is_grad_enabled()
-        batch = kwargs.get(PACKED_BATCH_KWARG)
         answers = getattr(batch, "answers", None) is not None  # a preference batch: always chunked
         if (
             labels is None
@@ -257,7 +256,7 @@ class ChunkedLoss:
         ):
             return None
         self._hook_head()
-        self._call = _Call(labels=labels, packed_batch=kwargs.get(PACKED_BATCH_KWARG))
+        self._call = _Call(labels=labels, packed_batch=batch)
         return None
 
     def _skip_head(self, module, args):
@@ -310,12 +309,9 @@ class ChunkedLoss:
             self.transform = self._match_transform(call.probe, logits)
         if getattr(call.packed_batch, "answers", None) is not None:
             loss = self._answer_logprobs(call, vocab_size)
-            call.phase = "done"
-            call.hidden = None
-            return loss
-        loss = self._loss(call, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
-        call.phase = "done"
-        call.hidden = None
+        else:
+            loss = self._loss(call, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+        call.phase, call.hidden = "done", None
         return loss
 
     def _finish(self, module, args, kwargs, output):

@@ -159,41 +159,20 @@ def _loss_and_grad_in_place(z, targets, ignore_index, divisor, want_grad):
     return loss
 
 
-def _chunks_loss_sum(
-    hidden_NH,
-    targets_N,
-    divisor,
-    head,
-    transform,
-    chunk_tokens,
-    ignore_index,
-    hidden_grad,
-    trainable,
-    param_grads,
-    want_grads,
-) -> torch.Tensor:
+def _chunks_loss_sum(hidden_NH, targets_N, chunk_tokens, head, chunk_args, hidden_grad=None) -> torch.Tensor:
     """The summed fp32 loss over ``hidden_NH``, ``chunk_tokens`` rows at a time (one set of reused
-    buffers); with ``want_grads`` each chunk also writes its rows of ``hidden_grad`` and adds to
-    ``param_grads``. The training Function and the loss-only evaluation path share it."""
+    buffers). Each chunk's step gets its rows, their targets, their rows of ``hidden_grad`` (which it
+    writes) and ``chunk_args``: (transform, ignore_index, divisor, trainable, param_grads, want_grads),
+    adding to ``param_grads`` with ``want_grads``. The training Function and the loss-only evaluation
+    path share it."""
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden_NH.device)
     num_rows = hidden_NH.shape[0]
     buffers = _Buffers(min(chunk_tokens, max(num_rows, 1)))
     step = _linear_chunk if isinstance(head, LinearHead) else _module_chunk
     for start in range(0, num_rows, chunk_tokens):
-        end = min(start + chunk_tokens, num_rows)
-        loss_sum += step(
-            head,
-            transform,
-            hidden_NH[start:end],
-            targets_N[start:end],
-            ignore_index,
-            divisor,
-            buffers,
-            hidden_grad[start:end] if hidden_grad is not None else None,
-            trainable,
-            param_grads,
-            want_grads,
-        )
+        rows = slice(start, min(start + chunk_tokens, num_rows))
+        grad_rows = hidden_grad[rows] if hidden_grad is not None else None
+        loss_sum += step(head, hidden_NH[rows], targets_N[rows], grad_rows, buffers, *chunk_args)
     return loss_sum
 
 
@@ -211,19 +190,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in trainable
         ]
         hidden_grad = torch.empty_like(hidden_NH) if need_hidden else None
-        loss_sum = _chunks_loss_sum(
-            hidden_NH,
-            targets_N,
-            divisor,
-            head,
-            transform,
-            chunk_tokens,
-            ignore_index,
-            hidden_grad,
-            trainable,
-            param_grads,
-            want_grads,
-        )
+        chunk_args = (transform, ignore_index, divisor, trainable, param_grads, want_grads)
+        loss_sum = _chunks_loss_sum(hidden_NH, targets_N, chunk_tokens, head, chunk_args, hidden_grad)
         ctx.need_params = need_params
         ctx.save_for_backward(*([hidden_grad] if need_hidden else []), *param_grads)
         ctx.param_dtypes = [p.dtype for p in trainable]
@@ -252,7 +220,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _module_chunk(
-    head, transform, rows, targets, ignore_index, divisor, buffers, hidden_grad, trainable, param_grads, want
+    head, rows, targets, hidden_grad, buffers, transform, ignore_index, divisor, trainable, param_grads, want
 ):
     """One chunk through the head module under autograd: any head trains as it would in stock."""
     with torch.set_grad_enabled(want):  # a loss-only chunk (no_grad) builds no graph
@@ -277,7 +245,7 @@ def _module_chunk(
 
 
 def _linear_chunk(
-    head, transform, rows, targets, ignore_index, divisor, buffers, hidden_grad, trainable, param_grads, want
+    head, rows, targets, hidden_grad, buffers, transform, ignore_index, divisor, trainable, param_grads, want
 ):
     """One chunk of a plain linear head: matmuls into reused buffers, the transform's chain rule by hand."""
     weight, bias = head.weight, head.bias
@@ -316,19 +284,6 @@ def _linear_chunk(
     return loss
 
 
-def _loss_only(hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index) -> torch.Tensor:
-    """The loss of a ``no_grad`` forward (evaluation): the same chunks, no gradient computed or kept.
-
-    The autograd Function would compute (and keep) the gradients of every input that requires
-    them - trainable head parameters still do under ``no_grad`` - and a module head would run
-    under ``enable_grad``; here each chunk's logits live only while its loss is summed.
-    """
-    loss_sum = _chunks_loss_sum(
-        hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index, None, [], [], False
-    )
-    return loss_sum / divisor
-
-
 def linear_cross_entropy(
     hidden_NH: torch.Tensor,
     targets_N: torch.Tensor,
@@ -358,17 +313,14 @@ def linear_cross_entropy(
             raise ValueError(f"the loss divisor must be positive, got {divisor}")
         divisor = torch.tensor(float(divisor))
     divisor = divisor.to(device=hidden_NH.device, dtype=torch.float32)
+    transform = transform or LogitTransform()
     if not torch.is_grad_enabled():
-        return _loss_only(
-            hidden_NH, targets_N, divisor, head, transform or LogitTransform(), chunk_tokens, ignore_index
-        )
+        # A no_grad forward (evaluation): the same chunks, no gradient computed or kept. The autograd
+        # Function would compute (and keep) the gradients of every input that requires them - trainable
+        # head parameters still do under no_grad - and a module head would run under enable_grad; here
+        # each chunk's logits live only while its loss is summed.
+        chunk_args = (transform, ignore_index, divisor, [], [], False)
+        return _chunks_loss_sum(hidden_NH, targets_N, chunk_tokens, head, chunk_args) / divisor
     return _LinearCrossEntropy.apply(
-        hidden_NH,
-        targets_N,
-        divisor,
-        head,
-        transform or LogitTransform(),
-        chunk_tokens,
-        ignore_index,
-        *head_params,
+        hidden_NH, targets_N, divisor, head, transform, chunk_tokens, ignore_index, *head_params
     )

@@ -16,12 +16,9 @@ pair weighs the same whichever micro-batch it was packed into.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-
-PreferenceLossName = Literal["dpo", "ipo", "simpo", "orpo"]
 
 
 @dataclass(frozen=True)
@@ -81,26 +78,6 @@ def orpo_terms(policy, lengths, beta: float) -> PairTerms:
     return PairTerms(
         losses, beta * chosen.detach(), beta * rejected.detach(), (nll.detach(), log_odds.detach())
     )
-
-
-def preference_terms(
-    name: str,
-    policy: torch.Tensor,
-    reference: torch.Tensor | None,
-    lengths: torch.Tensor,
-    beta: float,
-    simpo_gamma: float = 1.0,
-) -> PairTerms:
-    """The terms of the loss ``name`` (a table lookup: each objective calls its own function)."""
-    table = {
-        "dpo": lambda: dpo_terms(policy, reference, lengths, beta),
-        "ipo": lambda: ipo_terms(policy, reference, lengths, beta),
-        "simpo": lambda: simpo_terms(policy, lengths, beta, simpo_gamma),
-        "orpo": lambda: orpo_terms(policy, lengths, beta),
-    }
-    if name not in table:
-        raise ValueError(f"unknown preference loss {name!r} (expected {', '.join(table)})")
-    return table[name]()
 
 
 # The metrics every step and evaluation reports, in the order ``metric_sums`` stacks them.

@@ -53,6 +53,20 @@ class EvalSet:
         }
 
 
+@dataclass
+class HeldOut:
+    """Held-out rows in bins (GRPO's prompts in bins of ``prompts_per_batch``; the preference pairs,
+    packed as training packs its own) and what ``run.json`` says of them, counted as ``unit``."""
+
+    bins: list[list[dict]]
+    source: str
+    rows: int
+    unit: str  # "prompts", "pairs"
+
+    def summary(self) -> dict:
+        return {"source": self.source, self.unit: self.rows}
+
+
 def split_rows(samples: list[dict], fraction: float, seed: int, source: str) -> tuple[list[dict], list[dict]]:
     """``(train, eval)``: a seeded ``fraction`` of the rows for evaluation, the rest, in order, for training."""
     count = len(samples)
@@ -84,12 +98,8 @@ def eval_set(samples: list[dict], source: str, *, max_seq_len: int, seed: int, o
 def rank_share(num_bins: int, rank: int, world_size: int) -> list[tuple[int, bool]]:
     """``(bin index, counts)`` for this rank: every ``world_size``-th bin, padded (not counted) to an
     equal number of forwards on every rank."""
-    per_rank = -(-num_bins // world_size)
-    share = []
-    for j in range(per_rank):
-        index = rank + j * world_size
-        share.append((index, True) if index < num_bins else (index % num_bins, False))
-    return share
+    indices = [rank + j * world_size for j in range(-(-num_bins // world_size))]
+    return [(index, True) if index < num_bins else (index % num_bins, False) for index in indices]
 
 
 def evaluate(model: torch.nn.Module, evals: EvalSet, info: Ranks, device: torch.device) -> float:

@@ -72,7 +72,7 @@ from .base import (
     split_held_out,
     tokenizer_refusals,
 )
-from .evaluation import rank_share
+from .evaluation import HeldOut, rank_share
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
 
 
@@ -106,18 +106,6 @@ class GRPOSettings:
     prefix_sharing: bool = True
     eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
     eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
-
-
-@dataclass
-class PromptEvalSet:
-    """The held-out prompts, in bins of ``prompts_per_batch``, and what ``run.json`` says of them."""
-
-    bins: list[list[dict]]
-    source: str
-    rows: int
-
-    def summary(self) -> dict:
-        return {"source": self.source, "prompts": self.rows}
 
 
 @register_objective
@@ -215,8 +203,8 @@ class GRPO(RolloutMaker, Objective):
             rows,
             load=load,
             split=split_prompts,
-            eval_set=lambda held_out, source: PromptEvalSet(
-                self.prompt_bins(held_out), source, len(held_out)
+            eval_set=lambda held_out, source: HeldOut(
+                self.prompt_bins(held_out), source, len(held_out), "prompts"
             ),
             what="prompts",
             said=lambda eval_report: eval_report.skipped,
@@ -242,9 +230,8 @@ class GRPO(RolloutMaker, Objective):
         return [{"input_ids": r["prompt_ids"], "labels": [-100] * len(r["prompt_ids"])} for r in rows]
 
     def weight(self, rows: Sequence[dict]) -> int:
-        return (
-            len(rows) * self.settings.num_generations
-        )  # completions; the step's real weight comes with its rollouts
+        # completions; the step's real weight comes with its rollouts
+        return len(rows) * self.settings.num_generations
 
     def tokens(self, rows: Sequence[dict]) -> int:
         return sum(len(r["prompt_ids"]) for r in rows) * self.settings.num_generations
@@ -266,17 +253,16 @@ class GRPO(RolloutMaker, Objective):
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
         s = self.settings
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)
+        layout = (
+            "prompt | completions (the prompt once)" if s.prefix_sharing else "prompt + completion, G times"
+        )
         return (
             f"grpo: {s.num_generations} completions per prompt ({type(self.engine).__name__}: each prompt "
             f"prefilled once, its KV cache shared by its samples), temperature {s.temperature:g}, top_p "
             f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens; rewards {rewards}; loss "
             f"{s.loss}, advantages scaled by {s.scale_rewards}, epsilon {s.epsilon:g}/"
             f"{s.epsilon_high if s.epsilon_high is not None else s.epsilon:g}, beta {s.beta:g}; the update packs "
-            + (
-                "prompt | completions (the prompt once)"
-                if s.prefix_sharing
-                else "prompt + completion, G times"
-            )
+            f"{layout}"
         )
 
     # ------------------------------------------------------------------ one step
@@ -359,16 +345,11 @@ class GRPO(RolloutMaker, Objective):
         ]
         if prompts:
             seed = (self.config.seed * 1_000_003 + 7) * 1_009 + info.rank
+            G, ids = self.settings.eval_generations, [r["prompt_ids"] for r in prompts]
             with eval_mode(model), torch.no_grad():
-                rollouts = self.engine.generate(
-                    model,
-                    [r["prompt_ids"] for r in prompts],
-                    self.settings.eval_generations,
-                    self.sampling,
-                    seed,
-                )
+                rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
             try:
-                per_function, _ = self.score_rollouts(prompts, rollouts, self.settings.eval_generations)
+                per_function, _ = self.score_rollouts(prompts, rollouts, G)
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
             rewards = [weighted(values, self.rewards) for values in per_function]
@@ -389,25 +370,25 @@ class GRPO(RolloutMaker, Objective):
 
     def _keep_samples(self, prompts, rollouts, per_function, rewards) -> None:
         """The first ``eval_samples`` held-out completions, decoded, with their rewards (samples.jsonl)."""
-        kept, index = [], 0
-        for row, completions in zip(prompts, rollouts.completions, strict=True):
-            for completion in completions:
-                if len(kept) < self.keeps_samples:
-                    kept.append(
-                        {
-                            "prompt": row["prompt"],
-                            "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
-                            "new_tokens": len(completion.ids),
-                            "finished": completion.finished,
-                            "reward": rewards[index],
-                            "rewards": {
-                                fn.name: (None if math.isnan(v) else v)
-                                for fn, v in zip(self.rewards, per_function[index], strict=True)
-                            },
-                        }
-                    )
-                index += 1
-        self._eval_samples = kept
+        every = [
+            (row, c)
+            for row, completions in zip(prompts, rollouts.completions, strict=True)
+            for c in completions
+        ]
+        self._eval_samples = [
+            {
+                "prompt": row["prompt"],
+                "completion": self.tokenizer.decode(completion.ids, skip_special_tokens=True),
+                "new_tokens": len(completion.ids),
+                "finished": completion.finished,
+                "reward": rewards[index],
+                "rewards": {
+                    fn.name: (None if math.isnan(v) else v)
+                    for fn, v in zip(self.rewards, per_function[index], strict=True)
+                },
+            }
+            for index, (row, completion) in enumerate(every[: self.keeps_samples])
+        ]
 
     def eval_samples(self) -> list[dict]:
         return self._eval_samples

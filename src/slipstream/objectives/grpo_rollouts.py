@@ -134,11 +134,6 @@ class RolloutMaker:
         ]
         return values, groups
 
-    def _stopped(self, context: ObjectiveContext, step: int, error: Exception) -> TrainError:
-        return TrainError(
-            f"step {step + 1}: {error}; nothing of this step was applied ({context.resume_hint()})"
-        )
-
     def _round(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
         """Sample, score and pack this rank's share of ``step_bins``; the old log-probs where kept."""
         config, settings, info = self.config, self.settings, context.ranks
@@ -153,12 +148,12 @@ class RolloutMaker:
         try:
             per_function, groups = self.score_rollouts(prompts, rollouts, G)
         except RewardError as error:
-            raise self._stopped(context, step, error) from None
+            raise TrainError(
+                f"step {step + 1}: {error}; nothing of this step was applied ({context.resume_hint()})"
+            ) from None
         rewards = [weighted(values, self.rewards) for values in per_function]
         scored = time.perf_counter()
         # the step's counts over every rank: completions, counted tokens, and the rewards' sums (batch std)
-        lengths = [len(c) for g in groups for c in g["completions"]]
-        finished = [f for g in groups for f in g["finished"]]
         counted = self.counted_tokens(groups)
         local = torch.tensor(
             [len(rewards), sum(counted), sum(rewards), sum(r * r for r in rewards)], dtype=torch.float64
@@ -187,15 +182,7 @@ class RolloutMaker:
         referenced = time.perf_counter()
         total = self.loss_divisor(completions_all, tokens_all)
         record = self._record(
-            per_function,
-            rewards,
-            lengths,
-            finished,
-            G,
-            rollouts,
-            generated - started,
-            scored - generated,
-            referenced - scored,
+            per_function, rewards, groups, rollouts, (started, generated, scored, referenced)
         )
         return StepPlan(
             micro=micro,
@@ -261,10 +248,13 @@ class RolloutMaker:
         settings = self.settings
         return loss_divisor(settings.loss, completions, tokens, settings.max_new_tokens)
 
-    def _record(
-        self, per_function, rewards, lengths, finished, G, rollouts, generation_s, scoring_s, reference_s
-    ):
-        """This rank's host-side metrics of a step (rank 0's are logged)."""
+    def _record(self, per_function, rewards, groups, rollouts, times):
+        """This rank's host-side metrics of a step (rank 0's are logged); ``times``: when the sampling
+        started and when it, the scoring and the reference forwards were done."""
+        G = self.settings.num_generations
+        lengths = [len(c) for g in groups for c in g["completions"]]
+        finished = [f for g in groups for f in g["finished"]]
+        started, generated, scored, referenced = times
         record: dict[str, Any] = {"reward": statistics.fmean(rewards)}
         stds = [statistics.stdev(rewards[i : i + G]) for i in range(0, len(rewards), G)]
         record["reward_std"] = statistics.fmean(stds)
@@ -275,8 +265,8 @@ class RolloutMaker:
         record["completion_mean_tokens"] = statistics.fmean(lengths)
         record["completion_max_tokens"] = max(lengths)
         record["truncated_share"] = sum(1 for f in finished if not f) / len(finished)
-        record["generation_s"] = generation_s
+        record["generation_s"] = generated - started
         record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
-        record["reward_s"] = scoring_s
-        record["reference_s"] = reference_s
+        record["reward_s"] = scored - generated
+        record["reference_s"] = referenced - scored
         return record

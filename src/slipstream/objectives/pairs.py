@@ -36,22 +36,10 @@ from ..packing.pairs import collate_pairs, counted_tokens, pack_pairs, pair_docu
 from . import answers as pair_forward
 from .answers import evaluate_pairs
 from .base import Objective, ObjectiveContext, ObjectiveData, split_held_out, tokenizer_refusals
-from .evaluation import rank_share
+from .evaluation import HeldOut, rank_share
 from .reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
 
 logger = logging.getLogger("slipstream")
-
-
-@dataclass
-class PairEvalSet:
-    """The held-out pairs, packed as training packs its own, and what ``run.json`` says of them."""
-
-    bins: list[list[dict]]
-    source: str
-    rows: int
-
-    def summary(self) -> dict:
-        return {"source": self.source, "pairs": self.rows}
 
 
 @dataclass(frozen=True)
@@ -123,14 +111,9 @@ class PairObjective(Objective):
         """The pairs, their bins and the held-out pairs; what was skipped or cut is said."""
         config, sharing = self.config, self.settings.prefix_sharing
 
+        max_seq_len, on_bad_row = config.data.max_seq_len, "skip" if config.data.skip_bad_rows else "error"
         load = tokenizer_refusals(
-            config,
-            lambda path: load_pairs(
-                path,
-                tokenizer,
-                max_seq_len=config.data.max_seq_len,
-                on_bad_row="skip" if config.data.skip_bad_rows else "error",
-            ),
+            config, lambda path: load_pairs(path, tokenizer, max_seq_len=max_seq_len, on_bad_row=on_bad_row)
         )
 
         pairs, report = load(config.data.path)
@@ -140,8 +123,8 @@ class PairObjective(Objective):
             pairs,
             load=load,
             split=split_pairs,
-            eval_set=lambda held_out, source: PairEvalSet(
-                pack_pairs(held_out, config.data.max_seq_len, config.seed), source, len(held_out)
+            eval_set=lambda held_out, source: HeldOut(
+                pack_pairs(held_out, config.data.max_seq_len, config.seed), source, len(held_out), "pairs"
             ),
             what="pairs",
             said=lambda eval_report: eval_report.data.skipped or eval_report.truncated,

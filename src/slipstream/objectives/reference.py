@@ -43,9 +43,8 @@ def weights_fingerprint(model_path: str | None, preset: dict | None) -> str:
             if size > _SAMPLE:
                 handle.seek(max(size - _SAMPLE, _SAMPLE))
                 digest.update(handle.read())
-    for name in ("config.json",):
-        if (folder / name).exists():
-            digest.update((folder / name).read_bytes())
+    if (folder / "config.json").exists():
+        digest.update((folder / "config.json").read_bytes())
     return digest.hexdigest()
 
 

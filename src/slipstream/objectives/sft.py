@@ -63,38 +63,28 @@ class SFT(Objective):
     # ------------------------------------------------------------------ rows and bins
     def samples(self, tokenizer, path: str | None = None):
         """The samples of the training data (``path`` None), or of another file read the same way."""
-        config = self.config
-        if path is None and config.data.path is None:
-            samples = demo_samples(
-                tokenizer,
-                num_rows=config.data.demo_rows,
-                seed=config.seed,
-                response_only=config.data.response_only,
+        config, data = self.config, self.config.data
+        if path is None and data.path is None:
+            return demo_samples(
+                tokenizer, num_rows=data.demo_rows, seed=config.seed, response_only=data.response_only
+            ), None
+        on_bad_row = "skip" if data.skip_bad_rows else "error"
+
+        def load(path: str):
+            return load_samples(
+                path, tokenizer, response_only=data.response_only, on_bad_row=on_bad_row, cache=data.cache
             )
-            return samples, None
-        path = config.data.path if path is None else path
-        samples, report = tokenizer_refusals(
-            config,
-            lambda path: load_samples(
-                path,
-                tokenizer,
-                response_only=config.data.response_only,
-                on_bad_row="skip" if config.data.skip_bad_rows else "error",
-                cache=config.data.cache,
-            ),
-        )(path)
+
+        path = data.path if path is None else path
+        samples, report = tokenizer_refusals(config, load)(path)
         if not samples:
             raise TrainError(f"{path}: no usable rows ({report.summary()})")
         return samples, report
 
     def _eval_set(self, samples: list[dict], source: str) -> EvalSet:
-        config = self.config
+        data = self.config.data
         return eval_set(
-            samples,
-            source,
-            max_seq_len=config.data.max_seq_len,
-            seed=config.seed,
-            overflow=config.data.overflow,
+            samples, source, max_seq_len=data.max_seq_len, seed=self.config.seed, overflow=data.overflow
         )
 
     def read(self, tokenizer, info) -> ObjectiveData:
@@ -184,9 +174,7 @@ class SFT(Objective):
 
     def summary(self, bins, last) -> dict:
         """``data.share_prefixes``' decision, and what sharing each step's rows saves."""
-        sharing = getattr(self, "sharing", None)
-        if sharing is None:
-            return {"shared_prefixes": {"policy": PrefixSharing("off", 0, 0).policy, "on": False}}
+        sharing = getattr(self, "sharing", None) or PrefixSharing("off", 0, 0)  # none before before_training
         return {"shared_prefixes": sharing.as_dict()}
 
     def weight(self, rows: Sequence[dict]) -> int:

@@ -41,9 +41,8 @@ class LayoutCost:
     call_seconds: float  # one attention call, per layer
     pair_seconds: float  # one (query, key) pair of one layer, every head
     layers: int  # attention layers
-    call_per_document: (
-        bool  # CPU: one call per document; CUDA varlen: one per micro-batch (two with prefixes)
-    )
+    # CPU: one call per document; CUDA varlen: one per micro-batch (two with prefixes)
+    call_per_document: bool
 
     @classmethod
     def of(cls, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LayoutCost:
@@ -113,9 +112,7 @@ class PrefixSharing:
         return share_rows(rows, self.max_seq_len, seed=self.seed + step)[0]
 
     def decide(
-        self,
-        steps: Sequence[Sequence[Sequence[Sample]]],
-        cost: Callable[[], LayoutCost] | None,
+        self, steps: Sequence[Sequence[Sequence[Sample]]], cost: Callable[[], LayoutCost] | None
     ) -> bool:
         """Decide on the first epoch's steps (``steps[i]``: step i's bins, whole rows, one rank's);
         ``cost`` builds the device's cost model (``auto`` only). Sets ``on``, ``report``, ``policy``."""

@@ -126,11 +126,6 @@ def build_speedups_class(speedups: tuple[Speedup, ...] | None = None) -> type[Sp
     return dataclass(frozen=True)(type("Speedups", (Speedups,), namespace))
 
 
-def speedup_fields() -> list[dataclasses.Field]:
-    """The fields, in order: what the CLIs generate their options from."""
-    return list(dataclasses.fields(Speedups))
-
-
 __all__ = [
     "CHECKPOINTING_MODES",
     "ENV_CHECKPOINTING",
@@ -151,5 +146,4 @@ __all__ = [
     "Speedups",
     "build_speedups_class",
     "registry",
-    "speedup_fields",
 ]

@@ -157,35 +157,12 @@ def save_checkpoint(
     try:
         with atomic_directory(final) as tmp:
             save_file(weights, str(tmp / WEIGHTS))
-            torch.save(
-                {
-                    "optimizer": optimizer_state,
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rng_state(),
-                },
-                tmp / TRAINER_STATE,
-            )
+            trainer = {"optimizer": optimizer_state, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+            torch.save(trainer, tmp / TRAINER_STATE)
             (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     except OSError as error:  # a full disk, say: no half checkpoint stays behind
         raise TrainError(f"{final}: cannot write the checkpoint ({error.strerror or error})") from None
     return final
-
-
-def checkpoint_and_prune(
-    out: Path,
-    step: int,
-    model,
-    optimizer,
-    scheduler,
-    *,
-    loss: float | None,
-    fingerprint: dict | None,
-    keep: int,
-) -> Path:
-    """Save step ``step``'s checkpoint, then keep the newest ``keep`` (``training.keep_checkpoints``)."""
-    path = save_checkpoint(out, step, model, optimizer, scheduler, loss=loss, fingerprint=fingerprint)
-    prune_checkpoints(out, keep, step)
-    return path
 
 
 def prune_checkpoints(out: Path, keep: int, newest_step: int) -> list[Path]:
@@ -244,14 +221,10 @@ def _leads_to_nonfinite(path: Path) -> int | None:
 
 def newest_resumable(out: Path) -> Path | None:
     """The newest complete checkpoint that does not lead straight into a non-finite step."""
-    return next(
-        (
-            path
-            for _, path in _step_dirs(out)
-            if (path / STATE).is_file() and _leads_to_nonfinite(path) is None
-        ),
-        None,
-    )
+    for _, path in _step_dirs(out):
+        if (path / STATE).is_file() and _leads_to_nonfinite(path) is None:
+            return path
+    return None
 
 
 # ----------------------------------------------------------------------------- reading
@@ -295,16 +268,14 @@ def read_checkpoint(path: Path) -> Checkpoint:
         raise DamagedCheckpoint(f"{STATE} has no step")
     if state["step"] != int(match.group(1)):
         raise DamagedCheckpoint(f"{STATE} says step {state['step']}")
+    weights_file = need(WEIGHTS)
     try:
-        weights = load_file(str(need(WEIGHTS)))
-    except DamagedCheckpoint:
-        raise
+        weights = load_file(str(weights_file))
     except Exception as error:  # safetensors raises its own SafetensorError, or OSError
         raise DamagedCheckpoint(f"{WEIGHTS} is unreadable ({_short(error)})") from None
+    trainer_file = need(TRAINER_STATE)
     try:
-        trainer = torch.load(need(TRAINER_STATE), weights_only=True)
-    except DamagedCheckpoint:
-        raise
+        trainer = torch.load(trainer_file, weights_only=True)
     except Exception as error:  # a truncated or garbled pickle: any of a dozen exception types
         raise DamagedCheckpoint(f"{TRAINER_STATE} is unreadable ({_short(error)})") from None
     if not isinstance(trainer, dict) or not {"optimizer", "scheduler", "rng"} <= trainer.keys():

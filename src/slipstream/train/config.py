@@ -28,12 +28,8 @@ from ..fields import (  # noqa: F401 - re-exported: the config's field types and
     Positive,
     Range,
 )
-from ..fields import (
-    coerce as _coerce,
-)
-from ..fields import (
-    field_types as _field_types,
-)
+from ..fields import coerce as _coerce
+from ..fields import field_types as _field_types
 from ..objectives import objective_for, objective_names  # the registry (importing it registers)
 from ..objectives.grpo import GRPOSettings
 from ..objectives.pairs import PairSettings
@@ -46,9 +42,8 @@ class ModelConfig:
     path: str | None = None  # a local directory saved with save_pretrained (with its tokenizer)
     preset: str | None = None  # or a built-in shape (random init), e.g. "demo", "qwen3-moe"
     layers: Positive | None = None  # shorten a preset
-    dtype: Dtype = (
-        "auto"  # bfloat16 where the device runs it fast (CUDA sm80+, AMX / AVX512-BF16), else float32
-    )
+    # bfloat16 where the device runs it fast (CUDA sm80+, AMX / AVX512-BF16), else float32
+    dtype: Dtype = "auto"
     trust_remote_code: bool = False
 
 
@@ -83,9 +78,7 @@ class LoraConfig:
     dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     experts: bool = False  # per-expert LoRA on MoE expert projections
-    modules_to_save: list[str] = field(
-        default_factory=list
-    )  # trained in full beside the adapter, e.g. lm_head
+    modules_to_save: list[str] = field(default_factory=list)  # trained in full beside it, e.g. lm_head
 
 
 @dataclass
@@ -94,9 +87,8 @@ class QuantizationConfig:
     double_quant: bool = False
 
 
-Schedule = Literal[
-    "cosine", "linear", "constant"
-]  # the learning rate over the run (transformers' get_scheduler)
+# the learning rate over the run (transformers' get_scheduler)
+Schedule = Literal["cosine", "linear", "constant"]
 
 
 @dataclass
@@ -114,11 +106,6 @@ class OptimizerConfig:
 # checked against the registry when the config is validated.
 Objective = str
 
-# Each objective's settings are its own dataclass, declared beside its code; the config's sections
-# are those (the names below are what the sections were called here before).
-PreferenceConfig = PairSettings  # preference: (training.objective dpo / ipo / simpo / orpo)
-GRPOConfig = GRPOSettings  # grpo: (training.objective grpo)
-
 
 @dataclass
 class TrainingConfig:
@@ -127,9 +114,8 @@ class TrainingConfig:
     epochs: Positive | None = None
     grad_accum: Positive = 1  # packed micro-batches per optimizer step
     checkpoint_every: NonNegative = 0  # steps; 0 = only the final adapter
-    keep_checkpoints: NonNegative = (
-        3  # complete checkpoints kept (older ones pruned; the newest is never removed)
-    )
+    # complete checkpoints kept (older ones pruned; the newest is never removed)
+    keep_checkpoints: NonNegative = 3
     log_every: Positive = 1
     tensorboard: bool = False
     distributed: Strategy = "ddp"  # under torchrun: DDP or FSDP2 (fully_shard)
@@ -332,19 +318,12 @@ def config_from_data(
     data.pop("ab", None)  # `slipstream ab`'s section of the same file (bench/command.py reads it)
     config = _build(TrainConfig, data, "", source, lines)
     if base is not None:
-        for section, key in (
-            ("model", "path"),
-            ("data", "path"),
-            ("data", "eval_path"),
-            ("data", "chat_template"),
-        ):
-            value = getattr(getattr(config, section), key)
-            if value is not None and not Path(value).is_absolute():
-                setattr(
-                    getattr(config, section),
-                    key,
-                    str((base / value).resolve()) if (base / value).exists() else value,
-                )
+        for dotted in ("model.path", "data.path", "data.eval_path", "data.chat_template"):
+            section, key = dotted.split(".")
+            holder = getattr(config, section)
+            value = getattr(holder, key)
+            if value is not None and not Path(value).is_absolute() and (base / value).exists():
+                setattr(holder, key, str((base / value).resolve()))
         config.grpo.rewards = [_reward_near(spec, base) for spec in config.grpo.rewards]
     return config.validate(source, lines)
 
@@ -352,14 +331,10 @@ def config_from_data(
 def _reward_near(spec: Any, base: Path) -> Any:
     """A ``grpo.rewards`` entry naming a file next to the config (``rewards.py:fn``, ``rewards:fn``),
     made absolute; a built-in or an importable module is left as it is."""
-    entry = {"function": spec} if isinstance(spec, str) else spec
-    if (
-        not isinstance(entry, dict)
-        or not isinstance(entry.get("function"), str)
-        or ":" not in entry["function"]
-    ):
+    function = spec.get("function") if isinstance(spec, dict) else spec
+    if not isinstance(function, str) or ":" not in function:
         return spec
-    module, _, name = entry["function"].rpartition(":")
+    module, _, name = function.rpartition(":")
     if module.endswith(".py"):
         candidate = Path(module) if Path(module).is_absolute() else base / module
     elif "." not in module and "/" not in module:

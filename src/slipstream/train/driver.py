@@ -180,9 +180,8 @@ class StepDriver:
 def load_tokenizer(config: TrainConfig):
     if config.model.preset is not None:
         return with_chat_template(demo_tokenizer(), config)
-    check_model_dir(
-        config.model.path
-    )  # before anything reads it: a missing directory is not a network problem
+    # before anything reads it: a missing directory is not a network problem
+    check_model_dir(config.model.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code

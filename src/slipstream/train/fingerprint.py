@@ -119,12 +119,8 @@ def data_fingerprint(config) -> dict[str, Any]:
         raise TrainError(
             f"{path}: cannot read the data to fingerprint it ({error.strerror or error})"
         ) from None
-    return {
-        "kind": "data directory" if path.is_dir() else "data file",
-        "path": str(path),
-        "sha256": sha,
-        "bytes": size,
-    }
+    kind = "data directory" if path.is_dir() else "data file"
+    return {"kind": kind, "path": str(path), "sha256": sha, "bytes": size}
 
 
 def _describe(data: dict[str, Any]) -> str:

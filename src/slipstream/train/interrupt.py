@@ -26,17 +26,11 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulStop:
-    """A context manager: ``requested`` names the first signal received inside it, else None."""
+    """From ``install`` to ``restore``: ``requested`` names the first signal received, else None."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
         self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> GracefulStop:
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
 
     def install(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only

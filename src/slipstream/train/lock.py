@@ -38,11 +38,7 @@ LOCK = ".slipstream-run.lock"
 
 
 def _record() -> dict:
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
+    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
 def _describe(record: dict) -> str:

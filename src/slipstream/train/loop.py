@@ -27,7 +27,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from ..utilisation import docs_micro_batch
-from .checkpoints import checkpoint_and_prune, newest_checkpoint, save_checkpoint, save_final
+from .checkpoints import newest_checkpoint, prune_checkpoints, save_checkpoint, save_final
 from .config import TrainConfig
 from .distributed import full_trainable_state, shutdown
 from .errors import TrainError, TrainInterrupted
@@ -36,14 +36,13 @@ from .metrics import _Metrics, _summary
 from .nonfinite import NonFiniteSteps, finite_or_none
 from .output_dir import CHECKPOINTS, FINISHED
 from .samples import Samples
-from .setup import _data, _Run, _set_up, config_advice
+from .setup import _Run, _set_up, config_advice
 
 __all__ = [
     "CHECKPOINTS",
     "FINISHED",
     "TrainError",
     "TrainInterrupted",
-    "_data",
     "config_advice",
     "newest_checkpoint",
     "save_checkpoint",
@@ -89,28 +88,12 @@ def _evaluation_point(run: _Run, step: int) -> bool:
     return step == run.total or (every > 0 and step % every == 0)
 
 
-def _due_for_eval(run: _Run, step: int) -> bool:
-    """``training.eval_every`` steps and the last, when there is an eval set."""
-    return run.evals is not None and _evaluation_point(run, step)
-
-
-def _write_samples(run: _Run, samples: Samples, step: int) -> None:
-    """``training.sample_prompts``' answers after step ``step`` into ``samples.jsonl`` (rank 0), and said."""
-    samples.write(run.model, run.tokenizer, step)
-    tqdm.write(f"slipstream train: samples at step {step} -> {samples.path}")
-
-
 def _checkpoint(run: _Run, step: int, loss: float | None) -> None:
-    checkpoint_and_prune(
-        run.out,
-        step,
-        run.model,
-        run.optimizer,
-        run.scheduler,
-        loss=loss,
-        fingerprint=run.fingerprint,
-        keep=run.config.training.keep_checkpoints,
+    """Save step ``step``'s checkpoint, then keep the newest ``training.keep_checkpoints``."""
+    save_checkpoint(
+        run.out, step, run.model, run.optimizer, run.scheduler, loss=loss, fingerprint=run.fingerprint
     )
+    prune_checkpoints(run.out, run.config.training.keep_checkpoints, step)
 
 
 def _stop(run: _Run, requested: str | None, step: int, loss: float | None, saved: bool) -> TrainInterrupted:
@@ -193,7 +176,7 @@ def _run_steps(
             if result["pairs"]:
                 pairs_seen += result["pairs"]
                 record["pairs_per_s"] = pairs_seen / max(elapsed - eval_seconds, 1e-9)
-            if _due_for_eval(run, step + 1):
+            if run.evals is not None and _evaluation_point(run, step + 1):
                 evaluated = time.perf_counter()
                 found = _evaluate(run, step + 1)
                 samples.keep(step + 1, run.objective.eval_samples())
@@ -214,7 +197,8 @@ def _run_steps(
                     tqdm.write(line)
             if samples.enabled and _evaluation_point(run, step + 1):
                 answered = time.perf_counter()
-                _write_samples(run, samples, step + 1)
+                samples.write(run.model, run.tokenizer, step + 1)  # training.sample_prompts' answers (rank 0)
+                tqdm.write(f"slipstream train: samples at step {step + 1} -> {samples.path}")
                 eval_seconds += time.perf_counter() - answered
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **postfix)
             saved = False

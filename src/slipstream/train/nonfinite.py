@@ -45,14 +45,8 @@ class NonFiniteSteps:
         if training.on_nonfinite == "stop":
             raise TrainError(self._stop_message(step, what, "training.on_nonfinite: stop", repeats=True))
         if self.in_a_row >= training.max_consecutive_skips:
-            raise TrainError(
-                self._stop_message(
-                    step,
-                    what,
-                    f"{self.in_a_row} non-finite steps in a row, training.max_consecutive_skips",
-                    repeats=True,
-                )
-            )
+            why = f"{self.in_a_row} non-finite steps in a row, training.max_consecutive_skips"
+            raise TrainError(self._stop_message(step, what, why, repeats=True))
         return (
             f"slipstream train: step {step}: {what}: update skipped (training.on_nonfinite: skip; "
             f"{self.in_a_row} in a row, the run stops at {training.max_consecutive_skips})"
@@ -67,16 +61,9 @@ class NonFiniteSteps:
 
         A later step's loss would show it too, but not before this write; the writers refuse such
         weights as well, on rank 0 only. ``state``: the gathered weights under FSDP2."""
-        tensors = (
-            state
-            if state is not None
-            else {
-                name: param.detach()
-                for name, param in unwrap(self.model).named_parameters()
-                if param.requires_grad
-            }
-        )
-        bad = first_nonfinite(tensors)
+        if state is None:
+            state = {n: p.detach() for n, p in unwrap(self.model).named_parameters() if p.requires_grad}
+        bad = first_nonfinite(state)
         if bad is not None:
             what = f"its update made the trainable weight {bad!r} NaN or infinite"
             raise TrainError(self._stop_message(step, what, "nothing non-finite is written", repeats=False))
@@ -90,11 +77,9 @@ class NonFiniteSteps:
         self.info.barrier()
         lower = f"{self.config.optimizer.lr / 10:g}"
         newest = newest_resumable(self.out)
-        passed = (
-            f" ({marked.name} is passed over: its weights would compute step {step} again)"
-            if marked is not None
-            else ""
-        )
+        passed = ""
+        if marked is not None:
+            passed = f" ({marked.name} is passed over: its weights would compute step {step} again)"
         if newest is not None:
             where = (
                 f"the last finite checkpoint to go back to is {newest}{passed}: run the same command with "

@@ -57,10 +57,6 @@ def is_leftover(name: str) -> bool:
     return bool(_LEFTOVER.match(name))
 
 
-def is_marked(out: Path) -> bool:
-    return (Path(out) / MARKER).is_file()
-
-
 def write_marker(out: Path) -> None:
     marker = {
         "format": MARKER_FORMAT,
@@ -95,11 +91,6 @@ def remove_leftovers(out: Path) -> list[str]:
     if removed:
         logger.info("removed %d leftover(s) of an interrupted write: %s", len(removed), ", ".join(removed))
     return removed
-
-
-def _has_progress(entries: list[str]) -> bool:
-    """Whether a marked directory holds anything of a run beyond the marker and its config."""
-    return any(name in OWN_ENTRIES and name not in (MARKER, CONFIG) for name in entries)
 
 
 def _clear(out: Path, entries: list[str], overwrite: bool) -> None:
@@ -152,7 +143,7 @@ def prepare_output(out: Path, *, resume: bool, overwrite: bool) -> bool:
         entries = sorted(entry.name for entry in out.iterdir() if entry.name != LOCK) if out.exists() else []
     except OSError as error:
         raise TrainError(f"{out}: cannot list the output directory ({error.strerror or error})") from None
-    marked = MARKER in entries and is_marked(out)
+    marked = MARKER in entries and (out / MARKER).is_file()
     older_run = not marked and (out / CHECKPOINTS).is_dir()  # a run from before the marker
     if entries and not marked:
         if resume and older_run:
@@ -185,7 +176,7 @@ def prepare_output(out: Path, *, resume: bool, overwrite: bool) -> bool:
         if resume:
             remove_leftovers(out)
             return True
-        if _has_progress(entries):
+        if any(name in OWN_ENTRIES and name not in (MARKER, CONFIG) for name in entries):
             raise TrainError(
                 f"{out} holds an unfinished run: pass --resume to continue it or --overwrite to start over"
             )

@@ -60,16 +60,12 @@ def weights_error(path: str | Path, error: Exception) -> TrainError:
     return TrainError(f"model.path {path}: cannot load the model ({' '.join(str(error).split())})")
 
 
-def module_names(model: torch.nn.Module) -> list[str]:
-    return [name for name, _ in model.named_modules() if name]
-
-
 def check_lora_targets(model: torch.nn.Module, config: TrainConfig) -> None:
     """Every ``lora.target_modules`` / ``lora.modules_to_save`` entry matches a module, as PEFT
     matches them (the full name, or its last dotted parts; a regex when the entry is one)."""
     if not config.lora.enabled:
         return
-    names = module_names(model)
+    names = [name for name, _ in model.named_modules() if name]
     leaves = sorted({name.rsplit(".", 1)[-1] for name in names})
     for key in ("target_modules", "modules_to_save"):
         for target in getattr(config.lora, key):

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from ..atomic import write_text_atomically
 from ..data import DataReport, PackingReport
-from ..objectives import Objective
 from ..utilisation import FlopProfile, flop_profile, matmul_peak
 from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point
 from .config import TrainConfig
@@ -77,12 +76,6 @@ class _Run:
         if name == "driver":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self.driver, name)
-
-
-def _data(config: TrainConfig, tokenizer, info: Distributed, objective: Objective | None = None):
-    """The objective's rows and bins, the packing and data reports, and the eval set."""
-    found = (objective or objective_of(config)).read(tokenizer, info)
-    return found.rows, found.bins, found.packing, found.report, found.evals
 
 
 def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) -> _Run:

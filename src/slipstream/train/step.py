@@ -20,9 +20,6 @@ from typing import Any
 
 import torch
 
-# An SFT micro-batch is whatever the arm feeds the model: kwargs plus its label-token count.
-MicroBatch = tuple[dict[str, Any], int]
-
 
 def train_step(
     model: torch.nn.Module,
