@@ -56,19 +56,10 @@ def generate(
     ``model.dtype`` (``auto`` for an adapter or model directory). Raises ``GenerateError`` (one line, naming the path) on bad input.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    check_options(**options)
     generator = load_generator(path, device=device, dtype=dtype)
-    return [
-        generator.generate(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            sample=sample,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-        )
-        for prompt in prompts
-    ]
+    return [generator.generate(prompt, sample=sample, seed=seed, **options) for prompt in prompts]
 
 
 def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
