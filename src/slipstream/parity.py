@@ -57,7 +57,6 @@ def _vocab_size(model: torch.nn.Module) -> int:
 
 def documents(model: torch.nn.Module, lengths=LENGTHS, seed: int = SEED) -> list[list[int]]:
     """Random documents over the ordinary ids of the tiny vocabulary (no special tokens)."""
-
     vocab = _vocab_size(model)
     low, high = RESERVED_LOW, max(RESERVED_LOW + 1, vocab - RESERVED_HIGH)
     generator = torch.Generator().manual_seed(seed)
@@ -130,11 +129,8 @@ def reference(model: torch.nn.Module, docs: list[list[int]]) -> Step:
     """The stock reference step: each document alone through ``model`` itself (training mode); its
     logits, and the loss and gradients of the token-weighted loss over every document."""
     model.train()
-    inputs = inputs_of(docs, "alone")
-    seen = logits_of(model, inputs, "alone")
     model.zero_grad(set_to_none=True)
-    loss = sum(part.item() for part in train_step(model, inputs, "alone"))
-    return Step(float(loss), grads_of(model), seen, inputs)
+    return _step(model, docs, "alone", logits=True)
 
 
 # --------------------------------------------------------------------------- an arm
