@@ -236,11 +236,8 @@ def shrink_kwargs(config, layers: int = 2) -> dict[str, Any]:
         out["use_sliding_window"] = True
     # Determinism: no dropout, no router noise, no stochastic depth.
     for key, value in attrs.items():
-        lowered = key.lower()
-        is_drop = (
-            "dropout" in lowered or "pdrop" in lowered or "layerdrop" in lowered or "drop_path" in lowered
-        )
-        if (is_drop or "jitter" in lowered) and isinstance(value, float) and value != 0.0:
+        noisy = any(word in key.lower() for word in ("dropout", "pdrop", "layerdrop", "drop_path", "jitter"))
+        if noisy and isinstance(value, float) and value != 0.0:
             out[key] = 0.0
     if "use_cache" in attrs:
         out["use_cache"] = False
