@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .models.answer import Generator
-from .train.config import ConfigError, TrainConfig, run_config
+from .train.config import ConfigError, run_config
 from .train.errors import TrainError
 from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
 from .train.precision import resolve_dtype
@@ -133,13 +133,6 @@ def _is_run(path: Path) -> bool:
     return isinstance(data, dict) and {"model", "lora", "training"} <= set(data)
 
 
-def _run_config(run: Path) -> TrainConfig:
-    try:
-        return run_config(run / CONFIG)
-    except ConfigError as error:
-        raise GenerateError(str(error)) from None
-
-
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return resolve_dtype(name, device)[0]
@@ -160,7 +153,10 @@ def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Genera
             else ""
         )
         raise GenerateError(f"{run}: no {ADAPTER}/ (the run has not finished{hint})")
-    config = _run_config(run)
+    try:
+        config = run_config(run / CONFIG)
+    except ConfigError as error:
+        raise GenerateError(str(error)) from None
     dtype = _dtype(dtype_name or config.model.dtype, device)
     if not (adapter / "adapter_config.json").is_file():  # trained without LoRA: the whole model
         tokenizer = _tokenizer(adapter, f"{adapter}: no tokenizer saved with the model")
