@@ -11,11 +11,9 @@ nothing is downloaded.
 
 The model is fresh: no ``slipstream.optimize`` (packed attention is for training batches;
 generation runs transformers' stock attention with its KV cache); only expert LoRA switches the
-experts to slipstream's sorted routing, the one place those adapters run. A prompt goes through the
-tokenizer's chat template (one user turn, ``add_generation_prompt``) when it has one, as is;
-decoding is greedy unless sampling is asked for, seeded per prompt so each answer is
-reproducible on its own (``models.answer.Generator``, which a training run's
-``training.sample_prompts`` uses too).
+experts to slipstream's sorted routing, the one place those adapters run. The prompts are answered
+as a training run's ``training.sample_prompts`` are (``models.answer.Generator``: the chat
+template, greedy unless sampling is asked for).
 """
 
 from __future__ import annotations

@@ -311,8 +311,9 @@ class ArchitectureNotInstalled(KeyError):
         return str(self.args[0])
 
 
-def require_installed(model_type: str) -> None:
-    """Raise :class:`ArchitectureNotInstalled`, naming the version, where transformers lacks ``model_type``."""
+def require_installed(model_type: str) -> str:
+    """The causal-LM class name of ``model_type``; :class:`ArchitectureNotInstalled`, naming the
+    version, where the installed transformers lacks it."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -320,6 +321,7 @@ def require_installed(model_type: str) -> None:
         raise ArchitectureNotInstalled(
             f"{model_type}: not a causal LM of the installed transformers {transformers.__version__}"
         )
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def tiny_config(model_type: str, layers: int = 2):
@@ -361,10 +363,8 @@ def shrink_config(config, layers: int = 2):
 def causal_lm_class(model_type: str):
     """The class transformers' causal-LM registry names for ``model_type``."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    require_installed(model_type)
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return getattr(transformers, require_installed(model_type))
 
 
 def config_for_class(cls, config):
@@ -372,11 +372,8 @@ def config_for_class(cls, config):
     wanted = getattr(cls, "config_class", None)
     if wanted is None or isinstance(config, wanted):
         return config
-    for key in _sub_config_keys(config):
-        sub = getattr(config, key)
-        if isinstance(sub, wanted):
-            return sub
-    return config
+    subs = [getattr(config, key) for key in _sub_config_keys(config)]
+    return next((sub for sub in subs if isinstance(sub, wanted)), config)
 
 
 def _perturb_zero_features(model: torch.nn.Module, generator: torch.Generator) -> None:
