@@ -20,17 +20,12 @@ from typing import Literal
 Existing = Literal["replace", "keep", "refuse"]
 
 
-def temporary_path(path: Path) -> Path:
-    """A hidden sibling of ``path`` unique to this process, keeping its suffix (plots need it)."""
-    return path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
-
-
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path to write ``path`` through: renamed over it on success, removed on failure."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # the suffix kept: plots need it
     try:
         yield tmp
         os.replace(tmp, path)

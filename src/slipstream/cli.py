@@ -43,6 +43,12 @@ commands:
 """
 
 
+def _error(command: str, message: object, status: int = 1) -> int:
+    """``message`` as one line on stderr, named by the command; the exit status to return."""
+    print(f"slipstream {command}: {message}", file=sys.stderr)
+    return status
+
+
 def _add_ab(sub) -> None:
     p = sub.add_parser(
         "ab",
@@ -66,15 +72,13 @@ def _cmd_ab(args) -> int:
     try:
         grid = ab_grid(args)
     except ValueError as error:
-        print(f"slipstream ab: {error}", file=sys.stderr)
-        return 2
+        return _error("ab", error, 2)
     first_use_hint()  # once the options are valid: a mistake stays the one line that names it
     out_root = Path(grid[0][1].ab.out_dir or f"runs/ab-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         diverged = run_grid(grid, out_root)
     except ABInputError as error:  # the model or data, found unusable before any arm ran
-        print(f"slipstream ab: {error}", file=sys.stderr)
-        return 2
+        return _error("ab", error, 2)
     if len(grid) > 1:
         print(f"sweep of {len(grid)} workloads done; merge them with: slipstream report {out_root}")
     if diverged:
@@ -101,8 +105,7 @@ def _cmd_report(args) -> int:
         records = load_records(args.paths)
         rows = report_rows(records)
     except ReportError as error:
-        print(f"slipstream report: {error}", file=sys.stderr)
-        return 1
+        return _error("report", error)
     table = report_markdown(records, rows)
     print(f"{len(records)} records\n\n{table}")
     if args.out:
@@ -114,9 +117,9 @@ def _cmd_report(args) -> int:
 def speedups_help(prefix: str) -> str:
     """The speedup keys, generated from ``Speedups``' fields (a new field shows up here by itself)."""
     lines = ["speedups (config keys; --set speedups.KEY=VALUE):"]
+    types = field_types(speedups_module.Speedups)
     for spec in dataclasses.fields(speedups_module.Speedups):
-        allowed = choices(field_types(speedups_module.Speedups)[spec.name])
-        expected = field_types(speedups_module.Speedups)[spec.name]
+        allowed, expected = choices(types[spec.name]), types[spec.name]
         values = (
             "|".join(map(str, allowed)) if allowed else "true|false" if is_kind(expected, bool) else "VALUE"
         )
@@ -168,8 +171,7 @@ def _cmd_train(args) -> int:
         first_use_hint()  # once the config is valid: a mistake in it stays the one line that names it
         _, summary = train(config, resume=args.resume, overwrite=args.overwrite, force=args.force)
     except (ConfigError, DataError, TrainError) as error:
-        print(f"slipstream train: {error}", file=sys.stderr)
-        return 1
+        return _error("train", error)
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 speaks
         print(
             f"finished {summary['steps']} steps, final loss {_number(summary['final_loss'])}; "
@@ -214,15 +216,13 @@ def _add_pack(sub) -> None:
 
 
 def _cmd_pack(args) -> int:
-
     if args.tokenizer:
         from transformers import AutoTokenizer
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
         except (OSError, ValueError) as error:
-            print(f"slipstream pack: {args.tokenizer}: no usable tokenizer ({error})", file=sys.stderr)
-            return 1
+            return _error("pack", f"{args.tokenizer}: no usable tokenizer ({error})")
     else:
         tokenizer = demo_tokenizer()
     try:
@@ -233,12 +233,10 @@ def _cmd_pack(args) -> int:
             on_bad_row="skip" if args.skip_bad_rows else "error",
         )
     except (DataError, FileNotFoundError) as error:
-        print(f"slipstream pack: {error}", file=sys.stderr)
-        return 1
+        return _error("pack", error)
     print(report.summary())
     if not samples:
-        print("slipstream pack: no usable rows", file=sys.stderr)
-        return 1
+        return _error("pack", "no usable rows")
     _, packing = pack_samples(samples, args.max_seq_len, seed=args.seed, overflow=args.overflow)
     print(packing.summary())
     return 0
@@ -293,8 +291,7 @@ def _cmd_doctor(args) -> int:
             recalibrate=args.recalibrate,
         )
     except DoctorError as error:
-        print(f"slipstream doctor: {error}", file=sys.stderr)
-        return 2
+        return _error("doctor", error, 2)
     return status
 
 
@@ -338,8 +335,7 @@ def _cmd_export(args) -> int:
             args.run_dir, args.merged, dtype=args.dtype, checkpoint=args.checkpoint, overwrite=args.overwrite
         )
     except ExportError as error:
-        print(f"slipstream export: {error}", file=sys.stderr)
-        return 1
+        return _error("export", error)
     print(
         f"merged {report.source} into its base model ({report.dtype}); probe of {report.check.tokens} tokens: "
         f"max |logit difference| {report.check.max_abs:.3g}, relative {report.check.relative:.3g} "
@@ -402,8 +398,7 @@ def _cmd_generate(args) -> int:
             if not prompts:
                 raise GenerateError("no prompt: give --prompt, --file, or prompts on stdin (one per line)")
     except GenerateError as error:
-        print(f"slipstream generate: {error}", file=sys.stderr)
-        return 1
+        return _error("generate", error)
     from transformers import TextStreamer
 
     print(f"slipstream generate: {generator.source}", file=sys.stderr)
@@ -465,17 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         with known_noise_hidden(not args.debug):  # before the commands import bitsandbytes, PEFT, TRL
             return args.func(args)
     except KeyboardInterrupt:
-        print(f"slipstream {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _error(args.command, "interrupted", 130)
     except Exception as error:  # anything a command did not turn into its own message: one line
         if args.debug:
             raise
         text = " ".join(str(error).split()) or "no message"
-        print(
-            f"slipstream {args.command}: {type(error).__name__}: {text} (run with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+        return _error(args.command, f"{type(error).__name__}: {text} (run with --debug for the traceback)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ it, so a rule is written once and an option is one typed field.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import types
 import typing
@@ -19,6 +20,9 @@ from typing import Annotated, Any, Literal
 
 class ConfigError(ValueError):
     """A config problem; the message names the file (where there is one) and the key."""
+
+
+_HOLDS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 @dataclass(frozen=True)
@@ -31,13 +35,8 @@ class Range:
     lt: float | None = None
 
     def violation(self, value: float) -> str | None:
-        for bound, holds, symbol in (
-            (self.ge, lambda b: value >= b, ">="),
-            (self.gt, lambda b: value > b, ">"),
-            (self.le, lambda b: value <= b, "<="),
-            (self.lt, lambda b: value < b, "<"),
-        ):
-            if bound is not None and not holds(bound):
+        for bound, symbol in ((self.ge, ">="), (self.gt, ">"), (self.le, "<="), (self.lt, "<")):
+            if bound is not None and not _HOLDS[symbol](value, bound):
                 return f"must be {symbol} {bound:g}"
         return None
 

@@ -11,11 +11,9 @@ nothing is downloaded.
 
 The model is fresh: no ``slipstream.optimize`` (packed attention is for training batches;
 generation runs transformers' stock attention with its KV cache); only expert LoRA switches the
-experts to slipstream's sorted routing, the one place those adapters run. A prompt goes through the
-tokenizer's chat template (one user turn, ``add_generation_prompt``) when it has one, as is;
-decoding is greedy unless sampling is asked for, seeded per prompt so each answer is
-reproducible on its own (``models.answer.Generator``, which a training run's
-``training.sample_prompts`` uses too).
+experts to slipstream's sorted routing, the one place those adapters run. The prompts are answered
+as a training run's ``training.sample_prompts`` are (``models.answer.Generator``: the chat
+template, greedy unless sampling is asked for).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .models.answer import Generator
-from .train.config import ConfigError, TrainConfig, run_config
+from .train.config import ConfigError, run_config
 from .train.errors import TrainError
 from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
 from .train.precision import resolve_dtype
@@ -56,19 +54,10 @@ def generate(
     ``model.dtype`` (``auto`` for an adapter or model directory). Raises ``GenerateError`` (one line, naming the path) on bad input.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    check_options(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+    check_options(**options)
     generator = load_generator(path, device=device, dtype=dtype)
-    return [
-        generator.generate(
-            prompt,
-            max_new_tokens=max_new_tokens,
-            sample=sample,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-        )
-        for prompt in prompts
-    ]
+    return [generator.generate(prompt, sample=sample, seed=seed, **options) for prompt in prompts]
 
 
 def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -142,13 +131,6 @@ def _is_run(path: Path) -> bool:
     return isinstance(data, dict) and {"model", "lora", "training"} <= set(data)
 
 
-def _run_config(run: Path) -> TrainConfig:
-    try:
-        return run_config(run / CONFIG)
-    except ConfigError as error:
-        raise GenerateError(str(error)) from None
-
-
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return resolve_dtype(name, device)[0]
@@ -169,7 +151,10 @@ def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Genera
             else ""
         )
         raise GenerateError(f"{run}: no {ADAPTER}/ (the run has not finished{hint})")
-    config = _run_config(run)
+    try:
+        config = run_config(run / CONFIG)
+    except ConfigError as error:
+        raise GenerateError(str(error)) from None
     dtype = _dtype(dtype_name or config.model.dtype, device)
     if not (adapter / "adapter_config.json").is_file():  # trained without LoRA: the whole model
         tokenizer = _tokenizer(adapter, f"{adapter}: no tokenizer saved with the model")

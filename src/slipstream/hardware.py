@@ -105,12 +105,8 @@ def cpu_generation(fields: dict[str, str] | None = None) -> str:
     text = f"{name} family {family} model {model}"
     generation = ""
     if name == "AMD":
-        if family == 23:
-            generation = "Zen / Zen 2"
-        elif family == 25:
-            generation = "Zen 4" if any(model in r for r in _ZEN4_MODELS_OF_FAMILY_25) else "Zen 3"
-        elif family == 26:
-            generation = "Zen 5"
+        zen4 = any(model in r for r in _ZEN4_MODELS_OF_FAMILY_25)
+        generation = {23: "Zen / Zen 2", 25: "Zen 4" if zen4 else "Zen 3", 26: "Zen 5"}.get(family, "")
     return f"{text} ({generation})" if generation else text
 
 

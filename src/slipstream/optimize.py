@@ -130,38 +130,19 @@ def optimize(
 ) -> torch.nn.Module:
     """Turn slipstream's optimizations on (or off) for ``model``, in place; returns the same model.
 
-    ``speedups``: a :class:`slipstream.Speedups` (every toggle, typed and validated once; see
-    its fields for what each does). ``**options`` are its fields by name, a convenience:
-    ``optimize(model, packed_attention=False)`` is ``optimize(model, Speedups(packed_attention=False))``,
-    and with both given the options replace those fields.
+    ``speedups``: a :class:`slipstream.Speedups` (every toggle, typed and validated once; each
+    field's help says what it does, docs/speedups.md more). ``**options`` are its fields by name, a
+    convenience: ``optimize(model, packed_attention=False)`` is ``optimize(model,
+    Speedups(packed_attention=False))``, and with both given the options replace those fields.
+    ``expected_steps``: the run's optimizer steps (the trainer and ``slipstream ab`` pass them),
+    what ``compile`` and ``fused_kernels`` "auto" weigh a cold start against; without them
+    ``compile: auto`` stays off.
 
-    packed_attention: attend within each document of a :class:`PackedBatch`, reading the
-        metadata the collator built on the host: no host syncs, no [T, T] mask. The model is
-        inspected first (:mod:`slipstream.packing.verdict`): refused with an error naming the
-        feature, or adapted (token mixers per document, position offsets), each logged.
-        ``False`` restores the model's stock attention.
-    moe_routing: "sorted" groups each MoE layer's tokens by expert once (argsort + counts);
-        "stock" leaves transformers' choice; default: sorted where the experts allow it exactly.
-    checkpointing: "off", "recompute", "offload", "offload-double" or "auto"; ``None`` leaves it.
-    chunked_loss: the LM head + cross-entropy a chunk of labelled tokens at a time, so the
-        [tokens, vocab] logits never exist (training forwards with labels only: their
-        ``out.logits`` is a ``loss.LogitsNotComputed`` placeholder that raises, naming this
-        option, if used as a tensor; eval / ``no_grad`` forwards keep their logits); ``None``:
-        on where the model supports it, else logged and off.
-    fused_kernels: "auto" swaps in Liger-Kernel's fused RMSNorm / SwiGLU / RoPE kernels where the
-        model is on CUDA, liger-kernel imports and knows the model type (never its loss), else
-        inductor-compiled RMSNorm / SwiGLU where their cold start pays back over
-        ``expected_steps`` (``slipstream.fused.compiled``; each module class probed exact first);
-        "liger" / "compiled" insist (an error names the reason they cannot); "off" restores the
-        model's own.
-    compile: "on" compiles each decoder layer (``torch.compile``, dynamic shapes, the packed
-        attention eager between graphs); "auto" does so only when ``expected_steps`` (the run's
-        optimizer steps, which the trainer and ``slipstream ab`` pass) pays back the cold start
-        (``slipstream.compile.should_compile``); without ``expected_steps`` "auto" stays off.
-
-    Training with packed batches needs ``use_cache`` off (a cache lets packed documents see
-    each other in stock transformers); ``optimize`` turns it off and restores it when undone.
-    Each choice is logged once and kept in the model's state (``slipstream.state_of(model)``).
+    Packed attention inspects the model first (:mod:`slipstream.packing.verdict`): refused with an
+    error naming the feature, or adapted, each logged. Training with packed batches needs
+    ``use_cache`` off (a cache lets packed documents see each other in stock transformers);
+    ``optimize`` turns it off and restores it when undone. Each choice is logged once and kept in
+    the model's state (``slipstream.state_of(model)``).
     """
     from . import speedups as speedups_module  # read at call time: a registered plug-in's options count
 

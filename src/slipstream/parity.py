@@ -1,19 +1,11 @@
 """The parity kit: one training step of a fast arm against a reference, and how far apart they are.
 
 The compatibility sweep (:mod:`slipstream.compat`) and ``slipstream doctor``
-(:mod:`slipstream.doctor.checks`) both judge a speedup this way:
-
-* :func:`documents`: random documents over the ordinary ids of a (tiny) model's vocabulary,
-  :data:`LENGTHS` tokens by default;
-* :func:`reference`: the **stock reference step**: each document alone through the model itself
-  (training mode): its logits, and the loss and every parameter gradient of the token-weighted
-  loss over all documents (what a padded batch trains);
-* :class:`Arm`: a copy of a base model under ``slipstream.optimize`` with given ``Speedups``
-  options (then, optionally, wrapped, e.g. in a LoRA, and driven through the offload schedule on
-  a given engine); :meth:`Arm.step` trains it one step on the documents packed in one row
-  (``"packed"``) or each alone (``"alone"``), its logits first if asked;
-* :func:`compare`: the relative error of the logits, the loss and every gradient
-  (:func:`gradient_errors`), and :func:`problems`: what is off beyond :data:`TOLERANCE`.
+(:mod:`slipstream.doctor.checks`) both judge a speedup this way: random :func:`documents`, the
+stock :func:`reference` step (each document alone through the model itself), an :class:`Arm`'s
+step under ``slipstream.optimize`` (the documents packed in one row, or each alone), and
+:func:`compare` / :func:`problems`: the relative error of the logits, the loss and every gradient,
+and what is off beyond :data:`TOLERANCE`.
 
 What the callers add on top stays theirs: the sweep's outcomes (pass / refused / WRONG / CRASH)
 and its columns, doctor's counted second step (host syncs), its captured policy log and its
@@ -57,7 +49,6 @@ def _vocab_size(model: torch.nn.Module) -> int:
 
 def documents(model: torch.nn.Module, lengths=LENGTHS, seed: int = SEED) -> list[list[int]]:
     """Random documents over the ordinary ids of the tiny vocabulary (no special tokens)."""
-
     vocab = _vocab_size(model)
     low, high = RESERVED_LOW, max(RESERVED_LOW + 1, vocab - RESERVED_HIGH)
     generator = torch.Generator().manual_seed(seed)
@@ -130,11 +121,8 @@ def reference(model: torch.nn.Module, docs: list[list[int]]) -> Step:
     """The stock reference step: each document alone through ``model`` itself (training mode); its
     logits, and the loss and gradients of the token-weighted loss over every document."""
     model.train()
-    inputs = inputs_of(docs, "alone")
-    seen = logits_of(model, inputs, "alone")
     model.zero_grad(set_to_none=True)
-    loss = sum(part.item() for part in train_step(model, inputs, "alone"))
-    return Step(float(loss), grads_of(model), seen, inputs)
+    return _step(model, docs, "alone", logits=True)
 
 
 # --------------------------------------------------------------------------- an arm

@@ -147,28 +147,26 @@ class RewardFunction:
 
 def _import(module: str, base: Path | None) -> Any:
     """A module by file (``x.py``, or ``x`` with ``x.py`` next to the config) or by import name."""
-    candidates = []
+    path = None
     if module.endswith(".py"):
-        candidates.append(Path(module) if base is None else base / module)
+        path = Path(module) if base is None else base / module
     elif base is not None and "." not in module:
-        candidates.append(base / f"{module}.py")
-    for path in candidates:
-        path = Path(path)
-        if path.is_file():
-            name = f"slipstream_rewards_{abs(hash(str(path.resolve())))}"
-            if name in sys.modules:
-                return sys.modules[name]
-            spec = importlib.util.spec_from_file_location(name, path)
-            loaded = importlib.util.module_from_spec(spec)
-            sys.modules[name] = loaded
-            try:
-                spec.loader.exec_module(loaded)
-            except Exception as error:
-                del sys.modules[name]
-                raise RewardError(f"{path}: importing it raised {type(error).__name__}: {error}") from error
-            return loaded
-        if module.endswith(".py"):
-            raise RewardError(f"{path}: no such reward file")
+        path = base / f"{module}.py"
+    if path is not None and path.is_file():
+        name = f"slipstream_rewards_{abs(hash(str(path.resolve())))}"
+        if name in sys.modules:
+            return sys.modules[name]
+        spec = importlib.util.spec_from_file_location(name, path)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[name] = loaded
+        try:
+            spec.loader.exec_module(loaded)
+        except Exception as error:
+            del sys.modules[name]
+            raise RewardError(f"{path}: importing it raised {type(error).__name__}: {error}") from error
+        return loaded
+    if module.endswith(".py"):
+        raise RewardError(f"{path}: no such reward file")
     try:
         return importlib.import_module(module)
     except Exception as error:

@@ -188,11 +188,6 @@ class CachedSampler:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         return frozenset(inspect.signature(inner.forward).parameters)
 
-    def _cache_kwargs(self, params: frozenset[str], cache) -> dict:
-        """The cache under the name this transformers takes (``cache``, or ``past_key_values`` before it)."""
-        name = "cache" if "cache" in params else "past_key_values"
-        return {name: cache, "use_cache": True}
-
     @torch.no_grad()
     def generate(self, model, prompts, num_generations, sampling, seed) -> Rollouts:
         from transformers import DynamicCache
@@ -217,13 +212,15 @@ class CachedSampler:
         config = getattr(model, "config", None)
         cache = DynamicCache(config=config) if config is not None else DynamicCache()
         params = self._forward_params(model)
+        # the cache under the name this transformers takes (``cache``, or ``past_key_values`` before it)
+        cached = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
         # logits_to_keep: the prefill's [B, L, V] logits are never built, the last position's only
         last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         out = model(
             input_ids=ids,
             attention_mask=_prefill_mask(valid, dtype),
             position_ids=positions,
-            **self._cache_kwargs(params, cache),
+            **cached,
             **last_only,
         )
         logits = out.logits[:, -1]  # the cache was filled in place
@@ -260,17 +257,11 @@ class CachedSampler:
                 input_ids=drawn[:, None],
                 attention_mask=_additive(valid[:, None, None, :], dtype),
                 position_ids=next_position[:, None],
-                **self._cache_kwargs(params, cache),
+                **cached,
             )
             logits = out.logits[:, -1]
             next_position = next_position + 1
             stats.decode_steps += 1
-        completions = [
-            [
-                Completion(tokens[p * num_generations + g], finished[p * num_generations + g])
-                for g in range(num_generations)
-            ]
-            for p in range(count)
-        ]
+        done = [Completion(ids, stop) for ids, stop in zip(tokens, finished, strict=True)]
         stats.seconds = time.perf_counter() - started
-        return Rollouts(completions, stats)
+        return Rollouts([done[p * num_generations : (p + 1) * num_generations] for p in range(count)], stats)

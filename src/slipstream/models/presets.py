@@ -68,7 +68,21 @@ TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
-# Real shapes (see ../shared/CONTEXT.md), checked against the transformers config classes.
+# Real shapes (see ../shared/CONTEXT.md), checked against the transformers config classes. Each
+# family's preset states only what differs from its family's shared fields.
+_QWEN3: dict[str, Any] = dict(family=Qwen3Config, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+_QWEN3_MOE: dict[str, Any] = dict(
+    _QWEN3, family=Qwen3MoeConfig, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True
+)
+_GPT_OSS: dict[str, Any] = dict(
+    family=GptOssConfig,
+    num_key_value_heads=8,
+    head_dim=64,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    sliding_window=128,
+    vocab_size=201088,
+)
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(
         family=LlamaConfig,
@@ -83,106 +97,62 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     ),
     "qwen3-0.6b": dict(
-        family=Qwen3Config,
+        _QWEN3,
         hidden_size=1024,
         intermediate_size=3072,
         num_hidden_layers=28,
         num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
         tie_word_embeddings=True,
     ),
     "qwen3-8b": dict(
-        family=Qwen3Config,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
+        _QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32
     ),
     "qwen3-14b": dict(
-        family=Qwen3Config,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=40,
-        num_attention_heads=40,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
+        _QWEN3, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40, num_attention_heads=40
     ),
     "qwen3-30b-a3b": dict(
-        family=Qwen3MoeConfig,
+        _QWEN3_MOE,
         hidden_size=2048,
         intermediate_size=6144,
         moe_intermediate_size=768,
         num_hidden_layers=48,
         num_attention_heads=32,
         num_key_value_heads=4,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        vocab_size=151936,
     ),
     "gpt-oss-20b": dict(
-        family=GptOssConfig,
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=24,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_local_experts=32,
-        num_experts_per_tok=4,
-        sliding_window=128,
-        vocab_size=201088,
+        _GPT_OSS, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64
     ),
     # The MoE benchmark's CPU-sized shapes: the real routing (128 experts top-8; 32 experts
     # top-4) and expert width ratios at hidden 256.
     "qwen3-moe-bench-cpu": dict(
-        family=Qwen3MoeConfig,
+        _QWEN3_MOE,
         hidden_size=256,
         intermediate_size=768,
         moe_intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=128,
-        num_experts=128,
-        num_experts_per_tok=8,
-        norm_topk_prob=True,
-        vocab_size=151936,
     ),
     "gpt-oss-bench-cpu": dict(
-        family=GptOssConfig,
+        _GPT_OSS,
         hidden_size=256,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
-        num_local_experts=32,
-        num_experts_per_tok=4,
-        sliding_window=128,
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
-        vocab_size=201088,
     ),
     # The packing benchmark's CPU-sized Qwen3: Qwen3-0.6B's proportions at a quarter of its
     # width (hidden 256, intermediate 3x hidden, 2:1 GQA, head_dim 128 as in every Qwen3) and
     # Qwen3's real vocabulary.
     "qwen3-bench-cpu": dict(
-        family=Qwen3Config,
+        _QWEN3,
         hidden_size=256,
         intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=128,
-        vocab_size=151936,
     ),
 }
 

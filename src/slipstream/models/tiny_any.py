@@ -73,19 +73,6 @@ def _read_attrs(config) -> dict[str, Any]:
     return attrs
 
 
-def _per_layer_overrides(config) -> dict[int, dict[str, Any]]:
-    """A heterogeneous config's per-layer attribute overrides (layer index -> attribute -> value)."""
-    spec = config.__dict__.get("_heterogeneity_spec")
-    return copy.deepcopy(spec.per_layer_overrides) if spec is not None else {}
-
-
-def _layer_count(attrs: dict[str, Any]) -> tuple[str | None, int | None]:
-    for key in sizes.LAYER_KEYS:
-        if _is_int(attrs.get(key)):
-            return key, attrs[key]
-    return None, None
-
-
 def _is_index_list(value: Any, n_layers: int) -> bool:
     """A list of distinct layer indices (``moe_layers``, ``full_attn_idxs``, ...), not one entry per layer."""
     return (
@@ -200,8 +187,12 @@ def shrink_kwargs(config, layers: int = 2) -> dict[str, Any]:
 
     # Layers: keep one of each kind the per-layer lists (and per-layer overrides) tell apart,
     # at least ``layers``.
-    key, n_layers = _layer_count(attrs)
-    overrides = _per_layer_overrides(config)
+    key, n_layers = next(
+        ((name, attrs[name]) for name in sizes.LAYER_KEYS if _is_int(attrs.get(name))), (None, None)
+    )
+    # A heterogeneous config's per-layer attribute overrides (layer index -> attribute -> value).
+    spec = config.__dict__.get("_heterogeneity_spec")
+    overrides = copy.deepcopy(spec.per_layer_overrides) if spec is not None else {}
     if key is not None and n_layers is not None:
         per_layer = _per_layer_lists(attrs, n_layers)
         index_lists = {
@@ -245,11 +236,8 @@ def shrink_kwargs(config, layers: int = 2) -> dict[str, Any]:
         out["use_sliding_window"] = True
     # Determinism: no dropout, no router noise, no stochastic depth.
     for key, value in attrs.items():
-        lowered = key.lower()
-        is_drop = (
-            "dropout" in lowered or "pdrop" in lowered or "layerdrop" in lowered or "drop_path" in lowered
-        )
-        if (is_drop or "jitter" in lowered) and isinstance(value, float) and value != 0.0:
+        noisy = any(word in key.lower() for word in ("dropout", "pdrop", "layerdrop", "drop_path", "jitter"))
+        if noisy and isinstance(value, float) and value != 0.0:
             out[key] = 0.0
     if "use_cache" in attrs:
         out["use_cache"] = False
@@ -270,19 +258,11 @@ def shrink_kwargs(config, layers: int = 2) -> dict[str, Any]:
     # ...) are left to be derived again from the shrunk fields: passed as keywords they would
     # override the derivation. An attribute the config stores under an ``attribute_map`` alias
     # is passed under the alias's field name.
-    fields = _init_fields(config)
-    if fields is not None:
-        fields.add("per_layer_config")
+    if dataclasses.is_dataclass(config):
+        fields = {field.name for field in dataclasses.fields(config) if field.init} | {"per_layer_config"}
         aliases = {target: alias for alias, target in config.attribute_map.items() if alias in fields}
         out = {aliases.get(key, key): value for key, value in out.items() if key in fields or key in aliases}
     return out
-
-
-def _init_fields(config) -> set[str] | None:
-    """The keyword fields of a dataclass config (None for a config that is not a dataclass)."""
-    if not dataclasses.is_dataclass(config):
-        return None
-    return {field.name for field in dataclasses.fields(config) if field.init}
 
 
 # --------------------------------------------------------------------------- building
@@ -331,8 +311,9 @@ class ArchitectureNotInstalled(KeyError):
         return str(self.args[0])
 
 
-def require_installed(model_type: str) -> None:
-    """Raise :class:`ArchitectureNotInstalled`, naming the version, where transformers lacks ``model_type``."""
+def require_installed(model_type: str) -> str:
+    """The causal-LM class name of ``model_type``; :class:`ArchitectureNotInstalled`, naming the
+    version, where the installed transformers lacks it."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -340,6 +321,7 @@ def require_installed(model_type: str) -> None:
         raise ArchitectureNotInstalled(
             f"{model_type}: not a causal LM of the installed transformers {transformers.__version__}"
         )
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
 
 
 def tiny_config(model_type: str, layers: int = 2):
@@ -352,7 +334,9 @@ def tiny_config(model_type: str, layers: int = 2):
     from transformers import AutoConfig
 
     require_installed(model_type)
-    return AutoConfig.for_model(model_type, **_tiny_kwargs(_default_config(model_type), model_type, layers))
+    # The family's default config (``DEFAULT_KWARGS`` for the few whose bare defaults don't validate).
+    default = AutoConfig.for_model(model_type, **DEFAULT_KWARGS.get(model_type, {}))
+    return AutoConfig.for_model(model_type, **_tiny_kwargs(default, model_type, layers))
 
 
 def _tiny_kwargs(config, model_type: str, layers: int) -> dict[str, Any]:
@@ -376,20 +360,11 @@ def shrink_config(config, layers: int = 2):
     return _rebuild(config, _tiny_kwargs(config, config.model_type, layers))
 
 
-def _default_config(model_type: str):
-    """The family's default config; ``DEFAULT_KWARGS`` for the few whose bare defaults don't validate."""
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type, **DEFAULT_KWARGS.get(model_type, {}))
-
-
 def causal_lm_class(model_type: str):
     """The class transformers' causal-LM registry names for ``model_type``."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    require_installed(model_type)
-    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    return getattr(transformers, require_installed(model_type))
 
 
 def config_for_class(cls, config):
@@ -397,11 +372,8 @@ def config_for_class(cls, config):
     wanted = getattr(cls, "config_class", None)
     if wanted is None or isinstance(config, wanted):
         return config
-    for key in _sub_config_keys(config):
-        sub = getattr(config, key)
-        if isinstance(sub, wanted):
-            return sub
-    return config
+    subs = [getattr(config, key) for key in _sub_config_keys(config)]
+    return next((sub for sub in subs if isinstance(sub, wanted)), config)
 
 
 def _perturb_zero_features(model: torch.nn.Module, generator: torch.Generator) -> None:
@@ -435,10 +407,6 @@ def random_model(config, seed: int = 0, attn_implementation: str = "eager", mode
     return model
 
 
-def parameter_count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 __all__ = [
     "DYNAMIC_ROPE_POSITIONS",
     "OVERRIDES",
@@ -449,7 +417,6 @@ __all__ = [
     "ArchitectureNotInstalled",
     "causal_lm_class",
     "config_for_class",
-    "parameter_count",
     "random_model",
     "require_installed",
     "shrink_config",

@@ -1,13 +1,16 @@
 """Per-family overrides of the tiny configs :mod:`slipstream.models.tiny_any` builds: what a family
 needs on top of the generic shrinker (a layer pattern that holds every kind of layer it mixes, a
-feature its defaults leave off, a size the shrinker can't derive), one function per family.
+feature its defaults leave off, a size the shrinker can't derive), one function per family, or
+one ``_fixed`` / ``_pattern`` line where it only sets values or a layer pattern.
 
 A table, kept apart from the building logic it plugs into: a new family's entry goes here.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,16 @@ def _override(*model_types: str) -> Callable[[Override], Override]:
     return register
 
 
+def _fixed(*model_types: str, **values: Any) -> None:
+    """An override that sets ``values`` (a fresh copy each time) on top of the shrunk kwargs."""
+    _override(*model_types)(lambda default, kwargs: {**kwargs, **copy.deepcopy(values)})
+
+
+def _pattern(*model_types: str, **pattern: list) -> None:
+    """An override that lays ``pattern`` over the layers (:func:`_layout`)."""
+    _override(*model_types)(lambda default, kwargs: _layout(kwargs, **pattern))
+
+
 # Default-config keyword arguments for families whose bare defaults don't validate.
 DEFAULT_KWARGS: dict[str, dict[str, Any]] = {
     # A drafter: its text config must have no per-layer inputs (Gemma 4 E2B's default has them).
@@ -63,15 +76,9 @@ def _without(kwargs: dict[str, Any], *keys: str) -> dict[str, Any]:
     return {key: value for key, value in kwargs.items() if key not in keys}
 
 
-@_override("bamba")
-def _bamba(default, kwargs):
-    return {**kwargs, "attn_layer_indices": [1]}  # the default is Mamba layers only
-
-
-@_override("blt")
-def _blt(default, kwargs):
-    # The hash n-gram embeddings are 6 tables of 500k rows by default.
-    return {**kwargs, "encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [3, 4]}
+_fixed("bamba", attn_layer_indices=[1])  # the default is Mamba layers only
+# The hash n-gram embeddings are 6 tables of 500k rows by default.
+_fixed("blt", encoder_hash_byte_group_vocab=64, encoder_hash_byte_group_size=[3, 4])
 
 
 @_override("cohere_compass_text")
@@ -84,28 +91,14 @@ def _cohere_compass(default, kwargs):
     return {**kwargs, "rope_parameters": {"sliding_attention": rope, "full_attention": None}}
 
 
-@_override("cpmant")
-def _cpmant(default, kwargs):
-    # The input embedding has ``prompt_types * prompt_length`` prompt rows past the vocabulary;
-    # kept within the reserved top ids so document ids stay inside the output vocabulary.
-    return {**kwargs, "prompt_types": 3, "prompt_length": 4}
-
-
-@_override("dbrx.attn_config")
-def _dbrx_attention(default, kwargs):
-    # DbrxAttention reads ``rope_theta`` off its attention config (released configs carry it).
-    return {**kwargs, "kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 500_000.0}
-
-
-@_override("dbrx.ffn_config")
-def _dbrx_ffn(default, kwargs):
-    return {**kwargs, "ffn_hidden_size": EXPERT_FFN, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K}
-
-
-@_override("deepseek_v2")
-def _deepseek_v2(default, kwargs):
-    # Group-limited routing (DeepSeek-V2's released configs) rather than the greedy default.
-    return {**kwargs, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}
+# The input embedding has ``prompt_types * prompt_length`` prompt rows past the vocabulary;
+# kept within the reserved top ids so document ids stay inside the output vocabulary.
+_fixed("cpmant", prompt_types=3, prompt_length=4)
+# DbrxAttention reads ``rope_theta`` off its attention config (released configs carry it).
+_fixed("dbrx.attn_config", kv_n_heads=KV_HEADS, clip_qkv=8.0, rope_theta=500_000.0)
+_fixed("dbrx.ffn_config", ffn_hidden_size=EXPERT_FFN, moe_num_experts=EXPERTS, moe_top_k=TOP_K)
+# Group-limited routing (DeepSeek-V2's released configs) rather than the greedy default.
+_fixed("deepseek_v2", topk_method="group_limited_greedy", n_group=2, topk_group=1)
 
 
 @_override("dory")
@@ -115,16 +108,10 @@ def _dory(default, kwargs):
     return {**_without(kwargs, "n_recurrent_layers"), "n_input_layers": 1, "n_output_layers": 1}
 
 
-@_override("dots1")
-def _dots1(default, kwargs):
-    # The default leaves the MoE unset (a dense model); dots.llm1 routes 6 of 128 with 2 shared.
-    return {
-        **kwargs,
-        "n_routed_experts": EXPERTS,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": TOP_K,
-        "first_k_dense_replace": 1,
-    }
+# The default leaves the MoE unset (a dense model); dots.llm1 routes 6 of 128 with 2 shared.
+_fixed(
+    "dots1", n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K, first_k_dense_replace=1
+)
 
 
 @_override("dots3_note_text")
@@ -190,11 +177,9 @@ def _gemma4_assistant_text(default, kwargs):
     return _gemma4_global_layers(kwargs, kv_heads=None)
 
 
-@_override("git")
-def _git(default, kwargs):
-    # GitForCausalLM drops ``image_patch_tokens`` logits before the loss whether or not an image
-    # was given; with no image embeddings that count is 0 and a text-only loss lines up.
-    return {**kwargs, "num_image_with_embedding": 0}
+# GitForCausalLM drops ``image_patch_tokens`` logits before the loss whether or not an image
+# was given; with no image embeddings that count is 0 and a text-only loss lines up.
+_fixed("git", num_image_with_embedding=0)
 
 
 @_override("gpt_neo")
@@ -208,36 +193,21 @@ def _gpt_neo(default, kwargs):
     }
 
 
-@_override("granitemoehybrid")
-def _granitemoehybrid(default, kwargs):
-    return _layout(kwargs, layer_types=["linear_attention", "full_attention"])  # default: Mamba only
-
-
-@_override("hunyuan_v1_dense")
-def _hunyuan_v1_dense(default, kwargs):
-    # Dynamic NTK RoPE (the rope type Hunyuan's configs name; without ``alpha``, which would make it
-    # static): its frequencies grow past max_position_embeddings, set here above every test
-    # document and below a packed row, so only a model that took the row's length for a
-    # document's would grow them.
-    rope = {"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0}
-    return {**kwargs, "rope_parameters": rope, "max_position_embeddings": DYNAMIC_ROPE_POSITIONS}
-
-
-@_override("hunyuan_v1_moe")
-def _hunyuan_v1_moe(default, kwargs):
-    return {**kwargs, "num_experts": EXPERTS, "moe_topk": TOP_K}  # the default is a single expert
-
-
-@_override("inkling2_text", "inkling2_loop_text")
-def _inkling2(default, kwargs):
-    # Block attention residuals: a block boundary and a layer inside the block. A relative
-    # position extent shorter than a document, so the bias's cut-off is exercised.
-    return {**kwargs, "n_layers_per_attn_res_block": 2, "rel_extent": 2 * WINDOW}
-
-
-@_override("jamba")
-def _jamba(default, kwargs):
-    return {**kwargs, "attn_layer_period": 2, "attn_layer_offset": 1}  # Mamba, attention, ...
+_pattern("granitemoehybrid", layer_types=["linear_attention", "full_attention"])  # default: Mamba only
+# Dynamic NTK RoPE (the rope type Hunyuan's configs name; without ``alpha``, which would make it
+# static): its frequencies grow past max_position_embeddings, set here above every test
+# document and below a packed row, so only a model that took the row's length for a
+# document's would grow them.
+_fixed(
+    "hunyuan_v1_dense",
+    rope_parameters={"rope_type": "dynamic", "rope_theta": 10_000.0, "factor": 2.0},
+    max_position_embeddings=DYNAMIC_ROPE_POSITIONS,
+)
+_fixed("hunyuan_v1_moe", num_experts=EXPERTS, moe_topk=TOP_K)  # the default is a single expert
+# Block attention residuals: a block boundary and a layer inside the block. A relative
+# position extent shorter than a document, so the bias's cut-off is exercised.
+_fixed("inkling2_text", "inkling2_loop_text", n_layers_per_attn_res_block=2, rel_extent=2 * WINDOW)
+_fixed("jamba", attn_layer_period=2, attn_layer_offset=1)  # Mamba, attention, ...
 
 
 @_override("laguna")
@@ -246,10 +216,8 @@ def _laguna(default, kwargs):
     return {**kwargs, "num_attention_heads_per_layer": [HEADS] * kwargs["num_hidden_layers"]}
 
 
-@_override("lfm2", "lfm2_moe")
-def _lfm2(default, kwargs):
-    # Short-convolution and attention layers (LFM2's default is attention only, LFM2-MoE's unset).
-    return _layout(kwargs, layer_types=["conv", "full_attention"])
+# Short-convolution and attention layers (LFM2's default is attention only, LFM2-MoE's unset).
+_pattern("lfm2", "lfm2_moe", layer_types=["conv", "full_attention"])
 
 
 @_override("llama4_text")
@@ -282,14 +250,8 @@ def _longrope(default, kwargs: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {**kwargs, "rope_parameters": rope, "original_max_position_embeddings": POSITION_THRESHOLD}
 
 
-@_override("phi3", "phi4_multimodal")
-def _phi3(default, kwargs):
-    return _longrope(default, kwargs)  # the 128k configs (Phi-3 / 3.5 / 4-mini)
-
-
-@_override("phimoe")
-def _phimoe(default, kwargs):
-    return _longrope(default, kwargs, short_mscale=1.0, long_mscale=1.2)  # Phi-3.5-MoE
+_override("phi3", "phi4_multimodal")(_longrope)  # the 128k configs (Phi-3 / 3.5 / 4-mini)
+_override("phimoe")(functools.partial(_longrope, short_mscale=1.0, long_mscale=1.2))  # Phi-3.5-MoE
 
 
 @_override("ministral3")
@@ -308,9 +270,7 @@ def _mamba2(default, kwargs):
     return {**kwargs, "head_dim": WIDTH * default.expand // kwargs.get("num_heads", default.num_heads)}
 
 
-@_override("mellum")
-def _mellum(default, kwargs):
-    return _layout(kwargs, layer_types=["sliding_attention", "full_attention"])  # default: full only
+_pattern("mellum", layer_types=["sliding_attention", "full_attention"])  # default: full only
 
 
 @_override("minimax_m3_vl_text")
@@ -322,9 +282,7 @@ def _minimax_m3_vl_text(default, kwargs):
     return {**kwargs, "index_block_size": 4, "index_topk_blocks": 2}
 
 
-@_override("modernbert-decoder")
-def _modernbert_decoder(default, kwargs):
-    return {**kwargs, "local_attention": 2 * WINDOW}  # the sliding window is half of it
+_fixed("modernbert-decoder", local_attention=2 * WINDOW)  # the sliding window is half of it
 
 
 @_override("qwen4_exp_text")
@@ -371,15 +329,13 @@ def _reformer(default, kwargs):
     }
 
 
-@_override("roc_bert")
-def _roc_bert(default, kwargs):
-    return {
-        **kwargs,
-        "shape_vocab_size": VOCAB,
-        "shape_embed_dim": 16,
-        "pronunciation_vocab_size": VOCAB,
-        "pronunciation_embed_dim": 16,
-    }
+_fixed(
+    "roc_bert",
+    shape_vocab_size=VOCAB,
+    shape_embed_dim=16,
+    pronunciation_vocab_size=VOCAB,
+    pronunciation_embed_dim=16,
+)
 
 
 @_override("smollm3")
@@ -392,12 +348,6 @@ def _xmod(default, kwargs):
     return {**kwargs, "default_language": default.languages[0]}
 
 
-@_override("zamba")
-def _zamba(default, kwargs):
-    # The hybrid layers share one transformer block: two of them, so the sharing is exercised.
-    return _layout(kwargs, layers_block_type=["linear_attention", "hybrid", "hybrid"])
-
-
-@_override("zaya")
-def _zaya(default, kwargs):
-    return _layout(kwargs, layer_types=["hybrid_sliding", "hybrid"])  # default: full only
+# The hybrid layers share one transformer block: two of them, so the sharing is exercised.
+_pattern("zamba", layers_block_type=["linear_attention", "hybrid", "hybrid"])
+_pattern("zaya", layer_types=["hybrid_sliding", "hybrid"])  # default: full only
