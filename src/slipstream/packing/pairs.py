@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..data.binpack import best_fit_decreasing
 from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
 from .groups import GroupRow
 
@@ -119,23 +120,6 @@ def _ids(pair: dict[str, Any], key: str, number: int) -> list[int]:
 def pack_pairs(pairs: list[dict[str, Any]], max_seq_len: int, seed: int = 0) -> list[list[dict[str, Any]]]:
     """Best-fit-decreasing bins of pairs by their shared length (prompt once, both answers); ties in
     a seeded order. Every pair fits one bin (``tokenize_pair`` cut it to ``max_seq_len``)."""
-    order = list(range(len(pairs)))
+    order = list(pairs)
     random.Random(seed).shuffle(order)
-    order.sort(key=lambda i: -pair_tokens(pairs[i]))
-    bins: list[list[dict[str, Any]]] = []
-    room: list[int] = []
-    for i in order:
-        size = pair_tokens(pairs[i])
-        best = (
-            min((r - size, b) for b, r in enumerate(room) if r >= size)
-            if any(r >= size for r in room)
-            else None
-        )
-        if best is None:
-            bins.append([pairs[i]])
-            room.append(max_seq_len - size)
-        else:
-            b = best[1]
-            bins[b].append(pairs[i])
-            room[b] -= size
-    return bins
+    return best_fit_decreasing(order, max_seq_len, size=pair_tokens)
