@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -63,7 +63,6 @@ from .costs import BUILTIN, AttentionCosts
 
 # The grouping choices, defined once (Speedups and the CLIs read them).
 AttentionGrouping = Literal["auto", "grouped", "per_document"]
-GROUPINGS: tuple[str, ...] = get_args(AttentionGrouping)
 
 
 def rule(costs: AttentionCosts = BUILTIN) -> str:

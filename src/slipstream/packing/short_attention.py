@@ -48,7 +48,7 @@ they add nothing to any real key's gradient.
 from __future__ import annotations
 
 import weakref
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -59,7 +59,6 @@ from .costs import BUILTIN, AttentionCosts
 # for every short document whatever the device and dtype (how the compatibility sweep checks it
 # in fp32 on every architecture); "off" keeps SDPA.
 ShortKernel = Literal["auto", "on", "off"]
-SHORT_KERNEL_MODES: tuple[str, ...] = get_args(ShortKernel)
 
 # The longest document (or padded group length) that takes this path on a CPU: the measured
 # crossover above (bf16: 1.2-1.9x at 160, 0.7-0.87x at 192).
