@@ -155,10 +155,7 @@ class PackedBatch:
             lengths: list[int] = []
             for length in self.seq_lens:
                 lengths += [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
-            cu_seqlens = torch.tensor(cumulative(lengths), dtype=torch.int32)
-            if self.cu_seqlens.device.type != "cpu":
-                pinned = cu_seqlens.pin_memory() if torch.cuda.is_available() else cu_seqlens
-                cu_seqlens = pinned.to(self.cu_seqlens.device, non_blocking=True)
+            cu_seqlens = host_tensor(cumulative(lengths), self.cu_seqlens.device, torch.int32)
             return replace(
                 self, cu_seqlens=cu_seqlens, seq_lens=tuple(lengths), max_seqlen=max(lengths), _memo={}
             )
@@ -272,6 +269,15 @@ class AnswerSpans:
             move(self.token_counts),
             self.temperature,
         )
+
+
+def host_tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host ints as a tensor on ``device``: pinned and copied without blocking off the CPU."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cpu":
+        pinned = tensor.pin_memory() if torch.cuda.is_available() else tensor
+        tensor = pinned.to(device, non_blocking=True)
+    return tensor
 
 
 def cumulative(lengths) -> list[int]:

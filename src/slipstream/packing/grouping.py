@@ -58,7 +58,7 @@ from typing import Literal
 
 import torch
 
-from .batch import PackedBatch
+from .batch import PackedBatch, host_tensor
 from .costs import BUILTIN, AttentionCosts
 
 # The grouping choices, defined once (Speedups and the CLIs read them).
@@ -204,14 +204,6 @@ def plan_groups(seq_lens: tuple[int, ...], call_elements: float) -> tuple[list[l
     return groups, best[m]
 
 
-def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    index = torch.tensor(values, dtype=torch.long)
-    if device.type != "cpu":
-        pinned = index.pin_memory() if torch.cuda.is_available() else index
-        index = pinned.to(device, non_blocking=True)
-    return index
-
-
 def document_groups(
     batch: PackedBatch, mode: str, heads: int, kv_heads: int, head_dim: int, costs: AttentionCosts = BUILTIN
 ) -> DocumentGroups | None:
@@ -256,9 +248,9 @@ def _build(
             gather_or_zero += [T] * (longest - length)
     return DocumentGroups(
         shapes=tuple(shapes),
-        gather_index=_device_index(gather, batch.device),
-        scatter_index=_device_index(scatter, batch.device),
-        gather_or_zero=_device_index(gather_or_zero, batch.device),
+        gather_index=host_tensor(gather, batch.device),
+        scatter_index=host_tensor(scatter, batch.device),
+        gather_or_zero=host_tensor(gather_or_zero, batch.device),
         real_elements=sum(length * length for length in seq_lens),
         padded_elements=sum(n * length * length for n, length in shapes),
     )
