@@ -28,7 +28,7 @@ import torch
 
 from ..data.binpack import best_fit_decreasing
 from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
-from .groups import GroupRow
+from .groups import answer_row
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -70,28 +70,11 @@ def collate_pairs(
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
-    row = GroupRow()  # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
-    positions: list[int] = []
-    targets: list[int] = []
-    index: list[int] = []
-    lengths: list[int] = []
-    for number, pair in enumerate(pairs):
-        prompt, chosen, rejected = (_ids(pair, key, number) for key in PAIR_KEYS)
-        P = len(prompt)
-        if prefix_sharing:
-            # the rejected answer follows the prompt (positions P..), not the chosen answer
-            alone_rows = row.add_group(prompt, [chosen, rejected])
-            row.labels.extend([IGNORE_INDEX] * P + chosen + rejected)
-        else:
-            alone_rows = row.add_group([], [prompt + chosen, prompt + rejected])
-            row.labels.extend([IGNORE_INDEX] * P + chosen + [IGNORE_INDEX] * P + rejected)
-        for side, (answer, rows) in enumerate(zip((chosen, rejected), alone_rows, strict=True)):
-            # answer token k is predicted from position P + k - 1 of prompt + answer run alone (the
-            # rejected answer's first token from the prompt's last row position when shared)
-            positions.extend(rows[P - 1 : P + len(answer) - 1])
-            targets.extend(answer)
-            index.extend([2 * number + side] * len(answer))
-            lengths.append(len(answer))
+    # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
+    parsed = ([_ids(pair, key, number) for key in PAIR_KEYS] for number, pair in enumerate(pairs))
+    row, positions, targets, index, lengths = answer_row(
+        ((prompt, [chosen, rejected]) for prompt, chosen, rejected in parsed), prefix_sharing
+    )
     answers = AnswerSpans(
         positions=torch.tensor(positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
