@@ -127,11 +127,8 @@ class PackedBatch:
         """``[(start, end), ...]`` of every document, as Python ints (memoised)."""
 
         def build() -> list[tuple[int, int]]:
-            bounds, start = [], 0
-            for length in self.seq_lens:
-                bounds.append((start, start + length))
-                start += length
-            return bounds
+            ends = cumulative(self.seq_lens)
+            return list(zip(ends[:-1], ends[1:], strict=True))
 
         return self.memo("doc_bounds", build)
 

@@ -112,16 +112,14 @@ def _documents(feature: dict[str, Any], index: int) -> list[dict[str, list[int]]
             "without padding: give it the unpadded input_ids"
         )
     input_ids = _as_list(feature["input_ids"])
-    labels = _as_list(feature["labels"]) if feature.get("labels") is not None else None
+    labels = _as_list(feature["labels"]) if feature.get("labels") is not None else input_ids
     if input_ids and isinstance(input_ids[0], list | tuple | torch.Tensor):  # a pre-packed bin
-        labels = labels if labels is not None else input_ids
         if len(labels) != len(input_ids):
             raise ValueError(f"feature {index}: {len(labels)} label lists for {len(input_ids)} documents")
         return [
             {"input_ids": _as_list(ids), "labels": _as_list(lab)}
             for ids, lab in zip(input_ids, labels, strict=True)
         ]
-    labels = labels if labels is not None else input_ids
     seq_lengths = feature.get("seq_lengths")
     if seq_lengths is None:
         return [{"input_ids": input_ids, "labels": labels}]

@@ -166,10 +166,6 @@ class DocumentGroups:
     real_elements: int  # sum Li^2
     padded_elements: int  # sum n * L^2
 
-    @property
-    def slots(self) -> list[int]:
-        return [n * length for n, length in self.shapes]
-
 
 def plan_groups(seq_lens: tuple[int, ...], call_elements: float) -> tuple[list[list[int]], float]:
     """The cheapest grouping of ``seq_lens`` and its cost, in score elements.
@@ -299,7 +295,7 @@ def run_grouped(fn, groups: DocumentGroups, query, key, value, **kw) -> torch.Te
     query ``[1, H, T, D]``, key / value ``[1, Hkv, T, D]``. One gather per input and one
     scatter for the output (their backwards: one index_select each), whatever the group count.
     """
-    slots = groups.slots
+    slots = [n * length for n, length in groups.shapes]
     gathered = [_ToSlots.apply(t[0].transpose(0, 1), groups).split(slots) for t in (query, key, value)]
     outputs = []
     for (n, length), q, k, v in zip(groups.shapes, *gathered, strict=True):
