@@ -123,9 +123,7 @@ def find_token_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     names = {id(m): n for n, m in model.named_modules()}
     found: list[tuple[str, torch.nn.Module]] = []
     for layer in layers:
-        for child in layer.children():
-            if child is None:
-                continue
+        for child in layer.children():  # (children() skips None entries)
             cls = type(child).__name__
             # A convolution over the tokens mixes them whatever the module is called (an
             # attention whose q/k go through a causal conv, as in Zaya's CCA, included).
@@ -144,7 +142,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         child
         for layer in decoder_layers(model)
         for child in layer.children()
-        if child is not None and _is_attention(child) and id(child) not in mixers
+        if _is_attention(child) and id(child) not in mixers
     ]
 
 
@@ -361,17 +359,12 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                 + TRAIN_UNPACKED
             )
         pieces = []
-        bounds = batch.doc_bounds()
-        spans = batch.prefix_spans()
-        for number, (start, end) in enumerate(bounds):
+        for (start, end), span in zip(batch.doc_bounds(), batch.prefix_spans(), strict=True):
             # a document that attends to a shared prefix (a preference pair's rejected answer,
             # :mod:`.pairs`; a group's continuation, :mod:`.groups`): the mixer runs causally over
             # the prefix's tokens, then its own
-            span = spans[number]
             prefix = 0 if span is None else span[1] - span[0]
-            ranges = [(start, end)]
-            if span is not None:
-                ranges.insert(0, span)
+            ranges = [(start, end)] if span is None else [span, (start, end)]
             doc_args = [_take_tokens(a, ranges, length) for a in args]
             doc_kwargs = {
                 k: _take_tokens(v, ranges, length) for k, v in kwargs.items() if k not in _ROW_KWARGS
