@@ -174,25 +174,17 @@ class PackedBatch:
         if non_blocking is None:
             non_blocking = pin
 
-        def move(t: torch.Tensor) -> torch.Tensor:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             if pin and t.device.type == "cpu":
                 t = t.pin_memory()
             return t.to(device, non_blocking=non_blocking)
 
-        return PackedBatch(
-            input_ids=move(self.input_ids),
-            labels=move(self.labels),
-            position_ids=move(self.position_ids),
-            cu_seqlens=move(self.cu_seqlens),
-            seq_lens=self.seq_lens,
-            max_seqlen=self.max_seqlen,
-            num_label_tokens=self.num_label_tokens,
-            loss_positions=None if self.loss_positions is None else move(self.loss_positions),
-            prefix_lens=self.prefix_lens,
-            answers=None if self.answers is None else self.answers.to(move),
-            prefix_sources=self.prefix_sources,
-            loss_targets=None if self.loss_targets is None else move(self.loss_targets),
-        )
+        tensors = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_positions", "loss_targets")
+        moved = {name: move(getattr(self, name)) for name in tensors}
+        answers = None if self.answers is None else self.answers.to(move)
+        return replace(self, **moved, answers=answers, _memo={})  # a fresh memo: its tensors are elsewhere
 
     def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:
         """Keyword arguments for ``model(**...)``.
@@ -258,14 +250,8 @@ class AnswerSpans:
         return len(self.lengths) // 2
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
-        return AnswerSpans(
-            move(self.positions),
-            move(self.targets),
-            move(self.index),
-            self.lengths,
-            move(self.token_counts),
-            self.temperature,
-        )
+        tensors = ("positions", "targets", "index", "token_counts")
+        return replace(self, **{name: move(getattr(self, name)) for name in tensors})
 
 
 def host_tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
