@@ -33,6 +33,10 @@ class UnsupportedSharedPrefix(Refusal, NotImplementedError):
     avoid = None
 
 
+# PackedBatch's own tensor fields (its answers hold more), in the order they are moved or pinned.
+TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_positions", "loss_targets")
+
+
 @dataclass(eq=False)
 class PackedBatch:
     """Documents concatenated into one row of T tokens, plus host-built metadata.
@@ -181,8 +185,7 @@ class PackedBatch:
                 t = t.pin_memory()
             return t.to(device, non_blocking=non_blocking)
 
-        tensors = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_positions", "loss_targets")
-        moved = {name: move(getattr(self, name)) for name in tensors}
+        moved = {name: move(getattr(self, name)) for name in TENSOR_FIELDS}
         answers = None if self.answers is None else self.answers.to(move)
         return replace(self, **moved, answers=answers, _memo={})  # a fresh memo: its tensors are elsewhere
 
