@@ -133,8 +133,8 @@ def chat_char_spans(
                 f"messages[{turns[number]}]: an assistant turn without a letter or digit cannot be "
                 "located in the rendered chat",
             )
-    prompt = generation_prompt(tokenizer)
-    specials = _special_pattern(tokenizer)
+    prompt = _generation_prompt(id(tokenizer), tokenizer.chat_template, tokenizer)
+    specials = _special_regex(id(tokenizer), tokenizer)
     spans, previous_end = [], 0
     in_text_order = sorted(range(len(turns)), key=lambda number: written[number][0])
     for order, number in enumerate(in_text_order):
@@ -177,21 +177,13 @@ def has_generation_markers(tokenizer: Any) -> bool:
     return isinstance(template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", template) is not None
 
 
-def generation_prompt(tokenizer: Any) -> str:
-    """What the template adds for ``add_generation_prompt`` (the text the model continues from)."""
-    return _generation_prompt(id(tokenizer), tokenizer.chat_template, tokenizer)
-
-
 @lru_cache(maxsize=32)
 def _generation_prompt(_id: int, _template: str, tokenizer: Any) -> str:
+    """What the template adds for ``add_generation_prompt`` (the text the model continues from)."""
     probe = [{"role": "user", "content": "hello"}]
     without = render_chat(tokenizer, probe, "the chat template")
     with_prompt = render_chat(tokenizer, probe, "the chat template", add_generation_prompt=True)
     return with_prompt[len(without) :] if with_prompt.startswith(without) else ""
-
-
-def _special_pattern(tokenizer: Any) -> re.Pattern | None:
-    return _special_regex(id(tokenizer), tokenizer)
 
 
 @lru_cache(maxsize=32)

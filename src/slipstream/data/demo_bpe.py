@@ -41,7 +41,9 @@ def demo_tokenizer(cache_dir: str | Path | None = None) -> PreTrainedTokenizerFa
     """The demo tokenizer, built on first use and loaded from the cache after that."""
     folder = _cache_root(cache_dir) / f"demo-tokenizer-v{RECIPE_VERSION}-{_recipe_hash()}"
     if not (folder / "tokenizer.json").exists():
-        _build_into(folder)
+        # a concurrent builder that renamed its copy first wins: its copy is used
+        with atomic_directory(folder, existing="keep") as staging:
+            _train().save_pretrained(str(staging))
     return PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
 
 
@@ -79,12 +81,6 @@ def _source_digest() -> str:
         return hashlib.sha256(inspect.getsource(demo_data).encode()).hexdigest()
     except (OSError, TypeError):  # installed without sources: fall back on RECIPE_VERSION alone
         return "no source"
-
-
-def _build_into(folder: Path) -> None:
-    # a concurrent builder that renamed its copy first wins: its copy is used
-    with atomic_directory(folder, existing="keep") as staging:
-        _train().save_pretrained(str(staging))
 
 
 def _train() -> PreTrainedTokenizerFast:

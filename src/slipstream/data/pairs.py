@@ -21,13 +21,13 @@ answers) keeps its prompt whole and cuts its longer answer first; it is counted.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .chat import has_chat_template, render_chat
 from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy, json_type
+from .prompts import split_prompts
 from .readers import read_rows
 from .shapes import _chat_messages, _with_eos
 
@@ -240,13 +240,4 @@ def _chat(prompt, chosen, rejected, tokenizer, location: str):
 
 def split_pairs(pairs: list[Pair], fraction: float, seed: int, source: str) -> tuple[list[Pair], list[Pair]]:
     """``(train, eval)``: a seeded ``fraction`` of the pairs held out (never trained on)."""
-    count = len(pairs)
-    share = min(count - 1, max(1, round(fraction * count)))
-    if count < 2:
-        raise DataError(source, f"data.eval_fraction {fraction:g} needs at least 2 usable pairs, got {count}")
-    order = list(range(count))
-    random.Random(f"slipstream eval split {seed}").shuffle(order)
-    chosen = set(order[:share])
-    return [p for i, p in enumerate(pairs) if i not in chosen], [
-        p for i, p in enumerate(pairs) if i in chosen
-    ]
+    return split_prompts(pairs, fraction, seed, source, noun="pairs")

@@ -56,13 +56,13 @@ Group = dict[str, Any]  # {"prefix_ids", "prefix_labels", "continuations": [{"in
 class SharingReport:
     """What sharing the rows' common starts saves: the tokens a model runs, before and after."""
 
-    rows: int
-    groups: int  # groups of two or more rows (before splitting to fit a bin)
-    rows_in_groups: int
-    parts: int  # what the groups became once split to fit bins (each holds its start once)
-    unshared_tokens: int  # the rows' tokens, every row whole
-    shared_tokens: int  # the tokens the packed bins hold
-    longest_shared: int  # the longest shared start, in tokens
+    rows: int = 0
+    groups: int = 0  # groups of two or more rows (before splitting to fit a bin)
+    rows_in_groups: int = 0
+    parts: int = 0  # what the groups became once split to fit bins (each holds its start once)
+    unshared_tokens: int = 0  # the rows' tokens, every row whole
+    shared_tokens: int = 0  # the tokens the packed bins hold
+    longest_shared: int = 0  # the longest shared start, in tokens
 
     @property
     def saved_tokens(self) -> int:
@@ -180,15 +180,7 @@ def share_rows(
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
     items: list[Group] = []
-    sharing = SharingReport(
-        rows=len(rows),
-        groups=0,
-        rows_in_groups=0,
-        parts=0,
-        unshared_tokens=sum(len(row["input_ids"]) for row in rows),
-        shared_tokens=0,
-        longest_shared=0,
-    )
+    sharing = SharingReport(rows=len(rows), unshared_tokens=sum(len(row["input_ids"]) for row in rows))
     for shared, members in find_groups(rows, min_shared):
         members_rows = [rows[i] for i in members]
         if len(members_rows) > 1:
@@ -231,7 +223,7 @@ def pack_shared(
 
 def combined(reports: Sequence[SharingReport]) -> SharingReport:
     """Several steps' reports as one (every count summed, the longest start the longest)."""
-    total = SharingReport(0, 0, 0, 0, 0, 0, 0)
+    total = SharingReport()
     for report in reports:
         for name in ("rows", "groups", "rows_in_groups", "parts", "unshared_tokens", "shared_tokens"):
             setattr(total, name, getattr(total, name) + getattr(report, name))

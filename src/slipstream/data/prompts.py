@@ -105,12 +105,14 @@ def load_prompts(
     return rows, report
 
 
-def split_prompts(rows: list[dict], fraction: float, seed: int, source: str) -> tuple[list[dict], list[dict]]:
-    """``(train, eval)``: a seeded ``fraction`` of the prompts held out (never trained on)."""
+def split_prompts(
+    rows: list[dict], fraction: float, seed: int, source: str, noun: str = "prompts"
+) -> tuple[list[dict], list[dict]]:
+    """``(train, eval)``: a seeded ``fraction`` of the rows held out (never trained on)."""
     count = len(rows)
     if count < 2:
         raise DataError(
-            source, f"data.eval_fraction {fraction:g} needs at least 2 usable prompts, got {count}"
+            source, f"data.eval_fraction {fraction:g} needs at least 2 usable {noun}, got {count}"
         )
     share = min(count - 1, max(1, round(fraction * count)))
     order = list(range(count))

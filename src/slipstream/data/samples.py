@@ -129,12 +129,6 @@ def hash_path(path: str | Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _cache_root(cache: bool | str | Path) -> Path:
-    if cache is not True:
-        return Path(cache)
-    return cache_root() / "tokenized"
-
-
 def _cache_entry(path, tokenizer, response_only, on_bad_row, cache) -> Path | None:
     if not Path(path).exists():
         return None  # read_rows names the missing file
@@ -146,7 +140,7 @@ def _cache_entry(path, tokenizer, response_only, on_bad_row, cache) -> Path | No
         "version": TOKENIZATION_VERSION,
     }
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return _cache_root(cache) / name
+    return (cache_root() / "tokenized" if cache is True else Path(cache)) / name
 
 
 def _write_cache(entry: Path, samples: list[dict[str, list[int]]], report: DataReport) -> None:
@@ -155,10 +149,7 @@ def _write_cache(entry: Path, samples: list[dict[str, list[int]]], report: DataR
     import pyarrow.parquet as pq
 
     table = pa.table(
-        {
-            "input_ids": pa.array([s["input_ids"] for s in samples], type=pa.list_(pa.int32())),
-            "labels": pa.array([s["labels"] for s in samples], type=pa.list_(pa.int32())),
-        }
+        {k: pa.array([s[k] for s in samples], type=pa.list_(pa.int32())) for k in ("input_ids", "labels")}
     )
     stored = {"rows_read": report.rows_read, "rows_used": report.rows_used, "skipped": report.skipped}
     # another process may write the same entry first: theirs is as good
@@ -171,11 +162,8 @@ def _read_cache(entry: Path) -> tuple[list[dict[str, list[int]]], DataReport]:
     import pyarrow.parquet as pq
 
     table = pq.read_table(entry / "samples.parquet")
-    columns = {name: table.column(name).to_pylist() for name in ("input_ids", "labels")}
-    samples = [
-        {"input_ids": ids, "labels": labels}
-        for ids, labels in zip(columns["input_ids"], columns["labels"], strict=True)
-    ]
+    columns = (table.column(name).to_pylist() for name in ("input_ids", "labels"))
+    samples = [{"input_ids": ids, "labels": labels} for ids, labels in zip(*columns, strict=True)]
     stored = json.loads((entry / "report.json").read_text())
     report = DataReport(rows_read=stored["rows_read"], rows_used=stored["rows_used"])
     report.skipped = [tuple(item) for item in stored["skipped"]]

@@ -205,11 +205,7 @@ def _chat_messages(messages: Any, location: str) -> list[dict[str, Any]]:
                     f"{where}: {name!r} must be {'a string' if kind is str else 'a list'}, got {json_type(value)}",
                 )
             kept[name] = value
-        if (
-            role in ("assistant", "tool")
-            and ("tool_calls" in kept or role == "tool")
-            and not message.get("content")
-        ):
+        if (role == "tool" or (role == "assistant" and "tool_calls" in kept)) and not message.get("content"):
             # a turn that only calls tools (or a tool result without text) may have no content
             content = message.get("content") or ""
             if not isinstance(content, str):

@@ -33,6 +33,10 @@ class UnsupportedSharedPrefix(Refusal, NotImplementedError):
     avoid = None
 
 
+# PackedBatch's own tensor fields (its answers hold more), in the order they are moved or pinned.
+TENSOR_FIELDS = ("input_ids", "labels", "position_ids", "cu_seqlens", "loss_positions", "loss_targets")
+
+
 @dataclass(eq=False)
 class PackedBatch:
     """Documents concatenated into one row of T tokens, plus host-built metadata.
@@ -127,11 +131,8 @@ class PackedBatch:
         """``[(start, end), ...]`` of every document, as Python ints (memoised)."""
 
         def build() -> list[tuple[int, int]]:
-            bounds, start = [], 0
-            for length in self.seq_lens:
-                bounds.append((start, start + length))
-                start += length
-            return bounds
+            ends = cumulative(self.seq_lens)
+            return list(zip(ends[:-1], ends[1:], strict=True))
 
         return self.memo("doc_bounds", build)
 
@@ -155,10 +156,7 @@ class PackedBatch:
             lengths: list[int] = []
             for length in self.seq_lens:
                 lengths += [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
-            cu_seqlens = torch.tensor(cumulative(lengths), dtype=torch.int32)
-            if self.cu_seqlens.device.type != "cpu":
-                pinned = cu_seqlens.pin_memory() if torch.cuda.is_available() else cu_seqlens
-                cu_seqlens = pinned.to(self.cu_seqlens.device, non_blocking=True)
+            cu_seqlens = host_tensor(cumulative(lengths), self.cu_seqlens.device, torch.int32)
             return replace(
                 self, cu_seqlens=cu_seqlens, seq_lens=tuple(lengths), max_seqlen=max(lengths), _memo={}
             )
@@ -180,25 +178,16 @@ class PackedBatch:
         if non_blocking is None:
             non_blocking = pin
 
-        def move(t: torch.Tensor) -> torch.Tensor:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             if pin and t.device.type == "cpu":
                 t = t.pin_memory()
             return t.to(device, non_blocking=non_blocking)
 
-        return PackedBatch(
-            input_ids=move(self.input_ids),
-            labels=move(self.labels),
-            position_ids=move(self.position_ids),
-            cu_seqlens=move(self.cu_seqlens),
-            seq_lens=self.seq_lens,
-            max_seqlen=self.max_seqlen,
-            num_label_tokens=self.num_label_tokens,
-            loss_positions=None if self.loss_positions is None else move(self.loss_positions),
-            prefix_lens=self.prefix_lens,
-            answers=None if self.answers is None else self.answers.to(move),
-            prefix_sources=self.prefix_sources,
-            loss_targets=None if self.loss_targets is None else move(self.loss_targets),
-        )
+        moved = {name: move(getattr(self, name)) for name in TENSOR_FIELDS}
+        answers = None if self.answers is None else self.answers.to(move)
+        return replace(self, **moved, answers=answers, _memo={})  # a fresh memo: its tensors are elsewhere
 
     def model_inputs(self, num_items_in_batch: int | torch.Tensor | None = None) -> dict[str, Any]:
         """Keyword arguments for ``model(**...)``.
@@ -264,14 +253,17 @@ class AnswerSpans:
         return len(self.lengths) // 2
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
-        return AnswerSpans(
-            move(self.positions),
-            move(self.targets),
-            move(self.index),
-            self.lengths,
-            move(self.token_counts),
-            self.temperature,
-        )
+        tensors = ("positions", "targets", "index", "token_counts")
+        return replace(self, **{name: move(getattr(self, name)) for name in tensors})
+
+
+def host_tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host ints as a tensor on ``device``: pinned and copied without blocking off the CPU."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cpu":
+        pinned = tensor.pin_memory() if torch.cuda.is_available() else tensor
+        tensor = pinned.to(device, non_blocking=True)
+    return tensor
 
 
 def cumulative(lengths) -> list[int]:

@@ -83,9 +83,8 @@ def _tensors(shape_q, shape_kv, dtype, generator):
     def make(shape):
         return torch.randn(shape, dtype=torch.float32, generator=generator).to(dtype).requires_grad_()
 
-    return [make(shape_q), make(shape_kv), make(shape_kv)], torch.randn(shape_q, generator=generator).to(
-        dtype
-    )
+    inputs = [make(shape_q), make(shape_kv), make(shape_kv)]
+    return inputs, torch.randn(shape_q, generator=generator).to(dtype)
 
 
 def _short_kernel_ratios(dtype: torch.dtype, generator) -> dict[int, float]:

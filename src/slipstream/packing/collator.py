@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .batch import PACKED_BATCH_KWARG, PackedBatch, collate_packed
+from .batch import PACKED_BATCH_KWARG, TENSOR_FIELDS, PackedBatch, collate_packed
 
 
 class PackedInputs(dict):
@@ -46,18 +46,9 @@ class PackedInputs(dict):
         return self._rebuilt(self.batch.to(device, non_blocking=non_blocking), device)
 
     def pin_memory(self) -> PackedInputs:
-        batch = self.batch
-        pinned = dataclasses.replace(
-            batch,
-            input_ids=batch.input_ids.pin_memory(),
-            labels=batch.labels.pin_memory(),
-            position_ids=batch.position_ids.pin_memory(),
-            cu_seqlens=batch.cu_seqlens.pin_memory(),
-            loss_positions=None if batch.loss_positions is None else batch.loss_positions.pin_memory(),
-            loss_targets=None if batch.loss_targets is None else batch.loss_targets.pin_memory(),
-            _memo={},
-        )
-        return self._rebuilt(pinned, None)
+        tensors = {name: getattr(self.batch, name) for name in TENSOR_FIELDS}
+        pinned = {name: None if t is None else t.pin_memory() for name, t in tensors.items()}
+        return self._rebuilt(dataclasses.replace(self.batch, **pinned, _memo={}), None)
 
     def _rebuilt(self, batch: PackedBatch, device: torch.device | str | None) -> PackedInputs:
         own = batch.model_inputs()
@@ -112,16 +103,14 @@ def _documents(feature: dict[str, Any], index: int) -> list[dict[str, list[int]]
             "without padding: give it the unpadded input_ids"
         )
     input_ids = _as_list(feature["input_ids"])
-    labels = _as_list(feature["labels"]) if feature.get("labels") is not None else None
+    labels = _as_list(feature["labels"]) if feature.get("labels") is not None else input_ids
     if input_ids and isinstance(input_ids[0], list | tuple | torch.Tensor):  # a pre-packed bin
-        labels = labels if labels is not None else input_ids
         if len(labels) != len(input_ids):
             raise ValueError(f"feature {index}: {len(labels)} label lists for {len(input_ids)} documents")
         return [
             {"input_ids": _as_list(ids), "labels": _as_list(lab)}
             for ids, lab in zip(input_ids, labels, strict=True)
         ]
-    labels = labels if labels is not None else input_ids
     seq_lengths = feature.get("seq_lengths")
     if seq_lengths is None:
         return [{"input_ids": input_ids, "labels": labels}]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
-from .groups import GroupRow
+from .groups import answer_row
 
 
 @dataclass
@@ -72,31 +72,8 @@ def collate_completions(
     logits divided by ``temperature`` (the distribution the completions were sampled from)."""
     if not groups:
         raise ValueError("collate_completions needs at least one group")
-    row = GroupRow()
-    positions: list[int] = []
-    targets: list[int] = []
-    owner: list[int] = []
-    lengths: list[int] = []
-    for number, group in enumerate(groups):
-        prompt = [int(t) for t in group["prompt_ids"]]
-        completions = [[int(t) for t in c] for c in group["completions"]]
-        if not prompt:
-            raise ValueError(f"group {number}: the prompt is empty")
-        if not completions or any(not c for c in completions):
-            raise ValueError(f"group {number}: every completion needs at least one token")
-        P = len(prompt)
-        if prefix_sharing:
-            alone_rows = row.add_group(prompt, completions)
-            row.labels.extend([IGNORE_INDEX] * P + [t for c in completions for t in c])
-        else:
-            alone_rows = row.add_group([], [prompt + c for c in completions])
-            row.labels.extend(t for c in completions for t in [IGNORE_INDEX] * P + c)
-        for completion, rows in zip(completions, alone_rows, strict=True):
-            # completion token k is predicted from position P + k - 1 of prompt + completion run alone
-            positions.extend(rows[P - 1 : P + len(completion) - 1])
-            targets.extend(completion)
-            owner.extend([len(lengths)] * len(completion))
-            lengths.append(len(completion))
+    parsed = (_parsed(group, number) for number, group in enumerate(groups))
+    row, positions, targets, owner, lengths = answer_row(parsed, prefix_sharing)
     count = len(positions)
     answers = AnswerSpans(
         positions=torch.tensor(positions, dtype=torch.long),
@@ -109,3 +86,13 @@ def collate_completions(
     batch = row.batch(num_label_tokens=count, loss_positions=answers.positions, answers=answers)
     found = CompletionBatch(batch, torch.tensor(owner, dtype=torch.long), tuple(lengths))
     return found.to(device) if device is not None else found
+
+
+def _parsed(group: dict[str, Any], number: int) -> tuple[list[int], list[list[int]]]:
+    prompt = [int(t) for t in group["prompt_ids"]]
+    completions = [[int(t) for t in c] for c in group["completions"]]
+    if not prompt:
+        raise ValueError(f"group {number}: the prompt is empty")
+    if not completions or any(not c for c in completions):
+        raise ValueError(f"group {number}: every completion needs at least one token")
+    return prompt, completions

@@ -54,16 +54,15 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
-from .batch import PackedBatch
+from .batch import PackedBatch, host_tensor
 from .costs import BUILTIN, AttentionCosts
 
 # The grouping choices, defined once (Speedups and the CLIs read them).
 AttentionGrouping = Literal["auto", "grouped", "per_document"]
-GROUPINGS: tuple[str, ...] = get_args(AttentionGrouping)
 
 
 def rule(costs: AttentionCosts = BUILTIN) -> str:
@@ -167,10 +166,6 @@ class DocumentGroups:
     real_elements: int  # sum Li^2
     padded_elements: int  # sum n * L^2
 
-    @property
-    def slots(self) -> list[int]:
-        return [n * length for n, length in self.shapes]
-
 
 def plan_groups(seq_lens: tuple[int, ...], call_elements: float) -> tuple[list[list[int]], float]:
     """The cheapest grouping of ``seq_lens`` and its cost, in score elements.
@@ -203,14 +198,6 @@ def plan_groups(seq_lens: tuple[int, ...], call_elements: float) -> tuple[list[l
         groups.append([d for d, length in enumerate(seq_lens) if length in wanted])
         j = cut[j]
     return groups, best[m]
-
-
-def _device_index(values: list[int], device: torch.device) -> torch.Tensor:
-    index = torch.tensor(values, dtype=torch.long)
-    if device.type != "cpu":
-        pinned = index.pin_memory() if torch.cuda.is_available() else index
-        index = pinned.to(device, non_blocking=True)
-    return index
 
 
 def document_groups(
@@ -257,9 +244,9 @@ def _build(
             gather_or_zero += [T] * (longest - length)
     return DocumentGroups(
         shapes=tuple(shapes),
-        gather_index=_device_index(gather, batch.device),
-        scatter_index=_device_index(scatter, batch.device),
-        gather_or_zero=_device_index(gather_or_zero, batch.device),
+        gather_index=host_tensor(gather, batch.device),
+        scatter_index=host_tensor(scatter, batch.device),
+        gather_or_zero=host_tensor(gather_or_zero, batch.device),
         real_elements=sum(length * length for length in seq_lens),
         padded_elements=sum(n * length * length for n, length in shapes),
     )
@@ -308,7 +295,7 @@ def run_grouped(fn, groups: DocumentGroups, query, key, value, **kw) -> torch.Te
     query ``[1, H, T, D]``, key / value ``[1, Hkv, T, D]``. One gather per input and one
     scatter for the output (their backwards: one index_select each), whatever the group count.
     """
-    slots = groups.slots
+    slots = [n * length for n, length in groups.shapes]
     gathered = [_ToSlots.apply(t[0].transpose(0, 1), groups).split(slots) for t in (query, key, value)]
     outputs = []
     for (n, length), q, k, v in zip(groups.shapes, *gathered, strict=True):

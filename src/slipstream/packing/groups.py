@@ -24,7 +24,7 @@ Everything here is Python ints on the host; the batch is moved once, like any ot
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -92,6 +92,32 @@ class GroupRow:
             prefix_sources=None if not sharing or previous else sources,
             **fields,
         )
+
+
+def answer_row(
+    groups: Iterable[tuple[list[int], list[list[int]]]], prefix_sharing: bool
+) -> tuple[GroupRow, list[int], list[int], list[int], list[int]]:
+    """A row of ``(prompt, answers)`` groups, the answers labelled (pairs, completions): the row, and per
+    answer token the row position that predicts it, the token and its answer; every answer's length."""
+    row = GroupRow()
+    positions, targets, index, lengths = [], [], [], []
+    for prompt, answers in groups:
+        P = len(prompt)
+        if prefix_sharing:
+            # an answer after the first follows the prompt (positions P..), not the answer before it
+            alone_rows = row.add_group(prompt, answers)
+            row.labels.extend([IGNORE_INDEX] * P + [t for answer in answers for t in answer])
+        else:
+            alone_rows = row.add_group([], [prompt + answer for answer in answers])
+            row.labels.extend(t for answer in answers for t in [IGNORE_INDEX] * P + answer)
+        for answer, rows in zip(answers, alone_rows, strict=True):
+            # answer token k is predicted from position P + k - 1 of prompt + answer run alone (an
+            # answer after the first: its first token from the prompt's last row position when shared)
+            positions.extend(rows[P - 1 : P + len(answer) - 1])
+            targets.extend(answer)
+            index.extend([len(lengths)] * len(answer))
+            lengths.append(len(answer))
+    return row, positions, targets, index, lengths
 
 
 def collate_groups(

@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from ..data.binpack import best_fit_decreasing
 from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
-from .groups import GroupRow
+from .groups import answer_row
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -69,28 +70,11 @@ def collate_pairs(
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
-    row = GroupRow()  # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
-    positions: list[int] = []
-    targets: list[int] = []
-    index: list[int] = []
-    lengths: list[int] = []
-    for number, pair in enumerate(pairs):
-        prompt, chosen, rejected = (_ids(pair, key, number) for key in PAIR_KEYS)
-        P = len(prompt)
-        if prefix_sharing:
-            # the rejected answer follows the prompt (positions P..), not the chosen answer
-            alone_rows = row.add_group(prompt, [chosen, rejected])
-            row.labels.extend([IGNORE_INDEX] * P + chosen + rejected)
-        else:
-            alone_rows = row.add_group([], [prompt + chosen, prompt + rejected])
-            row.labels.extend([IGNORE_INDEX] * P + chosen + [IGNORE_INDEX] * P + rejected)
-        for side, (answer, rows) in enumerate(zip((chosen, rejected), alone_rows, strict=True)):
-            # answer token k is predicted from position P + k - 1 of prompt + answer run alone (the
-            # rejected answer's first token from the prompt's last row position when shared)
-            positions.extend(rows[P - 1 : P + len(answer) - 1])
-            targets.extend(answer)
-            index.extend([2 * number + side] * len(answer))
-            lengths.append(len(answer))
+    # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
+    parsed = ([_ids(pair, key, number) for key in PAIR_KEYS] for number, pair in enumerate(pairs))
+    row, positions, targets, index, lengths = answer_row(
+        ((prompt, [chosen, rejected]) for prompt, chosen, rejected in parsed), prefix_sharing
+    )
     answers = AnswerSpans(
         positions=torch.tensor(positions, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
@@ -119,23 +103,6 @@ def _ids(pair: dict[str, Any], key: str, number: int) -> list[int]:
 def pack_pairs(pairs: list[dict[str, Any]], max_seq_len: int, seed: int = 0) -> list[list[dict[str, Any]]]:
     """Best-fit-decreasing bins of pairs by their shared length (prompt once, both answers); ties in
     a seeded order. Every pair fits one bin (``tokenize_pair`` cut it to ``max_seq_len``)."""
-    order = list(range(len(pairs)))
+    order = list(pairs)
     random.Random(seed).shuffle(order)
-    order.sort(key=lambda i: -pair_tokens(pairs[i]))
-    bins: list[list[dict[str, Any]]] = []
-    room: list[int] = []
-    for i in order:
-        size = pair_tokens(pairs[i])
-        best = (
-            min((r - size, b) for b, r in enumerate(room) if r >= size)
-            if any(r >= size for r in room)
-            else None
-        )
-        if best is None:
-            bins.append([pairs[i]])
-            room.append(max_seq_len - size)
-        else:
-            b = best[1]
-            bins[b].append(pairs[i])
-            room[b] -= size
-    return bins
+    return best_fit_decreasing(order, max_seq_len, size=pair_tokens)

@@ -78,10 +78,8 @@ def _temperature_tuning(model: torch.nn.Module) -> list[RowPositionFeature]:
     floor_scales = sorted({m.floor_scale for m in layers})
 
     def install() -> Callable[[], None]:
-        handles = []
-        for module in layers:
-            handles.append(module.register_forward_pre_hook(_arm, with_kwargs=True))
-            handles.append(module.register_forward_hook(_disarm, always_call=True))
+        handles = [module.register_forward_pre_hook(_arm, with_kwargs=True) for module in layers]
+        handles += [module.register_forward_hook(_disarm, always_call=True) for module in layers]
 
         def undo() -> None:
             for handle in handles:
@@ -189,12 +187,7 @@ def _runs(
 
 
 def _cut(value, start: int, end: int, length: int):
-    if (
-        isinstance(value, torch.Tensor)
-        and value.dim() >= 2
-        and value.shape[0] == 1
-        and value.shape[1] == length
-    ):
+    if isinstance(value, torch.Tensor) and value.shape[:2] == (1, length):  # [1, T, ...]
         return value[:, start:end]
     return value
 
@@ -355,15 +348,10 @@ def _rope_by_length(model: torch.nn.Module) -> list[RowPositionFeature]:
     features = []
     for module in _rotary_modules(model):
         kinds = set(_rope_types(module).values())
+        longrope = [layer_type for layer_type, kind in _rope_types(module).items() if kind == "longrope"]
         notes = []
-        if "longrope" in kinds:
-            thresholds = sorted(
-                {
-                    _longrope_threshold(module, lt)
-                    for lt, kind in _rope_types(module).items()
-                    if kind == "longrope"
-                }
-            )
+        if longrope:
+            thresholds = sorted({_longrope_threshold(module, layer_type) for layer_type in longrope})
             notes.append(
                 f"adapted: longrope picks long or short factors per document (longer than "
                 f"{', '.join(map(str, thresholds))} tokens or not), not by the longest document of the packed row"

@@ -48,7 +48,7 @@ they add nothing to any real key's gradient.
 from __future__ import annotations
 
 import weakref
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -59,7 +59,6 @@ from .costs import BUILTIN, AttentionCosts
 # for every short document whatever the device and dtype (how the compatibility sweep checks it
 # in fp32 on every architecture); "off" keeps SDPA.
 ShortKernel = Literal["auto", "on", "off"]
-SHORT_KERNEL_MODES: tuple[str, ...] = get_args(ShortKernel)
 
 # The longest document (or padded group length) that takes this path on a CPU: the measured
 # crossover above (bf16: 1.2-1.9x at 160, 0.7-0.87x at 192).
@@ -110,11 +109,8 @@ def takes_short_kernel(
 ) -> bool:
     """Whether one causal attention call (query ``[n, H, Lq, D]``, key ``[n, Hkv, Lk, D]``) takes this
     path under ``mode``: "on", any short document; "auto", on a CPU up to ``costs``' crossover for the
-    query's dtype. ``Lk`` > ``Lq``: a document that also attends to a shared prefix (a prefix group's
-    continuation, a pair's answer), decided on ``Lk``, the length of the row it stands for (prefix +
-    its own tokens): it takes this kernel exactly where that row, packed whole, would, so sharing the
-    prefix does not swap the kernel (and its rounding: SDPA's CPU flash kernel rounds P to bf16 before
-    P V, and its bf16 gradients measured 3-5x further from exact than this kernel's)."""
+    query's dtype. ``Lk`` > ``Lq``: a document that also attends to a shared prefix, decided on ``Lk``,
+    the length of the row it stands for (see the module doc)."""
     length = key.shape[-2]
     if mode == "off" or dropout != 0.0 or not query.dtype.is_floating_point:
         return False
@@ -200,14 +196,8 @@ class ShortCausalAttention(torch.autograd.Function):
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, torch.float32).mul_(ctx.scale)
         grad_query = torch.matmul(grad_scores, key32).view(n, heads, length, dim)
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), q_blocks)
-        dtype = query.dtype
-        return (
-            _model_layout(grad_query, dtype),
-            _model_layout(grad_key, dtype),
-            _model_layout(grad_value, dtype),
-            None,
-            None,
-        )
+        grads = (grad_query, grad_key, grad_value)
+        return (*(_model_layout(grad, query.dtype) for grad in grads), None, None)
 
 
 def short_causal_attention(query, key, value, scale: float, window: int | None, batch=None) -> torch.Tensor:

@@ -75,9 +75,8 @@ class ArchitectureVerdict:
     mixers: list[tuple[str, torch.nn.Module]] = field(default_factory=list)  # (qualified name, module)
     position_offset: int = 0  # added to packed position ids (RoBERTa-style embeddings)
     attention_chunk: int | None = None  # chunked-attention layers attend within pieces of this size
-    attention_to_verify: list[torch.nn.Module] = field(
-        default_factory=list
-    )  # checked on the first packed forward
+    # checked on the first packed forward
+    attention_to_verify: list[torch.nn.Module] = field(default_factory=list)
     row_features: list[RowPositionFeature] = field(default_factory=list)  # values read off the row (.rowpos)
 
     def adaptations(self) -> list[str]:
@@ -124,9 +123,7 @@ def find_token_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     names = {id(m): n for n, m in model.named_modules()}
     found: list[tuple[str, torch.nn.Module]] = []
     for layer in layers:
-        for child in layer.children():
-            if child is None:
-                continue
+        for child in layer.children():  # (children() skips None entries)
             cls = type(child).__name__
             # A convolution over the tokens mixes them whatever the module is called (an
             # attention whose q/k go through a causal conv, as in Zaya's CCA, included).
@@ -145,7 +142,7 @@ def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         child
         for layer in decoder_layers(model)
         for child in layer.children()
-        if child is not None and _is_attention(child) and id(child) not in mixers
+        if _is_attention(child) and id(child) not in mixers
     ]
 
 
@@ -310,34 +307,22 @@ _ROW_KWARGS = frozenset(
 )
 
 
-def _slice_tokens(value, start: int, end: int, length: int):
-    """``value`` cut to tokens [start, end) where it is laid out per token: pairwise ([..., T, T],
-    e.g. relative distances or a bias) on both token axes, else per token on dim 1."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() >= 3 and value.shape[0] == 1 and tuple(value.shape[-2:]) == (length, length):
-            return value[..., start:end, start:end]
-        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == length:
-            return value[:, start:end]
-        return value
-    if isinstance(value, tuple | list):
-        return type(value)(_slice_tokens(v, start, end, length) for v in value)
-    return value
-
-
 def _take_tokens(value, ranges: list[tuple[int, int]], length: int):
     """``value`` cut to the tokens of ``ranges`` (joined in order) where it is laid out per token:
-    a document that attends to a shared prompt runs on the prompt's tokens, then its own."""
-    if len(ranges) == 1:
-        return _slice_tokens(value, *ranges[0], length)
-    if isinstance(value, torch.Tensor):
-        if value.dim() >= 3 and value.shape[0] == 1 and tuple(value.shape[-2:]) == (length, length):
-            index = torch.cat([torch.arange(s, e, device=value.device) for s, e in ranges])
-            return value.index_select(-1, index).index_select(-2, index)
-        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == length:
-            return torch.cat([value[:, s:e] for s, e in ranges], dim=1)
-        return value
+    pairwise ([..., T, T], e.g. relative distances or a bias) on both token axes, else per token on
+    dim 1. A document that attends to a shared prompt runs on the prompt's tokens, then its own."""
     if isinstance(value, tuple | list):
         return type(value)(_take_tokens(v, ranges, length) for v in value)
+    if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[0] != 1:
+        return value
+    (start, end), *more = ranges
+    if value.dim() >= 3 and tuple(value.shape[-2:]) == (length, length):
+        if not more:
+            return value[..., start:end, start:end]
+        index = torch.cat([torch.arange(s, e, device=value.device) for s, e in ranges])
+        return value.index_select(-1, index).index_select(-2, index)
+    if value.shape[1] == length:
+        return torch.cat([value[:, s:e] for s, e in ranges], dim=1) if more else value[:, start:end]
     return value
 
 
@@ -374,17 +359,12 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                 + TRAIN_UNPACKED
             )
         pieces = []
-        bounds = batch.doc_bounds()
-        spans = batch.prefix_spans()
-        for number, (start, end) in enumerate(bounds):
+        for (start, end), span in zip(batch.doc_bounds(), batch.prefix_spans(), strict=True):
             # a document that attends to a shared prefix (a preference pair's rejected answer,
             # :mod:`.pairs`; a group's continuation, :mod:`.groups`): the mixer runs causally over
             # the prefix's tokens, then its own
-            span = spans[number]
             prefix = 0 if span is None else span[1] - span[0]
-            ranges = [(start, end)]
-            if span is not None:
-                ranges.insert(0, span)
+            ranges = [(start, end)] if span is None else [span, (start, end)]
             doc_args = [_take_tokens(a, ranges, length) for a in args]
             doc_kwargs = {
                 k: _take_tokens(v, ranges, length) for k, v in kwargs.items() if k not in _ROW_KWARGS

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..batch import PackedBatch, cumulative
+from ..batch import PackedBatch, cumulative, host_tensor
 
 
 def _varlen_ops() -> tuple[Callable, Callable] | None:
@@ -56,17 +56,10 @@ class PrefixPlan:
             q_lens.append(end - start)
             k_lens.append(span[1] - span[0])
         device = batch.device
-
-        def move(values: list[int], dtype: torch.dtype) -> torch.Tensor:
-            tensor = torch.tensor(values, dtype=dtype)
-            if device.type == "cuda" and torch.cuda.is_available():
-                return tensor.pin_memory().to(device, non_blocking=True)
-            return tensor.to(device)
-
-        self.query_rows = move(query_rows, torch.long)
-        self.key_rows = move(key_rows, torch.long)
-        self.cu_q = move(cumulative(q_lens), torch.int32)
-        self.cu_k = move(cumulative(k_lens), torch.int32)
+        self.query_rows = host_tensor(query_rows, device)
+        self.key_rows = host_tensor(key_rows, device)
+        self.cu_q = host_tensor(cumulative(q_lens), device, torch.int32)
+        self.cu_k = host_tensor(cumulative(k_lens), device, torch.int32)
         self.max_q, self.max_k = max(q_lens), max(k_lens)
 
     @staticmethod
