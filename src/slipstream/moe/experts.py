@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -30,7 +30,6 @@ EXPERTS_IMPLEMENTATION = "slipstream_sorted"
 # The routing and compute choices, defined once (Speedups and the CLIs read them).
 MoeRouting = Literal["sorted", "stock"]
 MoeCompute = Literal["auto", "grouped_mm", "loop"]
-COMPUTE_CHOICES = get_args(MoeCompute)
 
 
 class UnsupportedExperts(Refusal, NotImplementedError):

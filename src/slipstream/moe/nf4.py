@@ -248,9 +248,8 @@ def load_quantized(directory: str | os.PathLike, **model_kwargs) -> torch.nn.Mod
         settings = NF4Settings(**spec["settings"])
         holder = NF4Experts({k: tuple(v) for k, v in spec["shapes"].items()}, settings)
         for name, shape in holder.shapes.items():
-            holder.allocate(
-                name, _quantize_projection(torch.zeros(shape), settings)
-            )  # right shapes, overwritten
+            # right shapes, overwritten by the weights
+            holder.allocate(name, _quantize_projection(torch.zeros(shape), settings))
             delattr(module, name)
         module.slipstream_nf4 = holder
     load_model(model, str(directory / "model.safetensors"), strict=True)
