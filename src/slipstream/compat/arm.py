@@ -31,9 +31,8 @@ class ArmResult:
     grad_error: float | None = None
     worst_param: str | None = None
     policies: list[str] = field(default_factory=list)
-    offload: str = (
-        "-"  # "on" when the arm ran with offloaded checkpointing, "-" if the model has no layers for it
-    )
+    # "on" when the arm ran with offloaded checkpointing, "-" if the model has no layers for it
+    offload: str = "-"
     # the exception a refused / crashed arm raised (kept in this process, never serialised)
     error: BaseException | None = field(default=None, repr=False, compare=False)
 

@@ -19,6 +19,7 @@ Two checks of the compatibility sweep (its ``prefix`` and ``groups`` columns,
 
 from __future__ import annotations
 
+from itertools import accumulate, pairwise
 from typing import Any
 
 import torch
@@ -132,7 +133,7 @@ def check_prefix_sharing(
                 f"pair {answer // 2}'s {'chosen' if answer % 2 == 0 else 'rejected'} answer; per answer: "
                 + ", ".join(
                     f"{(got_tokens[a:b] - want_tokens[a:b]).abs().max().item():.1g}"
-                    for a, b in _spans(answers.lengths)
+                    for a, b in pairwise([0, *accumulate(answers.lengths)])
                 )
                 + ")"
             )
@@ -166,14 +167,6 @@ def check_prefix_sharing(
         result = failed(error)
     result.policies = policies_of(model)
     return result
-
-
-def _spans(lengths) -> list[tuple[int, int]]:
-    spans, start = [], 0
-    for length in lengths:
-        spans.append((start, start + length))
-        start += length
-    return spans
 
 
 # --------------------------------------------------------------------------- prefix groups
@@ -275,11 +268,8 @@ def check_prefix_groups(
             result.detail = "the loss from the logits (packed_loss_from_logits): the chunked loss is off"
         loss.backward()
         errors = compare(Step(loss.item(), grads_of(model)), want)
-        result.loss_error, result.grad_error, result.worst_param = (
-            errors.loss,
-            errors.grad,
-            errors.worst_param,
-        )
+        result.loss_error, result.grad_error = errors.loss, errors.grad
+        result.worst_param = errors.worst_param
         found += problems(errors)
         if found:
             result.status, result.detail = "WRONG", "; ".join(found)

@@ -64,7 +64,7 @@ def run_doctor(
         )
     )
     console.print(
-        f"model: {checked.describe()}; checked as a tiny random model: {_shape(checked)}, "
+        f"model: {checked.describe()}; checked as a tiny random model: {shape_of(checked.tiny)}, "
         f"{str(torch_dtype).removeprefix('torch.')} on {device}"
     )
 
@@ -93,7 +93,7 @@ def run_doctor(
             "asked": checked.asked,
             "source": checked.source,
             "family": checked.family,
-            "checked_shape": _shape(checked),
+            "checked_shape": shape_of(checked.tiny),
             "note": checked.note,
             "dtype": str(torch_dtype).removeprefix("torch."),
             "dtype_why": dtype_why,
@@ -122,10 +122,6 @@ def run_doctor(
         write_text_atomically(json_path, json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {json_path}")
     return report, status
-
-
-def _shape(checked) -> str:
-    return shape_of(checked.tiny)
 
 
 def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
