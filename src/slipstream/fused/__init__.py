@@ -11,7 +11,6 @@ from .liger import (
     apply_liger,
     liger_available,
     liger_plan,
-    liger_policy,
 )
 
 __all__ = [
@@ -27,5 +26,4 @@ __all__ = [
     "decide_fused_kernels",
     "liger_available",
     "liger_plan",
-    "liger_policy",
 ]
