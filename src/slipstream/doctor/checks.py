@@ -43,7 +43,7 @@ import torch
 from ..bench.ablation import remembered as remembered_ablations
 from ..models import build_model
 from ..moe.experts import is_moe_model
-from ..parity import LENGTHS, TOLERANCE, Errors, compare, documents
+from ..parity import LENGTHS, TOLERANCE, compare, documents
 from ..parity import problems as beyond_tolerance
 from ..refusal import Refusal
 from ..speedups import Speedups, registry
@@ -124,11 +124,6 @@ def _reference_speedups(stock: Speedups) -> Speedups:
 def _moe_loop_reads(log: list[str]) -> int:
     """Experts modules that ran the loop path (each reads its expert counts once per forward)."""
     return sum(1 for line in log if re.match(r"moe compute for .*: loop ", line))
-
-
-def _judge_fp32(check: Check, errors: Errors) -> list[str]:
-    check.bound = f"fp32 vs stock: loss <= {TOLERANCE['loss']:g}, gradients <= {TOLERANCE['grad']:g}"
-    return beyond_tolerance(errors, TOLERANCE)
 
 
 def _judge_low_precision(check: Check, fast: ArmRun, stock: ArmRun, reference: ArmRun, dtype) -> list[str]:
@@ -213,7 +208,8 @@ def run_check(
     errors = compare(fast_run, stock_run)
     check.loss_error, check.grad_error, check.worst_param = errors.loss, errors.grad, errors.worst_param
     if reference is None:
-        problems = _judge_fp32(check, errors)
+        check.bound = f"fp32 vs stock: loss <= {TOLERANCE['loss']:g}, gradients <= {TOLERANCE['grad']:g}"
+        problems = beyond_tolerance(errors, TOLERANCE)
     else:
         problems = _judge_low_precision(check, fast_run, stock_run, reference, dtype)
 

@@ -58,11 +58,8 @@ def run_doctor(
     costs = attention_costs(device, torch_dtype, remeasure=recalibrate)
     found_versions = versions(info)
     console.print(_key_value_table("Device", device_rows(device_facts)))
-    console.print(
-        _key_value_table(
-            "Versions", [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
-        )
-    )
+    shown = [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
+    console.print(_key_value_table("Versions", shown))
     console.print(
         f"model: {checked.describe()}; checked as a tiny random model: {shape_of(checked.tiny)}, "
         f"{str(torch_dtype).removeprefix('torch.')} on {device}"
@@ -110,14 +107,8 @@ def run_doctor(
         report["marker"] = str(path) if path else f"not written ({problem})"
     report["seconds"] = round(time.perf_counter() - started, 1)
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    console.print(
-        f"doctor: {summary} ({report['seconds']:.1f} s)"
-        + (
-            "; a fast path is WRONG on this device: train with it off (see the reason) and report it"
-            if status
-            else ""
-        )
-    )
+    wrong = "; a fast path is WRONG on this device: train with it off (see the reason) and report it"
+    console.print(f"doctor: {summary} ({report['seconds']:.1f} s)" + (wrong if status else ""))
     if json_path is not None:
         write_text_atomically(json_path, json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {json_path}")
