@@ -102,10 +102,7 @@ _LOGGED_PATH: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 
 
 def sorted_experts_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts forward with pairs grouped by expert once. hidden [T, H] -> [T, H]."""
     groups = group_by_expert(top_k_index, self.num_experts)
