@@ -3,19 +3,10 @@ of the requested family, judged on the parity kit (:mod:`slipstream.parity`).
 
 Each path is checked on its own: its fast arm is the model as ``slipstream.optimize`` sets it up
 by default (every path on where the model allows it), its stock arm differs in that one path
-only, so a difference is that path's:
-
-- packed attention: the documents packed in one row, one SDPA call each (the other paths run on
-  top of it), vs each document alone (stock attention);
-- sorted MoE routing (``grouped_mm`` or the loop, whichever the device gets) vs transformers'
-  own experts, on the requested family if it has experts, else on a tiny Qwen3-MoE;
-- offload-double: the offload schedule vs no checkpointing, on the real ``CudaEngine`` on a GPU
-  and on the ``RecordingEngine`` (same schedule, copies at once) elsewhere;
-- the chunked loss vs transformers' loss;
-- LoRA in compute dtype vs PEFT's forward;
-- grouped attention: the packed row's documents grouped by length into batched SDPA calls
-  (``attention_grouping="grouped"`` on the SDPA backend, whatever "auto" would pick for these
-  few documents) vs each document alone (stock attention).
+only, so a difference is that path's. The paths are the registered speedups' parity cases
+(``ParityCase.doctor``; each case's ``arms`` says what it compares): MoE routing on the requested
+family if it has experts, else on a tiny Qwen3-MoE; offload on the real ``CudaEngine`` on a GPU
+and on the ``RecordingEngine`` (same schedule, copies at once) elsewhere.
 
 Both arms train one step from the same weights in the dtype training would use; the loss and
 every parameter gradient are compared. In fp32 the fast arm must match the stock arm within
