@@ -97,13 +97,8 @@ def failed(error: BaseException) -> ArmResult:
 
 def judged(errors: Errors) -> ArmResult:
     """``pass`` within :data:`slipstream.parity.TOLERANCE`, else ``WRONG`` naming what is off."""
-    result = ArmResult(
-        "pass",
-        logits_error=errors.logits,
-        loss_error=errors.loss,
-        grad_error=errors.grad,
-        worst_param=errors.worst_param,
-    )
+    result = ArmResult("pass", logits_error=errors.logits, loss_error=errors.loss, grad_error=errors.grad)
+    result.worst_param = errors.worst_param
     found = problems(errors, TOLERANCE)
     if found:
         result.status, result.detail = "WRONG", "; ".join(found)

@@ -6,15 +6,12 @@ Two checks of the compatibility sweep (its ``prefix`` and ``groups`` columns,
 
 * :func:`check_prefix_sharing`: preference pairs (:data:`PAIR_LENGTHS`) packed
   ``prompt | chosen | rejected`` by ``collate_pairs`` (the rejected answer attends to its prompt,
-  never the chosen answer): every answer token's log-prob (the chunked loss off) and every answer's
-  summed log-prob (``answer_logprobs_of``, the chunked loss as set) against ``prompt + answer``
-  run alone through the stock model (eval, no grad);
+  never the chosen answer), against each ``prompt + answer`` run alone through the stock model;
 * :func:`check_prefix_groups`: prefix groups (:data:`GROUP_SHAPES`: a prefix and N = 4
   continuations, a prefix and 2) packed by ``collate_groups`` (each continuation attends to its
-  group's prefix and itself, never a sibling): every position's log-probs against each
-  ``prefix + continuation`` run alone, then the SFT loss and every gradient (training mode,
-  labelled prefix tokens counted once per row) against the unshared rows
-  (:func:`slipstream.parity.compare`, within :data:`slipstream.parity.TOLERANCE`).
+  group's prefix and itself, never a sibling), against each ``prefix + continuation`` run alone.
+
+Each function's docstring says what is compared, and within which bound.
 """
 
 from __future__ import annotations

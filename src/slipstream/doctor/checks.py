@@ -306,13 +306,11 @@ def ablation_check(device: torch.device) -> Check:
     found = remembered_ablations(device)
     path, arms = "ablation", "slipstream (auto) vs each speedup off, in the last --preset ablation run"
     if not found:
-        return Check(
-            path,
-            "skipped",
-            reason="no --preset ablation run on this device yet (slipstream ab --preset ablation; "
-            "doctor then reads its verdicts)",
-            arms=arms,
+        why = (
+            "no --preset ablation run on this device yet (slipstream ab --preset ablation; "
+            "doctor then reads its verdicts)"
         )
+        return Check(path, "skipped", reason=why, arms=arms)
     beaten = []
     for workload, entry in found.items():
         for arm in entry["beats_auto"]:
@@ -322,12 +320,8 @@ def ablation_check(device: torch.device) -> Check:
                 f"({entry['created'][:16]}; A/A noise {entry['noise_margin']:.1%})"
             )
     if beaten:
-        return Check(
-            path,
-            "WRONG",
-            reason="auto is beaten here beyond the noise: " + "; ".join(beaten) + "; set that speedup off",
-            arms=arms,
-        )
+        why = "auto is beaten here beyond the noise: " + "; ".join(beaten) + "; set that speedup off"
+        return Check(path, "WRONG", reason=why, arms=arms)
     runs = "; ".join(
         f"{workload}: {len(entry['arms']) - entry['a_a_control']} arms, A/A noise {entry['noise_margin']:.1%}"
         for workload, entry in found.items()
