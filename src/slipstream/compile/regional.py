@@ -163,7 +163,6 @@ def _compiled_call(layer: torch.nn.Module):
             return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
 
-    call.slipstream_compiled = True
     return call
 
 
