@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama
 
 import slipstream
 from slipstream import Speedups
-from slipstream.fused import FusedKernelsUnavailable, liger_plan, liger_policy
+from slipstream.fused import FusedKernelsUnavailable, liger_plan
 from slipstream.models import build_model
 from tests.fake_cuda import fake_cuda, requires_fake_cuda, tiny_cuda_model
 
@@ -114,7 +114,7 @@ def test_on_cpu_auto_is_off_and_says_why():
         "fused kernels: off (auto: Liger: cpu — Liger-Kernel's kernels are Triton, CUDA only; "
         "compiled: the run's step count is unknown here, so a cold start could not pay back)"
     ]
-    assert liger_policy(model, "cpu", "off") == (False, "off (requested)")
+    assert liger_plan(model, "cpu", "off") == (None, "off (requested)")
 
 
 def test_forced_on_cpu_raises_naming_the_reason(fake_liger):
@@ -127,20 +127,20 @@ def test_forced_on_cpu_raises_naming_the_reason(fake_liger):
 def test_not_installed_is_off_in_auto_and_an_error_when_forced(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     model = build_model("llama")
-    use, why = liger_policy(model, CUDA, "auto")
-    assert not use and "liger-kernel is not installed" in why
+    plan, why = liger_plan(model, CUDA, "auto")
+    assert plan is None and "liger-kernel is not installed" in why
     with pytest.raises(FusedKernelsUnavailable, match="liger-kernel is not installed"):
-        liger_policy(model, CUDA, "liger")
+        liger_plan(model, CUDA, "liger")
 
 
 def test_an_unsupported_model_type_is_named(fake_liger):
     model = build_model("qwen3")  # not in the fake's MODEL_TYPE_TO_APPLY_LIGER_FN
-    assert liger_policy(model, CUDA, "auto") == (
-        False,
+    assert liger_plan(model, CUDA, "auto") == (
+        None,
         "off (auto: Liger-Kernel has no kernels for model type 'qwen3')",
     )
     with pytest.raises(FusedKernelsUnavailable, match="no kernels for model type 'qwen3'"):
-        liger_policy(model, CUDA, "liger")
+        liger_plan(model, CUDA, "liger")
 
 
 def test_the_plan_never_touches_the_loss_and_names_what_it_leaves_off(fake_liger):

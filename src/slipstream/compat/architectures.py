@@ -17,19 +17,10 @@ tiny random model with its special features on (:mod:`slipstream.models.tiny_any
 * a verdict that passed runs again with the compiled fused RMSNorm / SwiGLU kernels on every
   module class their probe passes (``fused_kernels="compiled"``; dynamo's eager backend unless
   ``compile=True``), which must match too;
-* a packed verdict that passed runs a **prefix-shared pair check**: preference pairs
-  (:data:`PAIR_LENGTHS`) packed ``prompt | chosen | rejected`` by ``collate_pairs`` (the rejected
-  answer attends to its prompt, never the chosen answer), under the passing arm's options with
-  the chunked loss off, must give every answer token the log-prob the stock model gives it with
-  ``prompt + answer`` run alone (eval, no grad); with the chunked loss on, the summed log-probs
-  it leaves on the batch (``answer_logprobs_of``) must match the stock sums (:func:`check_prefix_sharing`);
-* a packed verdict that passed runs a **prefix-group check**: :data:`GROUP_SHAPES` (a prefix and
-  N = 4 continuations, a prefix and 2) packed by ``collate_groups`` (each continuation attends to
-  its group's prefix and itself, never a sibling), under the passing arm's options: every
-  position's log-probs (chunked loss off, eval, no grad) within
-  ``GROUP_TOLERANCE["token_logprob"]`` of each ``prefix + continuation`` run alone, and the SFT
-  loss and every gradient (training mode, the chunked loss as set, labelled prefix tokens
-  counted once per row) against the unshared rows run alone (:func:`check_prefix_groups`);
+* a packed verdict that passed runs the **shared-prefix checks** under the passing arm's options
+  (:mod:`.prefix_parity`, which says what each compares): preference pairs packed ``prompt |
+  chosen | rejected`` (:func:`check_prefix_sharing`) and prefix groups packed by ``collate_groups``
+  (:func:`check_prefix_groups`), each against its rows run alone through the stock model;
 * opt-in (``compile=True``, the sweep's ``--compile``: a cold inductor compile costs 45-55 s per
   architecture on a 2-core CPU, hours for the registry), the passing arm runs again with its
   decoder layers compiled (``compile="on"``), which must match too;
@@ -41,10 +32,7 @@ exception), ``unbuilt`` (the tiny model could not be made: a gap in the sweep, n
 ``benchmarks/compat_sweep.py`` runs every architecture, each in a worker process, and writes
 ``docs/compatibility.md``. ``unchecked``: an entry :data:`NOT_CHECKABLE` names, with the reason.
 
-Where the pieces live: the documents, the reference step, an arm's step and the comparison are the
-parity kit's (:mod:`slipstream.parity`); one arm's outcome and the refusal's advice
-:mod:`.arm`; the per-speedup columns :mod:`.columns`; the prefix checks
-:mod:`.prefix_parity`; the markdown :mod:`.render`; this module: one architecture's verdict
+Where the pieces live: :mod:`slipstream.compat`'s docstring; this module: one architecture's verdict
 (:func:`check_architecture`) and the sweep over the registry in worker processes (:func:`sweep`).
 """
 

@@ -31,9 +31,8 @@ class ArmResult:
     grad_error: float | None = None
     worst_param: str | None = None
     policies: list[str] = field(default_factory=list)
-    offload: str = (
-        "-"  # "on" when the arm ran with offloaded checkpointing, "-" if the model has no layers for it
-    )
+    # "on" when the arm ran with offloaded checkpointing, "-" if the model has no layers for it
+    offload: str = "-"
     # the exception a refused / crashed arm raised (kept in this process, never serialised)
     error: BaseException | None = field(default=None, repr=False, compare=False)
 
@@ -98,13 +97,8 @@ def failed(error: BaseException) -> ArmResult:
 
 def judged(errors: Errors) -> ArmResult:
     """``pass`` within :data:`slipstream.parity.TOLERANCE`, else ``WRONG`` naming what is off."""
-    result = ArmResult(
-        "pass",
-        logits_error=errors.logits,
-        loss_error=errors.loss,
-        grad_error=errors.grad,
-        worst_param=errors.worst_param,
-    )
+    result = ArmResult("pass", logits_error=errors.logits, loss_error=errors.loss, grad_error=errors.grad)
+    result.worst_param = errors.worst_param
     found = problems(errors, TOLERANCE)
     if found:
         result.status, result.detail = "WRONG", "; ".join(found)

@@ -140,39 +140,30 @@ def check_case(verdict: Verdict, subject: Subject, case: ParityCase) -> None:
 # --------------------------------------------------------------------------- shared prefixes
 
 
-def _check_prefix_sharing(verdict: Verdict, subject: Subject) -> None:
+def _check_shared_prefix(verdict: Verdict, subject: Subject, column: str) -> None:
     """A packed verdict that passed (or whose packed fallback did), on prefix-shared preference
-    pairs (:func:`check_prefix_sharing`); the ``prefix_sharing`` column ("-": not packed), a
-    refusal kept as the column only, WRONG / CRASH the verdict."""
+    pairs (:func:`check_prefix_sharing`) or prefix groups (:func:`check_prefix_groups`): the
+    ``column`` ("-": not packed), a refusal kept as the column only, WRONG / CRASH the verdict."""
     if verdict.speedups.get("packed attention") != "on":
-        verdict.speedups["prefix_sharing"] = "-"
+        verdict.speedups[column] = "-"
         return
-    try:
-        pairs = preference_pairs(subject.stock, seed=subject.seed)
-        expected = pair_reference(subject.stock, pairs)
-    except Exception as error:  # noqa: BLE001 - the stock model itself failed on the pairs
-        result = ArmResult(
-            "CRASH", "the stock reference: " + short(error) + " @ " + where(error), error=error
-        )
-    else:
-        result = check_prefix_sharing(subject.stock, pairs, expected, subject.options)
-    _record_column(verdict, "prefix_sharing", result, "on", "collate_pairs(prefix_sharing=True)")
-
-
-def _check_prefix_groups(verdict: Verdict, subject: Subject) -> None:
-    """A packed verdict that passed (or whose packed fallback did), on prefix groups
-    (:func:`check_prefix_groups`); the ``prefix_groups`` column ("-": not packed), a refusal kept as
-    the column only, WRONG / CRASH the verdict."""
-    if verdict.speedups.get("packed attention") != "on":
-        verdict.speedups["prefix_groups"] = "-"
-        return
-    try:
-        groups = prefix_groups(subject.stock, seed=subject.seed)
+    sharing, stock = column == "prefix_sharing", subject.stock
+    try:  # the inputs, and the stock model itself on the pairs
+        if sharing:
+            pairs = preference_pairs(stock, seed=subject.seed)
+            expected = pair_reference(stock, pairs)
+        else:
+            groups = prefix_groups(stock, seed=subject.seed)
     except Exception as error:  # noqa: BLE001
-        result = ArmResult("CRASH", "the groups: " + short(error) + " @ " + where(error), error=error)
+        what = "the stock reference: " if sharing else "the groups: "
+        result = ArmResult("CRASH", what + short(error) + " @ " + where(error), error=error)
     else:
-        result = check_prefix_groups(subject.stock, groups, subject.options)
-    _record_column(verdict, "prefix_groups", result, "on", "collate_groups (N=4)")
+        if sharing:
+            result = check_prefix_sharing(stock, pairs, expected, subject.options)
+        else:
+            result = check_prefix_groups(stock, groups, subject.options)
+    settings = "collate_pairs(prefix_sharing=True)" if sharing else "collate_groups (N=4)"
+    _record_column(verdict, column, result, "on", settings)
 
 
 # --------------------------------------------------------------------------- in order
@@ -185,8 +176,8 @@ def check_columns(verdict: Verdict, subject: Subject, compile: bool = False) -> 
     early, late = _sweep_cases(compile)
     checks = [
         *(lambda v, s, case=case: check_case(v, s, case) for case in early),
-        _check_prefix_sharing,
-        _check_prefix_groups,
+        lambda v, s: _check_shared_prefix(v, s, "prefix_sharing"),
+        lambda v, s: _check_shared_prefix(v, s, "prefix_groups"),
         *(lambda v, s, case=case: check_case(v, s, case) for case in late),
     ]
     for check in checks:

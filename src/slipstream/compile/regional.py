@@ -83,12 +83,9 @@ UNKNOWN_STEPS = "the run's step count is unknown here, so a cold start could not
 def cold_start_pays_back(expected_steps: int, break_even: int, kind: str) -> tuple[bool, str]:
     """Does a run of ``expected_steps`` pay back a cold start measured to break even after
     ``break_even`` steps on ``kind``? ``(yes, why)``; shared by every "auto" that compiles."""
-    if expected_steps < break_even:
-        return (
-            False,
-            f"{expected_steps} steps, fewer than the {break_even} that pay back the cold start on {kind}",
-        )
-    return True, f"{expected_steps} steps, at least the {break_even} that pay back the cold start on {kind}"
+    pays = expected_steps >= break_even
+    than = "at least" if pays else "fewer than"
+    return pays, f"{expected_steps} steps, {than} the {break_even} that pay back the cold start on {kind}"
 
 
 def inductor_available(device: torch.device | str) -> tuple[bool, str]:
@@ -166,7 +163,6 @@ def _compiled_call(layer: torch.nn.Module):
             return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
 
-    call.slipstream_compiled = True
     return call
 
 

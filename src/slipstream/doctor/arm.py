@@ -1,8 +1,7 @@
 """Doctor's arm: the parity kit's arm (:class:`slipstream.parity.Arm`) on the device, in the dtype
 training would use, with what doctor reads off it besides parity: the policy log ``optimize``
 wrote, the offload engine's copies, and a second, counted step (host syncs; on CUDA the
-synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")`` reports). ``lora``: a PEFT LoRA on
-every linear layer trains instead of the whole model."""
+synchronizing calls ``torch.cuda.set_sync_debug_mode("warn")`` reports)."""
 
 from __future__ import annotations
 

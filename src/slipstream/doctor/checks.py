@@ -3,19 +3,10 @@ of the requested family, judged on the parity kit (:mod:`slipstream.parity`).
 
 Each path is checked on its own: its fast arm is the model as ``slipstream.optimize`` sets it up
 by default (every path on where the model allows it), its stock arm differs in that one path
-only, so a difference is that path's:
-
-- packed attention: the documents packed in one row, one SDPA call each (the other paths run on
-  top of it), vs each document alone (stock attention);
-- sorted MoE routing (``grouped_mm`` or the loop, whichever the device gets) vs transformers'
-  own experts, on the requested family if it has experts, else on a tiny Qwen3-MoE;
-- offload-double: the offload schedule vs no checkpointing, on the real ``CudaEngine`` on a GPU
-  and on the ``RecordingEngine`` (same schedule, copies at once) elsewhere;
-- the chunked loss vs transformers' loss;
-- LoRA in compute dtype vs PEFT's forward;
-- grouped attention: the packed row's documents grouped by length into batched SDPA calls
-  (``attention_grouping="grouped"`` on the SDPA backend, whatever "auto" would pick for these
-  few documents) vs each document alone (stock attention).
+only, so a difference is that path's. The paths are the registered speedups' parity cases
+(``ParityCase.doctor``; each case's ``arms`` says what it compares): MoE routing on the requested
+family if it has experts, else on a tiny Qwen3-MoE; offload on the real ``CudaEngine`` on a GPU
+and on the ``RecordingEngine`` (same schedule, copies at once) elsewhere.
 
 Both arms train one step from the same weights in the dtype training would use; the loss and
 every parameter gradient are compared. In fp32 the fast arm must match the stock arm within
@@ -43,7 +34,7 @@ import torch
 from ..bench.ablation import remembered as remembered_ablations
 from ..models import build_model
 from ..moe.experts import is_moe_model
-from ..parity import LENGTHS, TOLERANCE, Errors, compare, documents
+from ..parity import LENGTHS, TOLERANCE, compare, documents
 from ..parity import problems as beyond_tolerance
 from ..refusal import Refusal
 from ..speedups import Speedups, registry
@@ -124,11 +115,6 @@ def _reference_speedups(stock: Speedups) -> Speedups:
 def _moe_loop_reads(log: list[str]) -> int:
     """Experts modules that ran the loop path (each reads its expert counts once per forward)."""
     return sum(1 for line in log if re.match(r"moe compute for .*: loop ", line))
-
-
-def _judge_fp32(check: Check, errors: Errors) -> list[str]:
-    check.bound = f"fp32 vs stock: loss <= {TOLERANCE['loss']:g}, gradients <= {TOLERANCE['grad']:g}"
-    return beyond_tolerance(errors, TOLERANCE)
 
 
 def _judge_low_precision(check: Check, fast: ArmRun, stock: ArmRun, reference: ArmRun, dtype) -> list[str]:
@@ -213,7 +199,8 @@ def run_check(
     errors = compare(fast_run, stock_run)
     check.loss_error, check.grad_error, check.worst_param = errors.loss, errors.grad, errors.worst_param
     if reference is None:
-        problems = _judge_fp32(check, errors)
+        check.bound = f"fp32 vs stock: loss <= {TOLERANCE['loss']:g}, gradients <= {TOLERANCE['grad']:g}"
+        problems = beyond_tolerance(errors, TOLERANCE)
     else:
         problems = _judge_low_precision(check, fast_run, stock_run, reference, dtype)
 
@@ -319,13 +306,11 @@ def ablation_check(device: torch.device) -> Check:
     found = remembered_ablations(device)
     path, arms = "ablation", "slipstream (auto) vs each speedup off, in the last --preset ablation run"
     if not found:
-        return Check(
-            path,
-            "skipped",
-            reason="no --preset ablation run on this device yet (slipstream ab --preset ablation; "
-            "doctor then reads its verdicts)",
-            arms=arms,
+        why = (
+            "no --preset ablation run on this device yet (slipstream ab --preset ablation; "
+            "doctor then reads its verdicts)"
         )
+        return Check(path, "skipped", reason=why, arms=arms)
     beaten = []
     for workload, entry in found.items():
         for arm in entry["beats_auto"]:
@@ -335,12 +320,8 @@ def ablation_check(device: torch.device) -> Check:
                 f"({entry['created'][:16]}; A/A noise {entry['noise_margin']:.1%})"
             )
     if beaten:
-        return Check(
-            path,
-            "WRONG",
-            reason="auto is beaten here beyond the noise: " + "; ".join(beaten) + "; set that speedup off",
-            arms=arms,
-        )
+        why = "auto is beaten here beyond the noise: " + "; ".join(beaten) + "; set that speedup off"
+        return Check(path, "WRONG", reason=why, arms=arms)
     runs = "; ".join(
         f"{workload}: {len(entry['arms']) - entry['a_a_control']} arms, A/A noise {entry['noise_margin']:.1%}"
         for workload, entry in found.items()

@@ -42,14 +42,6 @@ def training_device() -> torch.device:
     )
 
 
-def device_name(device: torch.device | None = None) -> str:
-    """The GPU's name, or the CPU's model name: what doctor's marker is keyed by (with torch's version)."""
-    device = device or training_device()
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
 def host_ram_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -117,7 +109,7 @@ def describe_device(
     ram = host_ram_bytes()
     facts: dict[str, Any] = {
         "type": device.type,
-        "name": device_name(device),
+        "name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "cpu": info["cpu"],
         "cpu_cores": info["cpu_count"],
         "torch_threads": info["torch_threads"],
@@ -158,18 +150,13 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     rows = []
     if facts["type"] == "cuda":
         unified = facts.get("unified_memory")
+        shared = "yes (integrated GPU)" if unified else "no (discrete GPU)"
+        shared = "unknown (this torch has no is_integrated)" if unified is None else shared
         rows += [
             ("device", f"{facts['name']} (CUDA)"),
             ("memory", f"{gib(facts['memory_bytes'])} ({gib(facts['free_bytes'])} free)"),
             ("compute capability", f"{facts['compute_capability']} ({facts['multiprocessors']} SMs)"),
-            (
-                "unified memory",
-                "unknown (this torch has no is_integrated)"
-                if unified is None
-                else "yes (integrated GPU)"
-                if unified
-                else "no (discrete GPU)",
-            ),
+            ("unified memory", shared),
             ("bf16", f"{'yes' if facts['bf16'] else 'no'} ({facts['bf16_why']})"),
             ("host CPU", f"{facts['cpu']} ({facts['cpu_cores']} cores)"),
         ]
@@ -188,16 +175,13 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(("pinned memory", facts["pinned_probe"]["text"]))
     peak = facts.get("matmul_peak")
     if peak:
-        rows.append(
-            (
-                "matmul peak",
-                f"{peak['tflops']:.3g} TFLOP/s in {peak['dtype']} at {peak['threads']} threads (measured "
-                f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against"
-                + (f"; kept over the {peak['kept_over']}" if peak.get("kept_over") else "")
-                + ("; --remeasure-peak measures it again" if peak["cached"] else "")
-                + ")",
-            )
+        text = (
+            f"{peak['tflops']:.3g} TFLOP/s in {peak['dtype']} at {peak['threads']} threads (measured "
+            f"{peak['measured']}{', cached' if peak['cached'] else ''}; what MFU in ab and train is against"
+            + (f"; kept over the {peak['kept_over']}" if peak.get("kept_over") else "")
+            + ("; --remeasure-peak measures it again" if peak["cached"] else "")
         )
+        rows.append(("matmul peak", text + ")"))
     return rows
 
 

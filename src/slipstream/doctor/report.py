@@ -58,13 +58,10 @@ def run_doctor(
     costs = attention_costs(device, torch_dtype, remeasure=recalibrate)
     found_versions = versions(info)
     console.print(_key_value_table("Device", device_rows(device_facts)))
+    shown = [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
+    console.print(_key_value_table("Versions", shown))
     console.print(
-        _key_value_table(
-            "Versions", [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
-        )
-    )
-    console.print(
-        f"model: {checked.describe()}; checked as a tiny random model: {_shape(checked)}, "
+        f"model: {checked.describe()}; checked as a tiny random model: {shape_of(checked.tiny)}, "
         f"{str(torch_dtype).removeprefix('torch.')} on {device}"
     )
 
@@ -93,7 +90,7 @@ def run_doctor(
             "asked": checked.asked,
             "source": checked.source,
             "family": checked.family,
-            "checked_shape": _shape(checked),
+            "checked_shape": shape_of(checked.tiny),
             "note": checked.note,
             "dtype": str(torch_dtype).removeprefix("torch."),
             "dtype_why": dtype_why,
@@ -110,22 +107,12 @@ def run_doctor(
         report["marker"] = str(path) if path else f"not written ({problem})"
     report["seconds"] = round(time.perf_counter() - started, 1)
     summary = ", ".join(f"{n} {v}" for v, n in counts.items() if n)
-    console.print(
-        f"doctor: {summary} ({report['seconds']:.1f} s)"
-        + (
-            "; a fast path is WRONG on this device: train with it off (see the reason) and report it"
-            if status
-            else ""
-        )
-    )
+    wrong = "; a fast path is WRONG on this device: train with it off (see the reason) and report it"
+    console.print(f"doctor: {summary} ({report['seconds']:.1f} s)" + (wrong if status else ""))
     if json_path is not None:
         write_text_atomically(json_path, json.dumps(report, indent=2, default=str) + "\n")
         console.print(f"wrote {json_path}")
     return report, status
-
-
-def _shape(checked) -> str:
-    return shape_of(checked.tiny)
 
 
 def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:

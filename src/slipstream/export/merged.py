@@ -144,7 +144,6 @@ def _source(run_dir: Path, checkpoint: int | None):
 
 def _run_dtype(run_dir: Path, source, config: TrainConfig) -> torch.dtype:
     """The dtype the run trained in: as it recorded it, else as ``model.dtype`` resolves here."""
-    name = None
     if isinstance(source, Path):
         try:
             name = json.loads((run_dir / FINISHED).read_text()).get("dtype")
@@ -259,15 +258,10 @@ def _load_checkpoint_weights(model, checkpoint, config: TrainConfig) -> None:
         what = f"has {extra[0]!r}, which" if extra else f"lacks {missing[0]!r}, which"
         raise _does_not_fit(where, config, ValueError(f"the checkpoint {what} the rebuilt adapter does not"))
     for name, tensor in checkpoint.weights.items():
-        if tuple(tensor.shape) != tuple(params[name].shape):
-            raise _does_not_fit(
-                where,
-                config,
-                ValueError(
-                    f"size mismatch for {name}: shape {tuple(tensor.shape)} in the checkpoint, "
-                    f"{tuple(params[name].shape)} in the model"
-                ),
-            )
+        theirs, ours = tuple(tensor.shape), tuple(params[name].shape)
+        if theirs != ours:
+            shapes = f"shape {theirs} in the checkpoint, {ours} in the model"
+            raise _does_not_fit(where, config, ValueError(f"size mismatch for {name}: {shapes}"))
     with torch.no_grad():
         for name, tensor in checkpoint.weights.items():
             params[name].copy_(tensor)
@@ -325,15 +319,8 @@ def compare_logits(reference: torch.Tensor, merged: torch.Tensor, tolerance: flo
     position, token = divmod(rest, diff.shape[2])
     max_abs = float(diff.max())
     scale = max(float(reference.abs().max()), 1e-12)
-    return ProbeCheck(
-        max_abs=max_abs,
-        relative=max_abs / scale,
-        tolerance=tolerance,
-        row=row,
-        position=position,
-        token=token,
-        tokens=reference.shape[0] * reference.shape[1],
-    )
+    tokens = reference.shape[0] * reference.shape[1]
+    return ProbeCheck(max_abs, max_abs / scale, tolerance, row, position, token, tokens)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -4,15 +4,7 @@
 
 from .compiled import CompiledPlan, apply_compiled, compiled_plan, compiled_policy
 from .decide import FusedDecision, decide_fused_kernels
-from .liger import (
-    FusedKernels,
-    FusedKernelsUnavailable,
-    LigerPlan,
-    apply_liger,
-    liger_available,
-    liger_plan,
-    liger_policy,
-)
+from .liger import FusedKernels, FusedKernelsUnavailable, LigerPlan, apply_liger, liger_available, liger_plan
 
 __all__ = [
     "CompiledPlan",
@@ -27,5 +19,4 @@ __all__ = [
     "decide_fused_kernels",
     "liger_available",
     "liger_plan",
-    "liger_policy",
 ]

@@ -205,12 +205,11 @@ class CompiledPlan:
     refused: dict[str, str] = field(default_factory=dict)  # class name: why it keeps its forward
 
     def describe(self) -> str:
-        switched = (
-            [f"RMSNorm x{sum(map(len, self.norms.values()))} ({', '.join(self.norms)})"] if self.norms else []
-        )
-        switched += (
-            [f"SwiGLU x{sum(map(len, self.mlps.values()))} ({', '.join(self.mlps)})"] if self.mlps else []
-        )
+        switched = [
+            f"{kind} x{sum(map(len, found.values()))} ({', '.join(found)})"
+            for kind, found in (("RMSNorm", self.norms), ("SwiGLU", self.mlps))
+            if found
+        ]
         text = "compiled (inductor: " + ("; ".join(switched) or "no module matched") + ")"
         if self.refused:
             text += "; kept their own forward: " + "; ".join(

@@ -121,12 +121,6 @@ def liger_plan(
     return plan, describe(plan)
 
 
-def liger_policy(model: torch.nn.Module, device: torch.device | str, mode: str = "auto") -> tuple[bool, str]:
-    """``(use Liger's kernels, why)``: :func:`liger_plan` as a yes/no and the policy's reason."""
-    plan, why = liger_plan(model, device, mode)
-    return plan is not None, why
-
-
 def describe(plan: LigerPlan) -> str:
     said = [f"liger_kernel {plan.version}"] + list(plan.notes)
     return f"liger ({', '.join(plan.pieces) or 'no kernel offered'}; {'; '.join(said)})"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 
@@ -30,7 +30,6 @@ EXPERTS_IMPLEMENTATION = "slipstream_sorted"
 # The routing and compute choices, defined once (Speedups and the CLIs read them).
 MoeRouting = Literal["sorted", "stock"]
 MoeCompute = Literal["auto", "grouped_mm", "loop"]
-COMPUTE_CHOICES = get_args(MoeCompute)
 
 
 class UnsupportedExperts(Refusal, NotImplementedError):
@@ -103,10 +102,7 @@ _LOGGED_PATH: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyD
 
 
 def sorted_experts_forward(
-    self: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts forward with pairs grouped by expert once. hidden [T, H] -> [T, H]."""
     groups = group_by_expert(top_k_index, self.num_experts)

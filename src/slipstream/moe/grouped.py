@@ -87,6 +87,8 @@ def grouped_mm_linear(x_S: torch.Tensor, weight: torch.Tensor, offsets_E: torch.
 
 
 class _LoopGroupedLinear(torch.autograd.Function):
+    """Per-expert ``x_e @ W_e + b_e`` over host-side ``counts``; see the module docstring."""
+
     @staticmethod
     def forward(ctx, x_S, weight, bias, counts: Sequence[int], transposed: bool):
         ctx.counts, ctx.transposed = counts, transposed
@@ -137,17 +139,6 @@ def _nonempty(counts: Sequence[int], x_S: torch.Tensor):
             start += count
 
 
-def loop_linear(
-    x_S: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    counts: Sequence[int],
-    transposed: bool,
-) -> torch.Tensor:
-    """Per-expert ``x_e @ W_e + b_e`` over host-side ``counts``; see the module docstring."""
-    return _LoopGroupedLinear.apply(x_S, weight, bias, counts, transposed)
-
-
 def _chunks(counts: Sequence[int], experts_per_chunk: int):
     """(expert ids, first row, end row, their counts) of consecutive chunks of non-empty experts."""
     hit = [(expert, count) for expert, count in enumerate(counts) if count]
@@ -162,12 +153,8 @@ def _chunks(counts: Sequence[int], experts_per_chunk: int):
 def _chunk_matmul(x: torch.Tensor, weight_GIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Rows of ``len(counts)`` consecutive groups times their [in, out] weights."""
     if grouped_mm_supported(x, weight_GIO)[0]:
-        offsets = (
-            torch.tensor(counts, dtype=torch.int32)
-            .cumsum(0, dtype=torch.int32)
-            .to(x.device, non_blocking=True)
-        )
-        return _grouped_mm_fn()(x, weight_GIO, offs=offsets)
+        offsets = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return _grouped_mm_fn()(x, weight_GIO, offs=offsets.to(x.device, non_blocking=True))
     return torch.cat([x_g @ weight_GIO[g] for g, x_g in enumerate(x.split(counts))])
 
 
@@ -178,12 +165,8 @@ class _QuantizedGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_S, counts, transposed, store, experts_per_chunk):
-        ctx.counts, ctx.transposed, ctx.store, ctx.experts_per_chunk = (
-            counts,
-            transposed,
-            store,
-            experts_per_chunk,
-        )
+        ctx.counts, ctx.transposed = counts, transposed
+        ctx.store, ctx.experts_per_chunk = store, experts_per_chunk
         shape = store.weight_shape
         out = x_S.new_zeros(x_S.shape[0], shape[-1] if transposed else shape[-2])
         for experts, start, end, chunk_counts in _chunks(counts, experts_per_chunk):
@@ -248,5 +231,5 @@ class GroupedLinear:
         elif self.path == "grouped_mm" and grouped_mm_supported(x_S, weight)[0]:
             out = grouped_mm_linear(x_S, weight, self.offsets_E, transposed)
         else:
-            return loop_linear(x_S, weight, bias, self.counts, transposed)
+            return _LoopGroupedLinear.apply(x_S, weight, bias, self.counts, transposed)
         return out if bias is None else out + bias.index_select(0, expert_ids_S)

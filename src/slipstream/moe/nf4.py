@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_directory
+from ..extras import require
 from .experts import experts_modules, use_sorted_experts
 
 MANIFEST = "slipstream_quantization.json"
@@ -31,12 +32,6 @@ class NF4Settings:
     blocksize: int = 64
     double_quant: bool = False
     compute_dtype: str = "float32"  # the dtype dequantized weights take (the activations' dtype wins)
-
-
-def _bnb():
-    from ..extras import require
-
-    return require("bitsandbytes.functional", "4-bit (NF4) experts")
 
 
 class NF4ExpertStore:
@@ -116,7 +111,7 @@ class NF4Experts(torch.nn.Module):
 
 
 def _quantize_projection(weight_E: torch.Tensor, settings: NF4Settings) -> dict[str, torch.Tensor]:
-    bnb = _bnb()
+    bnb = require("bitsandbytes.functional", "4-bit (NF4) experts")
     parts: dict[str, list[torch.Tensor]] = {"packed": [], "absmax": [], "nested_absmax": [], "offset": []}
     code = nested_code = None
     for expert_weight in weight_E.detach().float():
@@ -248,9 +243,8 @@ def load_quantized(directory: str | os.PathLike, **model_kwargs) -> torch.nn.Mod
         settings = NF4Settings(**spec["settings"])
         holder = NF4Experts({k: tuple(v) for k, v in spec["shapes"].items()}, settings)
         for name, shape in holder.shapes.items():
-            holder.allocate(
-                name, _quantize_projection(torch.zeros(shape), settings)
-            )  # right shapes, overwritten
+            # right shapes, overwritten by the weights
+            holder.allocate(name, _quantize_projection(torch.zeros(shape), settings))
             delattr(module, name)
         module.slipstream_nf4 = holder
     load_model(model, str(directory / "model.safetensors"), strict=True)

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..packing.guards import bind_running
-from ..packing.verdict import decoder_layers
+from ..packing.verdict import decoder_layers as checkpointing_layers  # the layers transformers checkpoints
 from ..refusal import optimize_call
 from .accounting import device_activation_bytes
 from .checkpoint import OffloadManager, UnsupportedCheckpointing
@@ -41,11 +41,6 @@ __all__ = [
 def _recompute(function, *args, **kwargs):
     """Per-layer activation checkpointing whose recompute sees the same packed batch as its forward."""
     return torch.utils.checkpoint.checkpoint(bind_running(function), *args, use_reentrant=False, **kwargs)
-
-
-def checkpointing_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers transformers lets us checkpoint, in forward order."""
-    return decoder_layers(model)
 
 
 def enable_checkpointing(

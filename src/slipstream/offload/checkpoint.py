@@ -137,11 +137,8 @@ class OffloadManager:
     def _reload(self, saved: _Saved) -> None:
         slot = saved.layer % len(self.slots)
         numel = saved.shape.numel()
-        if (
-            self.slots[slot] is None
-            or self.slots[slot].numel() < numel
-            or self.slots[slot].dtype != saved.dtype
-        ):
+        buffer = self.slots[slot]
+        if buffer is None or buffer.numel() < numel or buffer.dtype != saved.dtype:
             self.slots[slot] = self.engine.device_empty(numel, saved.dtype)
         self.engine.wait(self.engine.copy_stream, saved.offload_done)
         if self.slot_free[slot] is not None:  # never overwrite a buffer its last reader still uses

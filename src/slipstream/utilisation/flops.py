@@ -101,11 +101,6 @@ class FlopProfile:
         return sum(self.micro_batch_flops(lens, rows, causal) for lens, rows in micro_batches)
 
 
-def _text_config(model: torch.nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def _first_int(configs, keys) -> int | None:
     for config in configs:
         for key in keys:
@@ -178,18 +173,13 @@ def flop_profile(model: torch.nn.Module) -> FlopProfile:
 
     ``model`` may be a PEFT wrapper, carry 4-bit linears or experts, and expert LoRA."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = _text_config(base)
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     experts, top_k = _routing(config)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     head_ids = {id(m) for m in head.modules()} if head is not None else set()
-    breakdown = {
-        "frozen_linear": 0,
-        "trainable_linear": 0,
-        "lora": 0,
-        "router": 0,
-        "experts": 0,
-        "expert_lora": 0,
-    }
+    breakdown = dict.fromkeys(
+        ("frozen_linear", "trainable_linear", "lora", "router", "experts", "expert_lora"), 0
+    )
     head_row = 0
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or ".original_module" in name:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -127,13 +128,8 @@ def measure_matmul_peak(
         for size in sizes:
             tried.append(size)
             side_by_side = threads > 1 and threads * 2 * size * size * dtype.itemsize <= SIDE_BY_SIDE_BYTES
-            pairs = [
-                (
-                    torch.randn(size, size, device=device, dtype=dtype, generator=generator),
-                    torch.randn(size, size, device=device, dtype=dtype, generator=generator),
-                )
-                for _ in range(threads if side_by_side else 1)
-            ]
+            randn = partial(torch.randn, size, size, device=device, dtype=dtype, generator=generator)
+            pairs = [(randn(), randn()) for _ in range(threads if side_by_side else 1)]
             seconds = _time_matmul(*pairs[0], repeats)
             rate = 2 * size**3 / seconds  # a multiply-add is 2 FLOPs
             one_best = max(one_best, rate)
@@ -209,14 +205,8 @@ def matmul_peak(
     measured = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     try:
         if cached is not None and cached["peak"]["flops_per_s"] >= peak["flops_per_s"]:
-            lower = f"{peak['tflops']:.3f} TFLOP/s measured at {measured}"
-            return {
-                **key,
-                **cached["peak"],
-                "measured": cached["measured"],
-                "cached": True,
-                "kept_over": lower,
-            }
+            kept = {**key, **cached["peak"], "measured": cached["measured"], "cached": True}
+            return {**kept, "kept_over": f"{peak['tflops']:.3f} TFLOP/s measured at {measured}"}
     except (KeyError, TypeError):
         pass
     try:

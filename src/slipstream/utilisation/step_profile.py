@@ -79,18 +79,13 @@ def category_of(name: str, ancestors: list[str]) -> str:
     return "other"
 
 
-def _self_seconds(event, cuda: bool) -> float:
-    micros = event.self_device_time_total if cuda else event.self_cpu_time_total
-    return micros / 1e6
-
-
 def categorize(events, cuda: bool = False) -> dict[str, float]:
     """Self seconds per category over profiler ``events`` (``prof.events()``)."""
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     for event in events:
         if getattr(event, "device_type", DeviceType.CPU) != DeviceType.CPU:
             continue  # a kernel's own event: its time is already its launching op's device time
-        own = _self_seconds(event, cuda)
+        own = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
         if own <= 0:
             continue
         ancestors, parent = [], event.cpu_parent

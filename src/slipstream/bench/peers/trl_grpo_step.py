@@ -48,16 +48,7 @@ def _trl_reward(reward):
 class TrlGrpoStep(TrlTrainerStep):
     """Drives a real ``GRPOTrainer``: its sampling on the step's prompts, its update on given rollouts."""
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        settings,
-        rewards,
-        *,
-        device: str = "cpu",
-        **run,
-    ):
+    def __init__(self, model, tokenizer, settings, rewards, *, device: str = "cpu", **run):
         """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``)."""
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer

@@ -53,14 +53,10 @@ def unsloth_unavailable(config, device: str) -> str | None:
     python = unsloth_venv() / "bin" / "python"
     if python.exists():
         return None
-    print(f"unsloth arm: creating its virtualenv (once): bash {MAKE_VENV} {unsloth_venv()}", file=sys.stderr)
+    command = ["bash", str(MAKE_VENV), str(unsloth_venv())]
+    print(f"unsloth arm: creating its virtualenv (once): {' '.join(command)}", file=sys.stderr)
     try:
-        done = subprocess.run(
-            ["bash", str(MAKE_VENV), str(unsloth_venv())],
-            capture_output=True,
-            text=True,
-            timeout=VENV_TIMEOUT_S,
-        )
+        done = subprocess.run(command, capture_output=True, text=True, timeout=VENV_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"creating the Unsloth virtualenv {unsloth_venv()} took over {VENV_TIMEOUT_S} s"
     if done.returncode != 0 or not python.exists():
@@ -109,11 +105,9 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
         work = Path(tmp)
         model_dir = _write_workload(config, plan, vocab_size, work)
         threads = config.ab.threads or torch.get_num_threads()
-        checkpointing = (
-            ("off" if (config.train.speedups.checkpointing or "off") == "off" else "on")
-            if same_settings
-            else "default"
-        )
+        checkpointing = "default"  # Unsloth's own, unless the arm takes the run's settings
+        if same_settings:
+            checkpointing = "off" if (config.train.speedups.checkpointing or "off") == "off" else "on"
         command = [
             str(unsloth_venv() / "bin" / "python"),
             str(WORKER),

@@ -146,18 +146,14 @@ def main() -> int:
 
         rss_import = rss_mb()
         dtype = None if args.dtype == "default" else getattr(torch, args.dtype)
-        gc = {
-            "default": {},
-            "on": {"use_gradient_checkpointing": True},
-            "off": {"use_gradient_checkpointing": False},
-        }
+        gc = {"on": {"use_gradient_checkpointing": True}, "off": {"use_gradient_checkpointing": False}}
         model, tokenizer = FastLanguageModel.from_pretrained(
             args.model_dir,
             max_seq_length=args.max_seq_len,
             dtype=dtype,
             load_in_4bit=False,
             local_files_only=True,
-            **gc[args.checkpointing],
+            **gc.get(args.checkpointing, {}),
         )
         model = FastLanguageModel.get_peft_model(
             model,
@@ -166,7 +162,7 @@ def main() -> int:
             lora_dropout=0.0,
             bias="none",
             target_modules=targets,
-            **gc[args.checkpointing],
+            **gc.get(args.checkpointing, {}),
         )
         n_adapters = load_adapter(model, args.adapter_init)
         model.train()
