@@ -8,6 +8,7 @@ import math
 import pytest
 
 from slipstream.rewards import (
+    RewardCall,
     RewardError,
     answer_tag,
     format_regex,
@@ -105,3 +106,76 @@ def test_bad_specs_are_refused_by_key(tmp_path, spec, message):
         load_rewards([spec], tmp_path)
     with pytest.raises(RewardError, match=r"grpo\.rewards\[0\]|missing.py|cannot import|has no function"):
         load_rewards([spec], tmp_path)
+
+
+# What TRL's docs and its own trl.rewards write: keyword arguments, **kwargs, async functions, the state.
+TRL_STYLE = """
+import asyncio
+
+from trl.rewards import get_soft_overlong_punishment
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def correct(completions, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+async def slow_len(prompts, completions, **kwargs):
+    await asyncio.sleep(0.01)
+    return [float(len(p)) for p in prompts]
+
+
+overlong = get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)
+
+
+def step_aware(completions, trainer_state, log_metric, log_extra, **kwargs):
+    log_metric("seen_step", trainer_state.global_step)
+    log_extra("length", [len(c) for c in completions])
+    return [float(trainer_state.global_step)] * len(completions)
+"""
+
+
+def test_trl_reward_functions_run_unchanged_with_keywords_kwargs_and_async(tmp_path):
+    """A reward file written for TRL: each function called by keyword, as GRPOTrainer calls it."""
+    pytest.importorskip("trl.rewards")
+    (tmp_path / "trl_style.py").write_text(TRL_STYLE)
+    names = ["reward_len", "correct", "slow_len", "overlong", "step_aware"]
+    functions = load_rewards([f"trl_style.py:{n}" for n in names], base=tmp_path)
+    call = RewardCall(step=3, max_steps=10)
+    prompts, completions = ["p", "pp"], ["7", " 8 "]
+    values = score(functions, prompts, completions, [[1, 2, 3, 4, 5, 6], [1]], {"answer": ["7", "9"]}, call)
+    assert [row[0] for row in values] == [-19.0, -17.0]  # completions, not the prompts, as `completions`
+    assert [row[1] for row in values] == [1.0, 0.0]  # the row's column by name
+    assert [row[2] for row in values] == [1.0, 2.0]  # awaited
+    trl_rewards = pytest.importorskip("trl.rewards")
+    own = trl_rewards.get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)
+    assert [row[3] for row in values] == own(completion_ids=[[1, 2, 3, 4, 5, 6], [1]]) == [-1.0, 0.0]
+    assert [row[4] for row in values] == [3.0, 3.0]  # trainer_state.global_step
+    assert call.metric_means() == {"seen_step": 3.0} and call.extra == {"length": [1, 3]}
+
+
+def test_trl_own_reward_by_module_name():
+    trl_rewards = pytest.importorskip("trl.rewards")
+    [function] = load_rewards(["trl.rewards:think_format_reward"])
+    completions = [[{"content": "<think>\nwhy\n</think>\nso"}], [{"content": "so"}]]
+    got = [row[0] for row in score([function], ["p", "p"], completions, [[1], [1]], {})]
+    assert got == trl_rewards.think_format_reward(completions=completions) == [1.0, 0.0]
+
+
+def test_a_function_that_cannot_take_trls_keywords_is_refused_at_start(tmp_path):
+    (tmp_path / "narrow.py").write_text("def f(prompts, completions):\n    return [0.0] * len(completions)\n")
+    with pytest.raises(
+        RewardError,
+        match=r"f takes neither completion_ids, trainer_state, log_extra, log_metric nor \*\*kwargs",
+    ):
+        load_reward("narrow.py:f", base=tmp_path)
+
+
+def test_an_async_function_that_raises_is_named(tmp_path):
+    (tmp_path / "bad.py").write_text("async def boom(**kwargs):\n    raise OSError('no network')\n")
+    [function] = load_rewards(["bad.py:boom"], base=tmp_path)
+    with pytest.raises(RewardError, match="reward boom .* raised OSError: no network"):
+        score([function], ["p"], ["c"], [[1]], {})

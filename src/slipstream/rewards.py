@@ -1,14 +1,19 @@
 """Reward functions for online RL (``training.objective: grpo``): named in the config, called in
 TRL's convention, and checked before a single value is used.
 
-A reward function is ``f(prompts, completions, completion_ids, **columns) -> list[float | None]``,
-TRL's convention, so a reward file written for TRL's ``GRPOTrainer`` works unchanged: one value
-per completion, in order; ``prompts[i]`` is the prompt completion i answers (a string, or the
-message list when the row's prompt was one, in which case ``completions[i]`` is
-``[{"role": "assistant", "content": text}]``); every other column of the prompt rows comes as a
-keyword argument holding one value per completion. None means "does not apply to this
-completion": it is left out of that function's mean and adds 0 to the weighted sum (TRL's
-``nansum``).
+A reward function is called as TRL's ``GRPOTrainer`` calls it (TRL 1.16, ``_calculate_rewards``),
+every argument by keyword: ``f(prompts=..., completions=..., completion_ids=..., **columns,
+trainer_state=..., log_extra=..., log_metric=...) -> list[float | None]``, so a reward file written
+for TRL works unchanged (``def reward(completions, **kwargs)`` included), and an ``async def`` one
+is awaited, every async function of a step concurrently. One value per completion, in order;
+``prompts[i]`` is the prompt completion i answers (a string, or the message list when the row's
+prompt was one, in which case ``completions[i]`` is ``[{"role": "assistant", "content": text}]``);
+every other column of the prompt rows comes as a keyword argument holding one value per completion;
+``trainer_state`` is a ``transformers.TrainerState`` whose ``global_step`` is the optimizer steps
+done and ``max_steps`` the run's; ``log_metric(name, value)`` adds a metric to the step's record
+(the mean of its values); ``log_extra(column, values)`` is accepted, its columns not kept yet. None
+means "does not apply to this completion": it is left out of that function's mean and adds 0 to the
+weighted sum (TRL's ``nansum``).
 
 A function is named ``module:function`` (``grpo.rewards``): a ``.py`` file next to the config
 (``rewards.py:correct``) or an importable module (``my_pkg.rewards:correct``), or a built-in by its
@@ -21,6 +26,7 @@ neither a finite number nor None.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
@@ -29,7 +35,7 @@ import math
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +77,8 @@ def answer_tag(
 ):
     """1.0 where the last ``<tag>...</tag>`` of the completion equals the row's ``column`` value, else 0.0."""
     if column not in columns:
-        raise KeyError(
-            f"the prompt rows have no column {column!r} (columns: {', '.join(sorted(columns)) or 'none'})"
-        )
+        names = sorted(set(columns) - set(TRL_KEYWORDS))
+        raise KeyError(f"the prompt rows have no column {column!r} (columns: {', '.join(names) or 'none'})")
     out = []
     for completion, expected in zip(completions, columns[column], strict=True):
         found = tagged(_text(completion), tag)
@@ -102,6 +107,36 @@ BUILTINS: dict[str, Callable] = {
 }
 
 
+# What TRL hands every reward function beside the completions and the rows' columns.
+TRL_KEYWORDS = ("trainer_state", "log_extra", "log_metric")
+_CALL_KEYWORDS = ("prompts", "completions", "completion_ids", *TRL_KEYWORDS)
+
+
+@dataclass
+class RewardCall:
+    """One scoring's ``trainer_state`` and what the functions logged through ``log_metric`` / ``log_extra``."""
+
+    step: int = 0  # optimizer steps done (``trainer_state.global_step``)
+    max_steps: int = 0
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    extra: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extra.setdefault(column, []).extend(values)
+
+    def keywords(self) -> dict[str, Any]:
+        from transformers import TrainerState  # TRL's own state type: a function may read any of its fields
+
+        state = TrainerState(global_step=self.step, max_steps=self.max_steps)
+        return {"trainer_state": state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+
+    def metric_means(self) -> dict[str, float]:
+        return {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
+
+
 @dataclass
 class RewardFunction:
     """One configured reward: what the config named it, the function (its ``args`` bound), its weight."""
@@ -115,21 +150,45 @@ class RewardFunction:
     def described(self) -> str:
         return self.name if self.source in ("", self.name) else f"{self.name} ({self.source})"
 
-    def __call__(self, prompts, completions, completion_ids, columns: dict[str, list]) -> list[float]:
+    def __call__(
+        self, prompts, completions, completion_ids, columns: dict[str, list], call: RewardCall | None = None
+    ) -> list[float]:
         """The function's values, checked: one per completion, each finite (None read as NaN: left out)."""
+        values = self.start(prompts, completions, completion_ids, columns, call or RewardCall())
+        if inspect.isawaitable(values):
+            values = asyncio.run(self.finish(values))
+        return self.check(values, len(completions))
+
+    def start(self, prompts, completions, completion_ids, columns: dict[str, list], call: RewardCall) -> Any:
+        """The function called in TRL's convention: its values, or its coroutine (an async function)."""
         try:
-            values = self.fn(prompts, completions, completion_ids, **columns)
+            return self.fn(
+                prompts=prompts,
+                completions=completions,
+                completion_ids=completion_ids,
+                **columns,
+                **call.keywords(),
+            )
         except Exception as error:  # a user's function: whatever it raised, named with it
             raise RewardError(f"reward {self.described} raised {type(error).__name__}: {error}") from error
+
+    async def finish(self, pending: Any) -> Any:
+        try:
+            return await pending
+        except Exception as error:
+            raise RewardError(f"reward {self.described} raised {type(error).__name__}: {error}") from error
+
+    def check(self, values: Any, count: int) -> list[float]:
+        """One finite float per completion (a None read as NaN), or a RewardError naming the function."""
         if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
             raise RewardError(
                 f"reward {self.described} returned {type(values).__name__}; it must return a list of "
-                f"{len(completions)} numbers (None where it does not apply)"
+                f"{count} numbers (None where it does not apply)"
             )
         values = values.tolist() if hasattr(values, "tolist") else list(values)
-        if len(values) != len(completions):
+        if len(values) != count:
             raise RewardError(
-                f"reward {self.described} returned {len(values)} values for {len(completions)} completions"
+                f"reward {self.described} returned {len(values)} values for {count} completions"
             )
         out = []
         for index, value in enumerate(values):
@@ -191,9 +250,18 @@ def _check_args(fn: Callable, args: dict, name: str, key: str, builtin: bool) ->
             raise RewardError(f"'{key}.args' do not fit {name}: it needs {', '.join(missing)}")
         return
     try:
-        signature.bind_partial(None, None, None, **args)
+        signature.bind_partial(**args)
     except TypeError as error:
         raise RewardError(f"'{key}.args' do not fit {name}: {error}") from None
+    parameters = signature.parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        positional_only = inspect.Parameter.POSITIONAL_ONLY
+        refused = [k for k in _CALL_KEYWORDS if k not in parameters or parameters[k].kind is positional_only]
+        if refused:
+            raise RewardError(
+                f"'{key}': {name} takes neither {', '.join(refused)} nor **kwargs; a reward function is called "
+                f"as TRL calls it, with {', '.join(_CALL_KEYWORDS)} and the rows' columns as keywords"
+            )
 
 
 def load_reward(spec: Any, base: Path | None = None, key: str = "grpo.rewards") -> RewardFunction:
@@ -254,9 +322,21 @@ def score(
     completions: list,
     completion_ids: list[list[int]],
     columns: dict[str, list],
+    call: RewardCall | None = None,
 ) -> list[list[float]]:
-    """``[completions][functions]``: every function's checked values (NaN where it returned None)."""
-    per_function = [fn(prompts, completions, completion_ids, columns) for fn in functions]
+    """``[completions][functions]``: every function's checked values (NaN where it returned None);
+    the async functions awaited together, as TRL gathers them."""
+    call = call or RewardCall()
+    outputs = [fn.start(prompts, completions, completion_ids, columns, call) for fn in functions]
+    pending = [i for i, out in enumerate(outputs) if inspect.isawaitable(out)]
+    if pending:
+
+        async def gather():
+            return await asyncio.gather(*(functions[i].finish(outputs[i]) for i in pending))
+
+        for index, values in zip(pending, asyncio.run(gather()), strict=True):
+            outputs[index] = values
+    per_function = [fn.check(out, len(completions)) for fn, out in zip(functions, outputs, strict=True)]
     return [list(values) for values in zip(*per_function, strict=True)]
 
 

@@ -166,6 +166,12 @@ def even_tokens(prompts, completions, completion_ids, **columns):
 
 def boom(prompts, completions, completion_ids, **columns):
     raise RuntimeError("the grader is down")
+
+
+def trl_style(completions, answer, trainer_state, log_metric, **kwargs):  # TRL's keywords, by name
+    log_metric("global_step", trainer_state.global_step)
+    log_metric("max_steps", trainer_state.max_steps)
+    return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
 """
 
 
@@ -347,3 +353,14 @@ def test_a_bad_prompt_row_is_named_by_file_and_line(tmp_path):
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(Exception, match=r"prompts.jsonl:5: missing field 'prompt'"):
         train(load_config(config), progress=False)
+
+
+def test_a_trl_reward_gets_the_state_and_logs_metrics_into_the_step_record(tmp_path):
+    config = grpo_config(tmp_path, rewards=("rewards.py:trl_style",), training={"steps": 2})
+    train(load_config(config), progress=False)
+    found = records(tmp_path / "out")
+    assert [(r["global_step"], r["max_steps"]) for r in found] == [
+        (0, 2),
+        (1, 2),
+    ]  # steps done, as TRL's state
+    assert all(0.0 <= r["reward_trl_style"] <= 1.0 for r in found)

@@ -25,7 +25,7 @@ from ..errors import TrainError
 from ..loss.grpo import loss_divisor
 from ..modes import eval_mode
 from ..packing.completions import collate_completions, completion_documents, completion_tokens
-from ..rewards import RewardError, RewardFunction, score, weighted
+from ..rewards import RewardCall, RewardError, RewardFunction, score, weighted
 from ..rollouts import Rollouts, Sampling
 from .answers import answer_sums, reference_sums
 from .base import ObjectiveContext, StepPlan
@@ -108,9 +108,10 @@ class RolloutMaker:
             )
 
     def score_rollouts(
-        self, prompts: list[dict], rollouts: Rollouts, G: int
+        self, prompts: list[dict], rollouts: Rollouts, G: int, call: RewardCall | None = None
     ) -> tuple[list[list[float]], list[dict]]:
-        """Every completion's per-function rewards; and each group's completion ids."""
+        """Every completion's per-function rewards; and each group's completion ids. ``call``: the
+        step's ``trainer_state`` and what the functions log (default: step 0, kept nowhere)."""
         texts, ids, prompt_values, columns = [], [], [], {}
         for row, completions in zip(prompts, rollouts.completions, strict=True):
             for completion in completions:
@@ -123,7 +124,7 @@ class RolloutMaker:
         names = sorted({key for row in prompts for key in row["columns"]})
         for name in names:
             columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
-        values = score(self.rewards, prompt_values, texts, ids, columns)
+        values = score(self.rewards, prompt_values, texts, ids, columns, call)
         groups = [
             {
                 "prompt_ids": row["prompt_ids"],
@@ -145,8 +146,9 @@ class RolloutMaker:
             context.base_model, prompts, seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank
         )
         generated = time.perf_counter()
+        call = RewardCall(step=step, max_steps=context.steps)
         try:
-            per_function, groups = self.score_rollouts(prompts, rollouts, G)
+            per_function, groups = self.score_rollouts(prompts, rollouts, G, call)
         except RewardError as error:
             raise TrainError(
                 f"step {step + 1}: {error}; nothing of this step was applied ({context.resume_hint()})"
@@ -184,6 +186,7 @@ class RolloutMaker:
         record = self._record(
             per_function, rewards, groups, rollouts, (started, generated, scored, referenced)
         )
+        record.update(call.metric_means())  # what the reward functions logged (log_metric), as TRL logs it
         return StepPlan(
             micro=micro,
             total=total,
