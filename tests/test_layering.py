@@ -22,8 +22,9 @@ LAYERS = [
         "noise",
         "data",
         "rewards",
+        "reward_models",
         "utilisation",
-    },  # shared helpers and errors, data (and online RL's reward functions), FLOPs
+    },  # shared helpers and errors, data (and online RL's reward functions and reward models), FLOPs
     {
         "packing",
         "moe",

@@ -92,7 +92,7 @@ def test_a_function_that_goes_wrong_is_named(tmp_path, body, message):
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("nothing_here", r"neither 'module:function' nor a built-in"),
+        ("nothing_here", r"neither 'module:function', a built-in .* nor a reward model directory"),
         ("no_such_module_xyz:f", r"cannot import 'no_such_module_xyz'"),
         ("missing.py:f", r"missing.py: no such reward file"),
         ({"function": "answer_tag", "wieght": 1}, r"unknown key\(s\) wieght"),
@@ -179,3 +179,60 @@ def test_an_async_function_that_raises_is_named(tmp_path):
     [function] = load_rewards(["bad.py:boom"], base=tmp_path)
     with pytest.raises(RewardError, match="reward boom .* raised OSError: no network"):
         score([function], ["p"], ["c"], [[1]], {})
+
+
+def _reward_model_dir(folder, architecture_of=None):
+    """A tiny sequence classifier (one label) with the demo tokenizer, saved as a model directory."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from slipstream.data.demo_bpe import demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_labels=1,
+    )
+    torch.manual_seed(0)
+    model = (architecture_of or Qwen3ForSequenceClassification)(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_reward_model_directory_scores_as_trl_does(tmp_path):
+    """logits[:, 0] of prompt + completion, right-padded, no special tokens added (TRL's scoring)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _reward_model_dir(tmp_path / "rm")
+    [function] = load_rewards(["rm"], base=tmp_path)
+    assert function.name == "rm"
+    prompts, completions = ["2 + 2 =", "Say hi:"], [" 4", " hello there, friend"]
+    got = [row[0] for row in score([function], prompts, completions, [[1], [1]], {})]
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", num_labels=1).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm")
+    model.config.pad_token_id = tokenizer.pad_token_id
+    with torch.inference_mode():
+        for text, value in zip([p + c for p, c in zip(prompts, completions, strict=True)], got, strict=True):
+            alone = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+            assert model(**alone).logits[0, 0].item() == pytest.approx(
+                value, rel=1e-5, abs=1e-6
+            )  # padding: no effect
+
+
+def test_a_model_directory_without_a_classifier_head_is_refused(tmp_path):
+    from transformers import Qwen3ForCausalLM
+
+    _reward_model_dir(tmp_path / "lm", architecture_of=Qwen3ForCausalLM)
+    with pytest.raises(
+        RewardError,
+        match=r"lm is a model directory but not a sequence classifier \(architectures: Qwen3ForCausalLM\)",
+    ):
+        load_rewards(["lm"], base=tmp_path)

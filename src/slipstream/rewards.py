@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .reward_models import SequenceClassifierReward, is_reward_model_dir
+
 
 class RewardError(ValueError):
     """A reward function could not be loaded or returned what cannot be used; the message names it."""
@@ -294,9 +296,18 @@ def load_reward(spec: Any, base: Path | None = None, key: str = "grpo.rewards") 
             raise RewardError(f"'{key}.function': {module!r} has no function {attribute!r}")
     elif name in BUILTINS:
         fn = BUILTINS[name]
+    elif is_reward_model_dir(directory := Path(name) if base is None else base / name):
+        if args:
+            raise RewardError(f"'{key}.args': a reward model ({name}) takes none")
+        try:
+            scorer = SequenceClassifierReward(directory, f"{key}.function")
+        except ValueError as error:
+            raise RewardError(str(error)) from None
+        return RewardFunction(name=directory.name, fn=scorer, weight=float(weight), source=name)
     else:
         raise RewardError(
-            f"'{key}.function': {name!r} is neither 'module:function' nor a built-in ({', '.join(BUILTINS)})"
+            f"'{key}.function': {name!r} is neither 'module:function', a built-in ({', '.join(BUILTINS)}) "
+            "nor a reward model directory"
         )
     _check_args(fn, args, name, key, builtin=name in BUILTINS)
     bound = functools.partial(fn, **args) if args else fn

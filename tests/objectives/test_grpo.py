@@ -172,6 +172,10 @@ def trl_style(completions, answer, trainer_state, log_metric, **kwargs):  # TRL'
     log_metric("global_step", trainer_state.global_step)
     log_metric("max_steps", trainer_state.max_steps)
     return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
+
+
+async def progress(completions, trainer_state, **kwargs):
+    return [float(trainer_state.global_step)] * len(completions)
 """
 
 
@@ -356,11 +360,16 @@ def test_a_bad_prompt_row_is_named_by_file_and_line(tmp_path):
 
 
 def test_a_trl_reward_gets_the_state_and_logs_metrics_into_the_step_record(tmp_path):
-    config = grpo_config(tmp_path, rewards=("rewards.py:trl_style",), training={"steps": 2})
+    config = grpo_config(
+        tmp_path,
+        rewards=("rewards.py:trl_style", {"function": "rewards.py:progress", "weight": 0.0}),
+        training={"steps": 2, "eval_every": 1},
+        data={"eval_fraction": 0.25},
+    )
     train(load_config(config), progress=False)
     found = records(tmp_path / "out")
-    assert [(r["global_step"], r["max_steps"]) for r in found] == [
-        (0, 2),
-        (1, 2),
-    ]  # steps done, as TRL's state
+    # trainer_state.global_step: the optimizer steps done, as TRL's state
+    assert [(r["global_step"], r["max_steps"]) for r in found] == [(0, 2), (1, 2)]
     assert all(0.0 <= r["reward_trl_style"] <= 1.0 for r in found)
+    assert [r["reward_progress"] for r in found] == [0.0, 1.0]  # an async reward, awaited
+    assert [r["eval_reward_progress"] for r in found] == [1.0, 2.0]  # evaluated after steps 1 and 2

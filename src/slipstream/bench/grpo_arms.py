@@ -30,7 +30,7 @@ from ..objectives.grpo import GRPO
 from ..objectives.grpo_rollouts import advantages_of, stop_ids
 from ..optimize import base_model
 from ..packing.completions import completion_documents
-from ..rewards import RewardError, weighted
+from ..rewards import RewardCall, RewardError, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
@@ -101,7 +101,8 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         prompts = [row for index in bins_for(step) for row in bins[index]]
         rollouts = objective.sample(model, prompts, _seed(config, step))
         try:
-            per_function, groups = objective.score_rollouts(prompts, rollouts, G)
+            call = RewardCall(step=step, max_steps=config.ab.steps)  # the trainer_state a train step hands
+            per_function, groups = objective.score_rollouts(prompts, rollouts, G, call)
         except RewardError as error:
             raise ABInputError(f"step {step + 1} of the shared rollouts: {error}") from None
         rewards = [weighted(values, objective.rewards) for values in per_function]
@@ -181,7 +182,8 @@ class GrpoArmSession(ArmSession):
         started = time.perf_counter()
         rollouts = objective.sample(self.model, rows, _seed(self.config, step))
         generated = time.perf_counter()
-        per_function, groups = objective.score_rollouts(rows, rollouts, G)
+        call = RewardCall(step=step, max_steps=self.config.ab.steps)
+        per_function, groups = objective.score_rollouts(rows, rollouts, G, call)
         # as a real step (and TRL's scoring) does; the update uses the shared rollouts' own
         rewards = [weighted(values, objective.rewards) for values in per_function]
         advantages_of(rewards, G, self.settings.scale_rewards)

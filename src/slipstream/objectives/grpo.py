@@ -60,7 +60,7 @@ from ..fields import NonNegative, Positive, Range
 from ..loss.grpo import policy_loss
 from ..modes import eval_mode
 from ..optimize import state_of
-from ..rewards import RewardError, RewardFunction, load_rewards, weighted
+from ..rewards import RewardCall, RewardError, RewardFunction, load_rewards, weighted
 from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from .answers import answer_sums
 from .base import (
@@ -126,6 +126,7 @@ class GRPO(RolloutMaker, Objective):
         self.kept: tuple[int, StepPlan] | None = None  # (round, its plan): num_iterations > 1
         self.keeps_samples = self.settings.eval_samples
         self._eval_samples: list[dict] = []
+        self.evaluated_at = (0, 0)  # (steps done, max_steps): an evaluation's trainer_state for a reward
 
     @property
     def updates_per_round(self) -> int:
@@ -240,6 +241,7 @@ class GRPO(RolloutMaker, Objective):
     def before_training(self, context: ObjectiveContext) -> str | None:
         state = state_of(context.base_model)
         self.chunked = state is not None and state.chunked_loss is not None
+        self.evaluated_at = (0, context.steps)
         if self.tokenizer is None:
             self.tokenizer = context.tokenizer
         if self.engine is None:
@@ -271,6 +273,7 @@ class GRPO(RolloutMaker, Objective):
         round's, as the loop hands them), the kept one between."""
         k = self.settings.num_iterations
         number, iteration = divmod(step, k)
+        self.evaluated_at = (step + 1, context.steps)  # trainer_state of an evaluation after this step
         if iteration == 0:
             plan = self._round(context, step, step_bins)
             if k > 1:
@@ -349,7 +352,7 @@ class GRPO(RolloutMaker, Objective):
             with eval_mode(model), torch.no_grad():
                 rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
             try:
-                per_function, _ = self.score_rollouts(prompts, rollouts, G)
+                per_function, _ = self.score_rollouts(prompts, rollouts, G, RewardCall(*self.evaluated_at))
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
             rewards = [weighted(values, self.rewards) for values in per_function]

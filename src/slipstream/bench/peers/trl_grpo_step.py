@@ -27,6 +27,7 @@ The advantages of the shared rollouts are given with them (the same formula as T
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
@@ -35,11 +36,18 @@ from .trl_base import TrlTrainerStep
 
 
 def _trl_reward(reward):
-    """A slipstream reward as TRL calls its reward functions (named, keyword arguments)."""
+    """A slipstream reward handed to TRL under its own name (TRL names a function by ``__name__``; a
+    built-in's bound ``args`` make it a partial), async where it is: both call it the same way."""
+    fn = reward.fn
+    if inspect.iscoroutinefunction(fn):
 
-    def call(prompts, completions, completion_ids, **columns):
-        columns.pop("trainer_state", None)
-        return reward.fn(prompts, completions, completion_ids, **columns)
+        async def call(**keywords):
+            return await fn(**keywords)
+
+    else:
+
+        def call(**keywords):
+            return fn(**keywords)
 
     call.__name__ = reward.name
     return call
