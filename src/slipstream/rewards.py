@@ -129,11 +129,19 @@ class RewardCall:
     def log_extra(self, column: str, values: list) -> None:
         self.extra.setdefault(column, []).extend(values)
 
-    def keywords(self) -> dict[str, Any]:
+    @functools.cached_property
+    def trainer_state(self) -> Any:
+        """One state for every function of the scoring, as TRL hands its own to each."""
         from transformers import TrainerState  # TRL's own state type: a function may read any of its fields
 
-        state = TrainerState(global_step=self.step, max_steps=self.max_steps)
-        return {"trainer_state": state, "log_extra": self.log_extra, "log_metric": self.log_metric}
+        return TrainerState(global_step=self.step, max_steps=self.max_steps)
+
+    def keywords(self) -> dict[str, Any]:
+        return {
+            "trainer_state": self.trainer_state,
+            "log_extra": self.log_extra,
+            "log_metric": self.log_metric,
+        }
 
     def metric_means(self) -> dict[str, float]:
         return {name: sum(values) / len(values) for name, values in self.metrics.items() if values}
