@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slipstream-installed
 # the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow test-avx2 test-busy test-floor compat compile-check lint setup clean bench-packing
+.PHONY: demo test test-slow test-avx2 test-busy test-floor test-vllm compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -58,6 +58,14 @@ $(FLOOR_STAMP): pyproject.toml constraints-floor.txt
 test-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
 	$(FLOOR_VENV)/bin/python -m pytest -q --runslow tests/compat/test_compat.py -k whole_registry
+
+# grpo.engine vllm against the real engine: vLLM's CPU build in a venv of its own, made once (minutes)
+# and kept outside the checkout, so a fresh clone reuses it (SLIPSTREAM_VLLM_VENV to put it elsewhere)
+VLLM_VENV ?= $(HOME)/.cache/slipstream-vllm
+
+test-vllm: $(STAMP)
+	bash src/slipstream/engines/make_vllm_venv.sh $(VLLM_VENV)
+	SLIPSTREAM_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q --runslow -m vllm tests/engines
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)

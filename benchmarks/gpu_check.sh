@@ -87,3 +87,14 @@ else
   echo "liger-kernel does not import on this machine: the fused-kernel checks were skipped" \
     | tee "$OUT/fused_kernels_tests.txt"
 fi
+
+# 7. grpo.engine vllm (issue 45): the real engine's tests (the policy's log-probs after each sync,
+#    seeded sampling, a GRPO run on its rollouts) with the vllm package beside slipstream on the GPU.
+#    Only where vllm imports here (the lent machine has none unless its wheel travels in .whl).
+if python -c "import vllm" > /dev/null 2>&1; then
+  SLIPSTREAM_VLLM_PYTHON="$(command -v python)" timeout 240 python -m pytest -q --runslow -m vllm tests/engines \
+    -p no:cacheprovider > "$OUT/vllm_engine_tests.txt" 2>&1
+  echo "vllm engine tests exit: $?" >> "$OUT/vllm_engine_tests.txt"
+else
+  echo "vllm does not import on this machine: the engine's checks were skipped" | tee "$OUT/vllm_engine_tests.txt"
+fi

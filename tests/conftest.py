@@ -18,8 +18,9 @@ def pytest_addoption(parser):
 
 # Kept out of the default run (``make test``, inside 10 minutes on a 2-core fp32-only CPU) and run by
 # ``make test-slow`` (``.ci/run`` runs both): tests marked slow, and every test that starts several
-# processes or uses the real model (each costs tens of seconds there).
-SLOW_MARKERS = ("slow", "multiprocess", "realmodel")
+# processes or uses the real model (each costs tens of seconds there); the real vLLM engine's tests
+# run in ``make test-vllm`` (also in ``.ci/run``), with its venv.
+SLOW_MARKERS = ("slow", "multiprocess", "realmodel", "vllm")
 
 
 def pytest_collection_modifyitems(config, items):

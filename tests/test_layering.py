@@ -35,9 +35,15 @@ LAYERS = [
         "fused",
     },  # the optimizations, each its own folder
     {"speedups", "optimize"},  # the toggles and the one function that applies them
-    # model builders and loaders; the sampler that runs them for online RL; the parity kit (a fast arm
+    # model builders and loaders; the sampler that runs them for online RL and the other engines (vLLM); the parity kit (a fast arm
     # vs a reference, one training step: the sweep's and doctor's)
-    {"models", "rollouts", "parity", "compat"},  # compat: the compatibility sweep, on the parity kit
+    {
+        "models",
+        "rollouts",
+        "engines",
+        "parity",
+        "compat",
+    },  # compat: the compatibility sweep, on the parity kit
     # the objectives: the plug-ins the loop calls (their rows, bins, step losses and evaluation)
     {"objectives"},
     {"train"},  # the training loop: set-up, the step, checkpoints, metrics

@@ -49,6 +49,9 @@ class Completion:
 
     ids: list[int]
     finished: bool  # ended by a stop token; False: cut at max_new_tokens
+    # each token's log-prob under the distribution it was drawn from (an engine that reports them:
+    # vLLM's differ from the trainer's, which the update corrects for); None: not reported
+    logprobs: list[float] | None = None
 
 
 @dataclass

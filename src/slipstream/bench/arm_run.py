@@ -210,6 +210,13 @@ def open_arm(
             from .peers.unsloth_arm import run_unsloth_arm
 
             return run_unsloth_arm(config, arm, plan, vocab_size)
+    if spec.engine == "vllm":
+        from ..engines.vllm_engine import EngineError, vllm_python
+
+        try:
+            vllm_python(create=False)  # ab does not install it: train does, or make_vllm_venv.sh
+        except EngineError as error:
+            return {"arm": arm, "skipped": str(error)}
     from ..objectives import objective_for
 
     if spec.objective and objective_for(spec.objective).reads == "prompts":

@@ -56,6 +56,7 @@ class Arm:
     prefixes: Literal["unshared"] | None = None
     # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
     objective: str | None = None
+    engine: Literal["hf", "vllm"] = "hf"  # a GRPO arm's rollout engine (grpo.engine)
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -95,6 +96,10 @@ _FIXED_ARMS: dict[str, Arm] = {
     "trl-grpo": Arm("padded", STOCK, stock=True, peer="trl", objective="grpo"),
     "slipstream-grpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared", objective="grpo"),
     "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo"),
+    # the same update, its rollouts sampled by vLLM in its own process (grpo.engine vllm), and TRL's
+    # GRPOTrainer with use_vllm (its best configuration; skipped where it cannot run, with the reason)
+    "slipstream-grpo-vllm": Arm("packed", SLIPSTREAM, objective="grpo", engine="vllm"),
+    "trl-grpo-vllm": Arm("padded", STOCK, stock=True, peer="trl-vllm", objective="grpo"),
     # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
     "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
     "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
@@ -103,8 +108,16 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
     "default": ("stock-padded", "stock-packed", "slipstream"),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
-    # --objective grpo: TRL's GRPOTrainer, slipstream without and with each group's prompt run once
-    "grpo": ("trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo"),
+    # --objective grpo: TRL's GRPOTrainer without and with vLLM, slipstream without and with each
+    # group's prompt run once, and with vLLM sampling (the vLLM arms skipped, saying why, where it
+    # is not installed: `ab` does not install it)
+    "grpo": (
+        "trl-grpo",
+        "trl-grpo-vllm",
+        "slipstream-grpo-no-prefix-sharing",
+        "slipstream-grpo",
+        "slipstream-grpo-vllm",
+    ),
     # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
     # whole (bfd), slipstream without and with the start run once
     "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),
@@ -298,7 +311,7 @@ def train_config_of(config, arm: str) -> TrainConfig:
             objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
         ),
         preference=replace(train.preference, prefix_sharing=spec.pairs != "unshared"),
-        grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared"),
+        grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared", engine=spec.engine),
         speedups=arm_speedups(config, arm),
     )
 

@@ -217,6 +217,15 @@ class GrpoArmSession(ArmSession):
         done = self.driver.run(plan)  # the driver's step on the shared rollouts
         return {**done.metrics, "lr": done.lr}
 
+    def _after_figures(self) -> None:
+        """An engine in a process of its own (vLLM): its peak memory joins the arm's; it stops."""
+        engine = getattr(self.objective, "engine", None)
+        if hasattr(engine, "peak_memory_mb"):
+            engine_mb = engine.peak_memory_mb()
+            self.result.peak_memory_mb += engine_mb
+            self.result.memory_kind += f" + the vLLM engine's process ({engine_mb:.0f} MB)"
+            self.objective.after_training()
+
     def _prepare(self, step: int) -> list[list[dict]]:
         return self.plan[step]
 

@@ -297,6 +297,16 @@ def summarize(
         unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
         # rows' shared start run once against the same rows packed whole: that optimization's own share
         unshared += [a for a in ran if shares_prefixes(arm) and ARM_SPECS[a].prefixes == "unshared"]
+        # another rollout engine against slipstream's own sampler, the update otherwise the same
+        unshared += [
+            a
+            for a in ran
+            if ARM_SPECS[arm].engine != "hf"
+            and ARM_SPECS[a].engine == "hf"
+            and not ARM_SPECS[a].stock
+            and ARM_SPECS[a].objective == ARM_SPECS[arm].objective
+            and ARM_SPECS[a].prefixes == ARM_SPECS[arm].prefixes
+        ]
         for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
             interval = speedup(timed[base], timed[arm], seed=seed, repeats=config.ab.repeats)
@@ -307,6 +317,11 @@ def summarize(
                     summary[arm][f"{half}_speedup_vs_{base}"] = summary[arm][rate] / summary[base][rate]
                     interval = speedup(timed_parts[base][half], mine, seed=seed, repeats=config.ab.repeats)
                     summary[arm][f"{half}_interval_vs_{base}"] = dataclasses.asdict(interval)
+                # sampled tokens per second: engines whose completions differ in length compared fairly
+                tokens = "generated_tokens_per_s"
+                summary[arm][f"generation_tokens_speedup_vs_{base}"] = (
+                    summary[arm][tokens] / summary[base][tokens]
+                )
     _compile_break_even(summary, ran)
     ablation.ablation_verdicts(summary, timed, seed)
     return summary

@@ -34,15 +34,20 @@ def policy_loss(
     aggregate: Aggregate = "dapo",
     owner: torch.Tensor | None = None,
     seq_tokens: torch.Tensor | None = None,
+    importance: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The loss a micro-batch backpropagates, and per token whether its ratio was clipped (fp32 0/1)
     and its KL (zeros without ``reference``). ``logp``, ``old``, ``advantages``, ``mask`` and
     ``reference``: [tokens]; ``owner``: each token's completion, ``seq_tokens``: each completion's
-    counted tokens (both for ``aggregate="grpo"``)."""
+    counted tokens (both for ``aggregate="grpo"``); ``importance``: each token's weight of the
+    surrogate (rollouts another engine drew: :mod:`slipstream.loss.importance`), the KL unweighted,
+    as TRL weighs them."""
     ratio = torch.exp(logp - old)
     low, high = epsilon, epsilon_high if epsilon_high is not None else epsilon
     clipped_ratio = ratio.clamp(1 - low, 1 + high)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if importance is not None:
+        per_token = per_token * importance
     kl = torch.zeros_like(per_token)
     if reference is not None:
         delta = reference.to(logp.device) - logp

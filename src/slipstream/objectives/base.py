@@ -153,6 +153,9 @@ class Objective:
     def before_training(self, context: ObjectiveContext) -> str | None:
         return None
 
+    def after_training(self) -> None:
+        """Whatever the objective started for the run is stopped (the run ended, however it ended)."""
+
     def prepared(self, part: str, index: int) -> Any:
         """What ``before_training`` kept for bin ``index`` of ``part`` ("train" or "eval"); None: nothing."""
         return None

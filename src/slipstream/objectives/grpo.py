@@ -48,6 +48,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -58,6 +59,7 @@ from ..data.prompts import load_prompts, split_prompts
 from ..errors import TrainError
 from ..fields import NonNegative, Positive, Range
 from ..loss.grpo import policy_loss
+from ..loss.importance import importance_weights
 from ..modes import eval_mode
 from ..optimize import state_of
 from ..rewards import RewardCall, RewardError, RewardFunction, load_rewards, weighted
@@ -104,6 +106,20 @@ class GRPOSettings:
     mask_truncated_completions: bool = False  # leave completions cut at max_new_tokens out of the loss
     # the prompt run once for its G completions in the update (else prompt + completion, G times)
     prefix_sharing: bool = True
+    # who samples: hf (slipstream's sampler: the model itself, each prompt prefilled once) or vllm
+    # (vLLM in a process of its own, the policy synced to it each round: slipstream.engines.vllm_engine)
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm_sync: Literal["merged", "lora"] = "merged"  # the policy reaches vLLM as merged weights or an adapter
+    # the share of the device's memory vLLM reserves (TRL's key; host memory on vLLM's CPU backend)
+    vllm_gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.3
+    # vLLM's sampling log-probs are not the trainer's: each token's (or completion's) loss weighted by
+    # their ratio, capped (TRL's keys and defaults; slipstream.loss.importance)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    vllm_importance_sampling_clip_max: Annotated[float, Range(gt=0)] | None = 3.0
+    vllm_importance_sampling_clip_min: Annotated[float, Range(ge=0)] | None = None
     eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
     eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
 
@@ -113,6 +129,9 @@ class GRPO(RolloutMaker, Objective):
     name = "grpo"
     reads = "prompts"
     metrics = ("loss", "clip_fraction", "kl")
+    # with rollouts from vLLM and the correction on: the mean |log-prob difference| between sampler and
+    # trainer over the counted tokens, and the share of those tokens the cap changed
+    corrected_metrics = ("sampling_logp_difference", "importance_sampling_clipped_share")
 
     def __init__(self, config: Any, settings: GRPOSettings | None = None, engine: Any = None) -> None:
         super().__init__(config)
@@ -127,6 +146,13 @@ class GRPO(RolloutMaker, Objective):
         self.keeps_samples = self.settings.eval_samples
         self._eval_samples: list[dict] = []
         self.evaluated_at = (0, 0)  # (steps done, max_steps): an evaluation's trainer_state for a reward
+        if self.corrects:
+            self.metrics = (*self.metrics, *self.corrected_metrics)
+
+    @property
+    def corrects(self) -> bool:
+        """Whether the update weighs tokens by TRL's importance sampling (rollouts from vLLM)."""
+        return self.settings.engine == "vllm" and self.settings.vllm_importance_sampling_correction
 
     @property
     def updates_per_round(self) -> int:
@@ -179,6 +205,8 @@ class GRPO(RolloutMaker, Objective):
             fail("grpo.beta", "grpo.beta > 0 compares with the base (the adapter off): it needs lora.enabled")
         if grpo.beta > 0 and config.lora.experts:
             fail("grpo.beta", "grpo.beta > 0 cannot switch lora.experts adapters off yet")
+        if grpo.engine == "vllm" and grpo.vllm_sync == "lora" and not config.lora.enabled:
+            fail("grpo.vllm_sync", "grpo.vllm_sync lora hands vLLM the adapter: it needs lora.enabled")
         if config.training.distributed == "fsdp2":
             fail(
                 "training.distributed",
@@ -244,7 +272,9 @@ class GRPO(RolloutMaker, Objective):
         self.evaluated_at = (0, context.steps)
         if self.tokenizer is None:
             self.tokenizer = context.tokenizer
-        if self.engine is None:
+        if self.engine is None and self.settings.engine == "vllm":
+            self.engine = self._vllm_engine(context)
+        elif self.engine is None:
             try:
                 check_sampleable(context.base_model, self.config.data.max_seq_len)
             except UnsupportedRollout as error:
@@ -254,18 +284,70 @@ class GRPO(RolloutMaker, Objective):
                 pad = self.tokenizer.eos_token_id or 0
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
         s = self.settings
+        started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)
         layout = (
             "prompt | completions (the prompt once)" if s.prefix_sharing else "prompt + completion, G times"
         )
+        sampler = (
+            f"vLLM: {started}; importance sampling {self._correction_line()}"
+            if started
+            else f"{type(self.engine).__name__}: each prompt prefilled once, its KV cache shared by its samples"
+        )
         return (
-            f"grpo: {s.num_generations} completions per prompt ({type(self.engine).__name__}: each prompt "
-            f"prefilled once, its KV cache shared by its samples), temperature {s.temperature:g}, top_p "
+            f"grpo: {s.num_generations} completions per prompt ({sampler}), temperature {s.temperature:g}, top_p "
             f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens; rewards {rewards}; loss "
             f"{s.loss}, advantages scaled by {s.scale_rewards}, epsilon {s.epsilon:g}/"
             f"{s.epsilon_high if s.epsilon_high is not None else s.epsilon:g}, beta {s.beta:g}; the update packs "
             f"{layout}"
         )
+
+    def _vllm_engine(self, context: ObjectiveContext):
+        """vLLM in its own process, started now (minutes the first time); a refusal or a failed start
+        is one line naming it."""
+        from ..engines.vllm_engine import VLLMEngine, refuse_unsyncable
+
+        config = self.config
+        refuse_unsyncable(context.base_model, config)
+        rank = context.ranks.rank
+        log = Path(config.output_dir) / ("vllm.log" if rank == 0 else f"vllm-rank{rank}.log")
+        engine = VLLMEngine(
+            stop_ids=stop_ids(self.tokenizer, context.base_model),
+            max_model_len=config.data.max_seq_len,
+            sync_mode=self.settings.vllm_sync,
+            memory_share=self.settings.vllm_gpu_memory_utilization,
+            seed=config.seed + rank,
+            log_path=log,
+            lora_rank=config.lora.rank if config.lora.enabled else 0,
+        )
+        try:
+            self.engine_line = engine.start(context.base_model)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _correction_line(self) -> str:
+        s = self.settings
+        if not s.vllm_importance_sampling_correction:
+            return "off"
+        low = (
+            "none"
+            if s.vllm_importance_sampling_clip_min is None
+            else f"{s.vllm_importance_sampling_clip_min:g}"
+        )
+        high = (
+            "none"
+            if s.vllm_importance_sampling_clip_max is None
+            else f"{s.vllm_importance_sampling_clip_max:g}"
+        )
+        return f"{s.vllm_importance_sampling_mode}, clip [{low}, {high}]"
+
+    def after_training(self) -> None:
+        """The engine's process stops with the run, however the run ends."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ one step
     def plan_step(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
@@ -311,6 +393,24 @@ class GRPO(RolloutMaker, Objective):
         logp = answer_sums(model, micro.completions.batch, self.chunked)  # [tokens]: one "answer" a token
         # num_iterations 1: the policy that sampled is the one being updated (r = 1, its gradient acts)
         old = logp.detach() if micro.old is None else micro.old
+        importance, corrected, difference = None, None, None
+        if self.corrects and micro.sampling is not None:  # rollouts from vLLM: TRL's importance sampling
+            importance, corrected, difference = importance_weights(
+                old,
+                micro.sampling,
+                micro.mask,
+                micro.completions.completion_index,
+                micro.seq_tokens.numel(),
+                settings.vllm_importance_sampling_mode,
+                settings.vllm_importance_sampling_clip_min,
+                settings.vllm_importance_sampling_clip_max,
+            )
+            if micro.record is not None:  # rank 0's largest difference, read after the step
+                largest = difference.max()
+                kept = micro.record.get("sampling_logp_difference_max")
+                micro.record["sampling_logp_difference_max"] = (
+                    largest if kept is None else torch.maximum(kept, largest)
+                )
         loss, clipped, kl = policy_loss(
             logp,
             old,
@@ -324,11 +424,17 @@ class GRPO(RolloutMaker, Objective):
             aggregate=settings.loss,
             owner=micro.completions.completion_index,
             seq_tokens=micro.seq_tokens,
+            importance=importance,
         )
         mask, tokens = micro.mask, micro.tokens_in_step
-        found = torch.stack(
-            [loss.detach(), (clipped * mask).sum() / tokens, (kl.detach() * mask).sum() / tokens]
-        )
+        found = [loss.detach(), (clipped * mask).sum() / tokens, (kl.detach() * mask).sum() / tokens]
+        if self.corrects:
+            zero = torch.zeros((), device=mask.device)
+            found += [
+                difference.sum() / tokens if difference is not None else zero,
+                corrected.sum() / tokens if corrected is not None else zero,
+            ]
+        found = torch.stack(found)
         return loss, found
 
     def divisor(self, total) -> float:
@@ -349,6 +455,7 @@ class GRPO(RolloutMaker, Objective):
         if prompts:
             seed = (self.config.seed * 1_000_003 + 7) * 1_009 + info.rank
             G, ids = self.settings.eval_generations, [r["prompt_ids"] for r in prompts]
+            self.engine.sync(model)  # the weights of the step just done (an engine with its own copy)
             with eval_mode(model), torch.no_grad():
                 rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
             try:

@@ -44,6 +44,10 @@ class GRPOMicro:
     reference: torch.Tensor | None  # [tokens] fp32: the reference's log-probs (beta > 0)
     tokens_in_step: float  # every rank's counted completion tokens this step (metric divisor)
     old: torch.Tensor | None = None  # [tokens] fp32: the sampling policy's log-probs (num_iterations > 1)
+    # [tokens] fp32: the log-probs the engine reported sampling each token (NaN: not reported), where
+    # the update corrects for another engine's (vLLM's) numbers
+    sampling: torch.Tensor | None = None
+    record: dict | None = None  # the step's host record (rank 0's largest log-prob difference goes there)
 
 
 def stop_ids(tokenizer, model) -> tuple[int, ...]:
@@ -130,6 +134,7 @@ class RolloutMaker:
                 "prompt_ids": row["prompt_ids"],
                 "completions": [c.ids for c in completions],
                 "finished": [c.finished for c in completions],
+                "logprobs": [c.logprobs for c in completions],
             }
             for row, completions in zip(prompts, rollouts.completions, strict=True)
         ]
@@ -187,6 +192,12 @@ class RolloutMaker:
             per_function, rewards, groups, rollouts, (started, generated, scored, referenced)
         )
         record.update(call.metric_means())  # what the reward functions logged (log_metric), as TRL logs it
+        if getattr(self, "corrects", False) and info.is_main:
+            for item in micro:
+                item.record = record
+        sync_s = getattr(self.engine, "sync_s", None)
+        if sync_s:
+            record["engine_sync_s"] = sync_s[-1]
         return StepPlan(
             micro=micro,
             total=total,
@@ -230,6 +241,18 @@ class RolloutMaker:
                 temperature=settings.temperature,
             )
             owner = packed.completion_index
+            sampling = None
+            if getattr(self, "corrects", False):  # the engine's log-prob of each token, in the packed order
+                reported = []
+                for g in groups[offset : offset + count]:
+                    for logprobs, ids in zip(g.get("logprobs") or [None] * G, g["completions"], strict=True):
+                        known = logprobs is not None and len(logprobs) == len(ids)
+                        reported += logprobs if known else [math.nan] * len(ids)
+                sampling = torch.tensor(reported, dtype=torch.float32)
+                if sampling.numel() != owner.numel():
+                    raise ValueError(
+                        f"{sampling.numel()} sampled log-probs for {owner.numel()} completion tokens"
+                    )
             adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
             keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
             seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
@@ -241,6 +264,7 @@ class RolloutMaker:
                     seq_tokens=seq_tokens.to(device),
                     reference=None,
                     tokens_in_step=max(1.0, tokens_all),
+                    sampling=None if sampling is None else sampling.to(device),
                 )
             )
             offset += count

