@@ -143,3 +143,25 @@ def test_every_reader_of_the_machines_load_asks_hardware_other_load():
             elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "OtherLoad":
                 readers.append(f"{where}: OtherLoad(...)")
     assert readers == []
+
+
+def test_work_a_process_started_is_its_own_not_other_load():
+    """A rollout engine's process (any descendant) runs for the measurement that started it: its CPU
+    time counts as this process's, so its steps are not called busy because of it."""
+    import os
+    import subprocess
+    import sys
+
+    from slipstream import hardware
+
+    burn = "import sys, time\nwhile time.process_time() < 0.5: pass\nsys.stdout.write('x'); sys.stdout.flush()\ntime.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.read(1) == b"x"  # it has run 0.5 s of CPU
+        with open("/proc/self/stat") as stat:
+            after_name = stat.read().rsplit(")", 1)[1].split()
+        alone = int(after_name[11]) + int(after_name[12])
+        assert hardware._own_ticks() - alone >= 0.4 * os.sysconf("SC_CLK_TCK")
+    finally:
+        child.kill()
+        child.wait()

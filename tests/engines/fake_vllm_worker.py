@@ -58,10 +58,10 @@ def main() -> int:
                 print("fake engine: dying as asked", flush=True)
                 os._exit(3)
             completions = []
-            for seed in message["seeds"]:
+            for index in range(len(message["prompts"])):
                 group = []
                 for g in range(message["n"]):
-                    draw = random.Random(seed + g)
+                    draw = random.Random(f"{message['seed']} {index} {g}")
                     length = draw.randint(1, message["max_tokens"])
                     ids = [draw.randrange(vocab) for _ in range(length)]
                     group.append(

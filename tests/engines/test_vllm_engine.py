@@ -34,10 +34,10 @@ from ..objectives.test_grpo import grpo_config, records
 FAKE = Path(__file__).with_name("fake_vllm_worker.py")
 
 
-def lora_model(targets="all-linear", tie=False):
+def lora_model(targets="all-linear", tie=False, preset="llama"):
     from peft import LoraConfig, get_peft_model
 
-    base = build_model("llama", vocab_size=96)
+    base = build_model(preset, vocab_size=96)
     if tie:
         base.config.tie_word_embeddings = True
         base.lm_head.weight = base.model.embed_tokens.weight

@@ -2,7 +2,8 @@
 
 Skipped where vLLM is not installed. A tiny fp32 model: the engine's log-probs of what it sampled
 match the trainer's, before and after a sync of changed LoRA weights; the same seed samples the same
-completions; a GRPO run trains on its rollouts and stops it at the end."""
+completions; a GRPO run trains on its rollouts and stops it at the end; a model the engine has no
+kernel for fails the start, naming it."""
 
 from __future__ import annotations
 
@@ -21,11 +22,19 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def engine_python():
+def engine_cache(tmp_path_factory):
+    """One vLLM compile cache for the module's engines (each test has a home of its own)."""
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+@pytest.fixture
+def engine_python(engine_cache, monkeypatch):
     try:
-        return vllm_python(create=False)
+        python = vllm_python(create=False)
     except EngineError as error:
         pytest.skip(str(error))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(engine_cache))
+    return python
 
 
 def trainer_logprobs(model, prompt, ids):
@@ -36,7 +45,7 @@ def trainer_logprobs(model, prompt, ids):
 
 def test_the_engine_samples_the_trainers_policy_after_each_sync(engine_python, monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", engine_python)
-    model = lora_model().eval()
+    model = lora_model(preset="demo").eval()  # head_dim 32: vLLM's CPU attention has no kernel for 16
     engine = VLLMEngine(stop_ids=(1,), max_model_len=64, memory_share=0.05)
     try:
         engine.start(model)
@@ -64,7 +73,11 @@ def test_the_engine_samples_the_trainers_policy_after_each_sync(engine_python, m
 
 def test_a_grpo_run_trains_on_vllms_rollouts(engine_python, monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", engine_python)
-    config = grpo_config(tmp_path, grpo={"engine": "vllm", "vllm_gpu_memory_utilization": 0.05})
+    config = grpo_config(
+        tmp_path,
+        model={"preset": "demo", "dtype": "float32"},
+        grpo={"engine": "vllm", "vllm_gpu_memory_utilization": 0.05},
+    )
     train(load_config(config), progress=False)
     found = records(tmp_path / "out")
     assert [r["step"] for r in found] == [1, 2, 3]
@@ -72,3 +85,49 @@ def test_a_grpo_run_trains_on_vllms_rollouts(engine_python, monkeypatch, tmp_pat
     assert all(r["sampling_logp_difference"] < 1e-3 for r in found)
     assert all(r["importance_sampling_clipped_share"] == 0.0 for r in found)
     assert not fake_workers()
+
+
+def test_the_ab_vllm_arm_updates_on_the_shared_rollouts_and_counts_the_engine(
+    engine_python, monkeypatch, tmp_path
+):
+    """``ab --preset grpo``'s vLLM arm: the same update as slipstream's own (the same rollouts), its
+    sampling on vLLM, its peak memory with the engine's process, the sync's cost in its policies."""
+    from slipstream.bench.runner import run_ab
+
+    from ..bench.test_ab_grpo import _parse
+
+    monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", engine_python)
+    config = grpo_config(
+        tmp_path, model={"preset": "demo", "dtype": "float32"}, grpo={"vllm_gpu_memory_utilization": 0.05}
+    )
+    arms = "slipstream-grpo,slipstream-grpo-vllm"
+    argv = [
+        "--config",
+        str(config),
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--arms",
+        arms,
+        "--out",
+        str(tmp_path / "ab"),
+    ]
+    record = run_ab(_parse(argv), progress=False)
+    mine, theirs = (record["runs"][arm][0] for arm in arms.split(","))
+    assert theirs["loss"] == pytest.approx(mine["loss"], abs=1e-6)
+    assert theirs["grad_norm"] == pytest.approx(mine["grad_norm"], rel=1e-5)
+    assert "the vLLM engine's process" in theirs["memory_kind"]
+    assert any(p.startswith("vLLM sync (merged)") for p in theirs["policies"])
+    assert record["summary"]["slipstream-grpo-vllm"]["generation_tokens_speedup_vs_slipstream-grpo"] > 0
+    assert not fake_workers()
+
+
+def test_a_model_the_engine_cannot_run_fails_its_start_naming_why(engine_python, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("vLLM's GPU attention may have a kernel for head_dim 16")
+    monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", engine_python)
+    engine = VLLMEngine(stop_ids=(1,), max_model_len=64, memory_share=0.05)
+    with pytest.raises(EngineError, match="failed start: .*head_dim=16"):
+        engine.start(lora_model())  # head_dim 16
+    engine.close()

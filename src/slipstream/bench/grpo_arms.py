@@ -19,6 +19,7 @@ its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from itertools import accumulate
 
@@ -224,6 +225,11 @@ class GrpoArmSession(ArmSession):
             engine_mb = engine.peak_memory_mb()
             self.result.peak_memory_mb += engine_mb
             self.result.memory_kind += f" + the vLLM engine's process ({engine_mb:.0f} MB)"
+            if engine.sync_s:  # inside each step's generation time
+                self.result.policies.append(
+                    f"vLLM sync ({engine.sync_mode}): {statistics.median(engine.sync_s):.2f} s a round (median of "
+                    f"{len(engine.sync_s)}), {engine.sync_bytes / 2**20:.0f} MiB of weights"
+                )
             self.objective.after_training()
 
     def _prepare(self, step: int) -> list[list[dict]]:

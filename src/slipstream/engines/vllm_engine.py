@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -375,14 +376,12 @@ class VLLMEngine:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs prompts of at least one token")
         G = num_generations
-        # a seed per prompt; vLLM draws sample g of a request with seed + g
-        seeds = [(int(seed) * 1_000_003 + index * G) % (2**62) for index in range(len(prompts))]
         answer = self._request(
             {
                 "op": "generate",
                 "prompts": [list(map(int, p)) for p in prompts],
                 "n": G,
-                "seeds": seeds,
+                "seed": int(seed) % (2**63),
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "top_k": sampling.top_k,
@@ -412,7 +411,10 @@ def _write_base(model, directory: Path, merge: bool) -> None:
 
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     directory.mkdir(parents=True)
-    inner.config.save_pretrained(directory)
+    config = copy.deepcopy(inner.config)
+    if not getattr(config, "architectures", None):  # a model built from a config names none: vLLM needs it
+        config.architectures = [type(inner).__name__]
+    config.save_pretrained(directory)
     generation = getattr(inner, "generation_config", None)
     if generation is not None:
         generation.save_pretrained(directory)

@@ -10,9 +10,8 @@ ready, then answers the trainer's requests on a pipe, one JSON message each:
   ``reload_weights``; the prefix cache is reset (it held the old
   policy's keys and values). With ``--lora-rank``: ``{"op": "lora", "path": DIR}`` makes a PEFT
   adapter directory the one every later request samples with, instead.
-- ``{"op": "generate", "prompts": [[ids]], "n": G, "seeds": [...], ...}``: G completions of each
-  prompt (vLLM's ``n``: each prompt prefilled once), each request seeded (vLLM gives child g of a
-  request seed + g), with every sampled token's log-prob of the distribution it was drawn from
+- ``{"op": "generate", "prompts": [[ids]], "n": G, "seed": S, ...}``: G completions of each
+  prompt (vLLM's ``n``: each prompt prefilled once), the call seeded, with every sampled token's log-prob of the distribution it was drawn from
   (``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p, as TRL asks for it).
 - ``{"op": "close"}``.
 
@@ -58,10 +57,19 @@ def _build(args):
         enable_prefix_caching=True,
         skip_tokenizer_init=True,  # token ids in and out: the trainer's tokenizer decodes
         logprobs_mode="processed_logprobs",
+        runner="generate",
     )
     if args.lora_rank:
         options.update(enable_lora=True, max_lora_rank=args.lora_rank, max_loras=1)
-    return LLM(**options)
+    llm = LLM(**options)
+    # one token now: what the engine cannot run (an attention shape its kernels lack) fails the start,
+    # not the first step
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[0, 1])], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.reset_prefix_cache()
+    return llm
 
 
 class Worker:
@@ -103,11 +111,17 @@ class Worker:
                 top_k=message["top_k"] or -1,
                 max_tokens=message["max_tokens"],
                 stop_token_ids=message["stop_token_ids"],
-                seed=seed,
                 logprobs=0,  # the sampled token's own log-prob
             )
-            for seed in message["seeds"]
+            for _ in message["prompts"]
         ]
+        # The call is seeded through the process's generator, which vLLM's sampler draws from for
+        # requests without a seed of their own (the engine runs in this process). Per-request seeds
+        # (SamplingParams.seed) fail on vLLM's CPU backend once a prefill is chunked (its CPU
+        # generator has no offset to rewind).
+        import torch
+
+        torch.manual_seed(message["seed"])
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in message["prompts"]]
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora)
         completions = []
