@@ -11,7 +11,8 @@ prompt was one, in which case ``completions[i]`` is ``[{"role": "assistant", "co
 every other column of the prompt rows comes as a keyword argument holding one value per completion;
 ``trainer_state`` is a ``transformers.TrainerState`` whose ``global_step`` is the optimizer steps
 done and ``max_steps`` the run's; ``log_metric(name, value)`` adds a metric to the step's record
-(the mean of its values); ``log_extra(column, values)`` is accepted, its columns not kept yet. None
+(the mean of its values); ``log_extra(column, values)`` (one value a completion) is kept with the held-out
+completions in ``samples.jsonl`` (training steps' completions are not written). None
 means "does not apply to this completion": it is left out of that function's mean and adds 0 to the
 weighted sum (TRL's ``nansum``).
 

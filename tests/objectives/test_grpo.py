@@ -171,6 +171,7 @@ def boom(prompts, completions, completion_ids, **columns):
 def trl_style(completions, answer, trainer_state, log_metric, **kwargs):  # TRL's keywords, by name
     log_metric("global_step", trainer_state.global_step)
     log_metric("max_steps", trainer_state.max_steps)
+    kwargs["log_extra"]("golden", list(answer))  # a column a completion, as TRL's table shows it
     return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
 
 
@@ -373,3 +374,6 @@ def test_a_trl_reward_gets_the_state_and_logs_metrics_into_the_step_record(tmp_p
     assert all(0.0 <= r["reward_trl_style"] <= 1.0 for r in found)
     assert [r["reward_progress"] for r in found] == [0.0, 1.0]  # an async reward, awaited
     assert [r["eval_reward_progress"] for r in found] == [1.0, 2.0]  # evaluated after steps 1 and 2
+    # log_extra's columns: kept with each held-out completion in samples.jsonl
+    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["extra"]["golden"] == str(int(s["prompt"].split()[-1][:-1]) + 1) for s in samples)

@@ -458,12 +458,13 @@ class GRPO(RolloutMaker, Objective):
             self.engine.sync(model)  # the weights of the step just done (an engine with its own copy)
             with eval_mode(model), torch.no_grad():
                 rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
+            call = RewardCall(*self.evaluated_at)
             try:
-                per_function, _ = self.score_rollouts(prompts, rollouts, G, RewardCall(*self.evaluated_at))
+                per_function, _ = self.score_rollouts(prompts, rollouts, G, call)
             except RewardError as error:
                 raise TrainError(f"evaluation: {error}") from None
             rewards = [weighted(values, self.rewards) for values in per_function]
-            self._keep_samples(prompts, rollouts, per_function, rewards)
+            self._keep_samples(prompts, rollouts, per_function, rewards, call.extra)
             sums[0] += sum(rewards)
             sums[1] += len(rewards)
             for k in range(len(self.rewards)):
@@ -478,8 +479,12 @@ class GRPO(RolloutMaker, Objective):
             found[f"reward_{fn.name}"] = values[2 + 2 * k] / values[3 + 2 * k] if values[3 + 2 * k] else None
         return found
 
-    def _keep_samples(self, prompts, rollouts, per_function, rewards) -> None:
-        """The first ``eval_samples`` held-out completions, decoded, with their rewards (samples.jsonl)."""
+    def _keep_samples(self, prompts, rollouts, per_function, rewards, extra=None) -> None:
+        """The first ``eval_samples`` held-out completions, decoded, with their rewards (samples.jsonl)
+        and the columns the reward functions logged for each (``log_extra``: one value a completion,
+        as TRL's completions table shows them)."""
+        count = len(rewards)
+        columns = {name: values for name, values in (extra or {}).items() if len(values) == count}
         every = [
             (row, c)
             for row, completions in zip(prompts, rollouts.completions, strict=True)
@@ -496,6 +501,7 @@ class GRPO(RolloutMaker, Objective):
                     fn.name: (None if math.isnan(v) else v)
                     for fn, v in zip(self.rewards, per_function[index], strict=True)
                 },
+                **({"extra": {name: values[index] for name, values in columns.items()}} if columns else {}),
             }
             for index, (row, completion) in enumerate(every[: self.keeps_samples])
         ]
