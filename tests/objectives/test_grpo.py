@@ -376,4 +376,6 @@ def test_a_trl_reward_gets_the_state_and_logs_metrics_into_the_step_record(tmp_p
     assert [r["eval_reward_progress"] for r in found] == [1.0, 2.0]  # evaluated after steps 1 and 2
     # log_extra's columns: kept with each held-out completion in samples.jsonl
     samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
-    assert samples and all(s["extra"]["golden"] == str(int(s["prompt"].split()[-1][:-1]) + 1) for s in samples)
+    assert samples and all(
+        s["extra"]["golden"] == str(int(s["prompt"].split()[-1][:-1]) + 1) for s in samples
+    )
