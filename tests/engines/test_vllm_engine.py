@@ -132,7 +132,9 @@ def test_an_engine_that_fails_to_start_is_one_line(fake_engine, monkeypatch):
     with pytest.raises(EngineError) as caught:
         engine.start(lora_model())
     engine.close()
-    assert "no such model type 'fake'" in str(caught.value) and "\n" not in str(caught.value)
+    message = str(caught.value)
+    assert "no such model type 'fake'" in message and "\n" not in message
+    assert "rebuild it: rm -rf" in message and "make_vllm_venv.sh" in message
 
 
 def test_grpo_trains_on_the_engines_rollouts_with_trls_correction_and_records_it(fake_engine, tmp_path):

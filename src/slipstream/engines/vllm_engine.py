@@ -248,7 +248,12 @@ class VLLMEngine:
         self._writer = Connection(to_worker_w, readable=False)
         self._reader = Connection(from_worker_r, writable=False)
         _live.add(self)
-        ready = self._answer("start", START_TIMEOUT_S)
+        try:
+            ready = self._answer("start", START_TIMEOUT_S)
+        except EngineError as error:  # a broken install reads the same as a model it cannot run: say both
+            raise EngineError(
+                f"{error}; if the engine's environment is broken, rebuild it: rm -rf {vllm_venv()} && {INSTALL}"
+            ) from None
         self.started_s = time.perf_counter() - began
         if self.sync_mode == "lora":
             self.sync(model)
