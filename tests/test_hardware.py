@@ -145,9 +145,9 @@ def test_every_reader_of_the_machines_load_asks_hardware_other_load():
     assert readers == []
 
 
-def test_work_a_process_started_is_its_own_not_other_load():
-    """A rollout engine's process (any descendant) runs for the measurement that started it: its CPU
-    time counts as this process's, so its steps are not called busy because of it."""
+def test_a_registered_workers_time_is_its_own_and_other_children_stay_other_load():
+    """A rollout engine's process (registered by whoever starts it) runs for the measurement: its CPU
+    time counts as this process's. Any other child (a competing loop) stays other load."""
     import os
     import subprocess
     import sys
@@ -158,10 +158,11 @@ def test_work_a_process_started_is_its_own_not_other_load():
     child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE)
     try:
         assert child.stdout.read(1) == b"x"  # it has run 0.5 s of CPU
-        with open("/proc/self/stat") as stat:
-            after_name = stat.read().rsplit(")", 1)[1].split()
-        alone = int(after_name[11]) + int(after_name[12])
-        assert hardware._own_ticks() - alone >= 0.4 * os.sysconf("SC_CLK_TCK")
+        alone = hardware._ticks("self")
+        assert hardware._own_ticks() - alone < 0.4 * os.sysconf("SC_CLK_TCK")  # not registered: other load
+        hardware.add_worker(child.pid)
+        assert hardware._own_ticks() - hardware._ticks("self") >= 0.4 * os.sysconf("SC_CLK_TCK")
     finally:
+        hardware.remove_worker(child.pid)
         child.kill()
         child.wait()

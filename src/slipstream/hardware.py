@@ -152,32 +152,37 @@ def _machine_busy_ticks() -> int:
     return user + nice + system + irq + softirq + steal
 
 
+# Processes that work for this one's measurements (a rollout engine's): their CPU time is this
+# process's own, not other load. Registered by whoever starts them (engines/vllm_engine.py).
+_WORKERS: set[int] = set()
+
+
+def add_worker(pid: int) -> None:
+    """Count process ``pid`` (and what it starts) as this process's own work in the load probe."""
+    _WORKERS.add(pid)
+
+
+def remove_worker(pid: int) -> None:
+    _WORKERS.discard(pid)
+
+
+def _ticks(pid: str | int) -> int:
+    """Clock ticks process ``pid`` (all its threads) has run, user and system (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        after_name = stat.read().rsplit(")", 1)[1].split()
+    return int(after_name[11]) + int(after_name[12])  # utime, stime (fields 14 and 15)
+
+
 def _own_ticks() -> int:
-    """Clock ticks this process (all its threads) and its live descendants have run, user and system
-    (/proc/PID/stat): work this process started (a rollout engine's process) is its own, not other load."""
-    parents: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """Clock ticks this process and its registered workers (:func:`add_worker`) have run; other
+    children (a test's competing loops) stay other load."""
+    total = _ticks("self")
+    for pid in list(_WORKERS):
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                after_name = stat.read().rsplit(")", 1)[1].split()
-        except OSError:  # gone meanwhile
+            total += _ticks(pid)
+        except (OSError, ValueError, IndexError):  # gone meanwhile
             continue
-        # ppid, utime, stime (fields 4, 14 and 15)
-        parents[int(entry)] = int(after_name[1])
-        ticks[int(entry)] = int(after_name[11]) + int(after_name[12])
-    mine, found = {os.getpid()}, True
-    while found:
-        found = False
-        for pid, parent in parents.items():
-            if parent in mine and pid not in mine:
-                mine.add(pid)
-                found = True
-    if os.getpid() not in ticks:
-        raise OSError("/proc has no entry for this process")
-    return sum(ticks.get(pid, 0) for pid in mine)
+    return total
 
 
 def crowded(other_cores: float, threads: int) -> bool:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from .. import hardware
 from ..errors import TrainError
 from ..rollouts import Completion, Rollouts, RolloutStats, Sampling
 
@@ -243,6 +244,7 @@ class VLLMEngine:
                 env=env,
                 start_new_session=True,  # its own process group: close() stops whatever it spawned
             )
+        hardware.add_worker(self._process.pid)  # its CPU time is this run's, not other load
         os.close(to_worker_r)
         os.close(from_worker_w)
         self._writer = Connection(to_worker_w, readable=False)
@@ -266,6 +268,8 @@ class VLLMEngine:
     def close(self) -> None:
         """Stop the engine (its whole process group) and remove its files; safe to call twice."""
         process, self._process = self._process, None
+        if process is not None:
+            hardware.remove_worker(process.pid)
         if process is not None and process.poll() is None:
             try:
                 self._writer.send_bytes(b'{"op": "close"}')
