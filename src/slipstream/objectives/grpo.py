@@ -455,7 +455,7 @@ class GRPO(RolloutMaker, Objective):
         if prompts:
             seed = (self.config.seed * 1_000_003 + 7) * 1_009 + info.rank
             G, ids = self.settings.eval_generations, [r["prompt_ids"] for r in prompts]
-            self.engine.sync(model)  # the weights of the step just done (an engine with its own copy)
+            self.sync_engine(model, self.evaluated_at[0])  # the weights of the step just done
             with eval_mode(model), torch.no_grad():
                 rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
             call = RewardCall(*self.evaluated_at)

@@ -97,15 +97,24 @@ class RolloutMaker:
     tokenizer: Any
     rewards: list[RewardFunction]
     chunked: bool
+    corrects: bool  # the update weighs tokens by TRL's importance sampling (GRPO.corrects)
+    synced_at: int | None = None  # the optimizer steps done when the engine last took the policy
 
     @property
     def sampling(self) -> Sampling:
         s = self.settings
         return Sampling(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
 
-    def sample(self, model, prompts: list[dict], seed: int) -> Rollouts:
+    def sync_engine(self, model, steps_done: int | None) -> None:
+        """The engine takes the policy after ``steps_done`` optimizer steps, unless it already holds it
+        (an evaluation after step N and round N+1's sampling share one sync); None: always."""
+        if steps_done is None or steps_done != self.synced_at:
+            self.engine.sync(model)
+            self.synced_at = steps_done
+
+    def sample(self, model, prompts: list[dict], seed: int, steps_done: int | None = None) -> Rollouts:
         """G completions of each of ``prompts`` by the policy (eval mode, no grad), seeded."""
-        self.engine.sync(model)
+        self.sync_engine(model, steps_done)
         with eval_mode(model), torch.no_grad():
             return self.engine.generate(
                 model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
@@ -148,7 +157,10 @@ class RolloutMaker:
         prompts = [row for rows in mine for row in rows]
         started = time.perf_counter()
         rollouts = self.sample(
-            context.base_model, prompts, seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank
+            context.base_model,
+            prompts,
+            seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank,
+            steps_done=step,
         )
         generated = time.perf_counter()
         call = RewardCall(step=step, max_steps=context.steps)
@@ -192,7 +204,7 @@ class RolloutMaker:
             per_function, rewards, groups, rollouts, (started, generated, scored, referenced)
         )
         record.update(call.metric_means())  # what the reward functions logged (log_metric), as TRL logs it
-        if getattr(self, "corrects", False) and info.is_main:
+        if self.corrects and info.is_main:
             for item in micro:
                 item.record = record
         sync_s = getattr(self.engine, "sync_s", None)
@@ -242,7 +254,7 @@ class RolloutMaker:
             )
             owner = packed.completion_index
             sampling = None
-            if getattr(self, "corrects", False):  # the engine's log-prob of each token, in the packed order
+            if self.corrects:  # the engine's log-prob of each token, in the packed order
                 reported = []
                 for g in groups[offset : offset + count]:
                     for logprobs, ids in zip(g.get("logprobs") or [None] * G, g["completions"], strict=True):
