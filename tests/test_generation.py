@@ -13,6 +13,8 @@ import yaml
 import slipstream
 from slipstream.cli import main
 
+from .engines.test_vllm_engine import fake_workers, use_fake_engine
+
 RUN = {
     "model": {"preset": "qwen3", "dtype": "float32"},
     "data": {"demo_rows": 40, "max_seq_len": 128},
@@ -255,3 +257,75 @@ def test_no_prompt_anywhere_is_one_line(run_dir, capsys, monkeypatch):
     assert capsys.readouterr().err == (
         "slipstream generate: no prompt: give --prompt, --file, or prompts on stdin (one per line)\n"
     )
+
+
+# ------------------------------------------------------------------------------- --engine vllm
+@pytest.fixture
+def engine_requests(tmp_path, monkeypatch) -> Path:
+    """The stand-in engine (tests/engines/fake_vllm_worker.py); the file its requests and answers go to."""
+    use_fake_engine(monkeypatch, tmp_path)
+    messages = tmp_path / "engine-messages.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_MESSAGES", str(messages))
+    return messages
+
+
+def test_the_vllm_engine_answers_every_prompt_in_one_greedy_call(run_dir, engine_requests, capsys):
+    from slipstream.generation import load_generator
+
+    prompts = ["What is the capital of France?", "Write a line about the sea."]
+    args = ["generate", str(run_dir), "--engine", "vllm", "--max-new-tokens", "6"]
+    assert main([*args, "--prompt", prompts[0], "--prompt", prompts[1]]) == 0
+    out, err = capsys.readouterr()
+    (call,) = [json.loads(line) for line in engine_requests.read_text().splitlines()]
+    request = call["request"]
+    generator = load_generator(run_dir)
+    assert request["prompts"] == [generator.inputs(p)["input_ids"][0].tolist() for p in prompts]
+    assert request["n"] == 1 and request["temperature"] == 0.0 and request["top_p"] == 1.0
+    assert request["max_tokens"] == 6 and sorted(request["stop_token_ids"]) == sorted(generator.stop_ids())
+    texts = [
+        generator.tokenizer.decode(group[0]["ids"], skip_special_tokens=True) for group in call["completions"]
+    ]
+    assert out == f"> {prompts[0]}\n{texts[0]}\n\n> {prompts[1]}\n{texts[1]}\n"
+    assert "answered by vllm fake in its own process" in err and "vllm: 2 answers" in err
+    assert not fake_workers()  # the engine stopped with the command
+
+
+def test_the_vllm_engine_samples_with_the_options_given(run_dir, engine_requests):
+    texts = slipstream.generate(
+        run_dir,
+        ["hi", "ho"],
+        max_new_tokens=5,
+        sample=True,
+        temperature=0.7,
+        top_p=0.9,
+        seed=5,
+        engine="vllm",
+    )
+    (call,) = [json.loads(line) for line in engine_requests.read_text().splitlines()]
+    request = call["request"]
+    assert (request["temperature"], request["top_p"], request["seed"]) == (0.7, 0.9, 5)
+    assert len(texts) == 2
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-new-tokens", "100000000"], r"exceed the model's context of \d+ tokens"),
+        (["--vllm-gpu-memory-utilization", "1.5"], r"memory share must be in \(0, 1\)"),
+        (["FAIL_START"], r"the vLLM engine failed start: ValueError: no such model type 'fake'"),
+    ],
+    ids=["too-long", "bad-share", "failed-start"],
+)
+def test_what_the_vllm_engine_cannot_do_is_one_line(
+    run_dir, engine_requests, capsys, monkeypatch, extra, message
+):
+    import re
+
+    if extra == ["FAIL_START"]:
+        monkeypatch.setenv("FAKE_VLLM_FAIL_START", "1")
+        extra = []
+    assert main(["generate", str(run_dir), "--engine", "vllm", "--prompt", "hi", *extra]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("slipstream generate: "), err
+    assert re.search(message, err), err
+    assert not engine_requests.exists() and not fake_workers()

@@ -14,17 +14,27 @@ generation runs transformers' stock attention with its KV cache); only expert Lo
 experts to slipstream's sorted routing, the one place those adapters run. The prompts are answered
 as a training run's ``training.sample_prompts`` are (``models.answer.Generator``: the chat
 template, greedy unless sampling is asked for).
+
+``engine="vllm"`` (``--engine vllm``): the loaded model, adapter merged, is handed to vLLM in its own
+process (:mod:`slipstream.engines.vllm_engine`, as ``grpo.engine: vllm`` does) and every prompt is
+answered in one batched call. It pays the engine's start (about a minute and a half on 2 CPU cores,
+once per command), so it is for many prompts, not one. Greedy answers are the same tokens as the hf
+engine's up to float rounding; sampled answers are drawn by vLLM (seeded per call: the same seed and
+prompts give the same answers, but not the hf engine's draws). What vLLM cannot run exactly (a 4-bit
+base, expert LoRA, a LoRA on tied embeddings) is refused by name.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .models.answer import Generator
+from .models.answer import Answer, Generator
 from .train.config import ConfigError, run_config
 from .train.errors import TrainError
 from .train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, MARKER
@@ -46,18 +56,39 @@ def generate(
     seed: int = 0,
     device: str | torch.device | None = None,
     dtype: str | None = None,
+    engine: str = "hf",
+    vllm_gpu_memory_utilization: float = 0.3,
 ) -> list[str]:
     """The answers of a run directory's (or an adapter directory's) model to ``prompts``, one per prompt.
 
     Greedy by default; ``sample=True`` draws with ``temperature`` and ``top_p``, seeded by
     ``seed`` per prompt. ``dtype`` ("auto", "float32", "bfloat16", ...): default the run's
-    ``model.dtype`` (``auto`` for an adapter or model directory). Raises ``GenerateError`` (one line, naming the path) on bad input.
+    ``model.dtype`` (``auto`` for an adapter or model directory). ``engine="vllm"``: all prompts in
+    one call to vLLM (``vllm_gpu_memory_utilization``: its memory share). Raises ``GenerateError``
+    (one line, naming the path) on bad input.
     """
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     check_options(**options)
+    check_engine(engine, vllm_gpu_memory_utilization)
     generator = load_generator(path, device=device, dtype=dtype)
-    return [generator.generate(prompt, sample=sample, seed=seed, **options) for prompt in prompts]
+    if engine == "hf":
+        return [generator.generate(prompt, sample=sample, seed=seed, **options) for prompt in prompts]
+    answers = EngineAnswers.start(generator, prompts, max_new_tokens, vllm_gpu_memory_utilization)
+    try:
+        return [a.text for a in answers.answers(prompts, sample=sample, seed=seed, **options)]
+    finally:
+        answers.close()
+
+
+ENGINES = ("hf", "vllm")
+
+
+def check_engine(engine: str, memory_share: float) -> None:
+    if engine not in ENGINES:
+        raise GenerateError(f"unknown engine {engine!r} ({', '.join(ENGINES)})")
+    if not 0 < memory_share < 1:
+        raise GenerateError(f"the vLLM memory share must be in (0, 1), got {memory_share}")
 
 
 def check_options(*, max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -229,3 +260,103 @@ def _with_adapter(base, adapter: Path):
         except (KeyError, OSError, RuntimeError, ValueError) as error:
             raise GenerateError(f"{experts}: cannot load the expert LoRA ({error})") from None
     return model
+
+
+# ------------------------------------------------------------------------------- the vLLM engine
+INTERACTIVE_CONTEXT = 8192  # the engine's context when the prompts are not known at its start
+
+
+@dataclass
+class EngineAnswers:
+    """A loaded model's answers drawn by vLLM in its own process (``--engine vllm``)."""
+
+    generator: Generator
+    engine: Any  # slipstream.engines.vllm_engine.VLLMEngine
+
+    @classmethod
+    def start(
+        cls, generator: Generator, prompts: Sequence[str], max_new_tokens: int, memory_share: float
+    ) -> EngineAnswers:
+        """Start the engine on ``generator``'s model; its context fits the longest of ``prompts`` and
+        ``max_new_tokens`` (an interactive session, no prompts: the model's context up to 8192)."""
+        from .engines.vllm_engine import EngineError, VLLMEngine, refuse_inexact
+
+        model = generator.model
+        limit = _context(model)
+        if prompts:
+            longest = max(len(generator.inputs(p)["input_ids"][0]) for p in prompts)
+            if longest + max_new_tokens > limit:
+                raise GenerateError(
+                    f"a prompt of {longest} tokens and --max-new-tokens {max_new_tokens} exceed the model's "
+                    f"context of {limit} tokens"
+                )
+            max_model_len = longest + max_new_tokens
+        else:
+            max_model_len = min(limit, INTERACTIVE_CONTEXT)
+        try:
+            refuse_inexact(model, where="generate --engine vllm", instead="use --engine hf")
+        except EngineError as error:
+            raise GenerateError(str(error)) from None
+        engine = VLLMEngine(
+            stop_ids=tuple(generator.stop_ids()),
+            max_model_len=max_model_len,
+            memory_share=memory_share,
+        )
+        try:
+            line = engine.start(model)
+        except EngineError as error:
+            engine.close()
+            raise GenerateError(str(error)) from None
+        except BaseException:
+            engine.close()
+            raise
+        generator.source = f"{generator.source}, answered by {line}"
+        return cls(generator, engine)
+
+    def answers(
+        self,
+        prompts: Sequence[str],
+        *,
+        max_new_tokens: int,
+        sample: bool,
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> list[Answer]:
+        """One answer per prompt, all prompts in one call (greedy: temperature 0, vLLM's argmax)."""
+        from .engines.vllm_engine import EngineError
+        from .rollouts import Sampling
+
+        ids = [self.generator.inputs(p)["input_ids"][0].tolist() for p in prompts]
+        room = self.engine.max_model_len
+        for index, prompt in enumerate(ids):
+            if len(prompt) + max_new_tokens > room:
+                raise GenerateError(
+                    f"prompt {index + 1}: {len(prompt)} tokens and --max-new-tokens {max_new_tokens} exceed "
+                    f"the engine's context of {room} tokens"
+                )
+        sampling = Sampling(
+            temperature=temperature if sample else 0.0,
+            top_p=top_p if sample else 1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+        )
+        try:
+            rollouts = self.engine.generate(self.generator.model, ids, 1, sampling, seed)
+        except EngineError as error:
+            raise GenerateError(str(error)) from None
+        decode = self.generator.tokenizer.decode
+        return [
+            Answer(decode(group[0].ids, skip_special_tokens=True), len(group[0].ids))
+            for group in rollouts.completions
+        ]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _context(model) -> int:
+    """The model's context in tokens (``max_position_embeddings`` of its text config)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
+    return int(getattr(config, "max_position_embeddings", None) or INTERACTIVE_CONTEXT)

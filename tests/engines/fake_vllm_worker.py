@@ -4,7 +4,8 @@ It answers ``load`` / ``lora`` at once and ``generate`` with seeded random token
 vocabulary, each with a log-prob of -log(vocab) + 0.01 (so the trainer's differ from them, as
 vLLM's do). ``FAKE_VLLM_DIE_AT=N``: exit with code 3 on the Nth ``generate``;
 ``FAKE_VLLM_FAIL_START=1``: answer the start with an error. ``FAKE_VLLM_CALLS``: a file each request's
-op is appended to (what the trainer asked, in order)."""
+op is appended to (what the trainer asked, in order); ``FAKE_VLLM_MESSAGES``: a file each
+``generate`` request and its answer are appended to, one JSON line each."""
 
 import argparse
 import json
@@ -72,6 +73,9 @@ def main() -> int:
                         }
                     )
                 completions.append(group)
+            if os.environ.get("FAKE_VLLM_MESSAGES"):
+                with open(os.environ["FAKE_VLLM_MESSAGES"], "a") as out:
+                    out.write(json.dumps({"request": message, "completions": completions}) + "\n")
             writer.send_bytes(json.dumps({"ok": True, "completions": completions, "seconds": 0.0}).encode())
         else:
             writer.send_bytes(json.dumps({"ok": True, "seconds": 0.0}).encode())

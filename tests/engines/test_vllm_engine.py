@@ -20,6 +20,7 @@ from slipstream.engines.vllm_engine import (
     EngineError,
     VLLMEngine,
     policy_weights,
+    refuse_inexact,
     refuse_unsyncable,
     vllm_python,
 )
@@ -95,6 +96,10 @@ def test_a_missing_engine_is_one_line_naming_the_fix(tmp_path, monkeypatch):
 @pytest.fixture
 def fake_engine(monkeypatch, tmp_path):
     """The engine's process is the stand-in; returns the file its requests are logged to."""
+    return use_fake_engine(monkeypatch, tmp_path)
+
+
+def use_fake_engine(monkeypatch, tmp_path) -> Path:
     monkeypatch.setattr(vllm_engine, "WORKER", FAKE)
     monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", sys.executable)
     calls = tmp_path / "engine-calls.txt"
@@ -216,3 +221,23 @@ def test_a_policy_the_engine_cannot_hold_exactly_is_refused_by_name():
         refuse_unsyncable(lora_model(), config(four_bit=True))
     with pytest.raises(EngineError, match="lora.experts"):
         refuse_unsyncable(lora_model(), config(experts=True))
+
+
+def test_what_a_model_holds_is_refused_by_name_without_a_config():
+    from slipstream.moe.lora import ExpertLoRA, ExpertLoRAConfig
+
+    class Linear4bit(torch.nn.Linear):  # bitsandbytes' class, by name
+        pass
+
+    where = dict(where="generate --engine vllm", instead="use --engine hf")
+    refuse_inexact(lora_model(), **where)  # a plain LoRA: fine
+    quantized = lora_model()
+    quantized.base_model.model.model.layers[0].add_module("q4", Linear4bit(2, 2))
+    with pytest.raises(EngineError, match="generate --engine vllm: a 4-bit base.*use --engine hf"):
+        refuse_inexact(quantized, **where)
+    experts = lora_model()
+    experts.base_model.model.model.layers[0].add_module("experts_lora", ExpertLoRA({}, ExpertLoRAConfig()))
+    with pytest.raises(EngineError, match="expert LoRA"):
+        refuse_inexact(experts, **where)
+    with pytest.raises(EngineError, match="tied embeddings"):
+        refuse_inexact(lora_model(targets=["q_proj", "embed_tokens"], tie=True), **where)

@@ -3,7 +3,7 @@
 Skipped where vLLM is not installed. A tiny fp32 model: the engine's log-probs of what it sampled
 match the trainer's, before and after a sync of changed LoRA weights; the same seed samples the same
 completions; a GRPO run trains on its rollouts and stops it at the end; a model the engine has no
-kernel for fails the start, naming it."""
+kernel for fails the start, naming it; ``generate --engine vllm`` answers as the hf engine, greedily."""
 
 from __future__ import annotations
 
@@ -131,3 +131,32 @@ def test_a_model_the_engine_cannot_run_fails_its_start_naming_why(engine_python,
     with pytest.raises(EngineError, match="failed start: .*head_dim=16"):
         engine.start(lora_model())  # head_dim 16
     engine.close()
+
+
+def test_generate_on_the_engine_answers_as_the_hf_engine_greedily(engine_python, monkeypatch, tmp_path):
+    """``slipstream generate --engine vllm``: a finished run's model (adapter merged) in vLLM, greedy,
+    gives the tokens transformers' greedy generate gives (fp32 both sides)."""
+    import yaml
+
+    import slipstream
+
+    monkeypatch.setenv("SLIPSTREAM_VLLM_PYTHON", engine_python)
+    run = {
+        "model": {"preset": "demo", "dtype": "float32"},  # head_dim 32 (vLLM's CPU attention)
+        "data": {"demo_rows": 40, "max_seq_len": 128},
+        "lora": {"rank": 4, "alpha": 8},
+        "optimizer": {"lr": 5e-2, "schedule": "constant"},
+        "training": {"steps": 4},
+        "seed": 0,
+        "output_dir": str(tmp_path / "out"),
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(run))
+    train(load_config(tmp_path / "config.yaml"), progress=False)
+    prompts = ["What is the capital of France?", "Write a line about the sea.", "hi"]
+    hf = slipstream.generate(tmp_path / "out", prompts, max_new_tokens=16)
+    engine = slipstream.generate(
+        tmp_path / "out", prompts, max_new_tokens=16, engine="vllm", vllm_gpu_memory_utilization=0.05
+    )
+    assert sum(len(text) for text in hf) > 10  # the model says something: the comparison is not of empties
+    assert engine == hf
+    assert not fake_workers()

@@ -153,16 +153,33 @@ def policy_weights(model, changed_only: bool, merge: bool = True) -> dict[str, t
 
 def refuse_unsyncable(model, config) -> None:
     """A policy whose weights the engine cannot be given exactly is refused by name, before step 0."""
-    where = "grpo.engine vllm"
-    if config.quantization.four_bit:
+    refuse_inexact(
+        model,
+        four_bit=config.quantization.four_bit,
+        expert_lora=bool(config.lora.enabled and config.lora.experts),
+        where="grpo.engine vllm",
+        instead="use grpo.engine hf",
+    )
+
+
+def refuse_inexact(
+    model, *, four_bit: bool | None = None, expert_lora: bool | None = None, where: str, instead: str
+):
+    """What the engine would not run as the trainer's model runs, refused by name. ``four_bit`` and
+    ``expert_lora`` default to what the model holds (bitsandbytes' ``Linear4bit``, slipstream's expert
+    adapters)."""
+    modules = [type(m).__name__ for m in model.modules()]
+    if four_bit is None:
+        four_bit = "Linear4bit" in modules
+    if expert_lora is None:
+        expert_lora = "ExpertLoRAAdapter" in modules or "ExpertLoRA" in modules
+    if four_bit:
         raise EngineError(
             f"{where}: a 4-bit base (quantization.four_bit) would reach the engine dequantized, not as the "
-            "trainer runs it; use grpo.engine hf"
+            f"trainer runs it; {instead}"
         )
-    if config.lora.enabled and config.lora.experts:
-        raise EngineError(
-            f"{where}: expert LoRA (lora.experts) is not merged for the engine yet; use grpo.engine hf"
-        )
+    if expert_lora:
+        raise EngineError(f"{where}: expert LoRA (lora.experts) is not merged for the engine yet; {instead}")
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     text = getattr(getattr(inner, "config", None), "get_text_config", lambda: None)()
     tied = getattr(text, "tie_word_embeddings", False)
@@ -170,7 +187,7 @@ def refuse_unsyncable(model, config) -> None:
         if tied and name.split(".")[-1] in ("embed_tokens", "lm_head", "wte", "embed_in"):
             raise EngineError(
                 f"{where}: a LoRA on {name} of a model with tied embeddings changes one side of the tie; "
-                "the engine would tie them back. Leave it out of lora.target_modules, or use grpo.engine hf"
+                f"the engine would tie them back. Leave it out of lora.target_modules, or {instead}"
             )
 
 

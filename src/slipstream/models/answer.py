@@ -77,7 +77,7 @@ class Generator:
             out = self.model.generate(
                 **inputs,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=self._stop_ids(),
+                eos_token_id=self.stop_ids(),
                 pad_token_id=self._pad_id(),
                 streamer=streamer,
                 **options,
@@ -85,7 +85,8 @@ class Generator:
         new = out[0, inputs["input_ids"].shape[1] :]
         return Answer(self.tokenizer.decode(new, skip_special_tokens=True), int(new.shape[0]))
 
-    def _stop_ids(self) -> list[int]:
+    def stop_ids(self) -> list[int]:
+        """The tokens that end an answer: the generation config's EOS ids and the tokenizer's."""
         configured = self.model.generation_config.eos_token_id
         ids = configured if isinstance(configured, list) else [configured]
         ids = [i for i in [*ids, self.tokenizer.eos_token_id] if i is not None]
@@ -94,5 +95,5 @@ class Generator:
     def _pad_id(self) -> int | None:
         if self.tokenizer.pad_token_id is not None:
             return self.tokenizer.pad_token_id
-        stops = self._stop_ids()
+        stops = self.stop_ids()
         return stops[0] if stops else None
