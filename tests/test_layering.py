@@ -41,6 +41,7 @@ LAYERS = [
         "models",
         "rollouts",
         "engines",
+        "agents",
         "parity",
         "compat",
     },  # compat: the compatibility sweep, on the parity kit

@@ -109,3 +109,56 @@ def test_empty_prompts_are_refused(models):
     _, packed = models
     with pytest.raises(ValueError, match="a prompt is empty"):
         CachedSampler(stop_ids=()).generate(packed, [[1], []], 2, GREEDY, seed=0)
+
+
+def greedy_turns(model, prompt, budget, stops, results):
+    """The reference multi-turn rollout: each turn decoded greedily from the whole sequence so far (no
+    cache); at a stop, ``results(k)`` (the k-th tool result, None: done) is appended and decoding goes on."""
+    out, k = [], 0
+    while len(out) < budget:
+        turn = greedy_alone(model, list(prompt) + out, budget - len(out), stops)
+        out += turn
+        if turn[-1] not in stops or len(out) >= budget:
+            break
+        more = results(k)
+        if more is None or len(out) + len(more) > budget:
+            break
+        out += more
+        k += 1
+    return out
+
+
+def test_a_turn_goes_on_from_its_kept_cache_as_if_run_from_scratch(models):
+    """turn_end feeds a tool's result into a row that stopped: rows of different prompts take in results
+    of different lengths in one forward; every token is the one the whole sequence decoded alone gives."""
+    stock, packed = models
+    stops = tuple(range(0, VOCAB, 5))  # a fifth of the vocabulary ends a turn: rows stop often
+    budget = 24
+
+    def results(row, k):
+        return None if k >= 2 else [100 + row, 200 + k, 7, 9][: 1 + (row + k) % 4]
+
+    fed = []
+    rounds: dict[int, int] = {}
+
+    def turn_end(row, tokens):
+        k = rounds.get(row, 0)
+        more = results(row, k)
+        if more is None or len(tokens) + len(more) > budget:
+            return None
+        rounds[row] = k + 1
+        fed.append(row)
+        return more
+
+    G = 2
+    sampling = Sampling(temperature=1.0, top_k=1, max_new_tokens=budget)
+    rollouts = CachedSampler(stop_ids=stops).generate(packed, PROMPTS, G, sampling, seed=0, turn_end=turn_end)
+    assert len(fed) >= 3  # results went in, some in the same step as other rows' plain decoding
+    for p, (prompt, completions) in enumerate(zip(PROMPTS, rollouts.completions, strict=True)):
+        for g, completion in enumerate(completions):
+            row = p * G + g
+            expected = greedy_turns(stock, prompt, budget, set(stops), lambda k, row=row: results(row, k))
+            assert completion.ids == expected, (p, g)
+    assert rollouts.stats.prefill_tokens == sum(map(len, PROMPTS)) + sum(
+        len(results(row, k)) for row, n in rounds.items() for k in range(n)
+    )

@@ -215,7 +215,7 @@ class RewardFunction:
         return out
 
 
-def _import(module: str, base: Path | None) -> Any:
+def import_source(module: str, base: Path | None, what: str = "reward") -> Any:
     """A module by file (``x.py``, or ``x`` with ``x.py`` next to the config) or by import name."""
     path = None
     if module.endswith(".py"):
@@ -236,7 +236,7 @@ def _import(module: str, base: Path | None) -> Any:
             raise RewardError(f"{path}: importing it raised {type(error).__name__}: {error}") from error
         return loaded
     if module.endswith(".py"):
-        raise RewardError(f"{path}: no such reward file")
+        raise RewardError(f"{path}: no such {what} file")
     try:
         return importlib.import_module(module)
     except Exception as error:
@@ -300,7 +300,7 @@ def load_reward(spec: Any, base: Path | None = None, key: str = "grpo.rewards") 
         raise RewardError(f"'{key}.args' must be a mapping of keyword arguments, got {args!r}")
     if ":" in name:
         module, _, attribute = name.rpartition(":")
-        fn = getattr(_import(module, base), attribute, None)
+        fn = getattr(import_source(module, base), attribute, None)
         if fn is None or not callable(fn):
             raise RewardError(f"'{key}.function': {module!r} has no function {attribute!r}")
     elif name in BUILTINS:

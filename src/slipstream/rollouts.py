@@ -178,6 +178,7 @@ class CachedSampler:
 
     stop_ids: tuple[int, ...]
     pad_id: int = 0
+    continues_turns = True  # generate(turn_end=...): a multi-turn rollout keeps its KV cache across turns
 
     def sync(self, model: torch.nn.Module) -> None:
         """Nothing to copy: it samples from the model it is given."""
@@ -192,7 +193,12 @@ class CachedSampler:
         return frozenset(inspect.signature(inner.forward).parameters)
 
     @torch.no_grad()
-    def generate(self, model, prompts, num_generations, sampling, seed) -> Rollouts:
+    def generate(self, model, prompts, num_generations, sampling, seed, turn_end=None) -> Rollouts:
+        """G completions of each prompt. ``turn_end(completion, tokens)`` (multi-turn rollouts,
+        :mod:`slipstream.agents`): called when completion number ``completion`` samples a stop token,
+        with its tokens so far; it returns the tokens to feed it next (a tool's result, which become
+        part of the completion: the row keeps its KV cache and only they are prefilled) or None (done).
+        Every completion is cut at ``max_new_tokens`` tokens, results included."""
         from transformers import DynamicCache
 
         started = time.perf_counter()
@@ -238,33 +244,85 @@ class CachedSampler:
         stops = torch.tensor(sorted(set(self.stop_ids)), dtype=torch.long, device=device)
         stats = RolloutStats(prompts=count, completions=total, prefill_tokens=sum(len(p) for p in prompts))
         rows = list(range(total))  # which completion each batch row is
-        for step in range(sampling.max_new_tokens):
+        budget = sampling.max_new_tokens
+        while True:
             drawn = sample_next(logits, sampling, generator)
             ended = torch.isin(drawn, stops) if stops.numel() else torch.zeros_like(drawn, dtype=torch.bool)
             # the step's one host read: the drawn tokens and which of them stop
             drawn_now, ended_now = torch.stack([drawn, ended.long()]).tolist()
-            for row, token, stop in zip(rows, drawn_now, ended_now, strict=True):
+            feed: dict[int, list[int]] = {}  # batch row -> the tool result it takes in next
+            leaving = []
+            for index, (row, token, stop) in enumerate(zip(rows, drawn_now, ended_now, strict=True)):
                 tokens[row].append(token)
                 finished[row] = bool(stop)
+                more = turn_end(row, tokens[row]) if stop and turn_end is not None else None
+                if more:
+                    if len(tokens[row]) + len(more) > budget:
+                        raise ValueError(f"turn_end fed {len(more)} tokens past completion {row}'s budget")
+                    tokens[row].extend(more)
+                    finished[row] = False
+                    feed[index] = list(more)
+                if (stop and index not in feed) or len(tokens[row]) >= budget:
+                    leaving.append(index)
             stats.generated_tokens += len(rows)
-            if step == sampling.max_new_tokens - 1 or all(ended_now):
+            if len(leaving) == len(rows):
                 break
-            if any(ended_now):  # rows that stopped leave the batch (and the cache)
-                kept = [i for i, stop in enumerate(ended_now) if not stop]
+            if leaving:  # rows that are done leave the batch (and the cache)
+                kept = [i for i in range(len(rows)) if i not in set(leaving)]
                 keep = torch.tensor(kept, dtype=torch.long, device=device)
                 cache.batch_select_indices(keep)
+                feed = {kept.index(i): more for i, more in feed.items()}
                 rows = [rows[i] for i in kept]
                 drawn, valid, next_position = drawn[keep], valid[keep], next_position[keep]
-            valid = torch.cat([valid, torch.ones(valid.shape[0], 1, dtype=torch.bool, device=device)], 1)
-            out = model(
-                input_ids=drawn[:, None],
-                attention_mask=_additive(valid[:, None, None, :], dtype),
-                position_ids=next_position[:, None],
-                **cached,
-            )
+            if not feed:  # a decode step: each row takes in the token it drew
+                valid = torch.cat([valid, torch.ones(valid.shape[0], 1, dtype=torch.bool, device=device)], 1)
+                out = model(
+                    input_ids=drawn[:, None],
+                    attention_mask=_additive(valid[:, None, None, :], dtype),
+                    position_ids=next_position[:, None],
+                    **cached,
+                )
+                next_position = next_position + 1
+            else:  # some rows take in a tool's result (after the token they drew), the others their token
+                out, valid, next_position = self._feed(
+                    model, cached, drawn, feed, valid, next_position, dtype
+                )
+                stats.prefill_tokens += sum(len(more) for more in feed.values())
             logits = out.logits[:, -1]
-            next_position = next_position + 1
             stats.decode_steps += 1
         done = [Completion(ids, stop) for ids, stop in zip(tokens, finished, strict=True)]
         stats.seconds = time.perf_counter() - started
         return Rollouts([done[p * num_generations : (p + 1) * num_generations] for p in range(count)], stats)
+
+    @staticmethod
+    def _feed(model, cached, drawn, feed, valid, next_position, dtype):
+        """One forward in which row i takes in its drawn token and, where ``feed[i]`` holds one, a tool's
+        result after it: the rows' inputs right-aligned (left padding marked invalid, so every later query
+        skips it), each token at its own position, causal within the chunk."""
+        device = drawn.device
+        inputs = [[int(token)] + feed.get(i, []) for i, token in enumerate(drawn.tolist())]
+        chunk = max(len(x) for x in inputs)
+        rows = len(inputs)
+        ids = torch.zeros(rows, chunk, dtype=torch.long)
+        real = torch.zeros(rows, chunk, dtype=torch.bool)
+        offsets = torch.zeros(rows, chunk, dtype=torch.long)
+        for i, x in enumerate(inputs):
+            ids[i, chunk - len(x) :] = torch.tensor(x)
+            real[i, chunk - len(x) :] = True
+            offsets[i, chunk - len(x) :] = torch.arange(len(x))
+        ids, real, offsets = ids.to(device), real.to(device), offsets.to(device)
+        keys = torch.cat([valid, real], 1)  # [rows, K + chunk]
+        past = valid.shape[1]
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+        allowed = torch.cat(
+            [keys[:, None, :past].expand(rows, chunk, past), causal[None] & real[:, None, :]], 2
+        )
+        allowed[:, torch.arange(chunk), past + torch.arange(chunk)] = True  # a padding query sees itself
+        out = model(
+            input_ids=ids,
+            attention_mask=_additive(allowed[:, None], dtype),
+            position_ids=next_position[:, None] + offsets,
+            **cached,
+        )
+        lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long, device=device)
+        return out, keys, next_position + lengths

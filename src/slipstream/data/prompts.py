@@ -35,9 +35,10 @@ def _messages(value: Any, location: str) -> list[dict[str, Any]]:
 
 
 def tokenize_prompt(
-    record: dict[str, Any], tokenizer: Any, *, room: int, location: str = "?"
+    record: dict[str, Any], tokenizer: Any, *, room: int, location: str = "?", tools: list | None = None
 ) -> dict[str, Any]:
-    """One row to ``{"prompt", "prompt_ids", "columns", "location"}``; ``room``: the most prompt tokens."""
+    """One row to ``{"prompt", "prompt_ids", "columns", "location"}``; ``room``: the most prompt tokens;
+    ``tools``: what the chat template renders as the tools a rollout may call (``grpo.tools``)."""
     if "prompt" not in record:
         raise DataError(
             location, f"missing field 'prompt' (the row has {', '.join(map(repr, record)) or 'nothing'})"
@@ -56,12 +57,18 @@ def tokenize_prompt(
             prompt = [{"role": "system", "content": system}, *prompt]
     else:
         raise DataError(location, f"'prompt' must be a string or a message list, got {json_type(prompt)}")
+    if tools and not isinstance(prompt, list):
+        raise DataError(
+            location,
+            "grpo.tools renders the tools with the chat template: the prompt must be a message list "
+            "(or have a 'system' beside it)",
+        )
     if isinstance(prompt, list):
         if not has_chat_template(tokenizer):  # a setup problem, not a row problem: never skipped
             raise ValueError(
                 "conversational prompts need a tokenizer with a chat template; this one has none"
             )
-        text = render_chat(tokenizer, prompt, location, add_generation_prompt=True)
+        text = render_chat(tokenizer, prompt, location, add_generation_prompt=True, tools=tools or None)
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     else:
         ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
@@ -84,15 +91,21 @@ def tokenize_prompt(
 
 
 def load_prompts(
-    path: str | Path, tokenizer: Any, *, room: int, on_bad_row: BadRowPolicy = "error"
+    path: str | Path,
+    tokenizer: Any,
+    *,
+    room: int,
+    on_bad_row: BadRowPolicy = "error",
+    tools: list | None = None,
 ) -> tuple[list[dict[str, Any]], DataReport]:
-    """Every prompt row of ``path``, tokenized; bad rows raise (or are skipped and reported)."""
+    """Every prompt row of ``path``, tokenized (``tools``: rendered into each); bad rows raise (or are
+    skipped and reported)."""
     check_bad_row_policy(on_bad_row)
     report = DataReport()
     rows = []
     for record, location in read_rows(path, on_bad_row, report):
         try:
-            rows.append(tokenize_prompt(record, tokenizer, room=room, location=location))
+            rows.append(tokenize_prompt(record, tokenizer, room=room, location=location, tools=tools))
         except DataError as error:
             if on_bad_row == "error":
                 raise

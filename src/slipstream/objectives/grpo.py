@@ -54,6 +54,7 @@ from typing import Annotated, Any, Literal
 import torch
 from tqdm import tqdm
 
+from ..agents.tools import ToolError
 from ..data import PackingReport
 from ..data.prompts import load_prompts, split_prompts
 from ..errors import TrainError
@@ -75,6 +76,7 @@ from .base import (
     tokenizer_refusals,
 )
 from .evaluation import HeldOut, rank_share
+from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset, model_context
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
 
 
@@ -120,6 +122,14 @@ class GRPOSettings:
     ] = "sequence_mask"
     vllm_importance_sampling_clip_max: Annotated[float, Range(gt=0)] | None = 3.0
     vllm_importance_sampling_clip_min: Annotated[float, Range(ge=0)] | None = None
+    # multi-turn tool calling in TRL's convention (slipstream.agents): functions ("file.py:name") the model
+    # may call, and an environment class ("file.py:Class": one instance per rollout, reset(**row), its
+    # methods the tools, get_reward() one more reward); tool rounds per trajectory (None: until the model
+    # answers without a call) and each call's timeout (a hung tool is an error the model reads)
+    tools: list[str] = field(default_factory=list)
+    environment: str | None = None
+    max_tool_calling_iterations: Positive | None = None
+    tool_timeout_s: Annotated[float, Range(gt=0)] = 30.0
     eval_generations: Positive = 1  # completions per held-out prompt at an evaluation
     eval_samples: NonNegative = 4  # held-out completions kept per evaluation in samples.jsonl (with rewards)
 
@@ -140,6 +150,10 @@ class GRPO(RolloutMaker, Objective):
         self.rewards: list[RewardFunction] = (
             load_rewards(self.settings.rewards) if self.settings.rewards else []
         )
+        self.toolset = load_toolset(self.settings)  # None: single-turn
+        if self.toolset is not None and self.toolset.rewards_itself:
+            self.rewards.append(environment_reward(self.toolset))
+        self.agents: AgentPlan | None = None  # made with the tokenizer (read)
         self.tokenizer = None
         self.chunked = True
         self.kept: tuple[int, StepPlan] | None = None  # (round, its plan): num_iterations > 1
@@ -167,11 +181,17 @@ class GRPO(RolloutMaker, Objective):
                 "data.path",
                 "training.objective 'grpo' needs prompt rows: set data.path (a file of {\"prompt\": ...} rows)",
             )
-        if not grpo.rewards:
+        try:
+            toolset = load_toolset(grpo)
+        except ToolError as error:
+            fail("grpo.environment" if "'grpo.environment'" in str(error) else "grpo.tools", str(error))
+            toolset = None
+        if not grpo.rewards and not (toolset is not None and toolset.rewards_itself):
             fail(
                 "grpo.rewards",
                 "training.objective 'grpo' needs at least one reward function in grpo.rewards "
-                "('module:function', or a built-in: answer_tag, format_regex, length_penalty)",
+                "('module:function', or a built-in: answer_tag, format_regex, length_penalty), or an "
+                "environment with get_reward()",
             )
         try:
             load_rewards(grpo.rewards)
@@ -221,8 +241,18 @@ class GRPO(RolloutMaker, Objective):
         room = config.data.max_seq_len - settings.max_new_tokens
         on_bad_row = "skip" if config.data.skip_bad_rows else "error"
 
+        schema = None
+        if self.toolset is not None:
+            try:
+                self.agents = AgentPlan.make(
+                    self.toolset, tokenizer, settings.max_tool_calling_iterations, config.data.max_seq_len
+                )
+            except ToolError as error:
+                raise TrainError(str(error)) from None
+            schema = self.agents.schema
         load = tokenizer_refusals(
-            config, lambda path: load_prompts(path, tokenizer, room=room, on_bad_row=on_bad_row)
+            config,
+            lambda path: load_prompts(path, tokenizer, room=room, on_bad_row=on_bad_row, tools=schema),
         )
 
         rows, report = load(config.data.path)
@@ -283,9 +313,12 @@ class GRPO(RolloutMaker, Objective):
             if pad is None:
                 pad = self.tokenizer.eos_token_id or 0
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
+        if self.agents is not None:
+            self.agents.context = model_context(context.base_model, self.config.data.max_seq_len)
         s = self.settings
         started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)
+        tools = f"; {self.agents.line()}" if self.agents is not None else ""
         layout = (
             "prompt | completions (the prompt once)" if s.prefix_sharing else "prompt + completion, G times"
         )
@@ -296,7 +329,7 @@ class GRPO(RolloutMaker, Objective):
         )
         return (
             f"grpo: {s.num_generations} completions per prompt ({sampler}), temperature {s.temperature:g}, top_p "
-            f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens; rewards {rewards}; loss "
+            f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens{tools}; rewards {rewards}; loss "
             f"{s.loss}, advantages scaled by {s.scale_rewards}, epsilon {s.epsilon:g}/"
             f"{s.epsilon_high if s.epsilon_high is not None else s.epsilon:g}, beta {s.beta:g}; the update packs "
             f"{layout}"
@@ -454,10 +487,10 @@ class GRPO(RolloutMaker, Objective):
         ]
         if prompts:
             seed = (self.config.seed * 1_000_003 + 7) * 1_009 + info.rank
-            G, ids = self.settings.eval_generations, [r["prompt_ids"] for r in prompts]
+            G = self.settings.eval_generations
             self.sync_engine(model, self.evaluated_at[0])  # the weights of the step just done
             with eval_mode(model), torch.no_grad():
-                rollouts = self.engine.generate(model, ids, G, self.sampling, seed)
+                rollouts = self.generate_rollouts(model, prompts, G, seed)
             call = RewardCall(*self.evaluated_at)
             try:
                 per_function, _ = self.score_rollouts(prompts, rollouts, G, call)
@@ -505,6 +538,12 @@ class GRPO(RolloutMaker, Objective):
             }
             for index, (row, completion) in enumerate(every[: self.keeps_samples])
         ]
+        if isinstance(rollouts, AgentRollouts):  # whole trajectories: every turn, call and result
+            trajectories = [t for row in rollouts.trajectories for t in row]
+            for sample, t in zip(self._eval_samples, trajectories, strict=False):
+                sample.update(
+                    messages=t.messages, tool_calls=t.calls, tool_failures=t.failures, turns=t.turns
+                )
 
     def eval_samples(self) -> list[dict]:
         return self._eval_samples

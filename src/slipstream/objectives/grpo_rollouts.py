@@ -29,6 +29,7 @@ from ..rewards import RewardCall, RewardError, RewardFunction, score, weighted
 from ..rollouts import Rollouts, Sampling
 from .answers import answer_sums, reference_sums
 from .base import ObjectiveContext, StepPlan
+from .grpo_agents import AgentRollouts, agent_record, completions_and_columns
 
 GROUP_STD_EPSILON = 1e-4  # added to a group's reward std before dividing (TRL's)
 
@@ -99,6 +100,7 @@ class RolloutMaker:
     chunked: bool
     corrects: bool  # the update weighs tokens by TRL's importance sampling (GRPO.corrects)
     synced_at: int | None = None  # the optimizer steps done when the engine last took the policy
+    agents: Any = None  # .grpo_agents.AgentPlan: multi-turn tool-calling rollouts (grpo.tools)
 
     @property
     def sampling(self) -> Sampling:
@@ -116,9 +118,16 @@ class RolloutMaker:
         """G completions of each of ``prompts`` by the policy (eval mode, no grad), seeded."""
         self.sync_engine(model, steps_done)
         with eval_mode(model), torch.no_grad():
-            return self.engine.generate(
-                model, [r["prompt_ids"] for r in prompts], self.settings.num_generations, self.sampling, seed
+            return self.generate_rollouts(model, prompts, self.settings.num_generations, seed)
+
+    def generate_rollouts(self, model, prompts: list[dict], G: int, seed: int):
+        """The engine's G completions of each prompt row, or with tools G multi-turn trajectories."""
+        if self.agents is not None:
+            room = self.config.data.max_seq_len - self.settings.max_new_tokens
+            return self.agents.rollouts(
+                self.engine, model, prompts, G, self.sampling, seed, self.tokenizer, room
             )
+        return self.engine.generate(model, [r["prompt_ids"] for r in prompts], G, self.sampling, seed)
 
     def score_rollouts(
         self, prompts: list[dict], rollouts: Rollouts, G: int, call: RewardCall | None = None
@@ -137,6 +146,10 @@ class RolloutMaker:
         names = sorted({key for row in prompts for key in row["columns"]})
         for name in names:
             columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
+        trajectories = isinstance(rollouts, AgentRollouts)
+        if trajectories:  # a reward sees each trajectory as TRL's list of assistant and tool messages
+            texts, extra = completions_and_columns(rollouts, self.agents.toolset.environment is not None)
+            columns.update(extra)
         values = score(self.rewards, prompt_values, texts, ids, columns, call)
         groups = [
             {
@@ -147,6 +160,12 @@ class RolloutMaker:
             }
             for row, completions in zip(prompts, rollouts.completions, strict=True)
         ]
+        if trajectories:  # the tokens the model sampled (1) and the tool results' (0: context only)
+            for group, row, prompt_ids in zip(
+                groups, rollouts.trajectories, rollouts.prompt_ids, strict=True
+            ):
+                group["model_masks"] = [t.model_mask for t in row]
+                group["prompt_ids"] = list(prompt_ids)  # with reset()'s text, where the environment gave one
         return values, groups
 
     def _round(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
@@ -223,9 +242,14 @@ class RolloutMaker:
         cut at ``max_new_tokens`` and ``mask_truncated_completions`` leaves it out."""
         mask = self.settings.mask_truncated_completions
         return [
-            0 if (mask and not finished) else len(ids)
+            0 if (mask and not finished) else (len(ids) if kept is None else sum(kept))
             for g in groups
-            for ids, finished in zip(g["completions"], g["finished"], strict=True)
+            for ids, finished, kept in zip(
+                g["completions"],
+                g["finished"],
+                g.get("model_masks") or [None] * len(g["completions"]),
+                strict=True,
+            )
         ]
 
     def pack_update(
@@ -267,12 +291,18 @@ class RolloutMaker:
                     )
             adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
             keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
+            token_keep = keep.index_select(0, owner)
+            if any("model_masks" in g for g in groups[offset : offset + count]):  # tool results: context
+                sampled = [
+                    m for g in groups[offset : offset + count] for mask in g["model_masks"] for m in mask
+                ]
+                token_keep = token_keep * torch.tensor(sampled, dtype=torch.float32)
             seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
             micro.append(
                 GRPOMicro(
                     completions=packed.to(device),
                     advantages=adv.index_select(0, owner).to(device),
-                    mask=keep.index_select(0, owner).to(device),
+                    mask=token_keep.to(device),
                     seq_tokens=seq_tokens.to(device),
                     reference=None,
                     tokens_in_step=max(1.0, tokens_all),
@@ -308,4 +338,6 @@ class RolloutMaker:
         record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
         record["reward_s"] = scored - generated
         record["reference_s"] = referenced - scored
+        if isinstance(rollouts, AgentRollouts):
+            record.update(agent_record(rollouts))
         return record

@@ -325,6 +325,9 @@ def config_from_data(
             if value is not None and not Path(value).is_absolute() and (base / value).exists():
                 setattr(holder, key, str((base / value).resolve()))
         config.grpo.rewards = [_reward_near(spec, base) for spec in config.grpo.rewards]
+        config.grpo.tools = [_reward_near(spec, base) for spec in config.grpo.tools]  # files near it too
+        if config.grpo.environment is not None:
+            config.grpo.environment = _reward_near(config.grpo.environment, base)
     return config.validate(source, lines)
 
 

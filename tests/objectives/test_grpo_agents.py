@@ -1,0 +1,181 @@
+"""GRPO with tools (``grpo.tools`` / ``grpo.environment``): the update trains each trajectory's own turns
+and none of its tool results, equal to each trajectory run alone with those tokens masked (fp32); and
+``slipstream train`` end to end on Qwen3's real template with a scripted engine: TRL's reward convention
+(messages, ``environments``, ``get_reward``), the tool records, whole trajectories in samples.jsonl."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from slipstream.objectives import grpo as grpo_module
+from slipstream.objectives.grpo import GRPO, GRPOSettings
+from slipstream.objectives.grpo_rollouts import advantages_of
+from slipstream.train.config import ConfigError, load_config
+from slipstream.train.loop import train
+
+from ..agents.conftest import TOOLS
+from ..agents.scripted import ScriptedEngine, call
+from ..packing.test_completions import random_completion_groups, stock_token_logprobs
+from ..packing.test_groups import grads_of, rel
+from .test_grpo import lora_models
+
+
+def test_tool_results_are_context_the_update_never_trains():
+    stock, packed = lora_models(init_zero=False)
+    settings = GRPOSettings(loss="dapo", rewards=["answer_tag"], max_new_tokens=16, temperature=1.0)
+    objective = GRPO(SimpleNamespace(grpo=settings, seed=0), settings)
+    groups = random_completion_groups([(6, [9, 4, 7, 5]), (4, [3, 8, 6, 2])])
+    generator = torch.Generator().manual_seed(3)
+    for group in groups:  # a run of tool-result tokens inside some trajectories (never the first token)
+        masks = []
+        for ids in group["completions"]:
+            mask = [1] * len(ids)
+            if len(ids) > 4 and torch.rand((), generator=generator) < 0.8:
+                start = int(torch.randint(1, len(ids) - 2, (), generator=generator))
+                mask[start : start + 2] = [0, 0]
+            masks.append(mask)
+        group["model_masks"] = masks
+        group["finished"] = [True] * len(masks)
+    assert any(0 in m for g in groups for m in g["model_masks"])
+    advantages = advantages_of([1.0, 0.0, 0.5, 0.2, 0.0, 0.3, 1.0, 0.4], 4, "group")
+    counted = objective.counted_tokens(groups)
+    assert counted == [sum(m) for g in groups for m in g["model_masks"]]
+    (micro,) = objective.pack_update(groups, [2], advantages, counted, float(sum(counted)), "cpu")
+    flat = torch.tensor([m for g in groups for mask in g["model_masks"] for m in mask], dtype=torch.float32)
+    assert torch.equal(micro.mask, flat)
+    objective.chunked = True
+    loss, _ = objective.micro_batch(packed, micro, float(sum(counted)))
+    loss.backward()
+    # the reference: each prompt + trajectory alone through the stock model, the tool tokens' terms dropped
+    logp = stock_token_logprobs(stock, groups, 1.0)
+    adv = torch.tensor(
+        [
+            a
+            for a, n in zip(advantages, [len(c) for g in groups for c in g["completions"]], strict=True)
+            for _ in range(n)
+        ]
+    )
+    ratio = torch.exp(logp - logp.detach())
+    theirs = -(torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) * flat).sum() / flat.sum()
+    theirs.backward()
+    assert abs(loss.item() - theirs.item()) <= 1e-5 * max(1.0, abs(theirs.item()))
+    found, expected = grads_of(packed), grads_of(stock)
+    assert max(rel(found[name], expected[name]) for name in expected) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- slipstream train
+
+REWARDS = '''
+def says_bridge(completions, **kwargs):
+    """TRL's convention: each completion is the trajectory's list of messages."""
+    return [1.0 if "bridge" in c[-1]["content"] else 0.0 for c in completions]
+
+
+def saw_environments(completions, environments, **kwargs):
+    return [float(len(e.looked_up)) for e in environments]
+'''
+
+
+def script(text: str, g: int) -> str:
+    """g even: looks Velmora up, then answers with what it read; g odd: answers at once (wrongly)."""
+    if g % 2:
+        return "It is a harbour."
+    if "<tool_response>" not in text:
+        return call("find", key="velmora")
+    return "Velmora is a bridge town."
+
+
+@pytest.fixture
+def qwen3_model_dir(tmp_path_factory, qwen3_tokenizer):
+    """A tiny random qwen3 with Qwen3's real tokenizer and template, saved as a model directory."""
+    from slipstream.models import build_model
+
+    folder = tmp_path_factory.mktemp("qwen3-tools")
+    build_model("qwen3", vocab_size=len(qwen3_tokenizer), dtype=torch.float32).save_pretrained(folder)
+    qwen3_tokenizer.save_pretrained(folder)
+    return folder
+
+
+def agent_config(folder, model_dir, **grpo):
+    (folder / "tools.py").write_text(TOOLS)
+    (folder / "rewards.py").write_text(REWARDS)
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Where is Velmora? ({i})"}], "answer": "bridge"}
+        for i in range(8)
+    ]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"path": "prompts.jsonl", "max_seq_len": 512, "eval_fraction": 0.25},
+        "lora": {"enabled": True, "rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]},
+        "optimizer": {"lr": 1e-2, "schedule": "constant"},
+        "training": {"objective": "grpo", "steps": 2, "eval_every": 2},
+        "grpo": {
+            "num_generations": 4,
+            "prompts_per_batch": 2,
+            "max_new_tokens": 96,
+            "rewards": ["rewards.py:says_bridge", "rewards.py:saw_environments"],
+            "environment": "tools.py:Almanac",
+            "tools": ["tools.py:lookup"],
+            "eval_generations": 2,
+            "eval_samples": 2,
+            **grpo,
+        },
+        "seed": 0,
+        "output_dir": str(folder / "out"),
+    }
+    (folder / "grpo.yaml").write_text(yaml.safe_dump(data))
+    return folder / "grpo.yaml"
+
+
+@pytest.fixture(params=[False, True], ids=["turn-by-turn", "kept-cache"])
+def scripted(request, monkeypatch, qwen3_tokenizer):
+    engine = ScriptedEngine(qwen3_tokenizer, script, in_place=request.param)
+    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    return engine
+
+
+def test_a_grpo_run_with_tools_trains_on_trajectories_in_trls_convention(
+    tmp_path, qwen3_model_dir, scripted, capsys
+):
+    train(load_config(agent_config(tmp_path, qwen3_model_dir)), progress=False)
+    out = tmp_path / "out"
+    found = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in found if "loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["tool_calls_per_trajectory"] == 0.5 and record["tool_calling_share"] == 0.5
+        assert record["tool_failure_rate"] == 0.0 and record["malformed_call_share"] == 0.0
+        assert record["turns_per_trajectory"] == 1.5 and 0 < record["tool_token_share"] < 1
+        assert record["reward_says_bridge"] == 0.5  # the looked-up answer
+        assert record["reward_saw_environments"] == 0.5  # environments: the rollouts' own instances
+        assert record["reward_Almanac"] == 0.5  # get_reward, one more reward as TRL adds it
+        assert record["reward"] == 1.5
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    looked = [s for s in samples if s["tool_calls"]]
+    assert looked and all(
+        [m["role"] for m in s["messages"]] == ["assistant", "tool", "assistant"] for s in looked
+    )
+    assert looked[0]["messages"][1] == {"role": "tool", "name": "find", "content": "velmora: 7"}
+    run = (out / "run.json").read_text()
+    assert "tools lookup, find, environment Almanac (hermes calls" in run
+
+
+@pytest.mark.parametrize(
+    "grpo, key",
+    [
+        ({"tools": ["tools.py:undocumented"]}, "grpo.tools"),
+        ({"environment": "tools.py:NoReset"}, "grpo.environment"),
+        ({"tools": ["nowhere.py:f"]}, "grpo.tools"),
+    ],
+)
+def test_a_broken_tool_or_environment_is_refused_by_key(tmp_path, qwen3_model_dir, grpo, key):
+    with pytest.raises(ConfigError) as caught:
+        load_config(agent_config(tmp_path, qwen3_model_dir, **grpo))
+    assert key in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "out").exists()
