@@ -528,3 +528,95 @@ def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, caps
     assert run["grpo"]["num_generations"] == 4 and run["eval"]["metrics"][-1]["step"] == 2
     samples = (tmp_path / "runs" / "grpo" / "samples.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in samples] == [0] * 4 + [1] * 4 + [2] * 4
+
+
+def agent_walkthrough() -> list[str]:
+    """The "Agents" section's command lines (docs/rl.md)."""
+    return section_commands("docs/rl.md", "Agents")
+
+
+def test_the_agent_section_names_its_examples_data_and_environment():
+    from transformers.utils import get_json_schema
+
+    from slipstream.agents.tools import ToolSet
+
+    commands = agent_walkthrough()
+    assert [c.split()[:3] for c in commands if c.startswith("slipstream")] == [
+        ["slipstream", "train", "examples/agent-sft.yaml"],
+        ["slipstream", "export", "runs/agent-sft"],
+        ["slipstream", "train", "examples/agent.yaml"],
+    ]
+    sft = load_config(ROOT / "examples" / "agent-sft.yaml", ["model.path=MODEL_DIR"])
+    grpo = load_config(ROOT / "examples" / "agent.yaml")
+    assert grpo.training.objective == "grpo" and grpo.grpo.environment and Path(grpo.data.path).exists()
+    assert Path(sft.data.chat_template).is_file() and sft.data.chat_template == grpo.data.chat_template
+    toolset = ToolSet.load(grpo.grpo.tools, grpo.grpo.environment, None, grpo.grpo.tool_timeout_s)
+    assert toolset.rewards_itself and toolset.described == "lookup"
+    # the SFT rows show the very tool GRPO gives the model: the same schema, its results worded alike
+    (tool,) = toolset.schema_tools()
+    rows = [json.loads(line) for line in Path(sft.data.path).read_text().splitlines()]
+    assert rows and all(row["tools"] == [get_json_schema(tool)] for row in rows)
+    prompts = [json.loads(line) for line in Path(grpo.data.path).read_text().splitlines()]
+    assert not {r["river"] for r in prompts} & {
+        r["messages"][1]["tool_calls"][0]["function"]["arguments"]["name"] for r in rows
+    }
+    box, _ = toolset.open(
+        {"prompt": prompts[0]["prompt"], **{k: v for k, v in prompts[0].items() if k != "prompt"}}
+    )
+    town = box.environment.town
+    assert prompts[0]["answer"] in box.call("lookup", {"name": town}).content
+    box.call("lookup", {"name": prompts[0]["river"]})
+    assert box.environment.get_reward() == 1.0
+
+
+@pytest.mark.realmodel
+def test_the_agent_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
+    """Every line of the Agents section, in order, as written, on SmolLM2: the SFT warm start (2 steps),
+    its export, one GRPO step with the environment's tool (2 trajectories a prompt): the tool records,
+    the held-out reward and whole trajectories in samples.jsonl."""
+    commands = agent_walkthrough()
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    shortened = {
+        "examples/agent-sft.yaml": ["--set", "training.steps=2"],
+        "examples/agent.yaml": [
+            "--set",
+            "training.steps=1",
+            "--set",
+            "grpo.num_generations=2",
+            "--set",
+            "grpo.eval_generations=1",
+        ],
+    }
+    model_dir = None
+    for command in commands:
+        if command.startswith("slipstream "):
+            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
+            extra = shortened.get(words[1], []) if words[0] == "train" else []
+            assert main([*words, *extra]) == 0, capsys.readouterr().err
+            continue
+        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
+        words = shlex.split(command)
+        if words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        if words[1] == "benchmarks/real_model.py":
+            model_dir = Path(done.stdout.strip().splitlines()[-1])
+        else:
+            records = [json.loads(line) for line in done.stdout.splitlines()]
+            assert [r["step"] for r in records] == [0, 1]
+    out = tmp_path / "runs" / "agent"
+    step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    for key in (
+        "tool_calls_per_trajectory",
+        "tool_failure_rate",
+        "turns_per_trajectory",
+        "tool_token_share",
+        "reward_Almanac",
+        "reward_names_the_mayor",
+    ):
+        assert key in step, key
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["messages"][0]["role"] == "assistant" and "tool_calls" in s for s in samples)
