@@ -340,33 +340,20 @@ def test_the_walkthrough_runs_from_data_to_a_merged_model(smollm2, tmp_path, mon
         ["slipstream", "generate"],
         ["slipstream", "export"],
     ]
-    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
     shortened = {
         "train": ["--set", "training.steps=4", "--set", "training.eval_every=2"],
         "generate": ["--max-new-tokens", "8"],
     }
-    model_dir = None
-    for command in commands:
-        if command.startswith("slipstream "):
-            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
-            assert main([*words, *shortened.get(words[0], [])]) == 0, capsys.readouterr().err
-            out = capsys.readouterr().out
-            if words[0] == "generate":
-                assert out.strip()  # the streamed answer
-            continue
-        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
-        words = shlex.split(command)
-        if words[0] == "python":
-            words[0] = sys.executable
-        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
-        assert done.returncode == 0, done.stderr
-        if words[1] == "benchmarks/real_model.py":
-            model_dir = Path(done.stdout.strip().splitlines()[-1])
-            assert model_dir == smollm2  # built already: printed at once
-        else:  # grep: the eval loss at steps 2 and 4
-            records = [json.loads(line) for line in done.stdout.splitlines()]
+    outputs = run_walkthrough(
+        commands, smollm2, tmp_path, monkeypatch, capsys, lambda words: [*words, *shortened.get(words[0], [])]
+    )
+    for words, out in outputs:
+        if words[0] == "generate":
+            assert out.strip()  # the streamed answer
+        elif words[1] == "benchmarks/real_model.py":
+            assert Path(out.strip().splitlines()[-1]) == smollm2  # built already: printed at once
+        elif words[0] == "grep":  # the eval loss at steps 2 and 4
+            records = [json.loads(line) for line in out.splitlines()]
             assert [r["step"] for r in records] == [2, 4]
             assert all(math.isfinite(r["eval_loss"]) for r in records)
     run = json.loads((tmp_path / "runs" / "from-data" / "run.json").read_text())
@@ -419,39 +406,27 @@ def test_the_preference_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypat
         ["slipstream", "ab"],
         ["slipstream", "ab"],  # ab --config examples/orpo.yaml: the config's objective and its arms
     ]
-    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
     shortened = {
         "train": ["--set", "training.steps=4", "--set", "training.eval_every=2"],
         "generate": ["--max-new-tokens", "8"],
         "ab": ["--steps", "3", "--warmup", "1", "--arms", "slipstream-dpo-no-prefix-sharing,slipstream-dpo"],
     }
-    model_dir = None
-    for command in commands:
-        if command.startswith("slipstream "):
-            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
-            if words[0] == "ab":
-                # two arms instead of the preset (TRL's run takes minutes), fewer steps
-                drop = {"--steps", "--preset"}
-                words = [w for i, w in enumerate(words) if w not in drop and words[i - 1] not in drop]
-                from_config = "--config" in words  # its own arms (the orpo preset), fewer steps
-                words += ["--out", str(tmp_path / ("ab-config" if from_config else "ab"))]
-                if from_config:
-                    assert main([*words, "--steps", "3", "--warmup", "1"]) == 0, capsys.readouterr().err
-                    continue
-            assert main([*words, *shortened.get(words[0], [])]) == 0, capsys.readouterr().err
-            continue
-        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
-        words = shlex.split(command)
-        if words[0] == "python":
-            words[0] = sys.executable
-        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
-        assert done.returncode == 0, done.stderr
-        if words[1] == "benchmarks/real_model.py":
-            model_dir = Path(done.stdout.strip().splitlines()[-1])
-        else:
-            records = [json.loads(line) for line in done.stdout.splitlines()]
+
+    def adjust(words):
+        if words[0] != "ab":
+            return [*words, *shortened.get(words[0], [])]
+        # two arms instead of the preset (TRL's run takes minutes), fewer steps
+        drop = {"--steps", "--preset"}
+        words = [w for i, w in enumerate(words) if w not in drop and words[i - 1] not in drop]
+        from_config = "--config" in words  # its own arms (the orpo preset), fewer steps
+        words += ["--out", str(tmp_path / ("ab-config" if from_config else "ab"))]
+        if from_config:
+            return [*words, "--steps", "3", "--warmup", "1"]
+        return [*words, *shortened.get("ab", [])]
+
+    for words, out in run_walkthrough(commands, smollm2, tmp_path, monkeypatch, capsys, adjust):
+        if words[0] == "grep":
+            records = [json.loads(line) for line in out.splitlines()]
             assert [r["step"] for r in records] == [2, 4]
             assert all(0.0 <= r["eval_reward_accuracy"] <= 1.0 for r in records)
     metrics = [
@@ -485,6 +460,33 @@ def test_the_rl_section_names_the_example_its_prompts_and_its_reward_file():
     assert files and all(Path(f.rpartition(":")[0]).is_file() for f in files)
 
 
+def run_walkthrough(commands, smollm2, tmp_path, monkeypatch, capsys, adjust) -> list[tuple[list[str], str]]:
+    """A docs section's command lines run in order, as written, in ``tmp_path`` (examples/ and benchmarks/
+    linked in): ``slipstream`` lines through ``main`` as ``adjust(words)`` gives them (a shortened run),
+    the others as processes on the cached SmolLM2 (MODEL_DIR: what ``real_model.py`` printed); returns
+    each line's words and what it printed."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    model_dir, outputs = None, []
+    for command in commands:
+        if command.startswith("slipstream "):
+            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
+            assert main(adjust(words)) == 0, capsys.readouterr().err
+            outputs.append((words, capsys.readouterr().out))
+            continue
+        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
+        words = shlex.split(command)
+        if words[0] == "python":
+            words[0] = sys.executable
+        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
+        assert done.returncode == 0, done.stderr
+        outputs.append((words, done.stdout))
+        if words[1] == "benchmarks/real_model.py":
+            model_dir = Path(done.stdout.strip().splitlines()[-1])
+    return outputs
+
+
 @pytest.mark.realmodel
 def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, capsys):
     """Every line of the RL section, in order, as written, on SmolLM2 and examples/grpo.yaml, shortened
@@ -495,9 +497,6 @@ def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, caps
         ["slipstream", "train"],
         ["grep", "eval_reward"],
     ]
-    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
     shortened = [
         "--set",
         "training.steps=2",
@@ -506,24 +505,12 @@ def test_the_rl_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, caps
         "--set",
         "grpo.max_new_tokens=16",
     ]
-    model_dir = None
-    for command in commands:
-        if command.startswith("slipstream "):
-            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
-            assert main([*words, *shortened]) == 0, capsys.readouterr().err
-            continue
-        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
-        words = shlex.split(command)
-        if words[0] == "python":
-            words[0] = sys.executable
-        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
-        assert done.returncode == 0, done.stderr
-        if words[1] == "benchmarks/real_model.py":
-            model_dir = Path(done.stdout.strip().splitlines()[-1])
-        else:
-            records = [json.loads(line) for line in done.stdout.splitlines()]
-            assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the starting weights (eval_at_start)
-            assert all(0.0 <= r["eval_reward"] <= 1.75 for r in records)  # weights 1 + 0.5 + 0.25
+    outputs = run_walkthrough(
+        commands, smollm2, tmp_path, monkeypatch, capsys, lambda words: [*words, *shortened]
+    )
+    records = [json.loads(line) for line in outputs[-1][1].splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]  # step 0: the starting weights (eval_at_start)
+    assert all(0.0 <= r["eval_reward"] <= 1.75 for r in records)  # weights 1 + 0.5 + 0.25
     run = json.loads((tmp_path / "runs" / "grpo" / "run.json").read_text())
     assert run["grpo"]["num_generations"] == 4 and run["eval"]["metrics"][-1]["step"] == 2
     samples = (tmp_path / "runs" / "grpo" / "samples.jsonl").read_text().splitlines()
@@ -575,9 +562,6 @@ def test_the_agent_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, c
     its export, one GRPO step with the environment's tool (2 trajectories a prompt): the tool records,
     the held-out reward and whole trajectories in samples.jsonl."""
     commands = agent_walkthrough()
-    (tmp_path / "examples").symlink_to(ROOT / "examples", target_is_directory=True)
-    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
-    monkeypatch.chdir(tmp_path)
     shortened = {
         "examples/agent-sft.yaml": ["--set", "training.steps=2"],
         "examples/agent.yaml": [
@@ -589,24 +573,15 @@ def test_the_agent_walkthrough_runs_on_smollm2(smollm2, tmp_path, monkeypatch, c
             "grpo.eval_generations=1",
         ],
     }
-    model_dir = None
-    for command in commands:
-        if command.startswith("slipstream "):
-            words = shlex.split(command.replace("MODEL_DIR", str(model_dir)))[1:]
-            extra = shortened.get(words[1], []) if words[0] == "train" else []
-            assert main([*words, *extra]) == 0, capsys.readouterr().err
-            continue
-        env = {**os.environ, "SLIPSTREAM_CACHE": str(smollm2.parents[1]), "PYTHONPATH": str(ROOT / "src")}
-        words = shlex.split(command)
-        if words[0] == "python":
-            words[0] = sys.executable
-        done = subprocess.run(words, capture_output=True, text=True, env=env, check=False)
-        assert done.returncode == 0, done.stderr
-        if words[1] == "benchmarks/real_model.py":
-            model_dir = Path(done.stdout.strip().splitlines()[-1])
-        else:
-            records = [json.loads(line) for line in done.stdout.splitlines()]
-            assert [r["step"] for r in records] == [0, 1]
+    outputs = run_walkthrough(
+        commands,
+        smollm2,
+        tmp_path,
+        monkeypatch,
+        capsys,
+        lambda words: [*words, *(shortened.get(words[1], []) if words[0] == "train" else [])],
+    )
+    assert [json.loads(line)["step"] for line in outputs[-1][1].splitlines()] == [0, 1]
     out = tmp_path / "runs" / "agent"
     step = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     for key in (
