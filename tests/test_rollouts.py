@@ -162,3 +162,23 @@ def test_a_turn_goes_on_from_its_kept_cache_as_if_run_from_scratch(models):
     assert rollouts.stats.prefill_tokens == sum(map(len, PROMPTS)) + sum(
         len(results(row, k)) for row, n in rounds.items() for k in range(n)
     )
+
+
+def test_a_result_that_fills_the_budget_ends_its_row(models):
+    """turn_end's tokens bring a completion to exactly max_new_tokens: it ends there, cut (not finished),
+    and the other rows go on."""
+    stock, packed = models
+    budget = 10
+    stop = greedy_alone(stock, PROMPTS[0], 1)[0]  # prompt 0's first greedy token ends a turn at once
+
+    def turn_end(row, tokens):
+        return list(range(300, 300 + budget - len(tokens))) if row == 0 else None
+
+    sampling = Sampling(temperature=1.0, top_k=1, max_new_tokens=budget)
+    rollouts = CachedSampler(stop_ids=(stop,)).generate(
+        packed, PROMPTS, 2, sampling, seed=0, turn_end=turn_end
+    )
+    first, second = rollouts.completions[0]
+    assert first.ids == [stop, *range(300, 300 + budget - 1)] and not first.finished
+    assert second.ids == [stop] and second.finished
+    assert [c.ids for c in rollouts.completions[1]] == [greedy_alone(stock, PROMPTS[1], budget, (stop,))] * 2

@@ -263,7 +263,8 @@ class CachedSampler:
                     finished[row] = False
                     feed[index] = list(more)
                 if (stop and index not in feed) or len(tokens[row]) >= budget:
-                    leaving.append(index)
+                    leaving.append(index)  # a result that fills the budget ends it too: nothing is fed
+                    feed.pop(index, None)
             stats.generated_tokens += len(rows)
             if len(leaving) == len(rows):
                 break
