@@ -142,3 +142,18 @@ def test_a_malformed_call_ends_the_trajectory_and_is_counted(qwen3_tokenizer, to
     assert all(t.malformed == 1 and t.calls == 0 and t.turns == 1 for t in found.trajectories[0])
     assert len(engine.requests) == 1
     assert math.isclose(found.stats.completions, 2)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["turn-by-turn", "kept-cache"])
+def test_a_result_that_fills_the_budget_ends_the_trajectory_cut(qwen3_tokenizer, tool_file, in_place):
+    tok = qwen3_tokenizer
+    first, _, _, fmt = setup(qwen3_tokenizer, tool_file, two_lookups, G=2, in_place=in_place)
+    once = first.trajectories[0][1]
+    filled = once.model_mask.index(0) + once.model_mask.count(0)  # the call and its result, exactly
+    found, engine, _, _ = setup(
+        qwen3_tokenizer, tool_file, two_lookups, G=2, max_new_tokens=filled, in_place=in_place
+    )
+    t = found.trajectories[0][1]
+    assert len(t.ids) == filled and t.ids == once.ids[:filled] and not t.finished
+    assert [m["role"] for m in t.messages] == ["assistant", "tool"] and t.calls == 1
+    assert all(n >= 1 for _, _, n in engine.requests)  # nothing asked for zero tokens

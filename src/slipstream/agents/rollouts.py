@@ -203,8 +203,12 @@ def _turn_by_turn(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, s
             t = trajectories[p][g]
             if loop.answer(t, toolboxes[p][g], len(prompts[p])) is None:
                 continue  # no call, the cap, or results that do not fit: the trajectory ends here
+            left = min(loop.budget - len(t.ids), loop.context - len(prompts[p]) - len(t.ids))
+            if left <= 0:  # the results filled the budget: the trajectory ends with them, cut
+                t.finished = False
+                continue
             requests.append(list(prompts[p]) + t.ids)
-            budgets.append(min(loop.budget - len(t.ids), loop.context - len(prompts[p]) - len(t.ids)))
+            budgets.append(left)
             going.append((p, g))
         if not going:
             break
