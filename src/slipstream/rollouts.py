@@ -274,6 +274,7 @@ class CachedSampler:
                 cache.batch_select_indices(keep)
                 feed = {kept.index(i): more for i, more in feed.items()}
                 rows = [rows[i] for i in kept]
+                drawn_now = [drawn_now[i] for i in kept]
                 drawn, valid, next_position = drawn[keep], valid[keep], next_position[keep]
             if not feed:  # a decode step: each row takes in the token it drew
                 valid = torch.cat([valid, torch.ones(valid.shape[0], 1, dtype=torch.bool, device=device)], 1)
@@ -286,7 +287,7 @@ class CachedSampler:
                 next_position = next_position + 1
             else:  # some rows take in a tool's result (after the token they drew), the others their token
                 out, valid, next_position = self._feed(
-                    model, cached, drawn, feed, valid, next_position, dtype
+                    model, cached, drawn_now, feed, valid, next_position, dtype
                 )
                 stats.prefill_tokens += sum(len(more) for more in feed.values())
             logits = out.logits[:, -1]
@@ -296,12 +297,13 @@ class CachedSampler:
         return Rollouts([done[p * num_generations : (p + 1) * num_generations] for p in range(count)], stats)
 
     @staticmethod
-    def _feed(model, cached, drawn, feed, valid, next_position, dtype):
+    def _feed(model, cached, drawn: list[int], feed, valid, next_position, dtype):
         """One forward in which row i takes in its drawn token and, where ``feed[i]`` holds one, a tool's
         result after it: the rows' inputs right-aligned (left padding marked invalid, so every later query
-        skips it), each token at its own position, causal within the chunk."""
-        device = drawn.device
-        inputs = [[int(token)] + feed.get(i, []) for i, token in enumerate(drawn.tolist())]
+        skips it), each token at its own position, causal within the chunk. ``drawn``: the step's tokens as
+        the host already read them (no second read)."""
+        device = valid.device
+        inputs = [[token] + feed.get(i, []) for i, token in enumerate(drawn)]
         chunk = max(len(x) for x in inputs)
         rows = len(inputs)
         ids = torch.zeros(rows, chunk, dtype=torch.long)
