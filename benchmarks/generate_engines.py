@@ -33,7 +33,9 @@ def questions(count: int) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="a model directory, a run directory or an adapter")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,8 +63,15 @@ def main() -> None:
     hf = [generator.answer(p, max_new_tokens=args.max_new_tokens) for p in prompts]
     seconds = time.perf_counter() - began
     tokens = sum(a.new_tokens for a in hf)
-    figures["hf"] = {"load_s": loaded, "answer_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-    print(f"hf: loaded in {loaded:.1f} s; {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s)")
+    figures["hf"] = {
+        "load_s": loaded,
+        "answer_s": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+    }
+    print(
+        f"hf: loaded in {loaded:.1f} s; {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s)"
+    )
 
     began = time.perf_counter()
     engine = EngineAnswers.start(generator, prompts, args.max_new_tokens, args.memory_share)

@@ -113,7 +113,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="examples/data")
     parser.add_argument("--rivers", type=int, default=160)
     parser.add_argument("--sft", type=int, default=96, help="rivers the SFT rows use; the rest are prompts")
@@ -140,7 +142,9 @@ def main() -> None:
     ]
     _write(folder / "agent_sft.jsonl", "".join(json.dumps(row) + "\n" for row in sft))
     _write(folder / "agent_prompts.jsonl", "".join(json.dumps(row) + "\n" for row in prompts))
-    print(f"{len(book['rivers'])} rivers; {len(sft)} SFT conversations, {len(prompts)} GRPO prompts in {folder}")
+    print(
+        f"{len(book['rivers'])} rivers; {len(sft)} SFT conversations, {len(prompts)} GRPO prompts in {folder}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ class Almanac:
         key = name.strip()
         if key in ALMANAC["rivers"]:
             river = ALMANAC["rivers"][key]
-            return f"The river {key} springs in the town of {river['town']} and is {river['length_km']} km long."
+            return (
+                f"The river {key} springs in the town of {river['town']} and is {river['length_km']} km long."
+            )
         if key in ALMANAC["towns"]:
             town = ALMANAC["towns"][key]
             return f"{key} has {town['people']} inhabitants; its mayor is {town['mayor']}."

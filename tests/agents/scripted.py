@@ -15,10 +15,17 @@ class ScriptedEngine:
     turn that ran out). ``in_place``: turns continue inside one call, through ``turn_end``, as slipstream's
     sampler continues them from each row's kept cache. Records every request."""
 
-    def __init__(self, tokenizer, script: Callable[[str, int], str], in_place: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        script: Callable[[str, int], str],
+        in_place: bool = False,
+        logprob: float | None = None,
+    ):
         self.tokenizer = tokenizer
         self.script = script
         self.continues_turns = in_place
+        self.logprob = logprob  # reported for every sampled token, as vLLM reports its own (None: none)
         self.requests: list[tuple[list[list[int]], int, int]] = []  # (prompts, n, max_new_tokens)
         self.lineage: list[tuple[list[int], int]] = []  # every sequence sampled so far, with its g
         self.synced = 0
@@ -53,7 +60,8 @@ class ScriptedEngine:
                         break
                     tokens += more
                 self.lineage.append((list(prompt) + tokens, g))
-                group.append(Completion(tokens, finished, None))
+                reported = None if self.logprob is None else [self.logprob] * len(tokens)
+                group.append(Completion(tokens, finished, reported))
             out.append(group)
         stats = RolloutStats(
             prompts=len(prompts),

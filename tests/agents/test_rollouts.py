@@ -146,8 +146,7 @@ def test_a_malformed_call_ends_the_trajectory_and_is_counted(qwen3_tokenizer, to
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["turn-by-turn", "kept-cache"])
 def test_a_result_that_fills_the_budget_ends_the_trajectory_cut(qwen3_tokenizer, tool_file, in_place):
-    tok = qwen3_tokenizer
-    first, _, _, fmt = setup(qwen3_tokenizer, tool_file, two_lookups, G=2, in_place=in_place)
+    first, _, _, _ = setup(qwen3_tokenizer, tool_file, two_lookups, G=2, in_place=in_place)
     once = first.trajectories[0][1]
     filled = once.model_mask.index(0) + once.model_mask.count(0)  # the call and its result, exactly
     found, engine, _, _ = setup(

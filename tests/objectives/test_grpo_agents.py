@@ -179,3 +179,20 @@ def test_a_broken_tool_or_environment_is_refused_by_key(tmp_path, qwen3_model_di
         load_config(agent_config(tmp_path, qwen3_model_dir, **grpo))
     assert key in str(caught.value) and "\n" not in str(caught.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_with_vllms_log_probs_the_correction_reads_the_sampled_tokens_only(
+    tmp_path, qwen3_model_dir, monkeypatch, qwen3_tokenizer
+):
+    """grpo.engine vllm with tools: the engine reports a log-prob per sampled token (here a fixed -2.0),
+    the tool results none; TRL's correction compares the sampled tokens' alone, so the records are finite."""
+    engine = ScriptedEngine(qwen3_tokenizer, script, logprob=-2.0)
+    monkeypatch.setattr(GRPO, "_vllm_engine", lambda self, context: engine)
+    config = agent_config(tmp_path, qwen3_model_dir, engine="vllm", vllm_importance_sampling_clip_max=100.0)
+    train(load_config(config), progress=False)
+    found = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in found if "loss" in r]
+    assert len(steps) == 2 and engine.requests
+    for record in steps:
+        assert 0 < record["sampling_logp_difference"] < 50 and record["tool_calls_per_trajectory"] == 0.5
+        assert 0.0 <= record["importance_sampling_clipped_share"] <= 1.0
