@@ -15,7 +15,17 @@ from slipstream.rollouts import Sampling
 from .scripted import ScriptedEngine, call
 
 
-def setup(qwen3_tokenizer, tool_file, script, G=3, max_new_tokens=200, cap=None, prompts=1, in_place=False):
+def setup(
+    qwen3_tokenizer,
+    tool_file,
+    script,
+    G=3,
+    max_new_tokens=200,
+    cap=None,
+    prompts=1,
+    in_place=False,
+    model=None,
+):
     toolset = ToolSet.load([f"{tool_file}:lookup", f"{tool_file}:broken"], None, None, 5.0)
     tok = qwen3_tokenizer
     fmt = ToolFormat.of(tok)
@@ -30,7 +40,7 @@ def setup(qwen3_tokenizer, tool_file, script, G=3, max_new_tokens=200, cap=None,
     boxes = [[toolset.open({})[0] for _ in range(G)] for _ in range(prompts)]
     found = agent_rollouts(
         engine,
-        None,
+        model,
         [list(prompt)] * prompts,
         boxes,
         fmt,
@@ -156,3 +166,19 @@ def test_a_result_that_fills_the_budget_ends_the_trajectory_cut(qwen3_tokenizer,
     assert len(t.ids) == filled and t.ids == once.ids[:filled] and not t.finished
     assert [m["role"] for m in t.messages] == ["assistant", "tool"] and t.calls == 1
     assert all(n >= 1 for _, _, n in engine.requests)  # nothing asked for zero tokens
+
+
+def test_a_sliding_window_model_goes_turn_by_turn(qwen3_tokenizer, tool_file):
+    """The kept cache carries padding columns a sliding window would count: such a model is asked turn by
+    turn even by an engine that can continue in place (a window not in use does not count)."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, Qwen2Config
+
+    from slipstream.agents import rollouts as module
+
+    assert not module._windowed(SimpleNamespace(config=Qwen2Config()))  # use_sliding_window false
+    assert module._windowed(SimpleNamespace(config=Qwen2Config(use_sliding_window=True)))
+    windowed = SimpleNamespace(config=MistralConfig(sliding_window=4096))
+    _, engine, _, _ = setup(qwen3_tokenizer, tool_file, two_lookups, in_place=True, model=windowed)
+    assert [n for _, n, _ in engine.requests] == [3, 1, 1]  # the first turns, then each going one alone

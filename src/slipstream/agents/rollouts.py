@@ -149,10 +149,18 @@ def agent_rollouts(
 
 
 def _windowed(model) -> bool:
-    """A sliding window or chunked attention: the in-place cache's padding columns would count in it."""
+    """A sliding window or chunked attention in use: the in-place cache's padding columns would count in it."""
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    return any(isinstance(getattr(config, k, None), int) for k in ("sliding_window", "attention_chunk_size"))
+    if isinstance(getattr(config, "attention_chunk_size", None), int):
+        return True
+    if (
+        not isinstance(getattr(config, "sliding_window", None), int)
+        or getattr(config, "use_sliding_window", True) is False
+    ):
+        return False
+    kinds = set(getattr(config, "layer_types", None) or [])
+    return not kinds or "sliding_attention" in kinds  # layer kinds, where named, say whether it is used
 
 
 def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed) -> AgentRollouts:
