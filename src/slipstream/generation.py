@@ -280,9 +280,10 @@ class EngineAnswers:
         """Start the engine on ``generator``'s model; its context fits the longest of ``prompts`` and
         ``max_new_tokens`` (an interactive session, no prompts: the model's context up to 8192)."""
         from .engines.vllm_engine import EngineError, VLLMEngine, refuse_inexact
+        from .rollouts import context_length
 
         model = generator.model
-        limit = _context(model)
+        limit = context_length(model, INTERACTIVE_CONTEXT)
         if prompts:
             longest = max(len(generator.inputs(p)["input_ids"][0]) for p in prompts)
             if longest + max_new_tokens > limit:
@@ -353,10 +354,3 @@ class EngineAnswers:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def _context(model) -> int:
-    """The model's context in tokens (``max_position_embeddings`` of its text config)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = inner.config.get_text_config() if hasattr(inner.config, "get_text_config") else inner.config
-    return int(getattr(config, "max_position_embeddings", None) or INTERACTIVE_CONTEXT)

@@ -104,12 +104,35 @@ class UnsupportedRollout(Refusal, NotImplementedError):
     avoid = None
 
 
+def text_config(model):
+    """The model's text config (a multimodal model's language part), or None."""
+    config = getattr(model, "config", None)
+    return getattr(config, "get_text_config", lambda: config)() if config is not None else None
+
+
+def context_length(model, default: int) -> int:
+    """The model's context in tokens (its text config's ``max_position_embeddings``), else ``default``."""
+    return int(getattr(text_config(model), "max_position_embeddings", None) or default)
+
+
+def windows_in_use(config) -> dict[str, int]:
+    """The sliding window and the attention chunk the model's layers use, by config key (a sliding window
+    the named layer kinds do not use is left out)."""
+    kinds = set(getattr(config, "layer_types", None) or [])
+    found = {}
+    for key in ("sliding_window", "attention_chunk_size"):
+        window = getattr(config, key, None)
+        uses = key != "sliding_window" or not kinds or "sliding_attention" in kinds
+        if isinstance(window, int) and not isinstance(window, bool) and uses:
+            found[key] = window
+    return found
+
+
 def check_sampleable(model: torch.nn.Module, longest: int) -> None:
     """Refuse a model whose attention the sampler's masks do not describe: a sliding window or
     chunked attention shorter than ``longest`` (prompt + completion), or layers that are not
     attention (recurrent / linear-attention states would carry the prompts' left padding)."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    config = text_config(model)
     if config is None:
         return
     name = getattr(config, "model_type", type(model).__name__)
@@ -121,10 +144,8 @@ def check_sampleable(model: torch.nn.Module, longest: int) -> None:
             "layers only (a recurrent state would take in the prompts' padding)",
             refused=f"sampling {name}'s {', '.join(other)} layers",
         )
-    for key in ("sliding_window", "attention_chunk_size"):
-        window = getattr(config, key, None)
-        uses = key != "sliding_window" or not kinds or "sliding_attention" in kinds
-        if isinstance(window, int) and not isinstance(window, bool) and uses and window < longest:
+    for key, window in windows_in_use(config).items():
+        if window < longest:
             raise UnsupportedRollout(
                 f"{name}: {key} {window} is shorter than a prompt and its completion ({longest} tokens): "
                 "slipstream's sampler would attend past it; lower data.max_seq_len to at most "
@@ -287,7 +308,7 @@ class CachedSampler:
                 next_position = next_position + 1
             else:  # some rows take in a tool's result (after the token they drew), the others their token
                 out, valid, next_position = self._feed(
-                    model, cached, drawn_now, feed, valid, next_position, dtype
+                    model, {**cached, **last_only}, drawn_now, feed, valid, next_position, dtype
                 )
                 stats.prefill_tokens += sum(len(more) for more in feed.values())
             logits = out.logits[:, -1]

@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..rollouts import Completion, RolloutStats, Sampling
+from ..rollouts import Completion, RolloutStats, Sampling, text_config, windows_in_use
 from .calls import ToolFormat
 from .tools import Toolbox
 
@@ -150,17 +150,7 @@ def agent_rollouts(
 
 def _windowed(model) -> bool:
     """A sliding window or chunked attention in use: the in-place cache's padding columns would count in it."""
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    if isinstance(getattr(config, "attention_chunk_size", None), int):
-        return True
-    if (
-        not isinstance(getattr(config, "sliding_window", None), int)
-        or getattr(config, "use_sliding_window", True) is False
-    ):
-        return False
-    kinds = set(getattr(config, "layer_types", None) or [])
-    return not kinds or "sliding_attention" in kinds  # layer kinds, where named, say whether it is used
+    return bool(windows_in_use(text_config(model)))
 
 
 def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed) -> AgentRollouts:

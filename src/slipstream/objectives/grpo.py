@@ -64,7 +64,7 @@ from ..loss.importance import importance_weights
 from ..modes import eval_mode
 from ..optimize import state_of
 from ..rewards import RewardCall, RewardError, RewardFunction, load_rewards, weighted
-from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
+from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable, context_length
 from .answers import answer_sums
 from .base import (
     Objective,
@@ -76,7 +76,7 @@ from .base import (
     tokenizer_refusals,
 )
 from .evaluation import HeldOut, rank_share
-from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset, model_context
+from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
 
 
@@ -314,7 +314,7 @@ class GRPO(RolloutMaker, Objective):
                 pad = self.tokenizer.eos_token_id or 0
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
         if self.agents is not None:
-            self.agents.context = model_context(context.base_model, self.config.data.max_seq_len)
+            self.agents.context = context_length(context.base_model, self.config.data.max_seq_len)
         s = self.settings
         started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)

@@ -50,14 +50,6 @@ def environment_reward(toolset: ToolSet) -> RewardFunction:
     return RewardFunction(cls.__name__, get_reward, 1.0, "grpo.environment")
 
 
-def model_context(model, default: int) -> int:
-    """The model's context in tokens (its text config's ``max_position_embeddings``), else ``default``."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = getattr(inner, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(getattr(text, "max_position_embeddings", None) or default)
-
-
 @dataclass
 class AgentPlan:
     toolset: ToolSet

@@ -135,18 +135,19 @@ class RolloutMaker:
         """Every completion's per-function rewards; and each group's completion ids. ``call``: the
         step's ``trainer_state`` and what the functions log (default: step 0, kept nowhere)."""
         texts, ids, prompt_values, columns = [], [], [], {}
+        trajectories = isinstance(rollouts, AgentRollouts)
         for row, completions in zip(prompts, rollouts.completions, strict=True):
             for completion in completions:
-                text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
-                texts.append(
-                    [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
-                )
+                if not trajectories:  # a trajectory is read as its messages (below), not decoded whole
+                    text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+                    texts.append(
+                        [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
+                    )
                 ids.append(list(completion.ids))
                 prompt_values.append(row["prompt"])
         names = sorted({key for row in prompts for key in row["columns"]})
         for name in names:
             columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
-        trajectories = isinstance(rollouts, AgentRollouts)
         if trajectories:  # a reward sees each trajectory as TRL's list of assistant and tool messages
             texts, extra = completions_and_columns(rollouts, self.agents.toolset.environment is not None)
             columns.update(extra)
