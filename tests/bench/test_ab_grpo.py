@@ -7,6 +7,7 @@ from slipstream.bench.command import ab_config, ab_config_from_args, add_ab_argu
 from slipstream.bench.render import markdown_report
 from slipstream.bench.runner import run_ab
 from tests.objectives.test_grpo import grpo_config
+from tests.objectives.test_grpo_agents import agent_config, script
 
 
 def test_the_grpo_preset_holds_grpo_arms_only():
@@ -84,3 +85,49 @@ def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
     assert "update_speedup_vs_slipstream-grpo-no-prefix-sharing" in record["summary"]["slipstream-grpo"]
     report = markdown_report(record)
     assert "GRPO rollouts:" in report and "Update gradient norm per step" in report
+
+
+def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, qwen3_model_dir, monkeypatch):
+    """grpo.tools / grpo.environment (Qwen3's tokenizer, a tiny fp32 model): the shared rollouts are
+    multi-turn trajectories (scripted here: half of them call the tool), and TRL's GRPOTrainer, handed the
+    same tools and environment, trains them with its tool_mask as slipstream's arms do with theirs: the loss
+    and the gradient norm agree at every step. Each arm samples with its own tool loop (the random model's
+    calls, in the arm's own process)."""
+    pytest.importorskip("trl")
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen3_chat_template
+
+    from slipstream.bench import grpo_arms
+    from slipstream.bench.peers import unavailable
+    from tests.agents.scripted import ScriptedEngine
+
+    # the wheel's Qwen3 template is an older revision than the one TRL knows and patches for tools: TRL
+    # refuses it, and the A/B skips its arm saying so. The model directory then carries TRL's revision.
+    (tmp_path / "older").mkdir()
+    older = _parse(["--config", str(agent_config(tmp_path / "older", qwen3_model_dir))])
+    assert "refuses this chat template with tools" in unavailable("trl", older, "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_model_dir)
+    tokenizer.chat_template = qwen3_chat_template
+    tokenizer.save_pretrained(qwen3_model_dir)
+    engine = ScriptedEngine(tokenizer, script, in_place=True)
+    monkeypatch.setattr(grpo_arms, "CachedSampler", lambda *args, **kwargs: engine)  # the shared rollouts'
+    argv = ["--config", str(agent_config(tmp_path, qwen3_model_dir)), "--steps", "2", "--warmup", "1"]
+    arms = ["trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo"]
+    config = _parse([*argv, "--arms", ",".join(arms), "--interleave", "arms", "--out", str(tmp_path / "ab")])
+    record = run_ab(config, progress=False)
+    packing = record["packing"]
+    assert packing["tool_calls_per_trajectory"] == 0.5 and packing["turns_per_trajectory"] == 1.5
+    assert 0 < packing["tool_token_share"] < 1 and packing["tool_failure_rate"] == 0.0
+    runs = {arm: record["runs"][arm][0] for arm in arms}
+    trl = runs.pop("trl-grpo")
+    assert any("TRL's tool loop" in policy for policy in trl["policies"])
+    for arm, run in runs.items():
+        assert all(calls is not None for calls in run["tool_calls"] + trl["tool_calls"]), (
+            arm
+        )  # own tool loops
+        assert run["tokens"] == trl["tokens"], arm  # the same trajectories, tool results included
+        assert run["loss"] == pytest.approx(trl["loss"], abs=1e-5), arm
+        assert run["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), arm
+        assert 0.0 not in run["grad_norm"]
+    report = markdown_report(record)
+    assert "Tools: the shared trajectories made 0.50 tool calls each" in report

@@ -217,8 +217,6 @@ def test_a_model_directory_trains_what_slipstream_train_would_and_the_record_say
     [
         ("quantization:\n  four_bit: true\n", "'quantization.four_bit' is not supported by slipstream ab"),
         ("lora:\n  experts: true\n", "'lora.experts' is not supported"),
-        ("grpo:\n  tools: [tools.py:lookup]\n", "'grpo.tools' is not supported by slipstream ab"),
-        ("grpo:\n  environment: env.py:Almanac\n", "'grpo.environment' is not supported"),
         ("data:\n  skip_bad_rows: true\n", "'data.skip_bad_rows'"),
         ("optimizer:\n  lr: -1\n", "optimizer.lr"),
     ],

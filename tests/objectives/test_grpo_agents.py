@@ -90,17 +90,6 @@ def script(text: str, g: int) -> str:
     return "Velmora is a bridge town."
 
 
-@pytest.fixture
-def qwen3_model_dir(tmp_path_factory, qwen3_tokenizer):
-    """A tiny random qwen3 with Qwen3's real tokenizer and template, saved as a model directory."""
-    from slipstream.models import build_model
-
-    folder = tmp_path_factory.mktemp("qwen3-tools")
-    build_model("qwen3", vocab_size=len(qwen3_tokenizer), dtype=torch.float32).save_pretrained(folder)
-    qwen3_tokenizer.save_pretrained(folder)
-    return folder
-
-
 def agent_config(folder, model_dir, **grpo):
     (folder / "tools.py").write_text(TOOLS)
     (folder / "rewards.py").write_text(REWARDS)

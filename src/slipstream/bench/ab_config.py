@@ -151,9 +151,6 @@ class ABConfig:
             "quantization.four_bit": train.quantization.four_bit,
             "lora.experts": train.lora.experts,
             "model.trust_remote_code": train.model.trust_remote_code,
-            # multi-turn rollouts: TRL's tool-calling arm and the shared trajectories are not built yet
-            "grpo.tools": train.grpo.tools,
-            "grpo.environment": train.grpo.environment,
         }
         for key, value in unsupported.items():
             if value:

@@ -75,6 +75,8 @@ class ArmResult:
     update_s: list[float] | None = None
     completions: list[int] | None = None
     generated_tokens: list[int] | None = None
+    # with tools: the tool calls per trajectory of the arm's own sampling (None where no tools)
+    tool_calls: list[float | None] | None = None
 
 
 def peak_memory_mb(device: str) -> float:

@@ -18,7 +18,6 @@ its ``step_s`` is their sum and ``generation_s`` / ``update_s`` are kept apart.
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from itertools import accumulate
@@ -26,8 +25,10 @@ from itertools import accumulate
 from ..data import DataError
 from ..data.prompts import load_prompts
 from ..data.steps import step_order
+from ..errors import TrainError
 from ..objectives.base import StepPlan
 from ..objectives.grpo import GRPO
+from ..objectives.grpo_agents import AgentRollouts, agent_record
 from ..objectives.grpo_rollouts import advantages_of, stop_ids
 from ..optimize import base_model
 from ..packing.completions import completion_documents
@@ -36,12 +37,12 @@ from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable
 from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
 from .arm_session import ArmSession
-from .arms import ARM_SPECS, build_arm_model, train_config_of
+from .arms import build_arm_model, train_config_of
 from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .peers.trl_base import trainer_run
 
 # what a GRPO arm keeps of each step beyond the curves every arm keeps
-_PER_STEP = ("generation_s", "scoring_s", "update_s", "completions", "generated_tokens")
+_PER_STEP = ("generation_s", "scoring_s", "update_s", "completions", "generated_tokens", "tool_calls")
 
 
 def _seed(config: ABConfig, step: int) -> int:
@@ -50,10 +51,14 @@ def _seed(config: ABConfig, step: int) -> int:
 
 
 def _objective(config: ABConfig, arm: str, tokenizer, model) -> GRPO:
-    """Slipstream's GRPO objective for ``arm`` (its prefix sharing), with our sampler."""
-    settings = dataclasses.replace(config.train.grpo, prefix_sharing=ARM_SPECS[arm].prefixes != "unshared")
-    objective = GRPO(None, settings)
+    """Slipstream's GRPO objective for ``arm`` (its prefix sharing; its agents where there are tools),
+    with our sampler."""
+    objective = GRPO(train_config_of(config, arm))
     objective.tokenizer = tokenizer
+    try:
+        objective.plan_agents(tokenizer, base_model(model))
+    except TrainError as error:
+        raise ABInputError(str(error)) from None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     objective.engine = CachedSampler(stop_ids(tokenizer, base_model(model)), int(pad))
     return objective
@@ -74,13 +79,15 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         raise ABInputError(
             f"max_seq_len {config.train.data.max_seq_len} leaves no room for a prompt beside max_new_tokens {settings.max_new_tokens}"
         )
+    planned = GRPO(train_config_of(config, "slipstream-grpo"))
     try:
-        rows, _ = load_prompts(config.train.data.path, tokenizer, room=room)
-    except DataError as error:
+        schema = planned.plan_agents(tokenizer)  # with tools: rendered into every prompt, as train's
+        rows, _ = load_prompts(config.train.data.path, tokenizer, room=room, tools=schema)
+    except (DataError, TrainError) as error:
         raise ABInputError(str(error)) from None
     # the prompts of each step as slipstream train takes them: the objective's bins of prompts_per_batch
     # prompts, in data.steps' seeded order, grad_accum bins a step
-    bins = GRPO(train_config_of(config, "slipstream-grpo")).prompt_bins(rows)
+    bins = planned.prompt_bins(rows)
     needed = config.ab.steps * config.train.training.grad_accum
     if len(bins) < needed:
         raise ABInputError(
@@ -97,7 +104,7 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
     objective = _objective(config, "slipstream-grpo", tokenizer, model)
     G = settings.num_generations
     plan, started = [], time.perf_counter()
-    all_rewards, lengths, finished = [], [], []
+    all_rewards, lengths, finished, tools = [], [], [], []
     for step in range(config.ab.steps):
         prompts = [row for index in bins_for(step) for row in bins[index]]
         rollouts = objective.sample(model, prompts, _seed(config, step))
@@ -107,14 +114,16 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
         except RewardError as error:
             raise ABInputError(f"step {step + 1} of the shared rollouts: {error}") from None
         rewards = [weighted(values, objective.rewards) for values in per_function]
+        if objective.agents is not None:
+            tools.append(agent_record(rollouts))
         for index, (row, group) in enumerate(zip(prompts, groups, strict=True)):
-            group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns")}
+            group["row"] = {key: row[key] for key in ("prompt", "prompt_ids", "columns", "location")}
             group["rewards"] = rewards[index * G : (index + 1) * G]
         # a micro-batch per bin, as train's step has them
         cuts = [0, *accumulate(len(bins[index]) for index in bins_for(step))]
         plan.append([groups[start:end] for start, end in zip(cuts, cuts[1:], strict=False)])
         all_rewards += rewards
-        lengths += [len(c) for g in groups for c in g["completions"]]
+        lengths += [_model_tokens(g, i) for g in groups for i in range(G)]
         finished += [f for g in groups for f in g["finished"]]
     spreads = [
         max(all_rewards[i : i + G]) - min(all_rewards[i : i + G]) for i in range(0, len(all_rewards), G)
@@ -136,8 +145,44 @@ def prepare_rollouts(config: ABConfig) -> tuple[list, int, dict]:
             "equal_rewards_share": sum(1 for s in spreads if s == 0) / len(spreads),
             "sampled_in_s": time.perf_counter() - started,
             "sampled_by": "slipstream's CachedSampler on the starting weights (the adapter at zero)",
+            **(_tool_figures(tools, plan) if tools else {}),
         },
     )
+
+
+def _model_tokens(group: dict, index: int) -> int:
+    """The tokens the model sampled of a group's ``index``-th completion (a trajectory's tool results left
+    out: they are context)."""
+    masks = group.get("model_masks")
+    return sum(masks[index]) if masks else len(group["completions"][index])
+
+
+def _tool_figures(records: list[dict], plan: list) -> dict:
+    """What the shared trajectories did with their tools (each step's agent record, averaged over steps;
+    the tool-result tokens counted over all)."""
+    every = [
+        len(g["completions"][i])
+        for step in plan
+        for micro in step
+        for g in micro
+        for i in range(len(g["completions"]))
+    ]
+    model = [
+        _model_tokens(g, i)
+        for step in plan
+        for micro in step
+        for g in micro
+        for i in range(len(g["completions"]))
+    ]
+    mean = lambda key: statistics.fmean(r[key] for r in records)  # noqa: E731
+    return {
+        "tool_calls_per_trajectory": mean("tool_calls_per_trajectory"),
+        "tool_calling_share": mean("tool_calling_share"),
+        "tool_failure_rate": mean("tool_failure_rate"),
+        "malformed_call_share": mean("malformed_call_share"),
+        "turns_per_trajectory": mean("turns_per_trajectory"),
+        "tool_token_share": 1 - sum(model) / sum(every),
+    }
 
 
 class GrpoArmSession(ArmSession):
@@ -161,6 +206,7 @@ class GrpoArmSession(ArmSession):
             tokenizer,
             self.objective.settings,
             self.objective.rewards,
+            agents=self.objective.agents,
             device=self.device,
             **trainer_run(self.config),
         )
@@ -188,11 +234,13 @@ class GrpoArmSession(ArmSession):
         # as a real step (and TRL's scoring) does; the update uses the shared rollouts' own
         rewards = [weighted(values, objective.rewards) for values in per_function]
         advantages_of(rewards, G, self.settings.scale_rewards)
+        trajectories = isinstance(rollouts, AgentRollouts)
         return {
             "generation_s": generated - started,
             "scoring_s": time.perf_counter() - generated,
             "completions": len(rows) * G,
-            "generated_tokens": sum(len(c) for g in groups for c in g["completions"]),
+            "generated_tokens": sum(_model_tokens(g, i) for g in groups for i in range(G)),
+            "tool_calls": agent_record(rollouts)["tool_calls_per_trajectory"] if trajectories else None,
         }
 
     def _update(self, micro_groups: list[list[dict]]) -> dict:

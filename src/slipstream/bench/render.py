@@ -415,6 +415,21 @@ def rollout_lines(record: dict) -> list[str]:
             f"{s['generated_tokens_per_s']:.1f} | {s['median_scoring_s']:.3f} | {s['median_update_s']:.2f} | "
             f"{cells(s, 'update_speedup_vs_', 'update_interval_vs_')} | {s['generation_share']:.0%} |"
         )
+    if "tool_calls_per_trajectory" in packing:  # grpo.tools: multi-turn trajectories
+        own = ", ".join(
+            f"{arm} {s['tool_calls_per_trajectory']:.2f}"
+            for arm, s in judged.items()
+            if "tool_calls_per_trajectory" in s
+        )
+        lines += [
+            "",
+            f"Tools: the shared trajectories made {packing['tool_calls_per_trajectory']:.2f} tool calls each "
+            f"({packing['tool_calling_share']:.0%} called at least once, {packing['turns_per_trajectory']:.2f} turns, "
+            f"{packing['tool_failure_rate']:.0%} of calls failed, {packing['malformed_call_share']:.0%} malformed); "
+            f"{packing['tool_token_share']:.0%} of their tokens are tool results (context, masked out of every arm's "
+            f"loss; the sampled tokens columns count the model's own). Each arm's own sampling, tool calls per "
+            f"trajectory: {own or '-'}.",
+        ]
     arms = list(judged)
     lines += ["", "Update gradient norm per step (the same rollouts for every arm):", ""]
     return lines + _per_step_table(record, arms, "grad_norm", len(record["runs"][arms[0]][0]["grad_norm"]))

@@ -241,15 +241,7 @@ class GRPO(RolloutMaker, Objective):
         room = config.data.max_seq_len - settings.max_new_tokens
         on_bad_row = "skip" if config.data.skip_bad_rows else "error"
 
-        schema = None
-        if self.toolset is not None:
-            try:
-                self.agents = AgentPlan.make(
-                    self.toolset, tokenizer, settings.max_tool_calling_iterations, config.data.max_seq_len
-                )
-            except ToolError as error:
-                raise TrainError(str(error)) from None
-            schema = self.agents.schema
+        schema = self.plan_agents(tokenizer)
         load = tokenizer_refusals(
             config,
             lambda path: load_prompts(path, tokenizer, room=room, on_bad_row=on_bad_row, tools=schema),
@@ -276,6 +268,26 @@ class GRPO(RolloutMaker, Objective):
             num_samples=len(rows), num_bins=len(bins), real_tokens=tokens, capacity=tokens, efficiency=1.0
         )
         return ObjectiveData(rows, bins, packing, report, evals)
+
+    def plan_agents(self, tokenizer, model=None) -> list | None:
+        """With tools: the agent plan for ``tokenizer``'s chat template (its tool-call format, refused by
+        name where there is none), ``model``'s context where given; the tool schema the prompts render
+        (None: a single-turn run). Public: the A/B plans its arms' agents without reading the rows."""
+        if self.toolset is None:
+            return None
+        if self.agents is None:
+            try:
+                self.agents = AgentPlan.make(
+                    self.toolset,
+                    tokenizer,
+                    self.settings.max_tool_calling_iterations,
+                    self.config.data.max_seq_len,
+                )
+            except ToolError as error:
+                raise TrainError(str(error)) from None
+        if model is not None:
+            self.agents.context = context_length(model, self.config.data.max_seq_len)
+        return self.agents.schema
 
     def prompt_bins(self, rows: list[dict]) -> list[list[dict]]:
         """``prompts_per_batch`` prompts a bin, in a seeded order (the step plan shuffles bins per epoch);
@@ -313,8 +325,7 @@ class GRPO(RolloutMaker, Objective):
             if pad is None:
                 pad = self.tokenizer.eos_token_id or 0
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
-        if self.agents is not None:
-            self.agents.context = context_length(context.base_model, self.config.data.max_seq_len)
+        self.plan_agents(self.tokenizer, context.base_model)
         s = self.settings
         started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)

@@ -52,6 +52,18 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
     """Why ``peer`` cannot run on ``device`` with ``config`` (None: it can)."""
     if peer == "trl" and importlib.util.find_spec("trl") is None:
         return "TRL is not installed (pip install 'slipstream[trl]')"
+    if peer == "trl" and (config.train.grpo.tools or config.train.grpo.environment):
+        import inspect
+
+        from trl import GRPOTrainer, __version__
+
+        if "environment_factory" not in inspect.signature(GRPOTrainer.__init__).parameters:
+            return f"this TRL ({__version__}) has no GRPOTrainer tools / environment_factory"
+        from ..inputs import ab_tokenizer
+        from .trl_grpo_step import tool_template_refusal
+
+        if reason := tool_template_refusal(ab_tokenizer(config)):
+            return reason
     if peer == "trl-vllm":
         if importlib.util.find_spec("vllm") is None:
             return (

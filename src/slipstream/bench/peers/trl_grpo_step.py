@@ -53,17 +53,61 @@ def _trl_reward(reward):
     return call
 
 
+def tool_template_refusal(tokenizer) -> str | None:
+    """Why TRL's GRPOTrainer would refuse ``tokenizer``'s chat template with tools (None: it takes it).
+    TRL needs a prefix-preserving template and patches only the ones it knows (an older revision of a
+    model's template is not one of them)."""
+    from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
+
+    if is_chat_template_prefix_preserving(tokenizer):
+        return None
+    try:
+        get_training_chat_template(tokenizer)
+    except ValueError as error:
+        return f"TRL's GRPOTrainer refuses this chat template with tools: {error}"
+    return None
+
+
+def _with_response_template(tokenizer, format_name: str):
+    """The tokenizer with TRL's response template for the tool-call format slipstream read off its chat
+    template, where TRL would not recognise the template itself (``add_response_schema`` matches its own
+    template texts only: a ChatML template with tools, such as examples/chatml_tools.jinja, is hermes)."""
+    from trl import chat_template_utils as trl_templates
+
+    try:
+        return trl_templates.add_response_schema(tokenizer)
+    except ValueError:  # "Unrecognized chat template": set as its error message says, by hand
+        family = {"hermes": "qwen3", "llama3": "llama3"}[format_name]
+    if getattr(trl_templates, "_SUPPORTS_RESPONSE_TEMPLATE", False):  # transformers >= 5.13
+        tokenizer.response_template = getattr(trl_templates, f"{family}_template")
+    else:
+        tokenizer.response_schema = getattr(trl_templates, f"{family}_schema")
+    return tokenizer
+
+
 class TrlGrpoStep(TrlTrainerStep):
     """Drives a real ``GRPOTrainer``: its sampling on the step's prompts, its update on given rollouts."""
 
-    def __init__(self, model, tokenizer, settings, rewards, *, device: str = "cpu", **run):
-        """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``)."""
+    def __init__(self, model, tokenizer, settings, rewards, *, agents=None, device: str = "cpu", **run):
+        """``run``: the run's steps, lr, schedule, warmup_steps, seed and grad_accum (``trl_base.trainer_run``);
+        ``agents``: the run's tools (``objectives.grpo_agents.AgentPlan``), handed to TRL as its own
+        ``tools`` / ``environment_factory``."""
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
 
-        self.settings, self.seed = settings, run["seed"]
+        self.settings, self.seed, self.agents = settings, run["seed"], agents
         G = settings.num_generations
         placeholder = Dataset.from_list([{"prompt": tokenizer.eos_token}] * G)  # never iterated
+        tooling, extra = {}, {}
+        if agents is not None:
+            # TRL adds an environment's get_reward itself (weight 1, named after the class), as slipstream did
+            rewards = [fn for fn in rewards if fn.source != "grpo.environment"]
+            tooling = {
+                "tools": list(agents.toolset.functions) or None,
+                "environment_factory": agents.toolset.environment,
+            }
+            extra = {"max_tool_calling_iterations": agents.max_iterations}
+            tokenizer = _with_response_template(tokenizer, agents.format.name)
         super().__init__(
             lambda args: GRPOTrainer(
                 model=model,
@@ -71,6 +115,7 @@ class TrlGrpoStep(TrlTrainerStep):
                 args=args,
                 train_dataset=placeholder,
                 processing_class=tokenizer,
+                **tooling,
             ),
             GRPOConfig,
             prefix="slipstream-ab-trl-grpo-",
@@ -90,12 +135,16 @@ class TrlGrpoStep(TrlTrainerStep):
             num_iterations=1,
             mask_truncated_completions=settings.mask_truncated_completions,
             reward_weights=[fn.weight for fn in rewards],
+            **extra,
         )
         self.pad_id = self.trainer._tokenizer.pad_token_id
         self.generation_s = 0.0
-        generate = self.trainer._generate_single_turn
+        # the arm's generation: padding, generate, the EOS mask; with tools, every turn of its tool loop
+        # (the calls, each turn's whole trajectory generated again), as slipstream's includes its own
+        timed = "_generate" if agents is not None else "_generate_single_turn"
+        generate = getattr(self.trainer, timed)
 
-        def timed_generate(*args, **kwargs):  # the arm's generation: padding, generate, the EOS mask
+        def timed_generate(*args, **kwargs):
             started = time.perf_counter()
             try:
                 return generate(*args, **kwargs)
@@ -103,13 +152,19 @@ class TrlGrpoStep(TrlTrainerStep):
                 self.clock.sync()
                 self.generation_s += time.perf_counter() - started
 
-        self.trainer._generate_single_turn = timed_generate
+        setattr(self.trainer, timed, timed_generate)
         self.policies = [
             "TRL GRPOTrainer (no vLLM): each prompt repeated G times, left-padded and run through "
             "transformers' generate (every prompt prefilled G times), its rewards and advantages; the "
             "update through training_step on right-padded prompt + completion rows (logits_to_keep, "
             "per-token log-probs and entropies), its adamw_torch optimizer and clipping",
         ]
+        if agents is not None:
+            self.policies.append(
+                "TRL's tool loop (_tool_call_loop): each turn's calls parsed by parse_response and run, then "
+                "generate again on prompt + trajectory so far + results (the whole trajectory prefilled every "
+                "turn); tool results masked out of the loss (tool_mask)"
+            )
 
     def sample(self, rows: list[dict], step: int) -> dict:
         """TRL's sampling and scoring of ``rows`` (G completions each); its times and counts."""
@@ -123,12 +178,16 @@ class TrlGrpoStep(TrlTrainerStep):
         self.clock.sync()
         total = time.perf_counter() - started
         mask = output["completion_mask"]
+        if "tool_mask" in output:  # the tokens the model sampled, not the tool results
+            mask = mask * output["tool_mask"]
+        calls = trainer._metrics["train"].get("tools/call_frequency")
         trainer._metrics["train"].clear()
         return {
             "generation_s": self.generation_s,
             "scoring_s": total - self.generation_s,
             "completions": int(mask.size(0)),
             "generated_tokens": int(mask.sum()),
+            "tool_calls": calls[-1] if self.agents is not None and calls else None,
         }
 
     def _inputs(self, groups: list[dict], advantages: list[float], items: int) -> dict:
@@ -154,6 +213,9 @@ class TrlGrpoStep(TrlTrainerStep):
             "advantages": torch.tensor(advantages, dtype=torch.float32),
             "num_items_in_batch": torch.tensor(items),
         }
+        if any("model_masks" in g for g in groups):  # trajectories: TRL's tool_mask (1 sampled, 0 results)
+            masks = [torch.tensor(m) for g in groups for m in g["model_masks"]]
+            found["tool_mask"] = pad(masks, padding_value=1, padding_side="right")
         return {k: v.to(self.device) for k, v in found.items()}
 
     def update(self, micro_groups: list[list[dict]], micro_advantages: list[list[float]], items: int) -> dict:
