@@ -49,6 +49,16 @@ def broken(x: int) -> int:
     raise RuntimeError("the almanac is closed")
 
 
+async def nap(seconds: float) -> str:
+    """Sleep a while.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return "slept"
+
+
 def hangs(x: int) -> int:
     """Never returns in time.
 

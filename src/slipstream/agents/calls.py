@@ -143,10 +143,10 @@ class ToolFormat:
         return self.tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     # ------------------------------------------------------------------ rendering
-    def result_ids(self, calls: list[dict], results: list[tuple[str, str]]) -> list[int]:
+    def result_ids(self, calls: list[dict], results: list[tuple[str, str | list]]) -> list[int]:
         """The tokens after a turn that called ``calls``: each result as the template's ``tool`` message,
         then the next assistant turn's header."""
-        key = (json.dumps(calls, sort_keys=True, default=str), tuple(results))
+        key = json.dumps([calls, results], sort_keys=True, default=str)
         if key in self._suffixes:
             return self._suffixes[key]
         dummy = [

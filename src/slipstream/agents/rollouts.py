@@ -82,9 +82,7 @@ class _Loop:
         if not calls or t.turns - 1 >= self.cap:
             return None
         results = []
-        for call in calls:
-            function = call["function"]
-            result = box.call(function["name"], function["arguments"])
+        for result in box.call_turn([(c["function"]["name"], c["function"]["arguments"]) for c in calls]):
             t.calls += 1
             t.failures += int(result.failed)
             t.tool_s += result.seconds

@@ -11,19 +11,25 @@ TRL's convention, kept exactly:
   class defines it, scores the finished rollout as one more reward (weight 1, named after the class).
 - A tool that raises returns ``{"error": "<message>"}`` to the model (as text) and counts as a failure; the
   rollout goes on. So does a tool not in the set.
+- A turn's calls run as TRL runs them: the sync tools one after another in the trainer's own thread (a tool
+  may use ``signal``, as TRL's own agent example does), then the async tools concurrently; the results
+  follow in that order. A list result goes to the template as it is; anything else as ``str(result)``.
 
 Beyond TRL: a call that runs longer than ``grpo.tool_timeout_s`` is answered with
-``{"error": "timed out after N s"}`` (a failure) and the rollout goes on; the call's thread is left to
-finish in the background (Python cannot stop a thread), so a tool that can hang should hold no lock the
-next call needs. A result whose ``str()`` raises is an error result the same way. Whatever is wrong with a
-tool file or environment class (missing, not callable, no docstring or type hints for its schema, two tools
-of one name, no ``reset``) is one line at start, before anything is written.
+``{"error": "timed out after N s"}`` (a failure) and the rollout goes on. A sync tool is interrupted by a
+signal (SIGUSR2) sent to its thread, which breaks sleeps and blocking reads; one stuck inside a C call
+returns when that call does, and is still answered as timed out. Off the main thread (no signals there)
+the call runs in a worker thread that is left to finish in the background. A result that cannot be
+printed is an error result the same way. Whatever is wrong with a tool file or environment class
+(missing, not callable, no docstring or type hints for its schema, two tools of one name, no ``reset``)
+is one line at start, before anything is written.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -161,53 +167,150 @@ class ToolSet:
 @dataclass
 class ToolResult:
     name: str
-    content: str  # what the model reads, rendered as the template's tool message
+    content: str | list  # what the model reads: the result as text (a list as returned: TRL's rule)
     failed: bool
     seconds: float
 
 
+def _error(name: str, message: str, seconds: float = 0.0) -> ToolResult:
+    return ToolResult(name, str({"error": message}), True, seconds)
+
+
+def _content(name: str, value: Any, seconds: float) -> ToolResult:
+    """TRL's rendering of a result: a list goes to the template as it is (content blocks, or rows), anything
+    else as ``str(value)``; a result that cannot be printed is an error (beyond TRL, which would crash)."""
+    try:
+        content = value if isinstance(value, list) else str(value)
+        if isinstance(content, list):
+            str(content)
+    except Exception as error:
+        return _error(name, f"the result cannot be printed: {error}", seconds)
+    return ToolResult(name, content, False, seconds)
+
+
+class _ToolTimeout(BaseException):
+    """Raised in the calling thread when a sync tool overruns its time (a BaseException: the tool's own
+    ``except Exception`` does not swallow it)."""
+
+
+def _call_in_this_thread(fn: Callable, arguments: dict, timeout_s: float) -> Any:
+    """``fn(**arguments)`` in the caller's thread, as TRL calls a sync tool: a tool may use ``signal``
+    (TRL's own agent example times its query with ``signal.alarm``) or thread-local state. A watchdog
+    thread sends the main thread a real signal (SIGUSR2: it interrupts sleeps and blocking reads, and
+    leaves the tool's own SIGALRM alone) when the call overruns; its handler raises :class:`_ToolTimeout`."""
+    lock, done, fired, handled = threading.Lock(), threading.Event(), threading.Event(), threading.Event()
+    main = threading.main_thread().ident
+
+    def on_signal(signum, frame):
+        handled.set()
+        if fired.is_set():
+            raise _ToolTimeout
+
+    def watchdog():
+        if done.wait(timeout_s):
+            return
+        with lock:
+            if not done.is_set():
+                fired.set()
+                signal.pthread_kill(main, signal.SIGUSR2)
+
+    previous = signal.signal(signal.SIGUSR2, on_signal)
+    watcher = threading.Thread(target=watchdog, name="tool-watchdog", daemon=True)
+    try:
+        watcher.start()
+        try:
+            return fn(**arguments)
+        finally:
+            with lock:
+                done.set()
+            while fired.is_set() and not handled.is_set():  # the signal is on its way: take it here
+                time.sleep(0.001)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+        watcher.join()
+
+
+def _call_in_a_thread(fn: Callable, arguments: dict, timeout_s: float) -> Any:
+    """Off the main thread (no signals there): ``fn`` in a worker thread, abandoned when it overruns."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn(**arguments)
+        except Exception as error:
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name="tool", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise _ToolTimeout
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 @dataclass
 class Toolbox:
-    """One rollout's tools: called by name with keyword arguments, each call under the timeout."""
+    """One rollout's tools: a turn's calls run as TRL runs them, each under the timeout."""
 
     calls: dict[str, Callable]
     timeout_s: float
     environment: Any = None
 
     def call(self, name: str, arguments: Any) -> ToolResult:
-        began = time.perf_counter()
-        fn = self.calls.get(name)
-        if fn is None:
-            return ToolResult(name, str({"error": f"Tool {name} not found."}), True, 0.0)
-        if not isinstance(arguments, dict):
-            return ToolResult(
-                name, str({"error": f"arguments must be an object, got {arguments!r}"}), True, 0.0
-            )
-        outcome: dict[str, Any] = {}
+        """One call (a turn of one call)."""
+        (result,) = self.call_turn([(name, arguments)])
+        return result
 
-        def run() -> None:
+    def call_turn(self, calls: Sequence[tuple[str, Any]]) -> list[ToolResult]:
+        """A turn's calls, ``(name, arguments)`` each, answered in TRL's order: the sync tools' results (and
+        every call that failed at once: an unknown tool, bad arguments) in the order called, then the async
+        tools' results, which run concurrently. A call that raises or overruns is answered ``{'error': ...}``.
+        """
+        results: list[ToolResult] = []
+        pending: list[tuple[str, Any]] = []  # (name, coroutine)
+        for name, arguments in calls:
+            fn = self.calls.get(name)
+            began = time.perf_counter()
             try:
-                value = fn(**arguments)
-                if inspect.isawaitable(value):
-                    value = asyncio.run(_awaited(value))
-                outcome["value"] = value
-            except BaseException as error:  # a user's tool: whatever it raised goes back to the model
-                outcome["error"] = error
+                if fn is None:
+                    raise ValueError(f"Tool {name} not found.")
+                if not isinstance(arguments, dict):
+                    raise ValueError(f"arguments must be an object, got {arguments!r}")
+                if inspect.iscoroutinefunction(fn):
+                    pending.append((name, fn(**arguments)))
+                    continue
+                value = self._run_sync(fn, arguments)
+            except _ToolTimeout:
+                results.append(
+                    _error(name, f"timed out after {self.timeout_s:g} s", time.perf_counter() - began)
+                )
+                continue
+            except Exception as error:  # a user's tool: what it raised goes back to the model
+                results.append(_error(name, str(error), time.perf_counter() - began))
+                continue
+            results.append(_content(name, value, time.perf_counter() - began))
+        if pending:
+            results += asyncio.run(self._gather(pending))
+        return results
 
-        worker = threading.Thread(target=run, name=f"tool-{name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        seconds = time.perf_counter() - began
-        if worker.is_alive():
-            return ToolResult(name, str({"error": f"timed out after {self.timeout_s:g} s"}), True, seconds)
-        if "error" in outcome:
-            return ToolResult(name, str({"error": str(outcome["error"])}), True, seconds)
-        try:
-            content = str(outcome["value"])
-        except Exception as error:
-            return ToolResult(name, str({"error": f"the result cannot be printed: {error}"}), True, seconds)
-        return ToolResult(name, content, False, seconds)
+    def _run_sync(self, fn: Callable, arguments: dict) -> Any:
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
+            return _call_in_this_thread(fn, arguments, self.timeout_s)
+        return _call_in_a_thread(fn, arguments, self.timeout_s)
 
+    async def _gather(self, pending: list[tuple[str, Any]]) -> list[ToolResult]:
+        """The async calls of a turn, concurrently (TRL gathers them), each under the timeout."""
 
-async def _awaited(value):
-    return await value
+        async def one(name: str, coroutine) -> ToolResult:
+            began = time.perf_counter()
+            try:
+                value = await asyncio.wait_for(coroutine, self.timeout_s)
+            except TimeoutError:
+                return _error(name, f"timed out after {self.timeout_s:g} s", time.perf_counter() - began)
+            except Exception as error:
+                return _error(name, str(error), time.perf_counter() - began)
+            return _content(name, value, time.perf_counter() - began)
+
+        return list(await asyncio.gather(*(one(name, coroutine) for name, coroutine in pending)))

@@ -54,8 +54,8 @@ class Samples:
         """An evaluation's own samples after step ``step`` (rank 0); one whole, flushed line each."""
         if self.stream is None:
             return
-        for record in records:
-            self.stream.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+        for record in records:  # a tool's list result may hold values JSON has no type for: their str()
+            self.stream.write(json.dumps({"step": step, **record}, ensure_ascii=False, default=str) + "\n")
         self.stream.flush()
 
     def write(self, model: torch.nn.Module, tokenizer, step: int) -> None:
