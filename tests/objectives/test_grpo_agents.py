@@ -185,3 +185,87 @@ def test_with_vllms_log_probs_the_correction_reads_the_sampled_tokens_only(
     for record in steps:
         assert 0 < record["sampling_logp_difference"] < 50 and record["tool_calls_per_trajectory"] == 0.5
         assert 0.0 <= record["importance_sampling_clipped_share"] <= 1.0
+
+
+# The conventions of TRL's own agent example (examples/scripts/grpo_agent.py): the rewards walk the
+# trajectory's messages (a call's arguments as a dict, a tool message's content as the rows it returned);
+# the final answer is in stars
+TRL_EXAMPLE_REWARDS = """
+import re
+
+
+def correctness_reward(completions, answer, **kwargs):
+    scores = []
+    for completion, expected in zip(completions, answer, strict=False):
+        match = re.search(r"\\*(yes|no)\\*", completion[-1]["content"].lower())
+        scores.append(-0.5 if match is None else 0.6 if match.group(1) == expected else -1.0)
+    return scores
+
+
+def query_reward(completions, answer, **kwargs):
+    scores = []
+    for completion, expected in zip(completions, answer, strict=False):
+        queries = [
+            call["function"]["arguments"].get("sql_command", "").lower()
+            for turn in completion
+            for call in turn.get("tool_calls") or []
+        ]
+        rows = [row for turn in completion if turn.get("role") == "tool" for row in turn["content"]]
+        if not queries:
+            scores.append(-1.5)
+        else:
+            scores.append(2.0 if bool(rows) == (expected == "yes") else -1.5)
+    return scores
+"""
+
+
+def test_trls_agent_example_conventions_run_unchanged(
+    tmp_path, qwen3_model_dir, qwen3_tokenizer, monkeypatch
+):
+    """A tool timed by signal.alarm that returns rows (a list of tuples), and rewards that read the calls'
+    arguments and the rows, as TRL's agent example does: the run trains, the rewards see the rows."""
+    import sqlite3
+
+    from tests.agents.test_tools import TRL_DOCUMENTED
+
+    db = tmp_path / "genes.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("CREATE TABLE interactions (a TEXT, b TEXT)")
+        conn.execute("INSERT INTO interactions VALUES ('JNKK', 'MAPK8')")
+
+    def asks(text: str, g: int) -> str:
+        """g even queries, then answers from the rows; g odd answers at once."""
+        if g % 2:
+            return "*no*"
+        if "<tool_response>" not in text:
+            return call("query_rows", sql_command="SELECT * FROM interactions WHERE a = 'JNKK'")
+        return "*yes*" if "MAPK8" in text.rsplit("<tool_response>", 1)[1] else "*no*"
+
+    engine = ScriptedEngine(qwen3_tokenizer, asks, in_place=True)
+    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    config = agent_config(tmp_path, qwen3_model_dir)
+    (tmp_path / "trl_tools.py").write_text(TRL_DOCUMENTED.replace("DB = None", f"DB = {str(db)!r}"))
+    (tmp_path / "trl_rewards.py").write_text(TRL_EXAMPLE_REWARDS)
+    data = yaml.safe_load(config.read_text())
+    data["grpo"].update(
+        tools=["trl_tools.py:query_rows", "trl_tools.py:multiply"],
+        environment=None,
+        rewards=["trl_rewards.py:correctness_reward", "trl_rewards.py:query_reward"],
+    )
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Does JNKK interact with anything? ({i})"}], "answer": "yes"}
+        for i in range(8)
+    ]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config.write_text(yaml.safe_dump(data))
+    train(load_config(config), progress=False)
+    out = tmp_path / "out"
+    steps = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2
+    for record in steps:
+        assert record["tool_calls_per_trajectory"] == 0.5 and record["tool_failure_rate"] == 0.0
+        assert record["reward_correctness_reward"] == pytest.approx((0.6 - 1.0) / 2)
+        assert record["reward_query_reward"] == pytest.approx((2.0 - 1.5) / 2)  # the rows reached it
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    tool = next(m for s in samples for m in s["messages"] if m["role"] == "tool")
+    assert tool == {"role": "tool", "name": "query_rows", "content": [["JNKK", "MAPK8"]]}
