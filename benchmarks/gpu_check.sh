@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run (< 8.5 minutes on one H200: the timeouts add up to 495 s). Results go under $OUT (default ./out).
+# Every GPU check in one run (< 8.5 minutes on one H200: the timeouts add up to 515 s). Results go under $OUT (default ./out).
 # The lent machine is bare and offline: torch, transformers, peft, accelerate, tokenizers, pyyaml, rich,
 # tqdm and setuptools are there; what slipstream needs beyond them travels as wheels in .whl/
 # (benchmarks/gpu_wheels.sh downloads them here; the device call carries .whl). Nothing is fetched.
@@ -98,3 +98,8 @@ if python -c "import vllm" > /dev/null 2>&1; then
 else
   echo "vllm does not import on this machine: the engine's checks were skipped" | tee "$OUT/vllm_engine_tests.txt"
 fi
+
+# 8. Agents (issue 46): a trajectory's turns continue from its kept KV cache on CUDA, each tool result
+#    fed into its stopped row mid-batch, token for token what each whole sequence decoded alone gives.
+timeout 20 python -m pytest -q -m gpu tests/test_rollouts.py -k cuda -p no:cacheprovider > "$OUT/agents_kept_cache.txt" 2>&1
+echo "agents kept cache exit: $?" >> "$OUT/agents_kept_cache.txt"

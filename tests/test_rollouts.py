@@ -28,7 +28,8 @@ def greedy_alone(model, prompt, max_new_tokens, stops=()):
     out = []
     with torch.no_grad():
         for _ in range(max_new_tokens):
-            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            device = next(model.parameters()).device
+            logits = model(input_ids=torch.tensor([ids], device=device), use_cache=False).logits[0, -1]
             token = int(logits.argmax())
             out.append(token)
             ids.append(token)
@@ -131,7 +132,16 @@ def greedy_turns(model, prompt, budget, stops, results):
 def test_a_turn_goes_on_from_its_kept_cache_as_if_run_from_scratch(models):
     """turn_end feeds a tool's result into a row that stopped: rows of different prompts take in results
     of different lengths in one forward; every token is the one the whole sequence decoded alone gives."""
-    stock, packed = models
+    kept_cache_equals_from_scratch(*models)
+
+
+@pytest.mark.gpu
+def test_a_turn_goes_on_from_its_kept_cache_on_cuda(models):
+    """The same on a CUDA device (fp32): the agents' kept-cache turns (gpu_check.sh)."""
+    kept_cache_equals_from_scratch(*(copy.deepcopy(model).cuda() for model in models))
+
+
+def kept_cache_equals_from_scratch(stock, packed):
     stops = tuple(range(0, VOCAB, 5))  # a fifth of the vocabulary ends a turn: rows stop often
     budget = 24
 
