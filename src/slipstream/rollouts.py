@@ -244,14 +244,16 @@ class CachedSampler:
         params = self._forward_params(model)
         # the cache under the name this transformers takes (``cache``, or ``past_key_values`` before it)
         cached = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-        # logits_to_keep: the prefill's [B, L, V] logits are never built, the last position's only
-        last_only = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        # logits_to_keep: the prefill's [B, L, V] logits are never built, the last position's only (an
+        # index, not ``1``: see _feed)
+        last_only = "logits_to_keep" in params
+        keep = {"logits_to_keep": torch.tensor([width - 1], device=device)} if last_only else {}
         out = model(
             input_ids=ids,
             attention_mask=_prefill_mask(valid, dtype),
             position_ids=positions,
             **cached,
-            **last_only,
+            **keep,
         )
         logits = out.logits[:, -1]  # the cache was filled in place
         # the G samples of a prompt share its cache: repeated along the batch, not recomputed
@@ -308,7 +310,7 @@ class CachedSampler:
                 next_position = next_position + 1
             else:  # some rows take in a tool's result (after the token they drew), the others their token
                 out, valid, next_position = self._feed(
-                    model, {**cached, **last_only}, drawn_now, feed, valid, next_position, dtype
+                    model, cached, last_only, drawn_now, feed, valid, next_position, dtype
                 )
                 stats.prefill_tokens += sum(len(more) for more in feed.values())
             logits = out.logits[:, -1]
@@ -318,11 +320,12 @@ class CachedSampler:
         return Rollouts([done[p * num_generations : (p + 1) * num_generations] for p in range(count)], stats)
 
     @staticmethod
-    def _feed(model, cached, drawn: list[int], feed, valid, next_position, dtype):
+    def _feed(model, cached, last_only: bool, drawn: list[int], feed, valid, next_position, dtype):
         """One forward in which row i takes in its drawn token and, where ``feed[i]`` holds one, a tool's
         result after it: the rows' inputs right-aligned (left padding marked invalid, so every later query
         skips it), each token at its own position, causal within the chunk. ``drawn``: the step's tokens as
-        the host already read them (no second read)."""
+        the host already read them (no second read). ``last_only``: the model takes ``logits_to_keep``; the
+        last column's logits only are built."""
         device = valid.device
         inputs = [[token] + feed.get(i, []) for i, token in enumerate(drawn)]
         chunk = max(len(x) for x in inputs)
@@ -342,11 +345,16 @@ class CachedSampler:
             [keys[:, None, :past].expand(rows, chunk, past), causal[None] & real[:, None, :]], 2
         )
         allowed[:, torch.arange(chunk), past + torch.arange(chunk)] = True  # a padding query sees itself
+        # the last column as an index, not ``logits_to_keep=1``: the slice that takes would be a strided view
+        # of the hidden states, which the LM head's matmul cannot fold into one GEMM (it would broadcast its
+        # weight to [rows, width, vocab] and copy it); an index gathers a contiguous [rows, 1, width]
+        keep = {"logits_to_keep": torch.tensor([chunk - 1], device=device)} if last_only else {}
         out = model(
             input_ids=ids,
             attention_mask=_additive(allowed[:, None], dtype),
             position_ids=next_position[:, None] + offsets,
             **cached,
+            **keep,
         )
         lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long, device=device)
         return out, keys, next_position + lengths
