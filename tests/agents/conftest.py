@@ -69,6 +69,19 @@ def hangs(x: int) -> int:
     return x
 
 
+def stubborn(x: int) -> str:
+    """Swallows whatever interrupts it.
+
+    Args:
+        x: anything
+    """
+    try:
+        time.sleep(5)
+    except BaseException:
+        return "finished anyway"
+    return "slept"
+
+
 class Unprintable:
     def __str__(self):
         raise ValueError("no text")

@@ -210,6 +210,14 @@ def test_a_turns_results_follow_trls_order_and_its_async_calls_run_together(tool
     assert time.perf_counter() - began < 0.95  # two naps of 0.5 s at once, not one after the other
 
 
+def test_a_tool_that_swallows_the_interruption_is_timed_out_all_the_same(tool_file):
+    box, _ = load(tool_file, ["stubborn"], timeout_s=0.2).open({})
+    began = time.perf_counter()
+    result = box.call("stubborn", {"x": 1})
+    assert result.failed and result.content == "{'error': 'timed out after 0.2 s'}"
+    assert time.perf_counter() - began < 2.0  # interrupted, not slept out
+
+
 def test_a_hung_tool_times_out_off_the_main_thread_too(tool_file):
     import threading
 

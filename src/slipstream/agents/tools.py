@@ -219,12 +219,15 @@ def _call_in_this_thread(fn: Callable, arguments: dict, timeout_s: float) -> Any
     try:
         watcher.start()
         try:
-            return fn(**arguments)
+            value = fn(**arguments)
         finally:
             with lock:
                 done.set()
             while fired.is_set() and not handled.is_set():  # the signal is on its way: take it here
                 time.sleep(0.001)
+        if fired.is_set():  # overran, though the tool swallowed the interruption: timed out all the same
+            raise _ToolTimeout
+        return value
     finally:
         signal.signal(signal.SIGUSR2, previous)
         watcher.join()
