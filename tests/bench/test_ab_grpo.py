@@ -118,9 +118,12 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     packing = record["packing"]
     assert packing["tool_calls_per_trajectory"] == 0.5 and packing["turns_per_trajectory"] == 1.5
     assert 0 < packing["tool_token_share"] < 1 and packing["tool_failure_rate"] == 0.0
+    if "skipped" in record["summary"]["trl-grpo"]:  # TRL 1.8 (the floor) wants jmespath for tools
+        assert "jmespath" in record["summary"]["trl-grpo"]["skipped"]
+        arms.remove("trl-grpo")
     runs = {arm: record["runs"][arm][0] for arm in arms}
-    trl = runs.pop("trl-grpo")
-    assert any("TRL's tool loop" in policy for policy in trl["policies"])
+    trl = runs.pop(arms[0])  # TRL's arm, or where TRL cannot run here, slipstream's unshared arm
+    assert arms[0] != "trl-grpo" or any("TRL's tool loop" in policy for policy in trl["policies"])
     for arm, run in runs.items():
         assert all(calls is not None for calls in run["tool_calls"] + trl["tool_calls"]), (
             arm
