@@ -128,6 +128,14 @@ def windows_in_use(config) -> dict[str, int]:
     return found
 
 
+def _last_column(takes: bool, width: int, device) -> dict:
+    """``logits_to_keep`` for the last of ``width`` columns, where the model ``takes`` it: as an index, not
+    ``1``. The slice ``1`` makes is a strided view of the hidden states, which the LM head's matmul cannot
+    fold into one GEMM (it broadcast the head's weight to [rows, width, vocab] and copied it); an index
+    gathers a contiguous [rows, 1, hidden]."""
+    return {"logits_to_keep": torch.tensor([width - 1], device=device)} if takes else {}
+
+
 def check_sampleable(model: torch.nn.Module, longest: int) -> None:
     """Refuse a model whose attention the sampler's masks do not describe: a sliding window or
     chunked attention shorter than ``longest`` (prompt + completion), or layers that are not
@@ -244,16 +252,14 @@ class CachedSampler:
         params = self._forward_params(model)
         # the cache under the name this transformers takes (``cache``, or ``past_key_values`` before it)
         cached = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-        # logits_to_keep: the prefill's [B, L, V] logits are never built, the last position's only (an
-        # index, not ``1``: see _feed)
+        # logits_to_keep: the prefill's [B, L, V] logits are never built, the last position's only
         last_only = "logits_to_keep" in params
-        keep = {"logits_to_keep": torch.tensor([width - 1], device=device)} if last_only else {}
         out = model(
             input_ids=ids,
             attention_mask=_prefill_mask(valid, dtype),
             position_ids=positions,
             **cached,
-            **keep,
+            **_last_column(last_only, width, device),
         )
         logits = out.logits[:, -1]  # the cache was filled in place
         # the G samples of a prompt share its cache: repeated along the batch, not recomputed
@@ -345,16 +351,12 @@ class CachedSampler:
             [keys[:, None, :past].expand(rows, chunk, past), causal[None] & real[:, None, :]], 2
         )
         allowed[:, torch.arange(chunk), past + torch.arange(chunk)] = True  # a padding query sees itself
-        # the last column as an index, not ``logits_to_keep=1``: the slice that takes would be a strided view
-        # of the hidden states, which the LM head's matmul cannot fold into one GEMM (it would broadcast its
-        # weight to [rows, width, vocab] and copy it); an index gathers a contiguous [rows, 1, width]
-        keep = {"logits_to_keep": torch.tensor([chunk - 1], device=device)} if last_only else {}
         out = model(
             input_ids=ids,
             attention_mask=_additive(allowed[:, None], dtype),
             position_ids=next_position[:, None] + offsets,
             **cached,
-            **keep,
+            **_last_column(last_only, chunk, device),
         )
         lengths = torch.tensor([len(x) for x in inputs], dtype=torch.long, device=device)
         return out, keys, next_position + lengths

@@ -180,12 +180,10 @@ def _content(name: str, value: Any, seconds: float) -> ToolResult:
     """TRL's rendering of a result: a list goes to the template as it is (content blocks, or rows), anything
     else as ``str(value)``; a result that cannot be printed is an error (beyond TRL, which would crash)."""
     try:
-        content = value if isinstance(value, list) else str(value)
-        if isinstance(content, list):
-            str(content)
+        text = str(value)
     except Exception as error:
         return _error(name, f"the result cannot be printed: {error}", seconds)
-    return ToolResult(name, content, False, seconds)
+    return ToolResult(name, value if isinstance(value, list) else text, False, seconds)
 
 
 class _ToolTimeout(BaseException):

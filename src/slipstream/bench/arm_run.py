@@ -222,17 +222,14 @@ def open_arm(
     if spec.objective and objective_for(spec.objective).reads == "prompts":
         # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
         from .grpo_arms import GrpoArmSession
+        from .peers import PeerUnavailable
 
-        # a peer's trainer that misses an optional dependency of its own (TRL 1.8's tools want jmespath)
-        # cannot run here: the arm is skipped in the peer's words
         try:
             return GrpoArmSession(
                 config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir
             )
-        except ImportError as error:
-            if not spec.peer:
-                raise
-            return {"arm": arm, "skipped": f"{spec.peer}: {' '.join(str(error).split())}"}
+        except PeerUnavailable as error:  # the peer's trainer refused to start here, in its words
+            return {"arm": arm, "skipped": str(error)}
     return RowsArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
 
 

@@ -160,28 +160,13 @@ def _model_tokens(group: dict, index: int) -> int:
 def _tool_figures(records: list[dict], plan: list) -> dict:
     """What the shared trajectories did with their tools (each step's agent record, averaged over steps;
     the tool-result tokens counted over all)."""
-    every = [
-        len(g["completions"][i])
-        for step in plan
-        for micro in step
-        for g in micro
-        for i in range(len(g["completions"]))
-    ]
-    model = [
-        _model_tokens(g, i)
-        for step in plan
-        for micro in step
-        for g in micro
-        for i in range(len(g["completions"]))
-    ]
-    mean = lambda key: statistics.fmean(r[key] for r in records)  # noqa: E731
+    groups = [g for step in plan for micro in step for g in micro]
+    every = sum(len(c) for g in groups for c in g["completions"])
+    model = sum(_model_tokens(g, i) for g in groups for i in range(len(g["completions"])))
+    keys = ("tool_calls_per_trajectory", "tool_calling_share", "tool_failure_rate", "malformed_call_share")
     return {
-        "tool_calls_per_trajectory": mean("tool_calls_per_trajectory"),
-        "tool_calling_share": mean("tool_calling_share"),
-        "tool_failure_rate": mean("tool_failure_rate"),
-        "malformed_call_share": mean("malformed_call_share"),
-        "turns_per_trajectory": mean("turns_per_trajectory"),
-        "tool_token_share": 1 - sum(model) / sum(every),
+        **{key: statistics.fmean(r[key] for r in records) for key in (*keys, "turns_per_trajectory")},
+        "tool_token_share": 1 - model / every,
     }
 
 

@@ -31,6 +31,11 @@ Peer = Literal[
 ]
 
 
+class PeerUnavailable(RuntimeError):
+    """A peer's own trainer refused to start here for a reason of its own (an optional dependency of
+    the peer's that is missing): its arm is skipped with the peer's words."""
+
+
 class PeerStep(Protocol):
     """A peer stepped by the harness in the arm's process (``trl``, ``trl-dpo``): what ``RowsArmSession``
     calls of it, and nothing more."""

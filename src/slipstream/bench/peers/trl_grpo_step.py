@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from . import PeerUnavailable
 from .trl_base import TrlTrainerStep
 
 
@@ -108,35 +109,38 @@ class TrlGrpoStep(TrlTrainerStep):
             }
             extra = {"max_tool_calling_iterations": agents.max_iterations}
             tokenizer = _with_response_template(tokenizer, agents.format.name)
-        super().__init__(
-            lambda args: GRPOTrainer(
-                model=model,
-                reward_funcs=[_trl_reward(fn) for fn in rewards],
-                args=args,
-                train_dataset=placeholder,
-                processing_class=tokenizer,
-                **tooling,
-            ),
-            GRPOConfig,
-            prefix="slipstream-ab-trl-grpo-",
-            device=device,
-            **run,
-            per_device_train_batch_size=settings.prompts_per_batch * G,
-            num_generations=G,
-            max_completion_length=settings.max_new_tokens,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,
-            loss_type=settings.loss,
-            scale_rewards=settings.scale_rewards,
-            epsilon=settings.epsilon,
-            epsilon_high=settings.epsilon_high,
-            beta=settings.beta,
-            num_iterations=1,
-            mask_truncated_completions=settings.mask_truncated_completions,
-            reward_weights=[fn.weight for fn in rewards],
-            **extra,
-        )
+        try:  # TRL's own missing optional dependency (TRL 1.8's tools want jmespath): skipped in its words
+            super().__init__(
+                lambda args: GRPOTrainer(
+                    model=model,
+                    reward_funcs=[_trl_reward(fn) for fn in rewards],
+                    args=args,
+                    train_dataset=placeholder,
+                    processing_class=tokenizer,
+                    **tooling,
+                ),
+                GRPOConfig,
+                prefix="slipstream-ab-trl-grpo-",
+                device=device,
+                **run,
+                per_device_train_batch_size=settings.prompts_per_batch * G,
+                num_generations=G,
+                max_completion_length=settings.max_new_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+                loss_type=settings.loss,
+                scale_rewards=settings.scale_rewards,
+                epsilon=settings.epsilon,
+                epsilon_high=settings.epsilon_high,
+                beta=settings.beta,
+                num_iterations=1,
+                mask_truncated_completions=settings.mask_truncated_completions,
+                reward_weights=[fn.weight for fn in rewards],
+                **extra,
+            )
+        except ImportError as error:
+            raise PeerUnavailable(f"trl: {' '.join(str(error).split())}") from None
         self.pad_id = self.trainer._tokenizer.pad_token_id
         self.generation_s = 0.0
         # the arm's generation: padding, generate, the EOS mask; with tools, every turn of its tool loop
