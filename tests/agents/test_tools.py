@@ -193,11 +193,11 @@ def test_a_turns_results_follow_trls_order_and_its_async_calls_run_together(tool
     began = time.perf_counter()
     results = box.call_turn(
         [
-            ("nap", {"seconds": 0.5}),
+            ("nap", {"seconds": 1.0}),
             ("slow_echo", {"text": "a"}),
             ("add", {"a": 1, "b": 2}),
             ("nope", {}),
-            ("nap", {"seconds": 0.5}),
+            ("nap", {"seconds": 1.0}),
         ]
     )
     assert [(r.name, r.content) for r in results] == [
@@ -207,7 +207,7 @@ def test_a_turns_results_follow_trls_order_and_its_async_calls_run_together(tool
         ("slow_echo", "a"),
         ("nap", "slept"),
     ]
-    assert time.perf_counter() - began < 0.95  # two naps of 0.5 s at once, not one after the other
+    assert time.perf_counter() - began < 1.9  # two naps of 1 s at once, not one after the other
 
 
 def test_a_tool_that_swallows_the_interruption_is_timed_out_all_the_same(tool_file):
