@@ -118,7 +118,9 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     packing = record["packing"]
     assert packing["tool_calls_per_trajectory"] == 0.5 and packing["turns_per_trajectory"] == 1.5
     assert 0 < packing["tool_token_share"] < 1 and packing["tool_failure_rate"] == 0.0
-    if "skipped" in record["summary"]["trl-grpo"]:  # TRL 1.8 wants jmespath for tools (slipstream[trl] has it)
+    if (
+        "skipped" in record["summary"]["trl-grpo"]
+    ):  # TRL 1.8 wants jmespath for tools (slipstream[trl] has it)
         assert "jmespath" in record["summary"]["trl-grpo"]["skipped"]
         arms.remove("trl-grpo")
     runs = {arm: record["runs"][arm][0] for arm in arms}

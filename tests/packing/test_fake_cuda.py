@@ -292,3 +292,31 @@ def test_prefix_groups_sft_step_on_cuda_has_no_host_read(monkeypatch, family):
     assert merged == [5] * expected
     assert loss.device.type == "cuda" and loss.dtype == torch.float32
     assert all(p in grads and grads[p].dtype == p.dtype for p in model.parameters() if p.requires_grad)
+
+
+@requires_fake_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3-sliding"])
+def test_prefix_tree_sft_step_on_cuda_has_no_host_read(monkeypatch, family):
+    """An SFT step on a prefix tree of depth 3 (a node with three children, one with two of its own)
+    on fake CUDA: the varlen backend's two calls over every node's ancestors, the chunked loss read at
+    the rows' loss_positions / loss_targets, the backward by hand: no host read."""
+    from slipstream.data.prefix_tree import tree_items
+    from slipstream.packing.trees import collate_trees
+
+    merged = prefixed_varlen_calls(monkeypatch)
+    ids = DOCS[1]["input_ids"]
+    root, a, b = ids[:10], ids[10:16], ids[16:20]
+    rows = [root + a + ids[20:24], root + a + ids[24:30], root + b, root + ids[30:35], DOCS[2]["input_ids"]]
+    trees, _ = tree_items([{"input_ids": r, "labels": [-100] * 5 + r[5:]} for r in rows], 512)
+    with fake_cuda(cuda_available=True):
+        model = tiny_cuda_model(family)
+        slipstream.optimize(model)
+        skip_logit_probe(model)
+        batch = collate_trees(trees, device="cuda")
+        assert batch.parents == (-1, 0, 1, 1, 0, 0, -1)
+        loss, grads = train_step(model, batch)  # a host read anywhere would raise
+    layers = model.config.num_hidden_layers
+    windows = getattr(model.config, "layer_types", None) or []
+    assert merged == [7] * (layers - sum(kind == "sliding_attention" for kind in windows))
+    assert loss.device.type == "cuda" and loss.dtype == torch.float32
+    assert all(p in grads and grads[p].dtype == p.dtype for p in model.parameters() if p.requires_grad)

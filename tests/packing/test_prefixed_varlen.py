@@ -74,6 +74,26 @@ def groups_batch():
     return collate_groups(groups)
 
 
+def tree_batch():
+    """A prefix tree of depth 4: cousins, a row ending at an inner node, and a lone row."""
+    from slipstream.data.prefix_tree import tree_items
+    from slipstream.packing.trees import collate_trees
+
+    ids = list(range(1, 60))
+    spine = [ids[:5], ids[5:9], ids[9:12], ids[12:18]]
+    rows = [
+        sum(spine, []),
+        sum(spine[:3], []) + ids[20:24],
+        sum(spine[:2], []) + ids[24:27],
+        sum(spine[:2], []),
+        spine[0] + ids[30:33] + ids[33:35],
+        spine[0] + ids[30:33] + ids[40:44],
+        ids[50:56],
+    ]
+    trees, _ = tree_items([{"input_ids": r, "labels": r} for r in rows], 128)
+    return collate_trees(trees)
+
+
 def pairs_batch():
     return collate_pairs(
         [
@@ -83,7 +103,7 @@ def pairs_batch():
     )
 
 
-@pytest.mark.parametrize("make", [groups_batch, pairs_batch])
+@pytest.mark.parametrize("make", [groups_batch, pairs_batch, tree_batch])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
 def test_two_calls_merged_by_lse_equal_per_document_attention(monkeypatch, make, heads, kv_heads):
     monkeypatch.setattr(attention, "_varlen_ops", lambda: (reference_forward, reference_backward))

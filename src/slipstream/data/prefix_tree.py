@@ -12,16 +12,23 @@ that holds it, which needs it labelled the same in all of them). The root is emp
 the root spells the row. A row that is a prefix of another ends inside the other's path (on a node
 boundary: the trie splits there).
 
-This module builds the trie and counts what it saves (:class:`TrieReport`): the tokens a layer runs
-with the rows whole, with one shared start per group, and with the trie. The packed attention over a
-tree, its exact loss and its packing are not built yet: nothing in training reads this.
+This module builds the trie, counts what it saves (:class:`TrieReport`: the tokens a layer runs with
+the rows whole, with one shared start per group, and with the trie) and cuts it into trees that fit a
+packed row (:func:`share_rows_as_trees`), which :func:`slipstream.packing.trees.collate_trees` packs.
+
+A tree larger than a bin is split at its subtrees: a subtree that does not fit beside its path runs as
+a tree of its own that repeats the path (its ancestors' tokens once more, counted as
+``repeated_tokens``), and the others are packed best-fit into parts that each hold the path once.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from .binpack import best_fit_decreasing
 from .prefix_groups import find_groups
 
 Token = tuple[int, int]  # (id, label): two rows share a token only where both agree
@@ -102,8 +109,9 @@ class TrieReport:
         )
 
 
-def trie_report(rows: Sequence[dict], root: TrieNode | None = None) -> TrieReport:
-    """Count ``rows`` whole, with today's one shared start per group, and as a trie."""
+def trie_report(rows: Sequence[dict], root: TrieNode | None = None, with_groups: bool = True) -> TrieReport:
+    """Count ``rows`` whole, with today's one shared start per group (``with_groups``; else 0), and as
+    a trie."""
     root = root if root is not None else build_trie(rows)
     whole = sum(len(r["input_ids"]) for r in rows)
     tokens_by_level: dict[int, int] = {}
@@ -117,9 +125,13 @@ def trie_report(rows: Sequence[dict], root: TrieNode | None = None) -> TrieRepor
         saved_by_level[depth] = saved_by_level.get(depth, 0) + (below - 1) * len(node.ids)
     trie = sum(tokens_by_level.values())
     # today's one level (prefix_groups.find_groups, before its groups are split to fit bins)
-    one_start = sum(
-        shared + sum(len(rows[i]["input_ids"]) - shared for i in members)
-        for shared, members in find_groups(rows)
+    one_start = (
+        sum(
+            shared + sum(len(rows[i]["input_ids"]) - shared for i in members)
+            for shared, members in find_groups(rows)
+        )
+        if with_groups
+        else 0
     )
     depth = max((d for _, d in root.walk()), default=0)
     return TrieReport(len(rows), whole, one_start, trie, depth, tokens_by_level, saved_by_level)
@@ -135,3 +147,186 @@ def _rows_below(root: TrieNode) -> dict[int, int]:
 
     count(root)
     return counts
+
+
+Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
+
+
+def _size(node: TrieNode, cache: dict[int, int]) -> int:
+    """Tokens of ``node`` and everything below it (memoised by ``id``)."""
+    if id(node) not in cache:
+        cache[id(node)] = len(node.ids) + sum(_size(child, cache) for child in node.children)
+    return cache[id(node)]
+
+
+def _fit(
+    node: TrieNode, path: TrieNode, max_tokens: int, sizes: dict[int, int]
+) -> tuple[list[TrieNode], int]:
+    """``node`` (below ``path``, its ancestors' tokens as one span) as trees of at most ``max_tokens``
+    each, every tree's first node the path and ``node``'s span; and the path tokens repeated."""
+    head = TrieNode(path.ids + node.ids, path.labels + node.labels, [], list(node.ends))
+    if len(head.ids) + _size(node, sizes) - len(node.ids) <= max_tokens:
+        head.children = list(node.children)
+        return [head], 0
+    room = max_tokens - len(head.ids)
+    parts: list[TrieNode] = []
+    repeated = 0  # beyond the trie: the path's tokens are the caller's to count, once per part
+    fitting = []
+    for child in node.children:
+        if _size(child, sizes) > room:  # runs as trees of its own, each repeating the head
+            pieces, more = _fit(child, head, max_tokens, sizes)
+            parts += pieces
+            repeated += more
+        else:
+            fitting.append(child)
+    groups = best_fit_decreasing(fitting, room, size=lambda child: _size(child, sizes))
+    if head.ends and not groups:
+        groups = [[]]  # rows that end at the head still run, in a part of their own
+    for number, children in enumerate(groups):
+        parts.append(TrieNode(head.ids, head.labels, list(children), head.ends if number == 0 else []))
+    # every part holds this node's span: the trie holds it once
+    repeated += len(node.ids) * (len(parts) - 1)
+    return parts, repeated
+
+
+def _as_tree(root: TrieNode) -> Tree:
+    """A trie node and what is below it as a packable tree: nodes in pre-order, a chain of single
+    children with no row ending between them joined into one node."""
+    nodes: list[dict[str, Any]] = []
+    ends: list[int] = []
+
+    def visit(node: TrieNode, parent: int) -> None:
+        ids, labels = list(node.ids), list(node.labels)
+        while len(node.children) == 1 and not node.ends:
+            node = node.children[0]
+            ids += node.ids
+            labels += node.labels
+        index = len(nodes)
+        nodes.append({"input_ids": ids, "labels": labels, "parent": parent})
+        ends.extend([index] * len(node.ends))
+        for child in node.children:
+            visit(child, index)
+
+    visit(root, -1)
+    return {"tree_nodes": nodes, "tree_rows": ends}
+
+
+def tree_tokens(tree: Tree, shared: bool = True) -> int:
+    """Tokens a tree takes in a packed row: every node once (``shared``), or its rows whole."""
+    nodes = tree["tree_nodes"]
+    if shared:
+        return sum(len(node["input_ids"]) for node in nodes)
+    total = 0
+    for end in tree["tree_rows"]:
+        while end >= 0:
+            total += len(nodes[end]["input_ids"])
+            end = nodes[end]["parent"]
+    return total
+
+
+@dataclass
+class TreeSharingReport:
+    """What running one step's rows as prefix trees saves, by level, and what splitting cost."""
+
+    rows: int = 0
+    trees: int = 0  # trees of two rows or more, before they are split to fit a bin
+    rows_in_trees: int = 0
+    parts: int = 0  # the packed trees those became
+    unshared_tokens: int = 0  # every row whole
+    trie_tokens: int = 0  # the trie: every shared history once
+    shared_tokens: int = 0  # the packed trees: the trie plus the paths splitting repeats
+    repeated_tokens: int = 0
+    depth: int = 0
+    saved_by_level: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.unshared_tokens - self.shared_tokens
+
+    @property
+    def saved_fraction(self) -> float:
+        return self.saved_tokens / self.unshared_tokens if self.unshared_tokens else 0.0
+
+    def summary(self) -> str:
+        if not self.trees:
+            return f"prefix trees: no two of {self.rows} rows start with the same tokens"
+        levels = ", ".join(
+            f"level {level}: {saved:,}" for level, saved in sorted(self.saved_by_level.items())
+        )
+        return (
+            f"prefix trees: {self.rows_in_trees} of {self.rows} rows in {self.trees} trees of depth up to "
+            f"{self.depth} ({self.parts} packed parts, {self.repeated_tokens:,} path tokens repeated to fit); "
+            f"{self.shared_tokens:,} tokens run instead of {self.unshared_tokens:,} ({self.saved_fraction:.1%} "
+            f"saved; the trie holds {self.trie_tokens:,}); saved by level: {levels}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "trees": self.trees,
+            "rows_in_trees": self.rows_in_trees,
+            "parts": self.parts,
+            "unshared_tokens": self.unshared_tokens,
+            "trie_tokens": self.trie_tokens,
+            "shared_tokens": self.shared_tokens,
+            "repeated_tokens": self.repeated_tokens,
+            "saved_fraction": round(self.saved_fraction, 4),
+            "depth": self.depth,
+            "saved_by_level": {str(level): saved for level, saved in sorted(self.saved_by_level.items())},
+        }
+
+
+def tree_items(rows: Sequence[dict], max_tokens: int) -> tuple[list[Tree], TreeSharingReport]:
+    """``rows`` (each at most ``max_tokens``) as prefix trees of at most ``max_tokens`` tokens each: one
+    per first token's subtree of the trie, split where it does not fit (module docstring)."""
+    longest = max((len(row["input_ids"]) for row in rows), default=0)
+    if longest > max_tokens:
+        raise ValueError(f"a row of {longest} tokens does not fit {max_tokens}: pack rows whole first")
+    root = build_trie(rows)
+    counts = trie_report(rows, root, with_groups=False)
+    report = TreeSharingReport(
+        rows=len(rows), unshared_tokens=counts.whole, trie_tokens=counts.trie, depth=counts.depth,
+        saved_by_level=counts.saved_by_level,
+    )  # fmt: skip
+    sizes: dict[int, int] = {}
+    below = _rows_below(root)
+    items: list[Tree] = []
+    for top in root.children:
+        if below[id(top)] > 1:
+            report.trees += 1
+            report.rows_in_trees += below[id(top)]
+        parts, repeated = _fit(top, TrieNode(), max_tokens, sizes)
+        report.repeated_tokens += repeated
+        trees = [_as_tree(part) for part in parts]
+        report.parts += len(trees) if below[id(top)] > 1 else 0
+        items += trees
+    report.shared_tokens = sum(tree_tokens(tree) for tree in items)
+    return items, report
+
+
+def share_rows_as_trees(
+    rows: Sequence[dict], max_seq_len: int, seed: int = 0
+) -> tuple[list[list[Tree]], TreeSharingReport]:
+    """Rows that each fit a bin (one step's) as prefix trees packed best-fit by their size: bins of
+    trees, fewer or shorter than the rows' own where they share histories."""
+    if max_seq_len < 2:
+        raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
+    items, report = tree_items(rows, max_seq_len)
+    rng = random.Random(seed)
+    rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
+    bins = best_fit_decreasing(items, max_seq_len, size=tree_tokens)
+    rng.shuffle(bins)
+    return bins, report
+
+
+def combined_tree_reports(reports: Sequence[TreeSharingReport]) -> TreeSharingReport:
+    """Several steps' reports as one (counts summed, the depth the deepest)."""
+    total = TreeSharingReport()
+    for report in reports:
+        for name in ("rows", "trees", "rows_in_trees", "parts", "unshared_tokens", "trie_tokens",
+                     "shared_tokens", "repeated_tokens"):  # fmt: skip
+            setattr(total, name, getattr(total, name) + getattr(report, name))
+        total.depth = max(total.depth, report.depth)
+        for level, saved in report.saved_by_level.items():
+            total.saved_by_level[level] = total.saved_by_level.get(level, 0) + saved
+    return total

@@ -73,15 +73,87 @@ class PackedBatch:
     # the next token of the row (a group's continuation is predicted from its prefix's last
     # token; a labelled prefix token counts once per continuation). None: ``labels[t + 1]``.
     loss_targets: torch.Tensor | None = None
+    # Per document of a prefix tree (:mod:`.trees`): the document it continues (its parent node), or
+    # -1 for a tree's first node. A node attends to every ancestor's tokens, whole, then causally to
+    # its own, its positions continuing from its parent's end; documents in depth-first pre-order, so
+    # a node's subtree is the documents right after it. None: no tree (``prefix_lens`` may be set).
+    parents: tuple[int, ...] | None = None
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def has_prefixes(self) -> bool:
+        """Whether some document attends to tokens outside itself (a shared prefix or tree ancestors)."""
+        if self.parents is not None:
+            return any(parent >= 0 for parent in self.parents)
         return self.prefix_lens is not None and any(self.prefix_lens)
 
+    def context_sources(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per document, what it attends to before its own tokens, in order: ``((document, tokens at
+        its start), ...)`` (a group's continuation: its prefix's source; a tree node: every ancestor,
+        root first, whole). Host ints, memoised; every consumer of shared context reads this."""
+
+        def build() -> tuple[tuple[tuple[int, int], ...], ...]:
+            if self.parents is None:
+                sources = self.prefix_sources or tuple(i - 1 for i in range(self.num_docs))
+                return tuple(
+                    () if span is None else ((source, span[1] - span[0]),)
+                    for span, source in zip(self.prefix_spans(), sources, strict=True)
+                )
+            if self.prefix_lens is not None and any(self.prefix_lens):
+                raise ValueError("a batch holds prefix groups or a prefix tree, not both")
+            found: list[tuple[tuple[int, int], ...]] = []
+            subtree_end = self.subtree_ends()
+            for number, parent in enumerate(self.parents):
+                if parent < 0:
+                    found.append(())
+                    continue
+                if not parent < number < subtree_end[parent]:
+                    raise ValueError(f"document {number}'s parent {parent} must be an earlier document")
+                found.append((*found[parent], (parent, self.seq_lens[parent])))
+            return tuple(found)
+
+        return self.memo("context_sources", build)
+
+    def subtree_ends(self) -> tuple[int, ...]:
+        """Per document of a tree, one past the last document of its subtree (pre-order: a node's
+        subtree is the documents from it up to there), memoised. Checks the pre-order."""
+
+        def build() -> tuple[int, ...]:
+            parents = self.parents or (-1,) * self.num_docs
+            open_path: list[int] = []  # the ancestors of the next document in pre-order
+            for number, parent in enumerate(parents):
+                while open_path and open_path[-1] != parent:
+                    open_path.pop()
+                if parent >= 0 and not open_path:
+                    raise ValueError(
+                        f"document {number}'s parent {parent} is not an open ancestor: documents of a tree "
+                        "must come in pre-order (a node right after its parent's earlier subtrees)"
+                    )
+                open_path.append(number)
+            ends = list(range(1, self.num_docs + 1))
+            for number in range(self.num_docs - 1, 0, -1):
+                if parents[number] >= 0:
+                    ends[parents[number]] = max(ends[parents[number]], ends[number])
+            return tuple(ends)
+
+        return self.memo("subtree_ends", build)
+
+    def context_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per document, the ``(start, end)`` row ranges it attends to before its own tokens, in the
+        order its row run alone holds them (memoised; Python ints)."""
+
+        def build() -> tuple[tuple[tuple[int, int], ...], ...]:
+            bounds = self.doc_bounds()
+            return tuple(
+                tuple((bounds[source][0], bounds[source][0] + n) for source, n in sources)
+                for sources in self.context_sources()
+            )
+
+        return self.memo("context_spans", build)
+
     def prefix_spans(self) -> tuple[tuple[int, int] | None, ...]:
-        """Per document, the ``(start, end)`` row range of the prefix it attends to before its own
-        tokens, or None (memoised; Python ints). Every consumer of prefixes reads this."""
+        """Per document, the ``(start, end)`` row range of the group prefix it attends to before its own
+        tokens, or None (memoised; Python ints); a tree's several spans: :meth:`context_spans`."""
 
         def build() -> tuple[tuple[int, int] | None, ...]:
             if self.prefix_lens is None:
@@ -110,9 +182,12 @@ class PackedBatch:
     @property
     def alone_lengths(self) -> tuple[int, ...]:
         """Each document's length as it would run alone: its own tokens plus the prefix it attends to."""
-        if self.prefix_lens is None:
+        if not self.has_prefixes:
             return self.seq_lens
-        return tuple(n + p for n, p in zip(self.seq_lens, self.prefix_lens, strict=True))
+        return tuple(
+            n + sum(k for _, k in sources)
+            for n, sources in zip(self.seq_lens, self.context_sources(), strict=True)
+        )
 
     @property
     def num_tokens(self) -> int:

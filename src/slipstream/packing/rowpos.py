@@ -299,11 +299,13 @@ def _length_aware_forward(module: torch.nn.Module, forward: Callable) -> Callabl
             # every continuation that shares it falls on the same side of the threshold (run alone,
             # prefix + continuation rotates every position, the prefix's too, with the factors of
             # its own length)
+            # (a tree node: every ancestor on the same side as it, so every row through a node is)
             alone = batch.alone_lengths
-            sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
-            for number, prefix in enumerate(batch.prefix_lens):
-                source = sources[number]
-                if prefix and (alone[number] > threshold) != (alone[source] > threshold):
+            for number, sources in enumerate(batch.context_sources()):
+                source = next(
+                    (s for s, _ in sources if (alone[number] > threshold) != (alone[s] > threshold)), None
+                )
+                if source is not None:
                     raise UnsupportedSharedPrefix(
                         f"{type(module).__name__}: longrope rotates a sequence with the factors of its length, "
                         f"and two sequences that share a prompt or prefix ({alone[source]} and {alone[number]} "

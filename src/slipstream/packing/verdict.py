@@ -359,12 +359,12 @@ def _per_document_forward(module: torch.nn.Module, forward: Callable) -> Callabl
                 + TRAIN_UNPACKED
             )
         pieces = []
-        for (start, end), span in zip(batch.doc_bounds(), batch.prefix_spans(), strict=True):
-            # a document that attends to a shared prefix (a preference pair's rejected answer,
-            # :mod:`.pairs`; a group's continuation, :mod:`.groups`): the mixer runs causally over
-            # the prefix's tokens, then its own
-            prefix = 0 if span is None else span[1] - span[0]
-            ranges = [(start, end)] if span is None else [span, (start, end)]
+        for (start, end), spans in zip(batch.doc_bounds(), batch.context_spans(), strict=True):
+            # a document that attends to shared context (a preference pair's rejected answer,
+            # :mod:`.pairs`; a group's continuation, :mod:`.groups`; a tree node, :mod:`.trees`): the
+            # mixer runs causally over that context's tokens (a tree's ancestors, root first), then its own
+            prefix = sum(e - s for s, e in spans)
+            ranges = [*spans, (start, end)]
             doc_args = [_take_tokens(a, ranges, length) for a in args]
             doc_kwargs = {
                 k: _take_tokens(v, ranges, length) for k, v in kwargs.items() if k not in _ROW_KWARGS

@@ -16,6 +16,11 @@ def flex_block_mask(batch: PackedBatch, window: int | None):
     def build():
         from torch.nn.attention.flex_attention import create_block_mask
 
+        if batch.parents is not None:
+            return create_block_mask(
+                _tree_mask_mod(batch, window), B=None, H=None, Q_LEN=batch.num_tokens, KV_LEN=batch.num_tokens,
+                device=batch.device,
+            )  # fmt: skip
         # per token, from the host lengths: where its document starts, and the shared prefix it
         # also sees (a range at the start of an earlier document, empty for most documents)
         starts, prefix_starts, prefix_ends = [], [], []
@@ -49,6 +54,30 @@ def flex_block_mask(batch: PackedBatch, window: int | None):
         return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device=batch.device)
 
     return batch.memo(("flex_block_mask", window), build)
+
+
+def _tree_mask_mod(batch: PackedBatch, window: int | None):
+    """A prefix tree's mask (:mod:`..trees`): a key is visible to a query in its own document causally,
+    and in any document whose subtree holds the query's (an ancestor: pre-order makes a subtree the
+    documents from the node to ``subtree_ends``). Positions continue from the parent's end, so the
+    window compares position_ids, the positions the query's row run alone gives. O(T) host metadata."""
+    doc_of = []
+    for number, length in enumerate(batch.seq_lens):
+        doc_of += [number] * length
+    doc = torch.tensor(doc_of, device=batch.device)
+    subtree_end = torch.tensor(batch.subtree_ends(), device=batch.device)
+    positions = batch.position_ids[0]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_doc, kv_doc = doc[q_idx], doc[kv_idx]
+        own = (q_doc == kv_doc) & (kv_idx <= q_idx)
+        ancestor = (kv_doc < q_doc) & (q_doc < subtree_end[kv_doc])
+        allowed = own | ancestor
+        if window is not None:
+            allowed = allowed & (positions[kv_idx] > positions[q_idx] - window)
+        return allowed
+
+    return mask_mod
 
 
 def packed_flex_attention(

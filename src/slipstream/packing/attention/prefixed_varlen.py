@@ -1,5 +1,5 @@
-"""Varlen attention for a row with shared prefixes: two calls of torch's varlen kernel (each document
-over its own tokens; the prefixed documents over their prefix's keys) merged by their log-sum-exps,
+"""Varlen attention for a row with shared prefixes or a prefix tree: two calls of torch's varlen kernel
+(each document over its own tokens; the prefixed documents over their prefix's, or ancestors', keys) merged by their log-sum-exps,
 with the backward written out (the kernel drops the log-sum-exp's gradient)."""
 
 from __future__ import annotations
@@ -48,13 +48,14 @@ class PrefixPlan:
         key_rows: list[int] = []
         q_lens: list[int] = []
         k_lens: list[int] = []
-        for (start, end), span in zip(batch.doc_bounds(), batch.prefix_spans(), strict=True):
-            if span is None:
+        for (start, end), spans in zip(batch.doc_bounds(), batch.context_spans(), strict=True):
+            if not spans:
                 continue
             query_rows += range(start, end)
-            key_rows += range(*span)
+            for span in spans:  # a tree node's ancestors, root first: its row's keys before its own
+                key_rows += range(*span)
             q_lens.append(end - start)
-            k_lens.append(span[1] - span[0])
+            k_lens.append(sum(e - s for s, e in spans))
         device = batch.device
         self.query_rows = host_tensor(query_rows, device)
         self.key_rows = host_tensor(key_rows, device)

@@ -31,19 +31,20 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     lengths = list(batch.seq_lens)
     keys, values = key.split(lengths, 2), value.split(lengths, 2)
     readers = prefix_readers(batch)
-    key_prefixes: dict[int, torch.Tensor] = {}
-    value_prefixes: dict[int, torch.Tensor] = {}
+    key_prefixes: dict[int, list[torch.Tensor]] = {}
+    value_prefixes: dict[int, list[torch.Tensor]] = {}
     if readers:
-        # a shared prefix (a pair's prompt, a group's prefix): the first keys of its source document
-        # (a slice of that document's split, not of the row), handed to every document that reads it
-        # by one node whose backward sums their gradients in fp32 (:class:`_SharedPrefix`)
-        keys, key_prefixes = _share_prefixes(keys, readers)
-        values, value_prefixes = _share_prefixes(values, readers)
+        # shared context (a pair's prompt, a group's prefix, a tree node's ancestors): the first keys of
+        # each source document (a slice of that document's split, not of the row), handed to every
+        # document that reads it by one node whose backward sums their gradients in fp32
+        # (:class:`_SharedPrefix`); a tree node reads its ancestors' in order, root first
+        keys, key_prefixes = _share_prefixes(keys, readers, batch)
+        values, value_prefixes = _share_prefixes(values, readers, batch)
     outputs = []
     for number, (q, k, v) in enumerate(zip(query.split(lengths, 2), keys, values, strict=True)):
         if number in key_prefixes:
-            k = torch.cat([key_prefixes[number], k], dim=2)
-            v = torch.cat([value_prefixes[number], v], dim=2)
+            k = torch.cat([*key_prefixes[number], k], dim=2)
+            v = torch.cat([*value_prefixes[number], v], dim=2)
         outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
     return torch.cat(outputs, dim=1)
 

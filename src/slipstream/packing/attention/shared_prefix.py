@@ -1,6 +1,6 @@
-"""A shared prefix (a pair's prompt, a group's prefix) on the per-document paths: which documents read
-which source document's first tokens, and the autograd node that hands them those keys / values and
-sums their gradients in fp32."""
+"""Shared context (a pair's prompt, a group's prefix, a tree node's ancestors) on the per-document paths:
+which documents read which source document's first tokens, and the autograd node that hands them those
+keys / values and sums their gradients in fp32."""
 
 from __future__ import annotations
 
@@ -10,31 +10,36 @@ from ..batch import PackedBatch
 
 
 def prefix_readers(batch: PackedBatch) -> dict[int, tuple[tuple[int, int], ...]]:
-    """Per source document, the documents that attend to its first tokens as their shared prefix and
-    how many each reads: ``{source: ((document, prefix length), ...)}`` ({} without prefixes).
-    Host ints, memoised on the batch."""
+    """Per source document, the documents that attend to its first tokens as shared context and how
+    many each reads: ``{source: ((document, tokens), ...)}`` ({} without prefixes). Host ints,
+    memoised on the batch."""
 
     def build() -> dict[int, tuple[tuple[int, int], ...]]:
         found: dict[int, list[tuple[int, int]]] = {}
-        sources = batch.prefix_sources or range(-1, batch.num_docs - 1)
-        for number, span in enumerate(batch.prefix_spans()):
-            if span is not None:
-                found.setdefault(sources[number], []).append((number, span[1] - span[0]))
+        for number, sources in enumerate(batch.context_sources()):
+            for source, n in sources:
+                found.setdefault(source, []).append((number, n))
         return {source: tuple(docs) for source, docs in found.items()}
 
     return batch.memo("prefix_readers", build) if batch.has_prefixes else {}
 
 
-def _share_prefixes(parts, readers):
+def _share_prefixes(parts, readers, batch: PackedBatch):
     """``parts`` (one document's keys or values each, ``[1, Hkv, L, D]``) with every source document
-    routed through :class:`_SharedPrefix`; returns them and ``{document: its prefix slice}``."""
+    routed through :class:`_SharedPrefix`; returns them and ``{document: [its context's slices, in
+    order]}``."""
     parts = list(parts)
-    prefixes: dict[int, torch.Tensor] = {}
+    sliced: dict[tuple[int, int], torch.Tensor] = {}  # (source, reader) -> the slice it reads
     for source, docs in readers.items():
         whole, *slices = _SharedPrefix.apply(parts[source], tuple(n for _, n in docs))
         parts[source] = whole
-        prefixes.update(zip((number for number, _ in docs), slices, strict=True))
-    return parts, prefixes
+        sliced.update({(source, number): piece for (number, _), piece in zip(docs, slices, strict=True)})
+    contexts = {
+        number: [sliced[(source, number)] for source, _ in sources]
+        for number, sources in enumerate(batch.context_sources())
+        if sources
+    }
+    return parts, contexts
 
 
 class _SharedPrefix(torch.autograd.Function):
