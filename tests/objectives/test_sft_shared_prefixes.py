@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_sharing_takes_the_same_steps_on_the_same_rows_to_the_same_losses(tmp_pa
 def test_auto_decides_by_the_devices_cost_model_and_says_why_not_elsewhere(tmp_path):
     _, summary = train(config(tmp_path, "auto", "auto"), progress=False)
     found = summary["shared_prefixes"]
-    assert found["policy"].startswith("shared prefixes on (auto: modelled "), found
+    assert re.match(r"shared prefixes on as .* \(auto: modelled ", found["policy"]), found
     assert found["modelled_seconds"]["shared_s"] < found["modelled_seconds"]["whole_s"]
     _, summary = train(config(tmp_path, "auto", "no-chunked", chunked_loss=False), progress=False)
     assert "speedups.chunked_loss is off" in summary["shared_prefixes"]["policy"]
@@ -68,3 +69,69 @@ def test_auto_decides_by_the_devices_cost_model_and_says_why_not_elsewhere(tmp_p
 def test_on_without_what_it_needs_is_refused_by_key(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.yaml:\d+: data.share_prefixes on needs the chunked loss"):
         config(tmp_path, "on", "refused", chunked_loss=False)
+
+
+def multi_turn_file(path, chats: int = 4, turns: int = 4, seed: int = 0):
+    """Each chat of ``turns`` exchanges as ``turns`` rows (row k: the chat through the k-th answer), and
+    its last turn answered twice: rows share their histories at every level, not one start."""
+    import random
+
+    from tests.bench.test_ab_shared_prefixes import WORDS
+
+    rng = random.Random(seed)
+
+    def words(lo, hi):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+    with path.open("w") as f:
+        for _ in range(chats):
+            messages = [{"role": "system", "content": words(30, 40)}]
+            for turn in range(turns):
+                messages += [
+                    {"role": "user", "content": words(8, 16)},
+                    {"role": "assistant", "content": words(6, 14)},
+                ]
+                f.write(json.dumps({"messages": messages}) + "\n")
+                if turn == turns - 1:  # a second answer to the last question: a branch
+                    other = [*messages[:-1], {"role": "assistant", "content": words(6, 14)}]
+                    f.write(json.dumps({"messages": other}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("response_only", [True, False])
+def test_prefix_trees_take_the_same_steps_on_the_same_rows_to_the_same_losses(tmp_path, response_only):
+    def run(mode):
+        out = tmp_path / f"{mode}-{response_only}"
+        out.mkdir()
+        data = {
+            **TINY,
+            "data": {
+                "path": str(multi_turn_file(tmp_path / "turns.jsonl")),
+                "response_only": response_only,
+                "max_seq_len": 1024,
+                "share_prefixes": mode,
+            },
+            "training": {"epochs": 1, "grad_accum": 4, "checkpoint_every": 0},
+        }
+        _, summary = train(load_config(write_config(out, data)), progress=False)
+        return summary["shared_prefixes"], losses(out / "out"), micro_batches(out / "out")
+
+    tree, tree_curve, tree_micro = run("tree")
+    groups, groups_curve, _ = run("groups")
+    whole, whole_curve, whole_micro = run("off")
+    assert tree["on"] and tree["layout"] == "tree" and "as prefix trees" in tree["policy"], tree
+    assert tree["tree"]["depth"] >= 3 and tree["tree"]["saved_fraction"] > groups["saved_fraction"] + 0.1, (
+        tree
+    )
+    assert len(tree_curve) == len(whole_curve) >= 2
+    assert sum(tree_micro) < sum(whole_micro)
+    # fp32: the same rows a step, the same losses, every labelled shared token counted once per row
+    assert tree_curve == pytest.approx(whole_curve, rel=1e-5)
+    assert groups_curve == pytest.approx(whole_curve, rel=1e-5)
+
+
+def test_tree_without_what_it_needs_is_refused_by_key(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"config\.yaml:\d+: data.share_prefixes tree needs the packed attention"
+    ):
+        config(tmp_path, "tree", "refused", packed_attention=False)

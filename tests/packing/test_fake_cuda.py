@@ -307,7 +307,7 @@ def test_prefix_tree_sft_step_on_cuda_has_no_host_read(monkeypatch, family):
     ids = DOCS[1]["input_ids"]
     root, a, b = ids[:10], ids[10:16], ids[16:20]
     rows = [root + a + ids[20:24], root + a + ids[24:30], root + b, root + ids[30:35], DOCS[2]["input_ids"]]
-    trees, _ = tree_items([{"input_ids": r, "labels": [-100] * 5 + r[5:]} for r in rows], 512)
+    trees, _ = tree_items([{"input_ids": r, "labels": [-100] * 5 + r[5:]} for r in rows], 512, min_shared=1)
     with fake_cuda(cuda_available=True):
         model = tiny_cuda_model(family)
         slipstream.optimize(model)

@@ -90,7 +90,7 @@ def tree_batch():
         spine[0] + ids[30:33] + ids[40:44],
         ids[50:56],
     ]
-    trees, _ = tree_items([{"input_ids": r, "labels": r} for r in rows], 128)
+    trees, _ = tree_items([{"input_ids": r, "labels": r} for r in rows], 128, min_shared=1)
     return collate_trees(trees)
 
 

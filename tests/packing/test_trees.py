@@ -66,7 +66,7 @@ def test_a_hand_built_tree_lays_out_its_nodes_with_their_ancestors():
         {"input_ids": a + b + d, "labels": [x, x, 3, 4, 5, 9]},
         {"input_ids": a + [10, 11], "labels": [x, x, 3, 10, 11]},
     ]
-    (tree,), report = tree_items(rows, 64)
+    (tree,), report = tree_items(rows, 64, min_shared=1)
     assert [n["input_ids"] for n in tree["tree_nodes"]] == [a, b, c, d, [10, 11]]
     assert [n["parent"] for n in tree["tree_nodes"]] == [-1, 0, 1, 1, 0]
     assert report.trie_tokens == report.shared_tokens == 11 and report.unshared_tokens == 19
@@ -87,25 +87,42 @@ def test_a_tree_is_the_rows_it_came_from():
     for depth in range(2, 7):
         rows = branching_rows(depth, seed=depth)
         for max_tokens in (max(len(r["input_ids"]) for r in rows), 40, 400):
-            items, report = tree_items(rows, max_tokens)
+            items, report = tree_items(rows, max_tokens, min_shared=1)
             assert all(tree_tokens(tree) <= max_tokens for tree in items)
             key = lambda r: (r["input_ids"], r["labels"])  # noqa: E731
             assert sorted(map(key, unshared_tree_rows(items))) == sorted(map(key, rows))
-            assert report.shared_tokens == report.trie_tokens + report.repeated_tokens
+            assert report.shared_tokens == report.trie_tokens + report.repeated_tokens + report.short_tokens
             assert report.unshared_tokens == sum(len(r["input_ids"]) for r in rows)
         assert trie_report(rows).depth >= depth
-        bins, _ = share_rows_as_trees(rows, 400, seed=rng.randrange(9))
+        bins, _ = share_rows_as_trees(rows, 400, seed=rng.randrange(9), min_shared=1)
         assert sum(len(b) for b in bins) >= 2  # the tree and the row that shares nothing
 
 
 def test_a_tree_too_large_for_a_bin_repeats_its_path_and_says_so():
     rows = branching_rows(4, seed=5)
-    whole = tree_items(rows, 1000)[1]
+    whole = tree_items(rows, 1000, min_shared=1)[1]
     longest = max(len(r["input_ids"]) for r in rows)
-    items, report = tree_items(rows, longest)
+    items, report = tree_items(rows, longest, min_shared=1)
     assert report.parts > 1 and report.repeated_tokens > 0
     assert report.shared_tokens == whole.trie_tokens + report.repeated_tokens
     assert "path tokens repeated to fit" in report.summary()
+
+
+def test_a_shared_span_shorter_than_the_minimum_runs_in_each_child():
+    """Three rows share 20 tokens, then two of them 3 more (a role header): the 3 are not a level of
+    their own (an extra document for 3 tokens), each child holds them; the 20 stay shared."""
+    start, header = list(range(1, 21)), [30, 31, 32]
+    rows = [
+        {"input_ids": start + header + [40, 41], "labels": start + header + [40, 41]},
+        {"input_ids": start + header + [50], "labels": start + header + [50]},
+        {"input_ids": start + [60, 61], "labels": start + [60, 61]},
+    ]
+    (tree,), report = tree_items(rows, 64)
+    assert [n["input_ids"] for n in tree["tree_nodes"]] == [start, header + [40, 41], header + [50], [60, 61]]
+    assert report.short_tokens == 3 and report.shared_tokens == report.trie_tokens + 3
+    assert sorted(r["input_ids"] for r in unshared_tree_rows([tree])) == sorted(r["input_ids"] for r in rows)
+    (alone,) = tree_items(rows[:1], 64)[0]  # one row: one node
+    assert len(alone["tree_nodes"]) == 1
 
 
 def test_bad_trees_are_refused_by_name():
@@ -117,11 +134,11 @@ def test_bad_trees_are_refused_by_name():
     with pytest.raises(ValueError, match="does not have"):
         collate_trees([{"tree_nodes": [{**node, "parent": -1}], "tree_rows": [3]}])
     with pytest.raises(ValueError, match="pack rows whole first"):
-        tree_items([{"input_ids": [1] * 9, "labels": [1] * 9}], 8)
+        tree_items([{"input_ids": [1] * 9, "labels": [1] * 9}], 8, min_shared=1)
 
 
 def test_documents_out_of_pre_order_are_refused():
-    batch = collate_trees(tree_items(branching_rows(3), 400)[0])
+    batch = collate_trees(tree_items(branching_rows(3), 400, min_shared=1)[0])
     shuffled = dataclasses.replace(batch, parents=(-1, 0, -1, 1), seq_lens=(1, 1, 1, 1), _memo={})
     with pytest.raises(ValueError, match="pre-order"):
         shuffled.subtree_ends()
@@ -164,7 +181,7 @@ def assert_logits_exact(stock, packed, trees, atol=1e-5):
 def test_every_node_matches_its_row_run_alone(model_type, depth):
     stock = tiny(model_type)
     packed = slipstream.optimize(copy.deepcopy(stock), chunked_loss=False)
-    trees, _ = tree_items(branching_rows(depth, seed=depth, vocab=stock.config.vocab_size), 400)
+    trees, _ = tree_items(branching_rows(depth, seed=depth, vocab=stock.config.vocab_size), 400, min_shared=1)
     assert_logits_exact(stock, packed, trees)
 
 
@@ -172,7 +189,7 @@ def test_without_its_ancestors_a_node_would_differ():
     """The check sees a node that lost its ancestors (the test can fail)."""
     stock = tiny("llama")
     packed = slipstream.optimize(copy.deepcopy(stock), chunked_loss=False)
-    trees, _ = tree_items(branching_rows(3), 400)
+    trees, _ = tree_items(branching_rows(3), 400, min_shared=1)
     batch = collate_trees(trees)
     broken = dataclasses.replace(batch, parents=None, _memo={})
     assert max(node_errors(stock, packed, batch)) <= 1e-5
@@ -188,7 +205,7 @@ def test_flex_backend_runs_a_tree_exactly(model_type):
         pytest.skip(f"flex_attention does not run on this CPU ({why})")
     stock = tiny(model_type)
     packed = slipstream.optimize(copy.deepcopy(stock), chunked_loss=False, attention_backend="flex")
-    assert_logits_exact(stock, packed, tree_items(branching_rows(5, seed=2), 400)[0])
+    assert_logits_exact(stock, packed, tree_items(branching_rows(5, seed=2), 400, min_shared=1)[0])
 
 
 # ----------------------------------------------------------------------------- the SFT loss
@@ -224,7 +241,7 @@ def alone_loss(model, rows) -> torch.Tensor:
 def test_tree_loss_and_lora_grads_match_the_rows_packed_whole(model_type, depth):
     whole_model, tree_model = lora_pair(tiny(model_type))
     rows = branching_rows(depth, seed=10 + depth, vocab=whole_model.config.vocab_size)
-    trees, report = tree_items(rows, 400)
+    trees, report = tree_items(rows, 400, min_shared=1)
     assert report.saved_tokens > 0
     whole = collate_packed(rows)
     expected = alone_loss(whole_model, rows)  # the stock model, every row run alone

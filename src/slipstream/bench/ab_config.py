@@ -255,7 +255,10 @@ TRAIN_FLAGS = {
     ),
     "beta": ("preference.beta", "the preference objective's beta (dpo; orpo: its lambda)"),
     # rows that start with the same tokens run with that start once, in the arms that share (data.prefix_groups)
-    "share_prefixes": ("data.share_prefixes", "run rows' shared start once; auto: where the cost model says"),
+    "share_prefixes": (
+        "data.share_prefixes",
+        "run what rows share once: groups (one start), tree (every history); auto: where the cost model says",
+    ),
     "max_seq_len": ("data.max_seq_len", "tokens per packed micro-batch"),
     "overflow": ("data.overflow", "a sample longer than --max-seq-len: cut it, or split it in pieces"),
     "grad_accum": ("training.grad_accum", "micro-batches per step"),

@@ -16,9 +16,8 @@ import torch
 
 from ..compile import graph_counts
 from ..data.prefix_groups import unshared_tokens
-from ..objectives.sharing import PrefixSharing
+from ..objectives.sharing import PrefixSharing, layout_documents
 from ..offload import device_activation_bytes
-from ..packing.groups import group_documents
 from ..packing.pairs import counted_tokens, pair_documents
 from ..train.step import train_step
 from ..utilisation import docs_micro_batch, matmul_peak, profile_step
@@ -65,7 +64,7 @@ class RowsArmSession(ArmSession):
         # counts the model FLOPs of the rows' shared layout (the start once): the work the rows need.
         mode = "off" if spec.pairs else config.train.data.share_prefixes
         sharing = PrefixSharing(mode, config.train.data.max_seq_len, config.train.seed)
-        as_docs = pair_documents if spec.pairs else group_documents if mode != "off" else (lambda docs: docs)
+        as_docs = pair_documents if spec.pairs else layout_documents if mode != "off" else (lambda docs: docs)
         model_flops = [
             self.profile.step_flops(
                 docs_micro_batch(as_docs(docs))

@@ -52,8 +52,9 @@ class Arm:
     # ("unshared"), or as its peer collates them ("peer")
     pairs: Literal["shared", "unshared", "peer"] | None = None
     # rows that share a start (--share-prefixes): "unshared" packs every step's rows whole even where
-    # this arm could share (the leave-one-out of the sharing); None shares where the arm can
-    prefixes: Literal["unshared"] | None = None
+    # this arm could share (the leave-one-out of the sharing); "groups" / "tree" share in that layout
+    # (one shared start a group, or every shared history once); None shares as --share-prefixes says
+    prefixes: Literal["unshared", "groups", "tree"] | None = None
     # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
     objective: str | None = None
     engine: Literal["hf", "vllm"] = "hf"  # a GRPO arm's rollout engine (grpo.engine)
@@ -74,6 +75,8 @@ _FIXED_ARMS: dict[str, Arm] = {
     "slipstream-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="auto")),
     "slipstream-no-offload": Arm("packed", SLIPSTREAM.replace(checkpointing="recompute")),
     "slipstream-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared"),
+    "slipstream-prefix-groups": Arm("packed", SLIPSTREAM, prefixes="groups"),
+    "slipstream-prefix-tree": Arm("packed", SLIPSTREAM, prefixes="tree"),
     # The tools users would pick instead (bench/peers): each as that tool runs it, on our bins.
     "trl": Arm("packed", STOCK, stock=True, peer="trl"),
     "stock-offload": Arm(
@@ -121,6 +124,14 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
     # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
     # whole (bfd), slipstream without and with the start run once
     "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),
+    # multi-turn rows that share histories at several levels: TRL's SFTTrainer (bfd packing), slipstream
+    # with the rows whole, with one shared start per group (today's sharing) and as prefix trees
+    "prefix-trees": (
+        "trl",
+        "slipstream-no-prefix-sharing",
+        "slipstream-prefix-groups",
+        "slipstream-prefix-tree",
+    ),
     # --objective orpo: slipstream's packed pairs, with and without the prompt shared
     "orpo": ("slipstream-orpo-no-prefix-sharing", "slipstream-orpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)
@@ -300,7 +311,13 @@ def train_config_of(config, arm: str) -> TrainConfig:
             # documents are read through the cache (as ``ab`` always read them); a reference pass is
             # computed in every arm's process, not read back, so its time is the arm's own
             cache=objective_for(train.training.objective).reads == "samples",
-            share_prefixes=train.data.share_prefixes if shares_prefixes(arm) else "off",
+            share_prefixes=(
+                spec.prefixes
+                if spec.prefixes in ("groups", "tree")
+                else train.data.share_prefixes
+                if shares_prefixes(arm)
+                else "off"
+            ),
             eval_path=None,  # a timed A/B trains; it does not evaluate
             eval_fraction=None,
         ),

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from ..data import pack_samples
 from ..data.prefix_groups import combined, share_rows
+from ..data.prefix_tree import combined_tree_reports, share_rows_as_trees
 from ..data.steps import step_order
 from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
@@ -140,6 +141,13 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
             for number, step in enumerate(slim)
         ]
         record["sharing"] = combined(steps).as_dict()
+        trees = [
+            share_rows_as_trees([row for docs in step for row in docs], data.max_seq_len, seed=seed + number)[
+                1
+            ]
+            for number, step in enumerate(slim)
+        ]
+        record["sharing"]["tree"] = combined_tree_reports(trees).as_dict()
         record["sharing_policy"] = (
             f"--share-prefixes {data.share_prefixes}: each step's rows regrouped by the arms that share "
             "(the same rows a step as every other arm)"

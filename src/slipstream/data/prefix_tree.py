@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .binpack import best_fit_decreasing
-from .prefix_groups import find_groups
+from .prefix_groups import MIN_SHARED_TOKENS, find_groups
 
 Token = tuple[int, int]  # (id, label): two rows share a token only where both agree
 
@@ -149,6 +149,30 @@ def _rows_below(root: TrieNode) -> dict[int, int]:
     return counts
 
 
+def _without_short_spans(node: TrieNode, min_shared: int) -> int:
+    """Push every shared span shorter than ``min_shared`` down into its children (each holds it again):
+    a few shared tokens (a role header between two turns) save less than the extra document a level
+    costs. Returns the tokens this adds to the trie."""
+    added = 0
+    children = list(node.children)
+    kept: list[TrieNode] = []
+    while children:
+        child = children.pop()
+        if child.children and len(child.ids) < min_shared:
+            below = [
+                TrieNode(child.ids + g.ids, child.labels + g.labels, g.children, g.ends)
+                for g in child.children
+            ]
+            if child.ends:
+                below.append(TrieNode(list(child.ids), list(child.labels), [], child.ends))
+            added += len(child.ids) * (len(below) - 1)
+            children += below  # looked at again: joined to a short child they may still be short
+        else:
+            kept.append(child)
+    node.children = kept[::-1]
+    return added + sum(_without_short_spans(child, min_shared) for child in node.children)
+
+
 Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
 
 
@@ -236,6 +260,7 @@ class TreeSharingReport:
     trie_tokens: int = 0  # the trie: every shared history once
     shared_tokens: int = 0  # the packed trees: the trie plus the paths splitting repeats
     repeated_tokens: int = 0
+    short_tokens: int = 0  # shared spans shorter than MIN_SHARED_TOKENS, run once per child instead
     depth: int = 0
     saved_by_level: dict[int, int] = field(default_factory=dict)
 
@@ -255,7 +280,8 @@ class TreeSharingReport:
         )
         return (
             f"prefix trees: {self.rows_in_trees} of {self.rows} rows in {self.trees} trees of depth up to "
-            f"{self.depth} ({self.parts} packed parts, {self.repeated_tokens:,} path tokens repeated to fit); "
+            f"{self.depth} ({self.parts} packed parts, {self.repeated_tokens:,} path tokens repeated to fit, "
+            f"{self.short_tokens:,} in spans too short to share); "
             f"{self.shared_tokens:,} tokens run instead of {self.unshared_tokens:,} ({self.saved_fraction:.1%} "
             f"saved; the trie holds {self.trie_tokens:,}); saved by level: {levels}"
         )
@@ -270,15 +296,19 @@ class TreeSharingReport:
             "trie_tokens": self.trie_tokens,
             "shared_tokens": self.shared_tokens,
             "repeated_tokens": self.repeated_tokens,
+            "short_tokens": self.short_tokens,
             "saved_fraction": round(self.saved_fraction, 4),
             "depth": self.depth,
             "saved_by_level": {str(level): saved for level, saved in sorted(self.saved_by_level.items())},
         }
 
 
-def tree_items(rows: Sequence[dict], max_tokens: int) -> tuple[list[Tree], TreeSharingReport]:
+def tree_items(
+    rows: Sequence[dict], max_tokens: int, min_shared: int = MIN_SHARED_TOKENS
+) -> tuple[list[Tree], TreeSharingReport]:
     """``rows`` (each at most ``max_tokens``) as prefix trees of at most ``max_tokens`` tokens each: one
-    per first token's subtree of the trie, split where it does not fit (module docstring)."""
+    per first token's subtree of the trie, split where it does not fit (module docstring); a shared
+    span shorter than ``min_shared`` is not shared (every row below holds it in its own node)."""
     longest = max((len(row["input_ids"]) for row in rows), default=0)
     if longest > max_tokens:
         raise ValueError(f"a row of {longest} tokens does not fit {max_tokens}: pack rows whole first")
@@ -288,6 +318,9 @@ def tree_items(rows: Sequence[dict], max_tokens: int) -> tuple[list[Tree], TreeS
         rows=len(rows), unshared_tokens=counts.whole, trie_tokens=counts.trie, depth=counts.depth,
         saved_by_level=counts.saved_by_level,
     )  # fmt: skip
+    report.short_tokens = _without_short_spans(root, min_shared)
+    kept = trie_report(rows, root, with_groups=False)  # the levels as they run, short spans pushed down
+    report.depth, report.saved_by_level = kept.depth, kept.saved_by_level
     sizes: dict[int, int] = {}
     below = _rows_below(root)
     items: list[Tree] = []
@@ -305,13 +338,13 @@ def tree_items(rows: Sequence[dict], max_tokens: int) -> tuple[list[Tree], TreeS
 
 
 def share_rows_as_trees(
-    rows: Sequence[dict], max_seq_len: int, seed: int = 0
+    rows: Sequence[dict], max_seq_len: int, seed: int = 0, min_shared: int = MIN_SHARED_TOKENS
 ) -> tuple[list[list[Tree]], TreeSharingReport]:
     """Rows that each fit a bin (one step's) as prefix trees packed best-fit by their size: bins of
     trees, fewer or shorter than the rows' own where they share histories."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
-    items, report = tree_items(rows, max_seq_len)
+    items, report = tree_items(rows, max_seq_len, min_shared)
     rng = random.Random(seed)
     rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
     bins = best_fit_decreasing(items, max_seq_len, size=tree_tokens)
@@ -324,7 +357,7 @@ def combined_tree_reports(reports: Sequence[TreeSharingReport]) -> TreeSharingRe
     total = TreeSharingReport()
     for report in reports:
         for name in ("rows", "trees", "rows_in_trees", "parts", "unshared_tokens", "trie_tokens",
-                     "shared_tokens", "repeated_tokens"):  # fmt: skip
+                     "shared_tokens", "repeated_tokens", "short_tokens"):  # fmt: skip
             setattr(total, name, getattr(total, name) + getattr(report, name))
         total.depth = max(total.depth, report.depth)
         for level, saved in report.saved_by_level.items():

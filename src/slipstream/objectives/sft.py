@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from ..data import demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
-from ..data.prefix_groups import group_rows, unshared_tokens
 from ..data.steps import steps_per_epoch
 from ..errors import TrainError
 from ..packing import collate_packed
-from ..packing.groups import collate_groups, group_documents
+from ..packing.groups import collate_groups
+from ..packing.trees import collate_trees, is_tree
 from .base import (
     Objective,
     ObjectiveContext,
@@ -33,7 +33,7 @@ from .base import (
     tokenizer_refusals,
 )
 from .evaluation import EvalSet, eval_set, evaluate, split_rows
-from .sharing import LayoutCost, PrefixSharing
+from .sharing import LAYOUTS, LayoutCost, PrefixSharing, item_tokens, layout_documents, whole_rows
 
 logger = logging.getLogger("slipstream")
 
@@ -46,17 +46,18 @@ class SFT(Objective):
 
     @classmethod
     def validate(cls, config, fail) -> None:
-        if config.data.share_prefixes == "on":
+        if config.data.share_prefixes in ("on", "groups", "tree"):
+            mode = config.data.share_prefixes
             if config.speedups.packed_attention is False:
                 fail(
                     "data.share_prefixes",
-                    "data.share_prefixes on needs the packed attention (a row's own tokens attend to a start "
+                    f"data.share_prefixes {mode} needs the packed attention (a row's own tokens attend to a start "
                     "another row holds): set speedups.packed_attention true, or data.share_prefixes off",
                 )
             if config.speedups.chunked_loss is False:
                 fail(
                     "data.share_prefixes",
-                    "data.share_prefixes on needs the chunked loss (it reads a row's first target across the "
+                    f"data.share_prefixes {mode} needs the chunked loss (it reads a row's first target across the "
                     "shared start): set speedups.chunked_loss true (or leave it out), or data.share_prefixes off",
                 )
 
@@ -142,7 +143,10 @@ class SFT(Objective):
             steps, lambda: LayoutCost.of(context.base_model, context.device, context.dtype)
         )
         if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
-            self.sharing.on = info.sum(float(on) if info.is_main else 0.0) > 0.5
+            layouts = (None, *LAYOUTS)
+            code = layouts.index(self.sharing.layout if on else None)
+            chosen = layouts[round(info.sum(float(code) if info.is_main else 0.0))]
+            self.sharing.on, self.sharing.layout = chosen is not None, chosen
         logger.info("%s", self.sharing.policy)
         return self.sharing.policy
 
@@ -178,19 +182,24 @@ class SFT(Objective):
         return {"shared_prefixes": sharing.as_dict()}
 
     def weight(self, rows: Sequence[dict]) -> int:
-        return count_label_tokens(_whole_rows(rows))
+        return count_label_tokens(whole_rows(rows))
 
     def documents(self, rows: Sequence[dict]) -> list[dict]:
-        """A bin's documents as its packed row runs them (a group: its start once)."""
-        return group_documents(rows) if _grouped(rows) else list(rows)
+        """A bin's documents as its packed row runs them (a group: its start once; a tree: every node once)."""
+        return layout_documents(rows)
 
     def tokens(self, rows: Sequence[dict]) -> int:
         """The tokens of a bin's rows, every row whole: tokens/s with or without sharing counts the same."""
-        return unshared_tokens(rows)
+        return item_tokens(rows)
 
     # ------------------------------------------------------------------ the step
     def collate(self, rows, device, prepared: Any = None):
-        batch = collate_groups(rows, device=device) if _grouped(rows) else collate_packed(rows, device=device)
+        if rows and is_tree(rows[0]):
+            batch = collate_trees(rows, device=device)
+        elif _grouped(rows):
+            batch = collate_groups(rows, device=device)
+        else:
+            batch = collate_packed(rows, device=device)
         return batch.model_inputs(), batch.num_label_tokens
 
     def micro_weight(self, micro) -> int:
@@ -215,10 +224,6 @@ class SFT(Objective):
 
 def _grouped(rows: Sequence[dict]) -> bool:
     return bool(rows) and "continuations" in rows[0]
-
-
-def _whole_rows(rows: Sequence[dict]) -> list[dict]:
-    return [row for group in rows for row in group_rows(group)] if _grouped(rows) else list(rows)
 
 
 def check_labels_left(no_labels: int, config) -> None:

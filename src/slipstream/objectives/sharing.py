@@ -1,11 +1,18 @@
-"""``data.share_prefixes`` on a run's steps: whether a step's rows run with their shared start once.
+"""``data.share_prefixes`` on a run's steps: whether a step's rows run with what they share once.
 
 Which rows each optimizer step trains is fixed before any layout is chosen (``data.steps``: the rows
-packed whole, a seeded order of their bins). Sharing only regroups one step's rows
-(:func:`slipstream.data.prefix_groups.share_rows`) into micro-batches that hold each shared start
-once: fewer or shorter micro-batches, the same rows, the same loss and gradient. So ``auto`` never
-changes what a run trains, only how fast a step runs, and ``train`` and ``slipstream ab`` both take
-their micro-batches from :class:`PrefixSharing`.
+packed whole, a seeded order of their bins). Sharing only regroups one step's rows into micro-batches
+that hold each shared part once: fewer or shorter micro-batches, the same rows, the same loss and
+gradient. Two layouts: **groups**, one shared start per group of rows
+(:func:`slipstream.data.prefix_groups.share_rows`), and **trees**, every shared history once at every
+level (:func:`slipstream.data.prefix_tree.share_rows_as_trees`: multi-turn rows, reasoning chats whose
+earlier reasoning is dropped, agent steps). ``auto`` never changes what a run trains, only how fast a
+step runs, and ``train`` and ``slipstream ab`` both take their micro-batches from
+:class:`PrefixSharing`.
+
+The modes: ``off``; ``groups`` / ``tree`` (that layout, forced); ``on`` (sharing forced, the layout the
+cost model, or the token count, finds faster); ``auto`` (the faster layout where it is modelled at least
+``AUTO_MIN_SAVING`` faster than the rows whole; the policy line says what each layout saves).
 
 ``auto`` decides by a cost model of this device, not by a token count (:class:`LayoutCost`): a step's
 modelled time is its tokens at the linear layers' FLOPs over the measured matmul peak, plus, per
@@ -23,7 +30,10 @@ from typing import Any
 
 import torch
 
-from ..data.prefix_groups import SharingReport, combined, share_rows
+from ..data.prefix_groups import SharingReport, combined, group_rows, share_rows
+from ..data.prefix_tree import TreeSharingReport, combined_tree_reports, share_rows_as_trees, tree_tokens
+from ..packing.groups import group_documents
+from ..packing.trees import is_tree, unshared_tree_rows
 
 # ``auto`` shares when the model says the shared micro-batches take at most this much less time.
 AUTO_MIN_SAVING = 0.02
@@ -84,8 +94,17 @@ class LayoutCost:
 
 
 def document_shapes(items: Sequence[Sample]):
-    """``(own tokens, shared prefix it attends to)`` per document of a micro-batch's documents or groups."""
+    """``(own tokens, shared context it attends to)`` per document of a micro-batch's documents, groups
+    or trees."""
     for item in items:
+        if is_tree(item):
+            nodes = item["tree_nodes"]
+            context: list[int] = []
+            for node in nodes:
+                parent = node["parent"]
+                context.append(0 if parent < 0 else context[parent] + len(nodes[parent]["input_ids"]))
+                yield len(node["input_ids"]), context[-1]
+            continue
         if "continuations" not in item:
             yield len(item["input_ids"]), 0
             continue
@@ -96,69 +115,156 @@ def document_shapes(items: Sequence[Sample]):
             yield own, prefix
 
 
+def layout_documents(items: Sequence[Sample]) -> list[Sample]:
+    """A micro-batch's items as its packed row runs them (a group: its start once; a tree: every node
+    once), for a model-FLOP count (the attention to shared context is not counted)."""
+    docs: list[Sample] = []
+    for item in items:
+        if is_tree(item):
+            docs += [{"input_ids": n["input_ids"], "labels": n["labels"]} for n in item["tree_nodes"]]
+        elif "continuations" in item:
+            docs += group_documents([item])
+        else:
+            docs.append(item)
+    return docs
+
+
+def whole_rows(items: Sequence[Sample]) -> list[Sample]:
+    """The rows a micro-batch's items hold, each whole."""
+    rows: list[Sample] = []
+    for item in items:
+        if is_tree(item):
+            rows += unshared_tree_rows([item])
+        elif "continuations" in item:
+            rows += group_rows(item)
+        else:
+            rows.append(item)
+    return rows
+
+
+def item_tokens(items: Sequence[Sample]) -> int:
+    """The tokens of the rows in ``items`` counted whole (tokens/s counts the same in every layout)."""
+    total = 0
+    for item in items:
+        if is_tree(item):
+            total += tree_tokens(item, shared=False)
+        else:
+            total += sum(len(row["input_ids"]) for row in whole_rows([item]))
+    return total
+
+
+LAYOUTS = ("groups", "tree")
+
+
 class PrefixSharing:
     """A run's ``data.share_prefixes``: its decision (``decide``), and each step's micro-batches."""
 
     def __init__(self, mode: str, max_seq_len: int, seed: int, unable: str | None = None):
         self.mode, self.max_seq_len, self.seed, self.unable = mode, max_seq_len, seed, unable
         self.on = False
+        self.layout: str | None = None  # "groups" or "tree" once on
         self.report: SharingReport | None = None
+        self.tree_report: TreeSharingReport | None = None
         self.policy = "shared prefixes off (data.share_prefixes: off): every row runs whole"
         self.modelled: dict[str, float] | None = None
 
-    def share(self, bins: Sequence[Sequence[Sample]], step: int = 0) -> list[list[Sample]]:
-        """One rank's bins of one step (whole rows) as micro-batches of groups: the same rows."""
+    def _layout_of(self, rows: list[Sample], step: int, layout: str):
+        if layout == "tree":
+            return share_rows_as_trees(rows, self.max_seq_len, seed=self.seed + step)
+        return share_rows(rows, self.max_seq_len, seed=self.seed + step)
+
+    def share(
+        self, bins: Sequence[Sequence[Sample]], step: int = 0, layout: str | None = None
+    ) -> list[list[Sample]]:
+        """One rank's bins of one step (whole rows) as micro-batches of groups or trees: the same rows.
+        ``layout``: that one (else the decided one, or the mode's own)."""
         rows = [row for rows_of_bin in bins for row in rows_of_bin]
-        return share_rows(rows, self.max_seq_len, seed=self.seed + step)[0]
+        layout = layout or self.layout or ("tree" if self.mode == "tree" else "groups")
+        return self._layout_of(rows, step, layout)[0]
 
     def decide(
         self, steps: Sequence[Sequence[Sequence[Sample]]], cost: Callable[[], LayoutCost] | None
     ) -> bool:
         """Decide on the first epoch's steps (``steps[i]``: step i's bins, whole rows, one rank's);
-        ``cost`` builds the device's cost model (``auto`` only). Sets ``on``, ``report``, ``policy``."""
+        ``cost`` builds the device's cost model (``auto`` / ``on``). Sets ``on``, ``layout``, the
+        reports, ``policy``."""
         if self.mode == "off":
             return False
         steps = list(steps)[:AUTO_MODELLED_STEPS]
-        reports, shared_steps = [], []
-        for number, bins in enumerate(steps):
-            rows = [row for rows_of_bin in bins for row in rows_of_bin]
-            shared, report = share_rows(rows, self.max_seq_len, seed=self.seed + number)
-            reports.append(report)
-            shared_steps.append(shared)
-        self.report = combined(reports)
-        summary = self.report.summary() + f" (over {len(steps)} steps, each step's own rows)"
-        if self.mode == "on":
-            self.on, self.policy = True, f"shared prefixes on (data.share_prefixes: on): {summary}"
+        candidates = [self.mode] if self.mode in LAYOUTS else list(LAYOUTS)
+        shared_steps: dict[str, list] = {}
+        summaries: list[str] = []
+        for layout in candidates:
+            reports, micro = [], []
+            for number, bins in enumerate(steps):
+                rows = [row for rows_of_bin in bins for row in rows_of_bin]
+                shared, report = self._layout_of(rows, number, layout)
+                reports.append(report)
+                micro.append(shared)
+            shared_steps[layout] = micro
+            if layout == "tree":
+                self.tree_report = combined_tree_reports(reports)
+                summaries.append(self.tree_report.summary())
+            else:
+                self.report = combined(reports)
+                summaries.append(self.report.summary())
+        summary = "; ".join(summaries) + f" (over {len(steps)} steps, each step's own rows)"
+        saved = {
+            layout: (self.tree_report if layout == "tree" else self.report).saved_tokens
+            for layout in candidates
+        }
+        if self.mode in LAYOUTS:
+            self.on, self.layout = True, self.mode
+            self.policy = (
+                f"shared prefixes on as {self._name(self.mode)} (data.share_prefixes: {self.mode}): {summary}"
+            )
             return True
-        if self.unable:
+        if self.unable and self.mode == "auto":
             self.policy = f"shared prefixes off (auto: {self.unable}): {summary}"
             return False
-        if not self.report.groups:
+        if max(saved.values()) <= 0 and self.mode == "auto":
             self.policy = f"shared prefixes off (auto): {summary}"
             return False
-        model = cost() if cost is not None else None
+        by_tokens = max(candidates, key=lambda layout: (saved[layout], layout == "groups"))
+        model = cost() if cost is not None and self.mode == "auto" else None
         if model is None or not (model.token_seconds or model.pair_seconds):
-            self.on = self.report.saved_tokens > 0
+            self.on = self.mode == "on" or saved[by_tokens] > 0
+            self.layout = by_tokens if self.on else None
             self.policy = (
-                f"shared prefixes {'on' if self.on else 'off'} (auto, no cost model: by tokens): {summary}"
+                f"shared prefixes {'on as ' + self._name(by_tokens) if self.on else 'off'} ({self.mode}"
+                f"{'' if self.mode == 'on' else ', no cost model'}: the layout that runs fewer tokens): {summary}"
             )
             return self.on
         whole = sum(model.seconds(bins) for bins in steps)
-        shared = sum(model.seconds(micro) for micro in shared_steps)
-        self.modelled = {"whole_s": whole, "shared_s": shared}
-        ratio = shared / whole if whole else 1.0
+        modelled = {
+            layout: sum(model.seconds(micro) for micro in shared_steps[layout]) for layout in candidates
+        }
+        best = min(candidates, key=lambda layout: modelled[layout])
+        self.modelled = {"whole_s": whole, "shared_s": modelled[best]}
+        self.modelled.update({f"{layout}_s": seconds for layout, seconds in modelled.items()})
+        ratio = modelled[best] / whole if whole else 1.0
         self.on = ratio <= 1 - AUTO_MIN_SAVING
-        verdict = "on" if self.on else "off"
+        self.layout = best if self.on else None
+        each = ", ".join(
+            f"{self._name(layout)} {modelled[layout] / whole if whole else 1.0:.2f}x" for layout in candidates
+        )
         self.policy = (
-            f"shared prefixes {verdict} (auto: modelled {ratio:.2f}x the whole rows' time on this device, "
-            f"{'at most' if self.on else 'above'} {1 - AUTO_MIN_SAVING:.2f}x): {summary}"
+            f"shared prefixes {'on as ' + self._name(best) if self.on else 'off'} (auto: modelled {ratio:.2f}x "
+            f"the whole rows' time on this device, {'at most' if self.on else 'above'} {1 - AUTO_MIN_SAVING:.2f}x; "
+            f"{each}): {summary}"
         )
         return self.on
 
+    @staticmethod
+    def _name(layout: str) -> str:
+        return "prefix trees" if layout == "tree" else "one shared start a group"
+
     def as_dict(self) -> dict[str, Any]:
-        found: dict[str, Any] = {"policy": self.policy, "on": self.on}
+        found: dict[str, Any] = {"policy": self.policy, "on": self.on, "layout": self.layout}
         if self.report is not None:
             found.update(self.report.as_dict())
+        if self.tree_report is not None:
+            found["tree"] = self.tree_report.as_dict()
         if self.modelled is not None:
             found["modelled_seconds"] = {k: round(v, 6) for k, v in self.modelled.items()}
         return found

@@ -56,11 +56,12 @@ class DataConfig:
     max_seq_len: Annotated[int, Range(ge=2)] = 1024
     overflow: Literal["truncate", "split"] = "truncate"
     cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
-    # rows that start with the same tokens (a system prompt, a prompt's N answers) run with that
-    # start once (data.prefix_groups): each step's own rows regrouped, never other rows (data.steps);
-    # auto: where the device's cost model says it saves time and the packed attention and the
-    # chunked loss run (objectives.sharing)
-    share_prefixes: Literal["auto", "on", "off"] = "auto"
+    # rows that share tokens run them once: each step's own rows regrouped, never other rows
+    # (data.steps). "groups": one shared start per group of rows (data.prefix_groups); "tree": every
+    # shared history once, at every level (data.prefix_tree: multi-turn rows, reasoning chats, agent
+    # steps); "on": the faster of the two; auto: the faster where the device's cost model says it saves
+    # time and the packed attention and the chunked loss run (objectives.sharing)
+    share_prefixes: Literal["auto", "on", "off", "groups", "tree"] = "auto"
     # render chats with this template instead of the tokenizer's: a .jinja (text) file, or a
     # model / tokenizer directory whose template is taken
     chat_template: str | None = None
