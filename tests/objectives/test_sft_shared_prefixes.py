@@ -135,3 +135,40 @@ def test_tree_without_what_it_needs_is_refused_by_key(tmp_path):
         ConfigError, match=r"config\.yaml:\d+: data.share_prefixes tree needs the packed attention"
     ):
         config(tmp_path, "tree", "refused", packed_attention=False)
+
+
+def test_history_steps_keep_a_chats_rows_together_for_every_layout(tmp_path):
+    """data.step_order histories: the same steps for off and tree (the same losses, fp32), and the trees
+    of those steps run fewer tokens than the shuffled plan's (a chat's rows in one step)."""
+
+    def run(mode, order):
+        out = tmp_path / f"{mode}-{order}"
+        out.mkdir()
+        data = {
+            **TINY,
+            "data": {
+                "path": str(multi_turn_file(tmp_path / "turns.jsonl", chats=6, turns=4)),
+                "response_only": True,
+                "max_seq_len": 512,
+                "share_prefixes": mode,
+                "step_order": order,
+            },
+            "training": {"epochs": 1, "grad_accum": 2, "checkpoint_every": 0},
+        }
+        _, summary = train(load_config(write_config(out, data)), progress=False)
+        return summary["shared_prefixes"], losses(out / "out")
+
+    tree, tree_curve = run("tree", "histories")
+    _, whole_curve = run("off", "histories")
+    shuffled, _ = run("tree", "shuffled")
+    assert len(tree_curve) == len(whole_curve) >= 2
+    assert tree_curve == pytest.approx(whole_curve, rel=1e-5)
+    assert tree["tree"]["shared_tokens"] < shuffled["tree"]["shared_tokens"], (tree, shuffled)
+
+
+def test_history_steps_are_for_sft_rows_only(tmp_path):
+    out = tmp_path / "dpo"
+    out.mkdir()
+    data = {**TINY, "data": {"step_order": "histories"}, "training": {"objective": "dpo", "steps": 2}}
+    with pytest.raises(ConfigError, match=r"config\.yaml:\d+: data.step_order histories groups SFT rows"):
+        load_config(write_config(out, data))

@@ -259,6 +259,10 @@ TRAIN_FLAGS = {
         "data.share_prefixes",
         "run what rows share once: groups (one start), tree (every history); auto: where the cost model says",
     ),
+    "step_order": (
+        "data.step_order",
+        "which rows form a step: shuffled bins, or histories (rows sharing a history in one step)",
+    ),
     "max_seq_len": ("data.max_seq_len", "tokens per packed micro-batch"),
     "overflow": ("data.overflow", "a sample longer than --max-seq-len: cut it, or split it in pieces"),
     "grad_accum": ("training.grad_accum", "micro-batches per step"),

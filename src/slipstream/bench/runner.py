@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..data import pack_samples
 from ..data.prefix_groups import combined, share_rows
 from ..data.prefix_tree import combined_tree_reports, share_rows_as_trees
-from ..data.steps import step_order
+from ..data.steps import block_order, history_steps, step_order
 from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
 from ..utilisation import matmul_peak
@@ -57,11 +57,20 @@ __all__ = [
 from .stats import against_fp32, loss_parity, margin_parity, speedup
 
 
-def _plan(bins: list, config: ABConfig, source: str) -> list:
+def _plan(bins: list, config: ABConfig, source: str, blocks: list[list[int]] | None = None) -> list:
     """Each step's bins (a step's micro-batches), in the order ``slipstream train`` takes them
-    (``data.steps``: a seeded permutation of the bins, ``grad_accum`` a step); too few bins for
-    distinct steps is an error naming ``source``."""
+    (``data.steps``: a seeded permutation of the bins, ``grad_accum`` a step; ``blocks``: the fixed
+    steps of ``data.step_order: histories``, in a seeded order); too few bins for distinct steps is an
+    error naming ``source``."""
     train, accum = config.train, config.train.training.grad_accum
+    if blocks is not None:
+        if len(blocks) < config.ab.steps:
+            raise ABInputError(
+                f"{source} makes {len(blocks)} steps of up to {accum} bins of {train.data.max_seq_len} tokens "
+                f"(data.step_order histories), fewer than --steps {config.ab.steps} (lower --steps or --grad-accum)"
+            )
+        bins_for = block_order(blocks, train.seed)
+        return [[bins[i] for i in bins_for(step)] for step in range(config.ab.steps)]
     needed = config.ab.steps * accum
     if len(bins) < needed:
         raise ABInputError(
@@ -128,7 +137,12 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     bins, report = pack_samples(
         samples, data.max_seq_len, seed=seed, overflow=data.overflow, strategy=config.ab.batching
     )
-    plan = _plan(bins, config, source)  # every arm's rows, step by step, whole
+    blocks = None
+    if data.step_order == "histories":  # rows that share a history in one step (data.steps)
+        bins, blocks = history_steps(
+            [row for rows in bins for row in rows], data.max_seq_len, config.train.training.grad_accum
+        )
+    plan = _plan(bins, config, source, blocks)  # every arm's rows, step by step, whole
     slim = [
         [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
     ]

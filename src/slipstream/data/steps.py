@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 def steps_per_epoch(num_bins: int, per_step: int) -> int:
@@ -35,5 +35,75 @@ def step_order(num_bins: int, per_step: int, seed: int) -> Callable[[int], list[
                 orders[epoch] = order
             out.append(orders[epoch][position])
         return out
+
+    return bins_for
+
+
+# ``data.step_order``: how a run's rows become steps. "shuffled": the rows packed best-fit into bins,
+# each epoch a seeded permutation of the bins (above). "histories": rows that share a history (the same
+# first tokens: a conversation's rows, one per turn; a prompt's answers) go into the same step, so the
+# step can run what they share once (``data.share_prefixes``); each epoch a seeded permutation of those
+# steps. Either order is the one plan of a run: every layout, every arm of ``slipstream ab`` takes it.
+STEP_ORDERS = ("shuffled", "histories")
+
+
+def history_steps(
+    pieces: Sequence[dict], max_seq_len: int, per_step: int
+) -> tuple[list[list[dict]], list[list[int]]]:
+    """Rows (each at most ``max_seq_len`` tokens) in the order of their tokens (rows that share a
+    history are neighbours there), cut into steps of at most ``per_step`` bins: a step takes the next
+    row while its rows still pack best-fit into ``per_step`` bins. Returns the bins (each step's
+    together) and, per step, its bins' indices. Only the last step may hold fewer bins."""
+    from .binpack import best_fit_decreasing
+
+    if per_step < 1:
+        raise ValueError(f"history_steps: {per_step} bins a step: must be at least 1")
+    order = sorted(
+        range(len(pieces)), key=lambda i: (list(pieces[i]["input_ids"]), list(pieces[i]["labels"]))
+    )
+    capacity = per_step * max_seq_len
+    steps: list[list[dict]] = []
+    current: list[dict] = []
+    tokens = 0
+
+    def fits(rows: list[dict], total: int) -> bool:
+        if total > capacity:
+            return False
+        # best-fit can need more bins than the tokens do: checked once the step is nearly full
+        return total <= capacity - max_seq_len or len(best_fit_decreasing(rows, max_seq_len)) <= per_step
+
+    for index in order:
+        row = pieces[index]
+        length = len(row["input_ids"])
+        if current and not fits([*current, row], tokens + length):
+            steps.append(current)
+            current, tokens = [], 0
+        current.append(row)
+        tokens += length
+    if current:
+        steps.append(current)
+    bins: list[list[dict]] = []
+    blocks: list[list[int]] = []
+    for rows in steps:
+        packed = best_fit_decreasing(rows, max_seq_len)
+        blocks.append(list(range(len(bins), len(bins) + len(packed))))
+        bins += packed
+    return bins, blocks
+
+
+def block_order(blocks: Sequence[Sequence[int]], seed: int) -> Callable[[int], list[int]]:
+    """step -> the bin indices it trains, when the steps are fixed blocks of bins (``histories``): each
+    epoch a seeded permutation of the blocks."""
+    if not blocks:
+        raise ValueError("block_order: no steps")
+    orders: dict[int, list[int]] = {}
+
+    def bins_for(step: int) -> list[int]:
+        epoch, position = divmod(step, len(blocks))
+        if epoch not in orders:
+            order = list(range(len(blocks)))
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+            orders[epoch] = order
+        return list(blocks[orders[epoch][position]])
 
     return bins_for

@@ -84,6 +84,8 @@ class ObjectiveContext:
     steps: int  # the run's optimizer steps
     # step -> the bin indices it trains, every rank's (a round's, for steps of one round)
     step_bins: Callable[[int], list[int]]
+    # optimizer steps in one epoch of the bins (a step of several rounds counted once)
+    epoch_steps: int | None = None
     # the line that says where a stopped run resumes ("--resume continues from <checkpoint>")
     resume_hint: Callable[[], str] = lambda: "no checkpoint to resume from"
 
@@ -97,6 +99,9 @@ class ObjectiveData:
     packing: Any  # data.PackingReport
     report: Any  # data.DataReport, preference.PairReport, or None (the demo data)
     evals: Any  # an eval set with .bins and .summary(), or None
+    # per step of an epoch, its bins' indices, where the steps are fixed blocks of bins
+    # (data.step_order: histories); None: a seeded permutation of the bins (data.steps)
+    blocks: list[list[int]] | None = None
 
 
 @dataclass

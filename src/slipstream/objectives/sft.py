@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from ..data import demo_samples, load_samples, pack_samples
 from ..data.labels import count_label_tokens
-from ..data.steps import steps_per_epoch
+from ..data.steps import history_steps, steps_per_epoch
 from ..errors import TrainError
 from ..packing import collate_packed
 from ..packing.groups import collate_groups
@@ -102,7 +102,7 @@ class SFT(Objective):
             what="data",
             said=lambda eval_report: eval_report.skipped,
         )
-        bins, packing = self._bins(samples, info)
+        bins, packing, blocks = self._bins(samples, info)
         check_labels_left(packing.no_labels, config)
         if not bins:
             raise TrainError(
@@ -115,13 +115,24 @@ class SFT(Objective):
         logger.info("%s", packing.summary())
         if evals is not None:
             logger.info("eval set: %s", evals.summary())
-        return ObjectiveData(samples, bins, packing, data_report, evals)
+        return ObjectiveData(samples, bins, packing, data_report, evals, blocks)
 
-    def _bins(self, samples: list[dict], info) -> tuple[list[list[dict]], Any]:
+    def _bins(self, samples: list[dict], info) -> tuple[list[list[dict]], Any, list[list[int]] | None]:
         """Bins of whole rows, whatever ``data.share_prefixes`` says: they fix which rows each step
-        trains (``data.steps``); sharing regroups a step's rows later (:meth:`plan_step`)."""
+        trains (``data.steps``); sharing regroups a step's rows later (:meth:`plan_step`). With
+        ``data.step_order: histories`` also each step's bins (rows sharing a history together)."""
         data = self.config.data
-        return pack_samples(samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow)
+        bins, packing = pack_samples(samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow)
+        if data.step_order == "shuffled":
+            return bins, packing, None
+        per_step = self.config.training.grad_accum * info.world_size
+        bins, blocks = history_steps([row for rows in bins for row in rows], data.max_seq_len, per_step)
+        packing.num_bins, packing.capacity = len(bins), len(bins) * data.max_seq_len
+        packing.efficiency = packing.real_tokens / packing.capacity if packing.capacity else 0.0
+        logger.info(
+            "data.step_order histories: %d steps an epoch, rows that share a history together", len(blocks)
+        )
+        return bins, packing, blocks
 
     def before_training(self, context: ObjectiveContext) -> str | None:
         """``data.share_prefixes``' decision on the first epoch's steps (rank 0's, every rank the same):
@@ -134,7 +145,8 @@ class SFT(Objective):
         if config.data.share_prefixes == "off":
             return None
         per_step = config.training.grad_accum * info.world_size
-        first_epoch = min(context.steps, steps_per_epoch(len(context.bins), per_step))
+        epoch = context.epoch_steps or steps_per_epoch(len(context.bins), per_step)
+        first_epoch = min(context.steps, epoch)
         steps = [
             [context.bins[index] for index in context.step_bins(step)[:: info.world_size]]
             for step in range(first_epoch)

@@ -62,6 +62,10 @@ class DataConfig:
     # steps); "on": the faster of the two; auto: the faster where the device's cost model says it saves
     # time and the packed attention and the chunked loss run (objectives.sharing)
     share_prefixes: Literal["auto", "on", "off", "groups", "tree"] = "auto"
+    # which rows form a step (data.steps), the same for every layout: "shuffled" (whole-row bins in a
+    # seeded order each epoch) or "histories" (rows that share a history, a conversation's rows one per
+    # turn, in the same step, so share_prefixes can run it once; the steps in a seeded order each epoch)
+    step_order: Literal["shuffled", "histories"] = "shuffled"
     # render chats with this template instead of the tokenizer's: a .jinja (text) file, or a
     # model / tokenizer directory whose template is taken
     chat_template: str | None = None
@@ -199,6 +203,12 @@ class TrainConfig:
                 "training.objective",
                 f"'training.objective' must be a registered objective ({', '.join(objective_names())}), "
                 f"got {self.training.objective!r}",
+            )
+        if self.data.step_order == "histories" and objective.reads != "samples":
+            fail(
+                "data.step_order",
+                f"data.step_order histories groups SFT rows by their history; training.objective "
+                f"{self.training.objective} reads {objective.reads}: set data.step_order shuffled",
             )
         objective.validate(self, fail)
         return self

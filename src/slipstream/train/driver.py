@@ -23,7 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..data import demo_tokenizer
-from ..data.steps import step_order, steps_per_epoch
+from ..data.steps import block_order, step_order, steps_per_epoch
 from ..models import build_model
 from ..models.qlora import load_for_qlora
 from ..moe.experts import experts_modules
@@ -31,6 +31,7 @@ from ..moe.lora import add_expert_lora
 from ..objectives import Objective, ObjectiveData, objective_for
 from ..objectives.base import ObjectiveContext, StepPlan
 from ..optimize import optimize, state_of
+from ..packing.batch import cumulative
 from ..refusal import Refusal, refusal_in
 from .checkpoints import newest_checkpoint
 from .config import ConfigError, TrainConfig
@@ -84,6 +85,7 @@ class StepDriver:
     tokenizer: Any = None
     evals: Any = None
     out: Path | None = None  # the run's directory (``train``); None in an A/B arm
+    epoch_steps: int | None = None  # optimizer steps in one epoch of the bins, where known
     policies: list[str] = field(default_factory=list)  # the model's own list: first-step decisions join it
     label_tokens: list[int] = field(init=False)  # per bin: what weighs the loss, known to every rank
     _context: ObjectiveContext | None = field(default=None, init=False, repr=False)
@@ -121,6 +123,7 @@ class StepDriver:
                 base_model=self.base_model,
                 steps=self.total,
                 step_bins=bins_for if rounds == 1 else lambda step: list(bins_for(step // rounds)),
+                epoch_steps=self.epoch_steps,
                 resume_hint=resume_hint,
             )
         return self._context
@@ -255,12 +258,29 @@ def apply_lora(model, config: TrainConfig):
     return model
 
 
-def step_plan(num_bins: int, config: TrainConfig, world_size: int = 1) -> tuple[int, Callable]:
-    """Total steps, and step -> the bin indices of the whole (all-rank) step (``data.steps``: the
-    one order every layout and ``slipstream ab`` share)."""
+def step_plan(
+    num_bins: int, config: TrainConfig, world_size: int = 1, blocks: list[list[int]] | None = None
+) -> tuple[int, Callable, int]:
+    """Total steps, step -> the bin indices of the whole (all-rank) step, and the steps of an epoch
+    (``data.steps``: the one order every layout and ``slipstream ab`` share; ``blocks``: each step's
+    bins, fixed, for ``data.step_order: histories``)."""
     per_step = config.training.grad_accum * world_size
-    total = config.training.steps or steps_per_epoch(num_bins, per_step) * config.training.epochs
-    return total, step_order(num_bins, per_step, config.seed)
+    if blocks is not None:
+        short = next((block for block in blocks if len(block) < world_size), None)
+        if short is not None:
+            raise ConfigError(
+                f"data.step_order histories: a step of {len(short)} bin(s) cannot give each of {world_size} "
+                "ranks a micro-batch; set data.step_order shuffled, or lower data.max_seq_len"
+            )
+        epoch = len(blocks)
+        return (
+            config.training.steps or epoch * config.training.epochs,
+            block_order(blocks, config.seed),
+            epoch,
+        )
+    epoch = steps_per_epoch(num_bins, per_step)
+    total = config.training.steps or epoch * config.training.epochs
+    return total, step_order(num_bins, per_step, config.seed), epoch
 
 
 def objective_of(config: TrainConfig) -> Objective:
@@ -346,17 +366,18 @@ def driver_for(
     evals = None
     if plan is not None:
         bins = [rows for micro in plan for rows in micro]
-        per_step = len(plan[0]) if plan else 1
         total = config.training.steps or len(plan)
+        starts = cumulative(len(micro) for micro in plan)  # a step may hold fewer bins (histories)
+        epoch_steps = len(plan)
 
         def bins_for(step: int) -> list[int]:
-            return list(range(step * per_step, (step + 1) * per_step))
+            return list(range(starts[step], starts[step + 1]))
 
         rows = [row for rows in bins for row in rows]
     else:
         data = data or objective.read(tokenizer, info)
         bins, rows, evals = data.bins, data.rows, data.evals
-        total, bins_for = step_plan(len(bins), config, info.world_size)
+        total, bins_for, epoch_steps = step_plan(len(bins), config, info.world_size, data.blocks)
     model = trainable_model(
         config, tokenizer, rows, device, dtype, info, evals, objective, total, vocab_size=vocab_size
     )
@@ -378,5 +399,6 @@ def driver_for(
         tokenizer=tokenizer,
         evals=evals,
         out=out,
+        epoch_steps=epoch_steps,
         policies=state_of(unwrap(model)).policies,
     )
