@@ -1,5 +1,5 @@
-"""``slipstream train`` with ``data.share_prefixes`` off and auto (or on): the same steps, the same
-loss curve, what the model answers after, and each epoch's time.
+"""``slipstream train`` with ``data.share_prefixes`` off and auto (or on, groups, tree): the same steps,
+the same loss curve, what the model answers after, and each epoch's time.
 
 Runs the CLI as a user would, once per mode, on one config (written here), then compares: the
 optimizer steps, the micro-batches a step ran (``metrics.jsonl``), the loss curves (largest
@@ -31,6 +31,8 @@ def config(args, mode: str, out: Path) -> dict:
             "response_only": True,
             "max_seq_len": args.max_seq_len,
             "share_prefixes": mode,
+            "step_order": args.step_order,
+            **({"chat_template": str(Path(args.chat_template).resolve())} if args.chat_template else {}),
         },
         "lora": {
             "rank": 16,
@@ -80,7 +82,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--modes", default="off,auto")
+    parser.add_argument(
+        "--modes", default="off,auto", help="data.share_prefixes values, the first the baseline"
+    )
+    parser.add_argument("--step-order", default="shuffled", choices=("shuffled", "histories"))
+    parser.add_argument("--chat-template", default=None, help="data.chat_template: a .jinja file")
     parser.add_argument("--ask", action="append", default=[])
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

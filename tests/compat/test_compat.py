@@ -74,6 +74,14 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
         assert verdict.ablations["prefix_groups"].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
     elif verdict.speedups.get("packed attention") == "off":
         assert verdict.speedups["prefix_groups"] == "-"
+    if model_type in PREFIX_SHARING_REFUSED:  # the prefix tree: refused where groups are, for the same reason
+        assert verdict.speedups["prefix_tree"] == "refused"
+        assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations["prefix_tree"].detail
+    elif verdict.speedups.get("packed attention") == "on":
+        assert verdict.speedups["prefix_tree"] == "on", verdict.ablations["prefix_tree"].detail
+        assert verdict.ablations["prefix_tree"].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
+    elif verdict.speedups.get("packed attention") == "off":
+        assert verdict.speedups["prefix_tree"] == "-"
     if verdict.status == "refused":
         assert "slipstream.optimize(model, " in verdict.detail
         assert verdict.fallback["result"].status == "pass"
@@ -91,6 +99,7 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             "fused": "RMSNorm" if model_type == "qwen3_moe" else "-",
             "prefix_sharing": "on",
             "prefix_groups": "on",
+            "prefix_tree": "on",
         }
     if verdict.speedups.get("fused", "-") != "-":
         assert verdict.ablations["fused"].status == "pass"
@@ -249,6 +258,40 @@ def test_the_group_check_reads_the_loss_from_the_logits_without_the_chunked_loss
     assert "packed_loss_from_logits" in result.detail
 
 
+def test_the_tree_crosses_the_windows_and_thresholds():
+    """Depth 4 with a row ending where a shared span ends; the first span longer than the windows; rows on
+    both sides of the position thresholds and below the dynamic-RoPE threshold, the packed row above it."""
+    spans, rows = compat.TREE_SPANS, compat.TREE_ROWS
+    alone = [sum(spans[name] for name in row) for row in rows]
+    assert spans["A"] > WINDOW and max(len(row) for row in rows) == 4
+    assert min(alone) <= POSITION_THRESHOLD < max(alone)
+    assert max(alone) < DYNAMIC_ROPE_POSITIONS < sum(spans.values())
+    (tree,) = compat.prefix_tree(tiny_model("llama", seed=compat.SEED))
+    assert len(tree["tree_nodes"]) == len(spans) and len(tree["tree_rows"]) == len(rows)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gpt_oss", "lfm3"])  # window; sinks + routing; mixer
+def test_a_prefix_tree_matches_each_row_run_alone(model_type):
+    stock = tiny_model(model_type, seed=compat.SEED)
+    result = compat.check_prefix_tree(stock, compat.prefix_tree(stock), {})
+    assert result.status == "pass", result.detail
+    assert result.logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
+    assert result.loss_error <= compat.TOLERANCE["loss"] and result.grad_error <= compat.TOLERANCE["grad"]
+
+
+def test_the_tree_check_sees_a_node_without_its_ancestors(monkeypatch, tiny_llama):
+    from slipstream.packing import trees as trees_module
+
+    collate = trees_module.collate_trees
+
+    def without_ancestors(trees, device=None):
+        return dataclasses.replace(collate(trees, device), parents=None, _memo={})
+
+    monkeypatch.setattr(trees_module, "collate_trees", without_ancestors)
+    result = compat.check_prefix_tree(tiny_llama, compat.prefix_tree(tiny_llama), {})
+    assert result.status == "WRONG" and "log-probs off" in result.detail and "loss off" in result.detail
+
+
 def test_advice_is_read_from_the_refusal_never_from_its_text():
     from slipstream.compat.arm import ArmResult, failed
     from slipstream.moe.experts import UnsupportedExperts
@@ -273,7 +316,8 @@ def test_the_table_counts_every_outcome():
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
-    assert "| fused | prefix | groups | note |" in text and "*prefix* = preference pairs" in text
+    assert "| fused | prefix | groups | tree | note |" in text and "*prefix* = preference pairs" in text
+    assert "*tree* = a prefix tree of depth 4" in text
     assert "*groups* = prefix groups" in text
     assert (
         "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on | on |"

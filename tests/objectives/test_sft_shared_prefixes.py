@@ -172,3 +172,31 @@ def test_history_steps_are_for_sft_rows_only(tmp_path):
     data = {**TINY, "data": {"step_order": "histories"}, "training": {"objective": "dpo", "steps": 2}}
     with pytest.raises(ConfigError, match=r"config\.yaml:\d+: data.step_order histories groups SFT rows"):
         load_config(write_config(out, data))
+
+
+def test_a_model_that_refuses_the_layout_runs_rows_whole_under_auto_and_stops_a_forced_one(
+    tmp_path, monkeypatch
+):
+    """The first shared micro-batch runs once before step 0: a refusal there turns auto off (said in the
+    policy line) and stops a forced layout before any step, naming data.share_prefixes."""
+    from slipstream.packing.attention import sdpa
+    from slipstream.packing.batch import UnsupportedSharedPrefix
+    from slipstream.train.errors import TrainError
+
+    per_document = sdpa._per_document
+
+    def refusing(fn, batch, *args, **kwargs):
+        if batch.has_prefixes:
+            raise UnsupportedSharedPrefix(
+                "this model cannot hold a shared prefix", refused="a test's refusal"
+            )
+        return per_document(fn, batch, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_per_document", refusing)
+    _, summary = train(config(tmp_path, "auto", "auto"), progress=False)
+    found = summary["shared_prefixes"]
+    assert found["on"] is False and "the model refuses them" in found["policy"], found
+    assert len(losses(tmp_path / "auto" / "out")) >= 2
+    with pytest.raises(TrainError, match="data.share_prefixes tree: this model cannot hold a shared prefix"):
+        train(config(tmp_path, "tree", "tree"), progress=False)
+    assert not (tmp_path / "tree" / "out" / "metrics.jsonl").exists() or not losses(tmp_path / "tree" / "out")

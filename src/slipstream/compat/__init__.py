@@ -8,7 +8,7 @@ Its rooms, each one job:
   and its tolerances (doctor's too);
 * :mod:`.arm`: one arm's outcome (pass / refused / WRONG / CRASH), the refusal's advice;
 * :mod:`.columns`: the per-speedup columns, in table order;
-* :mod:`.prefix_parity`: the prefix-shared pairs and prefix groups checks;
+* :mod:`.prefix_parity`: the prefix-shared pairs, prefix groups and prefix tree checks;
 * :mod:`.architectures`: one architecture's verdict, the registry in worker processes;
 * :mod:`.render`: ``docs/compatibility.md``.
 """
@@ -25,11 +25,15 @@ from .prefix_parity import (
     GROUP_TOLERANCE,
     PAIR_LENGTHS,
     PAIR_TOLERANCE,
+    TREE_ROWS,
+    TREE_SPANS,
     check_prefix_groups,
     check_prefix_sharing,
+    check_prefix_tree,
     pair_reference,
     preference_pairs,
     prefix_groups,
+    prefix_tree,
 )
 from .render import _cell, render_audit, render_markdown
 
@@ -44,6 +48,8 @@ __all__ = [
     "PAIR_TOLERANCE",
     "SEED",
     "TOLERANCE",
+    "TREE_ROWS",
+    "TREE_SPANS",
     "ArmResult",
     "Verdict",
     "_cell",
@@ -53,11 +59,13 @@ __all__ = [
     "check_architecture",
     "check_prefix_groups",
     "check_prefix_sharing",
+    "check_prefix_tree",
     "documents",
     "gradient_errors",
     "pair_reference",
     "preference_pairs",
     "prefix_groups",
+    "prefix_tree",
     "reference",
     "render_audit",
     "render_markdown",

@@ -27,13 +27,15 @@ from .arm import ArmResult, Verdict, run_arm, short, where
 from .prefix_parity import (
     check_prefix_groups,
     check_prefix_sharing,
+    check_prefix_tree,
     pair_reference,
     preference_pairs,
     prefix_groups,
+    prefix_tree,
 )
 
 # The shared-prefix columns: (header, Verdict.speedups key), after the speedups' parity cases.
-PREFIX_COLUMNS = (("prefix", "prefix_sharing"), ("groups", "prefix_groups"))
+PREFIX_COLUMNS = (("prefix", "prefix_sharing"), ("groups", "prefix_groups"), ("tree", "prefix_tree"))
 
 
 def _sweep_cases(compile: bool) -> tuple[list[ParityCase], list[ParityCase]]:
@@ -142,27 +144,40 @@ def check_case(verdict: Verdict, subject: Subject, case: ParityCase) -> None:
 
 def _check_shared_prefix(verdict: Verdict, subject: Subject, column: str) -> None:
     """A packed verdict that passed (or whose packed fallback did), on prefix-shared preference
-    pairs (:func:`check_prefix_sharing`) or prefix groups (:func:`check_prefix_groups`): the
+    pairs (:func:`check_prefix_sharing`), prefix groups (:func:`check_prefix_groups`) or a prefix
+    tree (:func:`check_prefix_tree`): the
     ``column`` ("-": not packed), a refusal kept as the column only, WRONG / CRASH the verdict."""
     if verdict.speedups.get("packed attention") != "on":
         verdict.speedups[column] = "-"
         return
     sharing, stock = column == "prefix_sharing", subject.stock
+    what = {
+        "prefix_sharing": "the stock reference: ",
+        "prefix_groups": "the groups: ",
+        "prefix_tree": "the tree: ",
+    }
     try:  # the inputs, and the stock model itself on the pairs
         if sharing:
             pairs = preference_pairs(stock, seed=subject.seed)
             expected = pair_reference(stock, pairs)
-        else:
+        elif column == "prefix_groups":
             groups = prefix_groups(stock, seed=subject.seed)
+        else:
+            trees = prefix_tree(stock, seed=subject.seed)
     except Exception as error:  # noqa: BLE001
-        what = "the stock reference: " if sharing else "the groups: "
-        result = ArmResult("CRASH", what + short(error) + " @ " + where(error), error=error)
+        result = ArmResult("CRASH", what[column] + short(error) + " @ " + where(error), error=error)
     else:
         if sharing:
             result = check_prefix_sharing(stock, pairs, expected, subject.options)
-        else:
+        elif column == "prefix_groups":
             result = check_prefix_groups(stock, groups, subject.options)
-    settings = "collate_pairs(prefix_sharing=True)" if sharing else "collate_groups (N=4)"
+        else:
+            result = check_prefix_tree(stock, trees, subject.options)
+    settings = {
+        "prefix_sharing": "collate_pairs(prefix_sharing=True)",
+        "prefix_groups": "collate_groups (N=4)",
+        "prefix_tree": "collate_trees (depth 4)",
+    }[column]
     _record_column(verdict, column, result, "on", settings)
 
 
@@ -178,6 +193,7 @@ def check_columns(verdict: Verdict, subject: Subject, compile: bool = False) -> 
         *(lambda v, s, case=case: check_case(v, s, case) for case in early),
         lambda v, s: _check_shared_prefix(v, s, "prefix_sharing"),
         lambda v, s: _check_shared_prefix(v, s, "prefix_groups"),
+        lambda v, s: _check_shared_prefix(v, s, "prefix_tree"),
         *(lambda v, s, case=case: check_case(v, s, case) for case in late),
     ]
     for check in checks:

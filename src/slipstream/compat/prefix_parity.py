@@ -1,6 +1,6 @@
 """Prefix parity: packed rows that share a prefix give every token what the stock model gives it alone.
 
-Two checks of the compatibility sweep (its ``prefix`` and ``groups`` columns,
+Three checks of the compatibility sweep (its ``prefix``, ``groups`` and ``tree`` columns,
 :mod:`slipstream.compat.columns`), each on a copy of a tiny stock model under
 ``optimize(**options)``:
 
@@ -9,13 +9,17 @@ Two checks of the compatibility sweep (its ``prefix`` and ``groups`` columns,
   never the chosen answer), against each ``prompt + answer`` run alone through the stock model;
 * :func:`check_prefix_groups`: prefix groups (:data:`GROUP_SHAPES`: a prefix and N = 4
   continuations, a prefix and 2) packed by ``collate_groups`` (each continuation attends to its
-  group's prefix and itself, never a sibling), against each ``prefix + continuation`` run alone.
+  group's prefix and itself, never a sibling), against each ``prefix + continuation`` run alone;
+* :func:`check_prefix_tree`: a prefix tree of depth 4 (:data:`TREE_ROWS`, labelled shared spans)
+  packed by ``collate_trees`` (each node attends to its ancestors and itself, never a sibling or a
+  cousin), against each row run alone.
 
 Each function's docstring says what is compared, and within which bound.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -40,6 +44,13 @@ PAIR_TOLERANCE = {"token_logprob": 1e-5, "summed_logprob": 1e-4}
 # two; the packed row (50) above it.
 GROUP_SHAPES = ((11, (3, 7, 9, 5)), (5, (4, 6)))
 GROUP_TOLERANCE = {"token_logprob": 1e-5}
+
+# The prefix tree of the tree column: spans (tokens) A 9, B 4, C 3, D1 5, D2 2, E 3, F 7 and rows
+# A+B+C+D1, A+B+C+D2, A+B+E, A+F and A+B (a row that ends where a shared span ends): depth 4, A longer
+# than the windows (8), rows on both sides of the position thresholds (16) and below the dynamic-RoPE
+# model's max_position_embeddings (32), the packed row (33) above it; A's second half and B labelled.
+TREE_SPANS = {"A": 9, "B": 4, "C": 3, "D1": 5, "D2": 2, "E": 3, "F": 7}
+TREE_ROWS = (("A", "B", "C", "D1"), ("A", "B", "C", "D2"), ("A", "B", "E"), ("A", "F"), ("A", "B"))
 
 
 ANSWER_KEYS = ("chosen_ids", "rejected_ids")
@@ -205,16 +216,63 @@ def check_prefix_groups(
 ) -> ArmResult:
     """``groups`` packed with their prefixes shared (``collate_groups``) through copies of ``stock``
     under ``optimize(**options)``, against every ``prefix + continuation`` run alone through the stock
-    model: log-probs at every position (chunked loss off, eval, no grad, absolute
+    model (:func:`_check_shared_layout`)."""
+    from slipstream.packing.groups import collate_groups, unshared_documents
+
+    return _check_shared_layout(
+        stock, unshared_documents(groups), lambda: collate_groups(groups), _shared_rows(groups), options
+    )
+
+
+def prefix_tree(model: torch.nn.Module, seed: int = SEED) -> list[dict[str, Any]]:
+    """The tree column's rows (:data:`TREE_ROWS`) as one prefix tree (``collate_trees``' input), from the
+    sweep's random documents; every shared span is a level of its own."""
+    from slipstream.data.prefix_tree import tree_items
+
+    spans = dict(
+        zip(TREE_SPANS, documents(model, lengths=list(TREE_SPANS.values()), seed=seed + 2), strict=True)
+    )
+    labels = {name: list(ids) for name, ids in spans.items()}
+    labels["A"] = [-100 if i < len(spans["A"]) // 2 else t for i, t in enumerate(spans["A"])]
+    labels["C"] = [-100] * len(spans["C"])  # a shared span with no label between two labelled ones
+    rows = [
+        {"input_ids": [t for n in row for t in spans[n]], "labels": [t for n in row for t in labels[n]]}
+        for row in TREE_ROWS
+    ]
+    trees, _ = tree_items(rows, sum(TREE_SPANS.values()), min_shared=1)
+    return trees
+
+
+def check_prefix_tree(
+    stock: torch.nn.Module, trees: list[dict[str, Any]], options: dict[str, Any]
+) -> ArmResult:
+    """``trees`` packed as prefix trees (``collate_trees``: every node attends to its ancestors) through
+    copies of ``stock`` under ``optimize(**options)``, against every row run alone through the stock
+    model (:func:`_check_shared_layout`)."""
+    from slipstream.packing.trees import collate_trees, unshared_tree_rows
+
+    return _check_shared_layout(
+        stock, unshared_tree_rows(trees), lambda: collate_trees(trees), _tree_rows(trees), options
+    )
+
+
+def _check_shared_layout(
+    stock: torch.nn.Module,
+    rows: list[dict[str, list[int]]],
+    collate: Callable[[], Any],
+    positions: list[list[int]],
+    options: dict[str, Any],
+) -> ArmResult:
+    """A shared layout of ``rows`` (``collate()``'s batch; ``positions``: each row's tokens in it)
+    through copies of ``stock`` under ``optimize(**options)``, against every row run alone through the
+    stock model: log-probs at every position (chunked loss off, eval, no grad, absolute
     ``GROUP_TOLERANCE["token_logprob"]``), then the SFT loss and every gradient (training mode, the
     chunked loss as ``options`` set it; where it is off, the loss from the logits with
     ``packed_loss_from_logits``) within :data:`slipstream.parity.TOLERANCE`."""
     from slipstream.loss import packed_loss_from_logits
-    from slipstream.packing.groups import collate_groups, unshared_documents
 
     model = stock
     try:
-        rows = unshared_documents(groups)
         was_training = stock.training
         stock.eval()
         try:
@@ -228,20 +286,20 @@ def check_prefix_groups(
         model = copy_model(stock)
         optimize(model, **{**options, "chunked_loss": False})
         model.eval()
-        batch = collate_groups(groups)
+        batch = collate()
         with torch.no_grad():
             logprobs = model(**{k: v for k, v in batch.model_inputs().items() if k != "labels"}).logits[0]
         logprobs = logprobs.float().log_softmax(-1)
         errors = [
-            (logprobs[positions] - want).abs().max().item()
-            for positions, want in zip(_shared_rows(groups), expected, strict=True)
+            (logprobs[where] - want).abs().max().item()
+            for where, want in zip(positions, expected, strict=True)
         ]
         result = ArmResult("pass")
         result.logits_error = max(errors)
         found = []
         if not result.logits_error <= GROUP_TOLERANCE["token_logprob"]:
             found.append(
-                f"log-probs off by {result.logits_error:.2g} (per prefix + continuation: "
+                f"log-probs off by {result.logits_error:.2g} (per row: "
                 + ", ".join(f"{e:.1g}" for e in errors)
                 + ")"
             )
@@ -256,7 +314,7 @@ def check_prefix_groups(
         model.zero_grad(set_to_none=True)
         optimize(model, **options)
         model.train()
-        batch = collate_groups(groups)
+        batch = collate()
         if getattr(state_of(model), "chunked_loss", None) is not None:
             loss = model(**batch.model_inputs()).loss
         else:
@@ -274,6 +332,26 @@ def check_prefix_groups(
         result = failed(error)
     result.policies = policies_of(model)
     return result
+
+
+def _tree_rows(trees: list[dict[str, Any]]) -> list[list[int]]:
+    """Per row of ``trees``, the positions of its tokens in the packed row, from the trees alone (the
+    nodes in their order, one after another; a row: its path's nodes), not from the batch's metadata."""
+    rows, start = [], 0
+    for tree in trees:
+        nodes = tree["tree_nodes"]
+        starts = []
+        for node in nodes:
+            starts.append(start)
+            start += len(node["input_ids"])
+        for end in tree["tree_rows"]:
+            path = [end]
+            while nodes[path[-1]]["parent"] >= 0:
+                path.append(nodes[path[-1]]["parent"])
+            rows.append(
+                [p for i in reversed(path) for p in range(starts[i], starts[i] + len(nodes[i]["input_ids"]))]
+            )
+    return rows
 
 
 def _shared_rows(groups: list[dict[str, Any]]) -> list[list[int]]:

@@ -15,7 +15,7 @@ from ..models.tiny_any import DYNAMIC_ROPE_POSITIONS, POSITION_THRESHOLD
 from ..packing.rowpos import AUDIT
 from ..parity import LENGTHS, TOLERANCE
 from .columns import columns
-from .prefix_parity import GROUP_TOLERANCE, PAIR_LENGTHS, PAIR_TOLERANCE
+from .prefix_parity import GROUP_TOLERANCE, PAIR_LENGTHS, PAIR_TOLERANCE, TREE_ROWS, TREE_SPANS
 
 _STATUS_TEXT = {
     "pass": "packed, exact",
@@ -130,6 +130,14 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "SFT loss and every gradient (labelled prefix tokens counted once per continuation) as the unshared",
         "rows give them, within the tolerances above; *refused*: slipstream refuses shared prefixes for this",
         "model (pack its groups with `collate_groups(..., prefix_sharing=False)`); `-`: not packed.",
+        "*tree* = a prefix tree of depth 4 packed by `collate_trees` (rows "
+        + ", ".join("+".join(row) for row in TREE_ROWS)
+        + " of spans "
+        + ", ".join(f"{name} {n}" for name, n in TREE_SPANS.items())
+        + " tokens, one",
+        "ending where a shared span ends, labelled shared spans; every node attends to its ancestors and itself,",
+        "never a sibling or a cousin), checked as *groups* against each row run alone; *refused*: slipstream",
+        "refuses prefix trees for this model (`data.share_prefixes: off`); `-`: not packed.",
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
         "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",
