@@ -51,7 +51,8 @@ PREFIX_SHARING_REFUSED = {
     # longrope: the pairs' prompt + chosen and prompt + rejected straddle the threshold (PAIR_LENGTHS)
     "phi3": "cannot share one prompt",
 }
-# (the prefix groups' column: refused for the same architectures, GROUP_SHAPES crossing the same thresholds)
+# (the prefix groups' and tree columns: refused for the same architectures, GROUP_SHAPES and TREE_ROWS
+# crossing the same thresholds)
 
 
 @pytest.mark.parametrize("model_type", sorted(SUBSET))
@@ -66,22 +67,15 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
         assert verdict.speedups["prefix_sharing"] == "on", verdict.ablations["prefix_sharing"].detail
     elif verdict.speedups.get("packed attention") == "off":
         assert verdict.speedups["prefix_sharing"] == "-"
-    if model_type in PREFIX_SHARING_REFUSED:  # prefix groups: refused where pairs are, for the same reason
-        assert verdict.speedups["prefix_groups"] == "refused"
-        assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations["prefix_groups"].detail
-    elif verdict.speedups.get("packed attention") == "on":
-        assert verdict.speedups["prefix_groups"] == "on", verdict.ablations["prefix_groups"].detail
-        assert verdict.ablations["prefix_groups"].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
-    elif verdict.speedups.get("packed attention") == "off":
-        assert verdict.speedups["prefix_groups"] == "-"
-    if model_type in PREFIX_SHARING_REFUSED:  # the prefix tree: refused where groups are, for the same reason
-        assert verdict.speedups["prefix_tree"] == "refused"
-        assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations["prefix_tree"].detail
-    elif verdict.speedups.get("packed attention") == "on":
-        assert verdict.speedups["prefix_tree"] == "on", verdict.ablations["prefix_tree"].detail
-        assert verdict.ablations["prefix_tree"].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
-    elif verdict.speedups.get("packed attention") == "off":
-        assert verdict.speedups["prefix_tree"] == "-"
+    for column in ("prefix_groups", "prefix_tree"):  # refused where pairs are, for the same reason
+        if model_type in PREFIX_SHARING_REFUSED:
+            assert verdict.speedups[column] == "refused"
+            assert PREFIX_SHARING_REFUSED[model_type] in verdict.ablations[column].detail
+        elif verdict.speedups.get("packed attention") == "on":
+            assert verdict.speedups[column] == "on", verdict.ablations[column].detail
+            assert verdict.ablations[column].logits_error <= compat.GROUP_TOLERANCE["token_logprob"]
+        elif verdict.speedups.get("packed attention") == "off":
+            assert verdict.speedups[column] == "-"
     if verdict.status == "refused":
         assert "slipstream.optimize(model, " in verdict.detail
         assert verdict.fallback["result"].status == "pass"

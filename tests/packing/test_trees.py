@@ -19,7 +19,7 @@ from slipstream.data.prefix_tree import share_rows_as_trees, tree_items, tree_to
 from slipstream.packing.batch import IGNORE_INDEX, collate_packed
 from slipstream.packing.trees import collate_trees, unshared_tree_rows
 
-from .test_groups import grads_of, rel, tiny
+from .test_groups import grads_of, lora_pair, rel, tiny
 
 VOCAB = 512
 x = IGNORE_INDEX
@@ -209,17 +209,6 @@ def test_flex_backend_runs_a_tree_exactly(model_type):
 
 
 # ----------------------------------------------------------------------------- the SFT loss
-
-
-def lora_pair(model):
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
-    models = []
-    for m in (copy.deepcopy(model), slipstream.optimize(copy.deepcopy(model))):
-        torch.manual_seed(0)
-        models.append(get_peft_model(m, copy.deepcopy(lora)).train())
-    return models
 
 
 def alone_loss(model, rows) -> torch.Tensor:

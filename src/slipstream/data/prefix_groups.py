@@ -52,8 +52,23 @@ MIN_SHARED_TOKENS = 16
 Group = dict[str, Any]  # {"prefix_ids", "prefix_labels", "continuations": [{"input_ids", "labels"}, ...]}
 
 
+class SavedTokens:
+    """What a sharing report saves: its ``unshared_tokens`` (every row whole) less its ``shared_tokens``."""
+
+    unshared_tokens: int
+    shared_tokens: int
+
+    @property
+    def saved_tokens(self) -> int:
+        return self.unshared_tokens - self.shared_tokens
+
+    @property
+    def saved_fraction(self) -> float:
+        return self.saved_tokens / self.unshared_tokens if self.unshared_tokens else 0.0
+
+
 @dataclass
-class SharingReport:
+class SharingReport(SavedTokens):
     """What sharing the rows' common starts saves: the tokens a model runs, before and after."""
 
     rows: int = 0
@@ -63,14 +78,6 @@ class SharingReport:
     unshared_tokens: int = 0  # the rows' tokens, every row whole
     shared_tokens: int = 0  # the tokens the packed bins hold
     longest_shared: int = 0  # the longest shared start, in tokens
-
-    @property
-    def saved_tokens(self) -> int:
-        return self.unshared_tokens - self.shared_tokens
-
-    @property
-    def saved_fraction(self) -> float:
-        return self.saved_tokens / self.unshared_tokens if self.unshared_tokens else 0.0
 
     def summary(self) -> str:
         if not self.groups:

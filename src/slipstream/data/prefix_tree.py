@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .binpack import best_fit_decreasing
-from .prefix_groups import MIN_SHARED_TOKENS, find_groups
+from .prefix_groups import MIN_SHARED_TOKENS, SavedTokens, find_groups
 
 Token = tuple[int, int]  # (id, label): two rows share a token only where both agree
 
@@ -249,7 +249,7 @@ def tree_tokens(tree: Tree, shared: bool = True) -> int:
 
 
 @dataclass
-class TreeSharingReport:
+class TreeSharingReport(SavedTokens):
     """What running one step's rows as prefix trees saves, by level, and what splitting cost."""
 
     rows: int = 0
@@ -263,14 +263,6 @@ class TreeSharingReport:
     short_tokens: int = 0  # shared spans shorter than MIN_SHARED_TOKENS, run once per child instead
     depth: int = 0
     saved_by_level: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def saved_tokens(self) -> int:
-        return self.unshared_tokens - self.shared_tokens
-
-    @property
-    def saved_fraction(self) -> float:
-        return self.saved_tokens / self.unshared_tokens if self.unshared_tokens else 0.0
 
     def summary(self) -> str:
         if not self.trees:
@@ -288,17 +280,8 @@ class TreeSharingReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "rows": self.rows,
-            "trees": self.trees,
-            "rows_in_trees": self.rows_in_trees,
-            "parts": self.parts,
-            "unshared_tokens": self.unshared_tokens,
-            "trie_tokens": self.trie_tokens,
-            "shared_tokens": self.shared_tokens,
-            "repeated_tokens": self.repeated_tokens,
-            "short_tokens": self.short_tokens,
+            **asdict(self),
             "saved_fraction": round(self.saved_fraction, 4),
-            "depth": self.depth,
             "saved_by_level": {str(level): saved for level, saved in sorted(self.saved_by_level.items())},
         }
 

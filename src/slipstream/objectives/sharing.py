@@ -78,13 +78,22 @@ class LayoutCost:
             call_per_document=on_cpu,
         )
 
+    def pairs(self, own: int, prefix: int) -> int:
+        """(query, key) pairs one document's attention computes: causal over its own tokens, plus every
+        query over the shared context it reads. On a CPU a document with context is one masked SDPA call,
+        which computes its whole rectangle (measured: the masked call is no slower than the causal and
+        dense calls apart, and skips no block)."""
+        if prefix and self.call_per_document:
+            return own * (own + prefix)
+        return own * (own + 1) // 2 + own * prefix
+
     def seconds(self, micro_batches: Sequence[Sequence[Sample]]) -> float:
         """Modelled time of micro-batches of documents or of prefix groups."""
         total = 0.0
         for items in micro_batches:
             shapes = list(document_shapes(items))
             tokens = sum(own for own, _ in shapes)
-            pairs = sum(own * (own + 1) // 2 + own * prefix for own, prefix in shapes)
+            pairs = sum(self.pairs(own, prefix) for own, prefix in shapes)
             # CPU: a call per document; CUDA varlen: one a micro-batch, a second where documents have a prefix
             calls = len(shapes) if self.call_per_document else 1 + any(prefix for _, prefix in shapes)
             total += tokens * self.token_seconds + self.layers * (
