@@ -245,3 +245,46 @@ def test_tree_loss_and_lora_grads_match_the_rows_packed_whole(model_type, depth)
     assert grads.keys() == expected_grads.keys() and len(grads) >= 8
     for name, grad in grads.items():
         assert rel(grad, expected_grads[name]) <= 1e-5, name
+
+
+# ----------------------------------------------------------------------------- keys kept once
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_context_attention_equals_the_joined_call_and_keeps_no_joined_copy(dtype, window):
+    """A node's attention over its ancestors' keys without joining them for the backward
+    (``_ContextAttention``): the same output and gradients as SDPA on the joined keys, bit for bit (the
+    kernel SDPA dispatches to on a CPU), and fewer bytes kept for the backward."""
+    import functools
+
+    from slipstream.packing.attention import sdpa
+    from slipstream.packing.attention.documents import _sdpa_one
+
+    batch = collate_trees(tree_items(branching_rows(4, seed=3), 400, min_shared=1)[0])
+    T, fn = batch.num_tokens, functools.partial(_sdpa_one, short_kernel="off")
+    torch.manual_seed(0)
+    tensors = [torch.randn(1, h, T, 16, dtype=dtype) for h in (6, 2, 2)]
+
+    def run(joined: bool):
+        q, k, v = (t.clone().requires_grad_(True) for t in tensors)
+        kept = {}
+
+        def keep(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        call = sdpa._context_call
+        sdpa._context_call = (lambda *a, **kw: None) if joined else call
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+                out = sdpa._per_document(fn, batch, q, k, v, scaling=0.25, dropout=0.0, window=window)
+        finally:
+            sdpa._context_call = call
+        (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return (out.detach(), q.grad, k.grad, v.grad), sum(kept.values())
+
+    (ours, ours_bytes), (joined, joined_bytes) = run(False), run(True)
+    for a, b, name in zip(ours, joined, ("out", "dq", "dk", "dv"), strict=True):
+        assert torch.equal(a, b), name
+    assert ours_bytes < joined_bytes

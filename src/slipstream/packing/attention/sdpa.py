@@ -12,10 +12,10 @@ import torch
 from ..batch import PackedBatch
 from ..costs import ATTENTION_COSTS, BUILTIN
 from ..grouping import GROUPING_CHOICE, GROUPING_COUNTS, document_groups, run_grouped
-from ..short_attention import SHORT_KERNEL_CHOICE
+from ..short_attention import SHORT_KERNEL_CHOICE, takes_short_kernel
 from .call import _NOT_GIVEN, _fallback_unpacked, _unpack_args
 from .documents import _sdpa_one, _sinks_one
-from .shared_prefix import _share_prefixes, prefix_readers
+from .shared_prefix import _share_prefixes, cpu_context_attention, prefix_readers
 
 
 def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> torch.Tensor:
@@ -43,10 +43,31 @@ def _per_document(fn: Callable, batch: PackedBatch, query, key, value, **kw) -> 
     outputs = []
     for number, (q, k, v) in enumerate(zip(query.split(lengths, 2), keys, values, strict=True)):
         if number in key_prefixes:
+            out = _context_call(fn, q, key_prefixes[number], value_prefixes[number], k, v, batch, **kw)
+            if out is not None:
+                outputs.append(out.transpose(1, 2))
+                continue
             k = torch.cat([*key_prefixes[number], k], dim=2)
             v = torch.cat([*value_prefixes[number], v], dim=2)
         outputs.append(fn(q, k, v, batch=batch, **kw).transpose(1, 2))
     return torch.cat(outputs, dim=1)
+
+
+def _context_call(fn, q, context_keys, context_values, k, v, batch, scaling, dropout, window):
+    """A document with shared context on a CPU whose call would be a masked SDPA (no dropout, no sinks,
+    not the short kernel): :func:`cpu_context_attention`, which keeps no joined copy of the context for
+    the backward. None: the caller joins the keys and calls ``fn``."""
+    if q.device.type != "cpu" or dropout != 0.0 or getattr(fn, "func", None) is not _sdpa_one:
+        return None
+    k_len = k.shape[-2] + sum(part.shape[-2] for part in context_keys)
+    shape_only = q.new_empty((1, k.shape[1], k_len, 0))  # the short kernel decides on the keys' shape
+    mode, costs = (
+        fn.keywords.get("short_kernel", "off"),
+        fn.keywords.get("costs", BUILTIN),
+    )  # _sdpa_one's defaults
+    if takes_short_kernel(q, shape_only, dropout, mode, costs):
+        return None
+    return cpu_context_attention(q, context_keys, context_values, k, v, scaling, window, batch)
 
 
 def packed_sdpa_attention(

@@ -74,3 +74,57 @@ class _SharedPrefix(torch.autograd.Function):
             if grad is not None:
                 total[:, :, :n] += grad
         return total.to(ctx.dtype), None
+
+
+_CPU_FLASH = "_scaled_dot_product_flash_attention_for_cpu"
+
+
+def cpu_context_attention(query, context_keys, context_values, key, value, scaling, window, batch):
+    """One document's SDPA over its shared context then its own keys, on a CPU, without keeping the
+    context's concatenated keys and values for the backward: :class:`_ContextAttention`. None where
+    this torch lacks the CPU flash op (the caller concatenates as before)."""
+    ops = torch.ops.aten
+    if not hasattr(ops, _CPU_FLASH) or not hasattr(ops, _CPU_FLASH + "_backward"):
+        return None
+    from .documents import _doc_mask
+
+    q_len = query.shape[-2]
+    k_len = q_len + sum(part.shape[-2] for part in context_keys)
+    mask = batch.memo(
+        ("additive_mask", q_len, k_len, window, query.dtype, str(query.device)),
+        lambda: torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device).masked_fill(
+            ~_doc_mask(batch, q_len, window, query.device, k_len), float("-inf")
+        ),
+    )
+    n = len(context_keys)
+    return _ContextAttention.apply(query, mask, scaling, n, *context_keys, key, *context_values, value)
+
+
+class _ContextAttention(torch.autograd.Function):
+    """SDPA (the CPU flash kernel SDPA dispatches to, bit for bit) of one document's queries over its
+    context's keys and values then its own, joined here: the forward keeps the parts (views of the
+    layer's keys and values, no copy) and the kernel's log-sum-exp, and the backward joins them again.
+    A tree node's ancestors, joined and kept for every node, made a tree's activations larger than the
+    rows' whole; this keeps each layer's keys once."""
+
+    @staticmethod
+    def forward(ctx, query, mask, scale, n, *parts):
+        keys, values = parts[: n + 1], parts[n + 1 :]
+        out, lse = getattr(torch.ops.aten, _CPU_FLASH)(
+            query, torch.cat(keys, dim=2), torch.cat(values, dim=2), 0.0, False, attn_mask=mask, scale=scale
+        )[:2]
+        ctx.save_for_backward(query, mask, out, lse, *parts)
+        ctx.scale, ctx.n = scale, n
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, mask, out, lse, *parts = ctx.saved_tensors
+        n = ctx.n
+        keys, values = parts[: n + 1], parts[n + 1 :]
+        dq, dk, dv = getattr(torch.ops.aten, _CPU_FLASH + "_backward")(
+            grad_out.contiguous(), query, torch.cat(keys, dim=2), torch.cat(values, dim=2), out, lse, 0.0, False,
+            attn_mask=mask, scale=ctx.scale,
+        )  # fmt: skip
+        sizes = [part.shape[-2] for part in keys]
+        return (dq, None, None, None, *dk.split(sizes, dim=2), *dv.split(sizes, dim=2))
