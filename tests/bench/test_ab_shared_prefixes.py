@@ -127,5 +127,6 @@ def test_sharing_arm_trains_the_same_rows_to_the_same_loss(tmp_path):
     report = markdown_report(record)
     assert (
         "Rows sharing a start:" in report
-        and "slipstream: shared prefixes on (data.share_prefixes: on)" in report
+        and "slipstream: shared prefixes on as " in report
+        and "(on: the layout that runs fewer tokens)" in report
     )
