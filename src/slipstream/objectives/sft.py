@@ -171,24 +171,23 @@ class SFT(Objective):
         says why; a forced layout stops with the refusal, before any step."""
         from ..packing.batch import UnsupportedSharedPrefix
 
-        for number, bins in enumerate(steps[:1]):
-            for micro in self.sharing.share(bins, number):
-                batch = collate_trees(micro) if is_tree(micro[0]) else collate_groups(micro)
-                if not batch.has_prefixes:
-                    continue
-                inputs = {**batch.to(context.device).model_inputs(), "labels": None}
-                cuda = [context.device] if context.device.type == "cuda" else []
-                try:  # its dropout draws from a forked generator: the run's draws stay the unshared run's
-                    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-                        context.model(**inputs)
-                except UnsupportedSharedPrefix as error:
-                    if self.config.data.share_prefixes != "auto":
-                        raise TrainError(
-                            f"data.share_prefixes {self.config.data.share_prefixes}: {error}"
-                        ) from error
-                    self.sharing.on, self.sharing.layout = False, None
-                    self.sharing.policy = f"shared prefixes off (auto: the model refuses them: {error})"
-                return
+        for micro in self.sharing.share(steps[0], 0):
+            batch = collate_trees(micro) if is_tree(micro[0]) else collate_groups(micro)
+            if not batch.has_prefixes:
+                continue
+            inputs = {**batch.to(context.device).model_inputs(), "labels": None}
+            cuda = [context.device] if context.device.type == "cuda" else []
+            try:  # its dropout draws from a forked generator: the run's draws stay the unshared run's
+                with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+                    context.model(**inputs)
+            except UnsupportedSharedPrefix as error:
+                if self.config.data.share_prefixes != "auto":
+                    raise TrainError(
+                        f"data.share_prefixes {self.config.data.share_prefixes}: {error}"
+                    ) from error
+                self.sharing.on, self.sharing.layout = False, None
+                self.sharing.policy = f"shared prefixes off (auto: the model refuses them: {error})"
+            return
 
     def plan_step(self, context: ObjectiveContext, step: int, step_bins) -> StepPlan:
         """The step's bins as they are, or, where sharing is on, its rows regrouped: each rank's rows

@@ -182,13 +182,11 @@ class PrefixSharing:
             return share_rows_as_trees(rows, self.max_seq_len, seed=self.seed + step)
         return share_rows(rows, self.max_seq_len, seed=self.seed + step)
 
-    def share(
-        self, bins: Sequence[Sequence[Sample]], step: int = 0, layout: str | None = None
-    ) -> list[list[Sample]]:
-        """One rank's bins of one step (whole rows) as micro-batches of groups or trees: the same rows.
-        ``layout``: that one (else the decided one, or the mode's own)."""
+    def share(self, bins: Sequence[Sequence[Sample]], step: int = 0) -> list[list[Sample]]:
+        """One rank's bins of one step (whole rows) as micro-batches of groups or trees: the same rows,
+        in the decided layout (before a decision: the mode's own, groups unless it is ``tree``)."""
         rows = [row for rows_of_bin in bins for row in rows_of_bin]
-        layout = layout or self.layout or ("tree" if self.mode == "tree" else "groups")
+        layout = self.layout or ("tree" if self.mode == "tree" else "groups")
         return self._layout_of(rows, step, layout)[0]
 
     def decide(

@@ -9,7 +9,7 @@ queries attend to its ancestors' tokens (root first, whole) and causally to its 
 or a cousin (``PackedBatch.parents``). Its positions continue from its parent's end, so RoPE (and a
 sliding window) sees what it sees in any row through it, run alone.
 
-The loss is exactly that of the rows packed whole (``collate_packed`` of :func:`tree_rows`), gradients
+The loss is exactly that of the rows packed whole (``collate_packed`` of :func:`unshared_tree_rows`), gradients
 included: ``loss_positions`` / ``loss_targets`` list every prediction those rows count at the row
 position that makes it here. A labelled token in a shared node counts once per row that holds it (its
 position repeated), and a node's first token is predicted from its parent's last one.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .batch import IGNORE_INDEX, PackedBatch, collate_packed, cumulative
+from .batch import IGNORE_INDEX, PackedBatch, cumulative
 
 Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
 
@@ -103,11 +103,6 @@ def unshared_tree_rows(trees: Sequence[Tree]) -> list[dict[str, list[int]]]:
                 }
             )
     return rows
-
-
-def collate_whole(trees: Sequence[Tree], device: torch.device | str | None = None) -> PackedBatch:
-    """The stock arm of :func:`collate_trees`: the same rows, each packed whole."""
-    return collate_packed(unshared_tree_rows(trees), device=device)
 
 
 def _path(nodes: list[tuple[list[int], list[int], int]], end: int) -> list[int]:
