@@ -102,6 +102,51 @@ def rows(chats: int, turns: int, thought_sentences: int, seed: int) -> list[dict
     return found
 
 
+def pairs(chats: int, turns: int, thought_sentences: int, seed: int) -> list[dict]:
+    """A preference pair at every user turn of every conversation: the prompt is the conversation through
+    question k (earlier answers as they were given), ``chosen`` the answer given (with its reasoning),
+    ``rejected`` another answer with other reasoning. A chat's pairs share their history at every level."""
+    rng = random.Random(seed)
+    found = []
+    for _ in range(chats):
+        messages = conversation(rng, turns, thought_sentences)
+        for k in range(1, turns + 1):
+            chosen = messages[2 * k]
+            while True:
+                thinking = " ".join(_fill(rng, rng.choice(THOUGHTS)) for _ in range(thought_sentences))
+                rejected = {
+                    "role": "assistant",
+                    "reasoning_content": thinking,
+                    "content": _fill(rng, rng.choice(ANSWERS)),
+                }
+                if rejected["content"] != chosen["content"]:
+                    break
+            found.append({"prompt": messages[: 2 * k], "chosen": [chosen], "rejected": [rejected]})
+    return found
+
+
+def count_pairs(path: Path, template: Path) -> dict:
+    """The pairs as slipstream reads them, counted as they pack today (each prompt once per pair) and as
+    prefix trees across pairs (:mod:`slipstream.data.pair_trees`, the whole set one trie)."""
+    from slipstream.data.pair_trees import pair_tree_items
+    from slipstream.data.pairs import load_pairs
+
+    tokenizer, name = counting_tokenizer(template)
+    found, _ = load_pairs(path, tokenizer, max_seq_len=1 << 20)
+    _, report = pair_tree_items(found, 1 << 20)
+    return {
+        "tokenizer": name,
+        "pairs": len(found),
+        "prompt_twice": sum(
+            2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in found
+        ),
+        "prompt_once_a_pair": report.unshared_tokens,
+        "trees": report.shared_tokens,
+        "today_vs_trees": round(report.unshared_tokens / report.shared_tokens, 3),
+        "saved_by_level": report.saved_by_level,
+    }
+
+
 def count(path: Path, template: Path) -> dict:
     """The rows as slipstream reads them (response_only), counted whole, by one start and as a trie."""
     from slipstream.data.prefix_tree import trie_report
@@ -134,12 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--template-out", type=Path, default=None, help="write Qwen3's template here")
     parser.add_argument("--count", action="store_true")
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="preference pairs (prompt / chosen / rejected), one per user turn",
+    )
     args = parser.parse_args(argv)
-    write_jsonl(rows(args.chats, args.turns, args.thought_sentences, args.seed), args.out)
+    make = pairs if args.pairs else rows
+    write_jsonl(make(args.chats, args.turns, args.thought_sentences, args.seed), args.out)
     template = template_file(args.template_out, str(args.out.parent))
-    print(f"wrote {args.chats * args.turns} rows ({args.chats} chats x {args.turns} turns) to {args.out}")
+    what = "pairs" if args.pairs else "rows"
+    print(f"wrote {args.chats * args.turns} {what} ({args.chats} chats x {args.turns} turns) to {args.out}")
     if args.count:
-        print(json.dumps(count(args.out, template), indent=1))
+        print(json.dumps((count_pairs if args.pairs else count)(args.out, template), indent=1))
     return 0
 
 

@@ -112,3 +112,56 @@ def test_a_short_dpo_ab_trains_the_same_pairs_in_every_arm(pairs_file, tmp_path)
         assert summary["host_syncs_per_step"] == 0
     assert record["packing"]["pairs_trained"] > 0
     assert "Preference pairs:" in markdown_report(record)
+
+
+def conversation_rows(chats: int = 6, turns: int = 4) -> list[dict]:
+    """A pair at every turn of each chat: turn k's prompt is the chat so far (pairs share histories)."""
+    rows = []
+    for chat in range(chats):
+        history = f"chat {chat} about the numbers {chat * 3} {chat * 5} {chat * 7} and what follows them"
+        for turn in range(turns):
+            history += f" question {turn} about {chat + turn}?"
+            chosen = f"the answer is {(chat + 1) * (turn + 2)}"
+            rows.append({"prompt": history, "chosen": chosen, "rejected": f"no idea {turn}"})
+            history += f" {chosen}."
+    return rows
+
+
+def test_the_dpo_trees_preset_shares_histories_across_pairs_on_the_steps_of_histories(tmp_path):
+    from slipstream.bench.arms import train_config_of
+    from slipstream.bench.runner import prepare_bins
+
+    assert ARM_PRESETS["dpo-trees"] == ("trl-dpo", "slipstream-dpo", "slipstream-dpo-tree")
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in conversation_rows()))
+    config = ab_config(
+        objective="dpo", data=str(path), preset="dpo-trees", steps=3, warmup=1, grad_accum=1, max_seq_len=512,
+        step_order="histories",
+    )  # fmt: skip
+    assert train_config_of(config, "slipstream-dpo-tree").data.share_prefixes == "tree"
+    assert train_config_of(config, "slipstream-dpo").data.share_prefixes == "off"
+    plan, _, packing = prepare_bins(config)
+    from slipstream.data.pair_trees import pair_history_key
+
+    every = sorted((p for step in plan for micro in step for p in micro), key=pair_history_key)
+    rank = {id(pair): number for number, pair in enumerate(every)}
+    for step in plan:  # a step's pairs are neighbours in the order of their prompts: chats' histories
+        numbers = sorted(rank[id(p)] for micro in step for p in micro)
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    assert packing["pairs_trained"] == sum(len(micro) for step in plan for micro in step)
+
+
+@pytest.mark.slow
+def test_a_short_dpo_trees_ab_trains_the_same_pairs_to_the_same_losses(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in conversation_rows()))
+    arms = ("slipstream-dpo", "slipstream-dpo-tree")
+    config = ab_config(
+        model="demo", layers=2, data=str(path), objective="dpo", arms=arms, steps=3, warmup=1,
+        max_seq_len=512, lora_rank=4, lr=1e-3, dtype="float32", step_order="histories",
+        out_dir=str(tmp_path / "ab"),
+    )  # fmt: skip
+    record = run_ab(config, progress=False)
+    summary = record["summary"]["slipstream-dpo-tree"]
+    assert summary["loss_vs_slipstream-dpo"] in ("identical", "within tolerance"), summary["loss_parity"]
+    assert summary["host_syncs_per_step"] == 0

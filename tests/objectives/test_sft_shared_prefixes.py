@@ -166,11 +166,13 @@ def test_history_steps_keep_a_chats_rows_together_for_every_layout(tmp_path):
     assert tree["tree"]["shared_tokens"] < shuffled["tree"]["shared_tokens"], (tree, shuffled)
 
 
-def test_history_steps_are_for_sft_rows_only(tmp_path):
-    out = tmp_path / "dpo"
+def test_history_steps_are_for_sft_rows_and_pairs_only(tmp_path):
+    out = tmp_path / "grpo"
     out.mkdir()
-    data = {**TINY, "data": {"step_order": "histories"}, "training": {"objective": "dpo", "steps": 2}}
-    with pytest.raises(ConfigError, match=r"config\.yaml:\d+: data.step_order histories groups SFT rows"):
+    data = {**TINY, "data": {"step_order": "histories"}, "training": {"objective": "grpo", "steps": 2}}
+    with pytest.raises(
+        ConfigError, match=r"config\.yaml:\d+: data.step_order histories groups SFT rows or preference pairs"
+    ):
         load_config(write_config(out, data))
 
 

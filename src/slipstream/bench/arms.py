@@ -92,6 +92,8 @@ _FIXED_ARMS: dict[str, Arm] = {
     "unsloth-dpo": Arm("padded", STOCK, stock=True, peer="unsloth-dpo", pairs="peer", objective="dpo"),
     "slipstream-dpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="dpo"),
     "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="dpo"),
+    # pairs whose prompts share history (a preference at every turn of a chat): every history once
+    "slipstream-dpo-tree": Arm("packed", SLIPSTREAM, pairs="shared", prefixes="tree", objective="dpo"),
     # GRPO (--objective grpo; bench/grpo_arms.py): TRL's GRPOTrainer as users run it (no vLLM: its
     # transformers generate with every prompt repeated G times, the padded update), slipstream's
     # update with each completion packed after its own copy of the prompt, and slipstream's (the prompt
@@ -132,6 +134,9 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
         "slipstream-prefix-groups",
         "slipstream-prefix-tree",
     ),
+    # --objective dpo on pairs whose prompts share history (--step-order histories): TRL's DPOTrainer,
+    # slipstream's pairs each packed with its prompt once, and as prefix trees across pairs
+    "dpo-trees": ("trl-dpo", "slipstream-dpo", "slipstream-dpo-tree"),
     # --objective orpo: slipstream's packed pairs, with and without the prompt shared
     "orpo": ("slipstream-orpo-no-prefix-sharing", "slipstream-orpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)

@@ -97,8 +97,16 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
         raise ABInputError(message if isinstance(error, DataError) else f"{data.path}: {message}") from None
     docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
     check_ids_in_vocab(docs, vocab, data.path, error=ABInputError)
-    plan = _plan(pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), config, data.path)
-    needed = config.ab.steps * config.train.training.grad_accum
+    bins, blocks = pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), None
+    if data.step_order == "histories":  # pairs that share a history in one step (data.steps)
+        from ..data.pair_trees import pair_history_key
+        from ..packing.pairs import pair_tokens
+
+        bins, blocks = history_steps(
+            pairs, data.max_seq_len, config.train.training.grad_accum, pair_tokens, pair_history_key
+        )
+    plan = _plan(bins, config, data.path, blocks)
+    needed = sum(len(step) for step in plan)
     used = [p for step in plan for mb in step for p in mb]
     shared_tokens = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
     return (

@@ -173,7 +173,9 @@ def _without_short_spans(node: TrieNode, min_shared: int) -> int:
     return added + sum(_without_short_spans(child, min_shared) for child in node.children)
 
 
-Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
+# {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row],
+#  "tree_row_ids": [the row's number in the rows the trie was built from]}
+Tree = dict[str, Any]
 
 
 def _size(node: TrieNode, cache: dict[int, int]) -> int:
@@ -218,6 +220,7 @@ def _as_tree(root: TrieNode) -> Tree:
     children with no row ending between them joined into one node."""
     nodes: list[dict[str, Any]] = []
     ends: list[int] = []
+    row_ids: list[int] = []  # the rows (their numbers in the trie's input) that end at each of ``ends``
 
     def visit(node: TrieNode, parent: int) -> None:
         ids, labels = list(node.ids), list(node.labels)
@@ -228,11 +231,12 @@ def _as_tree(root: TrieNode) -> Tree:
         index = len(nodes)
         nodes.append({"input_ids": ids, "labels": labels, "parent": parent})
         ends.extend([index] * len(node.ends))
+        row_ids.extend(node.ends)
         for child in node.children:
             visit(child, index)
 
     visit(root, -1)
-    return {"tree_nodes": nodes, "tree_rows": ends}
+    return {"tree_nodes": nodes, "tree_rows": ends, "tree_row_ids": row_ids}
 
 
 def tree_tokens(tree: Tree, shared: bool = True) -> int:
@@ -263,15 +267,16 @@ class TreeSharingReport(SavedTokens):
     short_tokens: int = 0  # shared spans shorter than MIN_SHARED_TOKENS, run once per child instead
     depth: int = 0
     saved_by_level: dict[int, int] = field(default_factory=dict)
+    unit: str = "rows"  # what the trie's rows are ("pairs": preference pairs, data.pair_trees)
 
     def summary(self) -> str:
         if not self.trees:
-            return f"prefix trees: no two of {self.rows} rows start with the same tokens"
+            return f"prefix trees: no two of {self.rows} {self.unit} start with the same tokens"
         levels = ", ".join(
             f"level {level}: {saved:,}" for level, saved in sorted(self.saved_by_level.items())
         )
         return (
-            f"prefix trees: {self.rows_in_trees} of {self.rows} rows in {self.trees} trees of depth up to "
+            f"prefix trees: {self.rows_in_trees} of {self.rows} {self.unit} in {self.trees} trees of depth up to "
             f"{self.depth} ({self.parts} packed parts, {self.repeated_tokens:,} path tokens repeated to fit, "
             f"{self.short_tokens:,} in spans too short to share); "
             f"{self.shared_tokens:,} tokens run instead of {self.unshared_tokens:,} ({self.saved_fraction:.1%} "
@@ -337,7 +342,7 @@ def share_rows_as_trees(
 
 def combined_tree_reports(reports: Sequence[TreeSharingReport]) -> TreeSharingReport:
     """Several steps' reports as one (counts summed, the depth the deepest)."""
-    total = TreeSharingReport()
+    total = TreeSharingReport(unit=reports[0].unit if reports else "rows")
     for report in reports:
         for name in ("rows", "trees", "rows_in_trees", "parts", "unshared_tokens", "trie_tokens",
                      "shared_tokens", "repeated_tokens", "short_tokens"):  # fmt: skip

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def steps_per_epoch(num_bins: int, per_step: int) -> int:
@@ -47,20 +48,31 @@ def step_order(num_bins: int, per_step: int, seed: int) -> Callable[[int], list[
 STEP_ORDERS = ("shuffled", "histories")
 
 
+def _row_tokens(row: dict) -> int:
+    return len(row["input_ids"])
+
+
+def _row_key(row: dict) -> tuple[list[int], list[int]]:
+    return list(row["input_ids"]), list(row["labels"])
+
+
 def history_steps(
-    pieces: Sequence[dict], max_seq_len: int, per_step: int
+    pieces: Sequence[dict],
+    max_seq_len: int,
+    per_step: int,
+    size: Callable[[dict], int] = _row_tokens,
+    key: Callable[[dict], Any] = _row_key,
 ) -> tuple[list[list[dict]], list[list[int]]]:
     """Rows (each at most ``max_seq_len`` tokens) in the order of their tokens (rows that share a
     history are neighbours there), cut into steps of at most ``per_step`` bins: a step takes the next
     row while its rows still pack best-fit into ``per_step`` bins. Returns the bins (each step's
-    together) and, per step, its bins' indices. Only the last step may hold fewer bins."""
+    together) and, per step, its bins' indices. Only the last step may hold fewer bins. Preference
+    pairs: ``size`` their packed tokens, ``key`` their prompt then answers."""
     from .binpack import best_fit_decreasing
 
     if per_step < 1:
         raise ValueError(f"history_steps: {per_step} bins a step: must be at least 1")
-    order = sorted(
-        range(len(pieces)), key=lambda i: (list(pieces[i]["input_ids"]), list(pieces[i]["labels"]))
-    )
+    order = sorted(range(len(pieces)), key=lambda i: key(pieces[i]))
     capacity = per_step * max_seq_len
     steps: list[list[dict]] = []
     current: list[dict] = []
@@ -70,11 +82,13 @@ def history_steps(
         if total > capacity:
             return False
         # best-fit can need more bins than the tokens do: checked once the step is nearly full
-        return total <= capacity - max_seq_len or len(best_fit_decreasing(rows, max_seq_len)) <= per_step
+        return (
+            total <= capacity - max_seq_len or len(best_fit_decreasing(rows, max_seq_len, size)) <= per_step
+        )
 
     for index in order:
         row = pieces[index]
-        length = len(row["input_ids"])
+        length = size(row)
         if current and not fits([*current, row], tokens + length):
             steps.append(current)
             current, tokens = [], 0
@@ -85,7 +99,7 @@ def history_steps(
     bins: list[list[dict]] = []
     blocks: list[list[int]] = []
     for rows in steps:
-        packed = best_fit_decreasing(rows, max_seq_len)
+        packed = best_fit_decreasing(rows, max_seq_len, size)
         blocks.append(list(range(len(bins), len(bins) + len(packed))))
         bins += packed
     return bins, blocks

@@ -28,16 +28,28 @@ from tqdm import tqdm
 
 from ..data import PackingReport
 from ..data.cache import cache_root
+from ..data.pair_trees import pair_history_key
 from ..data.pairs import load_pairs, split_pairs
+from ..data.steps import history_steps, steps_per_epoch
 from ..fields import Range
 from ..loss.preference import METRICS, PairTerms
 from ..optimize import state_of
-from ..packing.pairs import collate_pairs, counted_tokens, pack_pairs, pair_documents, pair_tokens
+from ..packing.batch import host_tensor
+from ..packing.pairs import (
+    collate_pair_trees,
+    collate_pairs,
+    counted_tokens,
+    pack_pairs,
+    pair_documents,
+    pair_tokens,
+)
+from ..packing.trees import is_tree
 from . import answers as pair_forward
 from .answers import evaluate_pairs
-from .base import Objective, ObjectiveContext, ObjectiveData, split_held_out, tokenizer_refusals
+from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, split_held_out, tokenizer_refusals
 from .evaluation import HeldOut, rank_share
 from .reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
+from .sharing import LayoutCost, PrefixSharing, layout_documents
 
 logger = logging.getLogger("slipstream")
 
@@ -93,6 +105,27 @@ class PairObjective(Objective):
             )
         if config.data.overflow == "split":
             fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
+        shares = config.data.share_prefixes
+        if shares == "groups":
+            fail(
+                "data.share_prefixes",
+                f"data.share_prefixes groups is for SFT rows; {objective} runs each pair's prompt once already "
+                "(preference.prefix_sharing): set data.share_prefixes tree to share the histories pairs' "
+                "prompts share, or off",
+            )
+        if shares in ("tree", "on") and not config.preference.prefix_sharing:
+            fail(
+                "data.share_prefixes",
+                f"data.share_prefixes {shares} runs every shared prompt once; preference.prefix_sharing false "
+                "runs each pair's prompt twice: set one of them the other way",
+            )
+        if shares in ("tree", "on") and config.speedups.chunked_loss is False:
+            fail(
+                "data.share_prefixes",
+                f"data.share_prefixes {shares} on pairs reads each answer's first log-prob across the shared "
+                "history (the chunked loss): set speedups.chunked_loss true (or leave it out), or "
+                "data.share_prefixes off",
+            )
         if config.preference.reference == "per_step" and not cls.reference_free:
             if not config.lora.enabled:
                 fail(
@@ -129,7 +162,12 @@ class PairObjective(Objective):
             what="pairs",
             said=lambda eval_report: eval_report.data.skipped or eval_report.truncated,
         )
-        bins = pack_pairs(pairs, config.data.max_seq_len, config.seed)
+        bins, blocks = pack_pairs(pairs, config.data.max_seq_len, config.seed), None
+        if config.data.step_order == "histories":  # pairs that share a history in one step (data.steps)
+            per_step = config.training.grad_accum * info.world_size
+            bins, blocks = history_steps(
+                pairs, config.data.max_seq_len, per_step, pair_tokens, pair_history_key
+            )
         if info.is_main:
             tqdm.write(f"slipstream train: {report.summary()}")  # skipped rows and cut pairs are always said
         real = sum(pair_tokens(pair, sharing) for pair in pairs)
@@ -144,10 +182,11 @@ class PairObjective(Objective):
             efficiency=real / capacity,
         )
         logger.info("%s (pairs)", packing.summary())
-        return ObjectiveData(pairs, bins, packing, report, evals)
+        return ObjectiveData(pairs, bins, packing, report, evals, blocks)
 
     def documents(self, rows: Sequence[dict]) -> list[dict]:
-        return pair_documents(rows)
+        """A micro-batch's documents as its packed row runs them (pairs, or pair trees: every node once)."""
+        return layout_documents(rows) if rows and is_tree(rows[0]) else pair_documents(rows)
 
     def weight(self, rows: Sequence[dict]) -> int:
         return len(rows)  # every pair weighs the same
@@ -165,11 +204,40 @@ class PairObjective(Objective):
         state = state_of(context.base_model)
         self.chunked = state is not None and state.chunked_loss is not None
         if self.reference_free:
-            return f"reference: none ({self.name} is reference-free)"
-        if self.settings.reference != "precomputed":
+            line = f"reference: none ({self.name} is reference-free)"
+        elif self.settings.reference != "precomputed":
             self.per_step_reference = True
-            return "reference: per_step (a no_grad forward with the adapter off in every step)"
-        return self._precompute(context)
+            line = "reference: per_step (a no_grad forward with the adapter off in every step)"
+        else:
+            line = self._precompute(context)
+        sharing = self._decide_sharing(context)
+        return line if sharing is None else f"{line}; {sharing}"
+
+    def _decide_sharing(self, context: ObjectiveContext) -> str | None:
+        """``data.share_prefixes`` on pairs: trees across the pairs whose prompts share history, decided on
+        the first epoch's steps (rank 0's, every rank the same) as for SFT rows; its policy line."""
+        config, info = self.config, context.ranks
+        mode = config.data.share_prefixes
+        if mode == "off" or not self.settings.prefix_sharing or not self.chunked:
+            self.sharing = None
+            return None
+        self.sharing = PrefixSharing(mode, config.data.max_seq_len, config.seed, pairs=True)
+        per_step = config.training.grad_accum * info.world_size
+        epoch = context.epoch_steps or steps_per_epoch(len(context.bins), per_step)
+        steps = [
+            [context.bins[index] for index in context.step_bins(step)[:: info.world_size]]
+            for step in range(min(context.steps, epoch))
+        ]
+        on = self.sharing.decide(
+            steps, lambda: LayoutCost.of(context.base_model, context.device, context.dtype)
+        )
+        if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
+            on = round(info.sum(float(on) if info.is_main else 0.0)) > 0
+            self.sharing.on, self.sharing.layout = on, "tree" if on else None
+        if self.sharing.on:
+            self.sharing.probe(context, steps[0], collate_pair_trees)
+        logger.info("%s", self.sharing.policy)
+        return self.sharing.policy
 
     def _precompute(self, context: ObjectiveContext) -> str:
         config, info = self.config, context.ranks
@@ -245,7 +313,47 @@ class PairObjective(Objective):
         return None if found is None else found[index]
 
     # ------------------------------------------------------------------ the step
+    def plan_step(self, context: ObjectiveContext, step: int, step_bins) -> StepPlan:
+        """The step's bins as they are, or, where pair trees are on, this rank's pairs regrouped into
+        trees (the same pairs; each micro-batch's reference sums gathered from the bins' own)."""
+        sharing = getattr(self, "sharing", None)
+        if sharing is None or not sharing.on:
+            return super().plan_step(context, step, step_bins)
+        info = context.ranks
+        ranks = [
+            [(sharing.share([context.bins[i] for i in step_bins[rank :: info.world_size]], step),
+              list(step_bins[rank :: info.world_size]))]
+            for rank in range(info.world_size)
+        ]  # fmt: skip
+        if len({len(micro) for ((micro, _),) in ranks}) > 1:  # every rank as many micro-batches (DDP)
+            ranks = [
+                [(sharing.share([context.bins[i]], step), [i]) for i in step_bins[rank :: info.world_size]]
+                for rank in range(info.world_size)
+            ]
+        micro = []
+        for trees_bins, indices in ranks[info.rank]:
+            reference = self._step_reference("train", indices)
+            for trees in trees_bins:
+                micro.append(self.collate(trees, context.device, _gathered(reference, trees, context.device)))
+        return StepPlan(
+            micro=micro,
+            total=sum(context.weights[index] for index in step_bins),
+            tokens=sum(self.tokens(context.bins[index]) for index in step_bins),
+            documents=[
+                self.documents(trees) for parts in ranks for trees_bins, _ in parts for trees in trees_bins
+            ],
+            pairs=sum(self.pairs(context.bins[index]) for index in step_bins),
+            record={"micro_batches": len(micro)},
+        )
+
+    def _step_reference(self, part: str, indices: Sequence[int]) -> torch.Tensor | None:
+        """The precomputed reference sums of these bins' pairs, in order (None where there are none)."""
+        found = [self.prepared(part, index) for index in indices]
+        return None if any(sums is None for sums in found) else torch.cat(found)
+
     def collate(self, rows, device, prepared=None):
+        if rows and is_tree(rows[0]):
+            return collate_pair_trees(rows, device=device), prepared
         return collate_pairs(rows, self.settings.prefix_sharing, device=device), prepared
 
     def micro_weight(self, micro) -> int:
@@ -284,7 +392,9 @@ class PairObjective(Objective):
 
     def summary(self, bins, last) -> dict:
         settings = self.settings
+        sharing = getattr(self, "sharing", None)
         return {
+            "shared_prefixes": (sharing or PrefixSharing("off", 0, 0, pairs=True)).as_dict(),
             "preference": {
                 "objective": self.name,
                 "beta": settings.beta,
@@ -292,5 +402,14 @@ class PairObjective(Objective):
                 "reference": "none" if self.reference_free else settings.reference,
                 "pairs": sum(len(b) for b in bins),
                 "last_step": None if last is None else {k: last[k] for k in self.metrics},
-            }
+            },
         }
+
+
+def _gathered(reference: torch.Tensor | None, trees: Sequence[dict], device) -> torch.Tensor | None:
+    """A pair-tree micro-batch's reference sums: the step's, at its pairs' answers (``tree_pairs``:
+    numbers in the step's pairs), chosen then rejected, gathered on the device (no host read)."""
+    if reference is None:
+        return None
+    index = [2 * number + side for tree in trees for number in tree["tree_pairs"] for side in (0, 1)]
+    return reference.index_select(0, host_tensor(index, reference.device))

@@ -160,34 +160,13 @@ class SFT(Objective):
             chosen = layouts[round(info.sum(float(code) if info.is_main else 0.0))]
             self.sharing.on, self.sharing.layout = chosen is not None, chosen
         if self.sharing.on:
-            self._probe_layout(context, steps)
+            self.sharing.probe(
+                context,
+                steps[0],
+                lambda micro: collate_trees(micro) if is_tree(micro[0]) else collate_groups(micro),
+            )
         logger.info("%s", self.sharing.policy)
         return self.sharing.policy
-
-    def _probe_layout(self, context: ObjectiveContext, steps) -> None:
-        """Run the first shared micro-batch forward once, no grad, before step 0 (every rank the same one,
-        so a sharded model's collectives match): a model that cannot hold the layout exactly refuses it
-        here (chunked attention, LongRoPE across its threshold). ``auto`` then runs the rows whole and
-        says why; a forced layout stops with the refusal, before any step."""
-        from ..packing.batch import UnsupportedSharedPrefix
-
-        for micro in self.sharing.share(steps[0], 0):
-            batch = collate_trees(micro) if is_tree(micro[0]) else collate_groups(micro)
-            if not batch.has_prefixes:
-                continue
-            inputs = {**batch.to(context.device).model_inputs(), "labels": None}
-            cuda = [context.device] if context.device.type == "cuda" else []
-            try:  # its dropout draws from a forked generator: the run's draws stay the unshared run's
-                with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-                    context.model(**inputs)
-            except UnsupportedSharedPrefix as error:
-                if self.config.data.share_prefixes != "auto":
-                    raise TrainError(
-                        f"data.share_prefixes {self.config.data.share_prefixes}: {error}"
-                    ) from error
-                self.sharing.on, self.sharing.layout = False, None
-                self.sharing.policy = f"shared prefixes off (auto: the model refuses them: {error})"
-            return
 
     def plan_step(self, context: ObjectiveContext, step: int, step_bins) -> StepPlan:
         """The step's bins as they are, or, where sharing is on, its rows regrouped: each rank's rows

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..data.pair_trees import share_pairs_as_trees
 from ..data.prefix_groups import SharingReport, combined, group_rows, share_rows
 from ..data.prefix_tree import TreeSharingReport, combined_tree_reports, share_rows_as_trees, tree_tokens
 from ..packing.groups import group_documents
@@ -114,6 +115,11 @@ def document_shapes(items: Sequence[Sample]):
                 context.append(0 if parent < 0 else context[parent] + len(nodes[parent]["input_ids"]))
                 yield len(node["input_ids"]), context[-1]
             continue
+        if "prompt_ids" in item:  # a preference pair as it packs today: prompt + chosen, then rejected
+            prompt = len(item["prompt_ids"])
+            yield prompt + len(item["chosen_ids"]), 0
+            yield len(item["rejected_ids"]), prompt
+            continue
         if "continuations" not in item:
             yield len(item["input_ids"]), 0
             continue
@@ -166,10 +172,16 @@ LAYOUTS = ("groups", "tree")
 
 
 class PrefixSharing:
-    """A run's ``data.share_prefixes``: its decision (``decide``), and each step's micro-batches."""
+    """A run's ``data.share_prefixes``: its decision (``decide``), and each step's micro-batches.
 
-    def __init__(self, mode: str, max_seq_len: int, seed: int, unable: str | None = None):
+    ``pairs``: the items are preference pairs (each already runs its prompt once); the one layout is
+    trees across pairs (:func:`slipstream.data.pair_trees.share_pairs_as_trees`), against today's pairs."""
+
+    def __init__(
+        self, mode: str, max_seq_len: int, seed: int, unable: str | None = None, pairs: bool = False
+    ):
         self.mode, self.max_seq_len, self.seed, self.unable = mode, max_seq_len, seed, unable
+        self.pairs = pairs
         self.on = False
         self.layout: str | None = None  # "groups" or "tree" once on
         self.report: SharingReport | None = None
@@ -178,6 +190,8 @@ class PrefixSharing:
         self.modelled: dict[str, float] | None = None
 
     def _layout_of(self, rows: list[Sample], step: int, layout: str):
+        if self.pairs:
+            return share_pairs_as_trees(rows, self.max_seq_len, seed=self.seed + step)
         if layout == "tree":
             return share_rows_as_trees(rows, self.max_seq_len, seed=self.seed + step)
         return share_rows(rows, self.max_seq_len, seed=self.seed + step)
@@ -198,7 +212,7 @@ class PrefixSharing:
         if self.mode == "off":
             return False
         steps = list(steps)[:AUTO_MODELLED_STEPS]
-        candidates = [self.mode] if self.mode in LAYOUTS else list(LAYOUTS)
+        candidates = ["tree"] if self.pairs else [self.mode] if self.mode in LAYOUTS else list(LAYOUTS)
         shared_steps: dict[str, list] = {}
         summaries: list[str] = []
         for layout in candidates:
@@ -220,11 +234,9 @@ class PrefixSharing:
             layout: (self.tree_report if layout == "tree" else self.report).saved_tokens
             for layout in candidates
         }
-        if self.mode in LAYOUTS:
-            self.on, self.layout = True, self.mode
-            self.policy = (
-                f"shared prefixes on as {self._name(self.mode)} (data.share_prefixes: {self.mode}): {summary}"
-            )
+        if self.mode in LAYOUTS or (self.pairs and self.mode == "on"):
+            self.on, self.layout = True, candidates[0]
+            self.policy = f"shared prefixes on as {self._name(self.layout)} (data.share_prefixes: {self.mode}): {summary}"
             return True
         if self.unable and self.mode == "auto":
             self.policy = f"shared prefixes off (auto: {self.unable}): {summary}"
@@ -257,13 +269,39 @@ class PrefixSharing:
         )
         self.policy = (
             f"shared prefixes {'on as ' + self._name(best) if self.on else 'off'} (auto: modelled {ratio:.2f}x "
-            f"the whole rows' time on this device, {'at most' if self.on else 'above'} {1 - AUTO_MIN_SAVING:.2f}x; "
+            f"{'the pairs as they pack alone' if self.pairs else 'the whole rows'}' time on this device, {'at most' if self.on else 'above'} {1 - AUTO_MIN_SAVING:.2f}x; "
             f"{each}): {summary}"
         )
         return self.on
 
-    @staticmethod
-    def _name(layout: str) -> str:
+    def probe(self, context: Any, first_step: Sequence[Sequence[Sample]], collate: Callable) -> None:
+        """Run the first shared micro-batch forward once, no grad, before step 0 (every rank the same one,
+        so a sharded model's collectives match): a model that cannot hold the layout exactly refuses it
+        here (chunked attention, LongRoPE across its threshold). ``auto`` then runs the rows whole and
+        says why; a forced layout stops with the refusal, before any step. ``collate``: a micro-batch's
+        items -> its host ``PackedBatch``."""
+        from ..errors import TrainError
+        from ..packing.batch import UnsupportedSharedPrefix
+
+        for micro in self.share(first_step, 0):
+            batch = collate(micro)
+            if not batch.has_prefixes:
+                continue
+            inputs = {**batch.to(context.device).model_inputs(), "labels": None}
+            cuda = [context.device] if context.device.type == "cuda" else []
+            try:  # its dropout draws from a forked generator: the run's draws stay the unshared run's
+                with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+                    context.model(**inputs)
+            except UnsupportedSharedPrefix as error:
+                if self.mode != "auto":
+                    raise TrainError(f"data.share_prefixes {self.mode}: {error}") from error
+                self.on, self.layout = False, None
+                self.policy = f"shared prefixes off (auto: the model refuses them: {error})"
+            return
+
+    def _name(self, layout: str) -> str:
+        if self.pairs:
+            return "prefix trees across pairs"
         return "prefix trees" if layout == "tree" else "one shared start a group"
 
     def as_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ a rejected answer's [R, P + R] causal mask is the only mask, built once per shap
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 from ..data.binpack import best_fit_decreasing
 from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
 from .groups import answer_row
+from .trees import collate_trees
 
 PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -83,6 +85,35 @@ def collate_pairs(
         token_counts=torch.tensor(lengths, dtype=torch.float32),
     )
     batch = row.batch(num_label_tokens=len(positions), loss_positions=answers.positions, answers=answers)
+    return batch.to(device) if device is not None else batch
+
+
+def collate_pair_trees(
+    trees: Sequence[dict[str, Any]], device: torch.device | str | None = None
+) -> PackedBatch:
+    """Pack pair trees (:func:`slipstream.data.pair_trees.share_pairs_as_trees`) into one row: every
+    shared history once, each answer attending to its prompt's whole path and causally to itself
+    (:func:`.trees.collate_trees`). Answer ``2j`` / ``2j + 1`` are the chosen / rejected answers of the
+    j-th pair in the trees' ``tree_pairs`` order; each answer's log-prob sum equals its
+    ``collate_pairs`` one (the same predictions, each from the same context)."""
+    if not trees:
+        raise ValueError("collate_pair_trees needs at least one tree")
+    batch = collate_trees(trees)
+    # collate_trees lists each row's predictions in row order: a row is prompt path + answer, and only
+    # the answer is labelled, so row r's predictions are answer r's tokens
+    lengths = [len(tree["tree_nodes"][end]["input_ids"]) for tree in trees for end in tree["tree_rows"]]
+    if sum(lengths) != batch.num_label_tokens:
+        raise ValueError("a pair tree labels tokens outside its answers")
+    index = [number for number, length in enumerate(lengths) for _ in range(length)]
+    answers = AnswerSpans(
+        positions=batch.loss_positions,
+        targets=batch.loss_targets,
+        index=torch.tensor(index, dtype=torch.long),
+        lengths=tuple(lengths),
+        token_counts=torch.tensor(lengths, dtype=torch.float32),
+    )
+    # the answers carry the targets: the SFT path of explicit targets stays off (as for collate_pairs)
+    batch = dataclasses.replace(batch, answers=answers, loss_targets=None, _memo={})
     return batch.to(device) if device is not None else batch
 
 

@@ -60,7 +60,9 @@ class DataConfig:
     # (data.steps). "groups": one shared start per group of rows (data.prefix_groups); "tree": every
     # shared history once, at every level (data.prefix_tree: multi-turn rows, reasoning chats, agent
     # steps); "on": the faster of the two; auto: the faster where the device's cost model says it saves
-    # time and the packed attention and the chunked loss run (objectives.sharing)
+    # time and the packed attention and the chunked loss run (objectives.sharing). Preference pairs
+    # (each runs its prompt once already): "tree" / "on" share the histories pairs' prompts share
+    # (data.pair_trees), auto where it is modelled faster; "groups" is SFT's only
     share_prefixes: Literal["auto", "on", "off", "groups", "tree"] = "auto"
     # which rows form a step (data.steps), the same for every layout: "shuffled" (whole-row bins in a
     # seeded order each epoch) or "histories" (rows that share a history, a conversation's rows one per
@@ -204,10 +206,10 @@ class TrainConfig:
                 f"'training.objective' must be a registered objective ({', '.join(objective_names())}), "
                 f"got {self.training.objective!r}",
             )
-        if self.data.step_order == "histories" and objective.reads != "samples":
+        if self.data.step_order == "histories" and objective.reads not in ("samples", "pairs"):
             fail(
                 "data.step_order",
-                f"data.step_order histories groups SFT rows by their history; training.objective "
+                f"data.step_order histories groups SFT rows or preference pairs by their history; training.objective "
                 f"{self.training.objective} reads {objective.reads}: set data.step_order shuffled",
             )
         objective.validate(self, fail)

@@ -1,0 +1,95 @@
+"""``data.share_prefixes: tree`` on preference pairs whose prompts share history: the same steps on the
+same pairs to the same losses as each pair packed alone, with the reference precomputed, per step, or
+none (ORPO); what it cannot do is refused by key."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from slipstream.train.config import ConfigError, load_config
+
+from .test_pairs import WORDS, dpo_config, losses, run, write_pairs
+
+
+def conversation_pairs(chats: int = 4, turns: int = 4, seed: int = 0) -> list[dict]:
+    """A preference pair at every turn of each conversation: turn k's prompt is the conversation so far
+    (earlier turns with their chosen answers), so a chat's pairs share their history at every level."""
+    rng = random.Random(seed)
+
+    def words(low: int, high: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(low, high)))
+
+    rows = []
+    for chat in range(chats):
+        history = f"Chat {chat}. You are a guide to {words(10, 14)}."
+        for _ in range(turns):
+            history += f" Q: {words(3, 6)}?"
+            chosen, rejected = words(3, 7), words(2, 8) + " no"
+            rows.append({"prompt": history, "chosen": chosen, "rejected": rejected})
+            history += f" A: {chosen}"
+    return rows
+
+
+def run_json(out) -> dict:
+    return json.loads((out / "run.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("objective", "reference"), [("dpo", "precomputed"), ("dpo", "per_step"), ("orpo", "precomputed")]
+)
+def test_pair_trees_take_the_same_steps_on_the_same_pairs_to_the_same_losses(tmp_path, objective, reference):
+    pairs = write_pairs(tmp_path, conversation_pairs())
+
+    def config(mode: str):
+        return dpo_config(
+            tmp_path,
+            pairs,
+            mode,
+            data={"share_prefixes": mode, "step_order": "histories", "max_seq_len": 256},
+            training={"objective": objective, "steps": 3, "grad_accum": 2},
+            preference={"reference": reference},
+        )
+
+    run(config("off"))
+    run(config("tree"))
+    off, tree = tmp_path / "off", tmp_path / "tree"
+    assert losses(tree) == pytest.approx(losses(off), abs=1e-5)
+    assert len(losses(off)) == 3
+    shared = run_json(tree)["shared_prefixes"]
+    assert shared["on"] and shared["layout"] == "tree"
+    assert shared["tree"]["saved_fraction"] > 0.2  # the chats' histories run once
+    assert "prefix trees across pairs" in shared["policy"]
+    assert run_json(off)["shared_prefixes"]["on"] is False
+
+
+def test_pair_trees_fall_back_to_pairs_alone_where_nothing_is_shared(tmp_path):
+    """Pairs that share no prompt: ``auto`` leaves them as they pack today, and says why."""
+    pairs = write_pairs(tmp_path)  # unrelated prompts
+    out = dpo_config(tmp_path, pairs, "auto", data={"share_prefixes": "auto"})
+    run(out)
+    shared = run_json(tmp_path / "auto")["shared_prefixes"]
+    assert shared["on"] is False and "shared prefixes off (auto" in shared["policy"]
+
+
+@pytest.mark.parametrize(
+    ("sections", "words"),
+    [
+        ({"data": {"share_prefixes": "groups"}}, "data.share_prefixes groups is for SFT rows"),
+        (
+            {"data": {"share_prefixes": "tree"}, "preference": {"prefix_sharing": False}},
+            "preference.prefix_sharing false",
+        ),
+        (
+            {"data": {"share_prefixes": "tree"}, "speedups": {"chunked_loss": False}},
+            "set speedups.chunked_loss true",
+        ),
+    ],
+)
+def test_what_pair_trees_cannot_do_is_refused_by_key(tmp_path, sections, words):
+    pairs = write_pairs(tmp_path)
+    with pytest.raises(ConfigError, match="data.share_prefixes") as error:
+        load_config(dpo_config(tmp_path, pairs, **sections))
+    assert words in str(error.value)
