@@ -5,6 +5,7 @@ none (ORPO); what it cannot do is refused by key."""
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -93,3 +94,22 @@ def test_what_pair_trees_cannot_do_is_refused_by_key(tmp_path, sections, words):
     with pytest.raises(ConfigError, match="data.share_prefixes") as error:
         load_config(dpo_config(tmp_path, pairs, **sections))
     assert words in str(error.value)
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "per_step"])
+def test_in_bf16_a_pair_trees_reference_runs_in_its_layout_so_step_0_is_ln_2(tmp_path, reference):
+    """The policy starts as the reference: a reference computed in another layout (each pair alone)
+    differs from the trees' policy sums by bf16 rounding and moves step 0's loss off ln 2."""
+    pairs = write_pairs(tmp_path, conversation_pairs(chats=2, turns=6))
+    config = dpo_config(
+        tmp_path,
+        pairs,
+        "bf16",
+        model={"preset": "qwen3", "dtype": "bfloat16"},
+        data={"share_prefixes": "tree", "step_order": "histories", "max_seq_len": 512},
+        training={"steps": 1, "grad_accum": 2},
+        preference={"reference": reference},
+    )
+    run(config)
+    assert run_json(tmp_path / "bf16")["shared_prefixes"]["on"]
+    assert losses(tmp_path / "bf16")[0] == pytest.approx(math.log(2), abs=1e-6)

@@ -30,11 +30,10 @@ from ..data import PackingReport
 from ..data.cache import cache_root
 from ..data.pair_trees import pair_history_key
 from ..data.pairs import load_pairs, split_pairs
-from ..data.steps import history_steps, steps_per_epoch
+from ..data.steps import history_steps
 from ..fields import Range
 from ..loss.preference import METRICS, PairTerms
 from ..optimize import state_of
-from ..packing.batch import host_tensor
 from ..packing.pairs import (
     collate_pair_trees,
     collate_pairs,
@@ -48,8 +47,9 @@ from . import answers as pair_forward
 from .answers import evaluate_pairs
 from .base import Objective, ObjectiveContext, ObjectiveData, StepPlan, split_held_out, tokenizer_refusals
 from .evaluation import HeldOut, rank_share
+from .pair_sharing import PairTrees
 from .reference import cache_key, precomputed_reference, reference_cached, weights_fingerprint
-from .sharing import LayoutCost, PrefixSharing, layout_documents
+from .sharing import PrefixSharing, layout_documents
 
 logger = logging.getLogger("slipstream")
 
@@ -83,6 +83,13 @@ class PairObjective(Objective):
         self.reference: list[torch.Tensor] | None = None
         self.eval_reference: list[torch.Tensor] | None = None
         self.per_step_reference = False
+        self.pair_trees: PairTrees | None = None  # data.share_prefixes' decision on pairs (before_training)
+        self.tree_reference: dict[tuple[int, ...], list[torch.Tensor]] | None = None
+
+    @property
+    def trees(self) -> PairTrees | None:
+        """The run's pair trees where they are on (else None: each pair packed alone)."""
+        return self.pair_trees if self.pair_trees is not None and self.pair_trees.on else None
 
     def pair_terms(
         self, policy: torch.Tensor, reference: torch.Tensor | None, lengths: torch.Tensor
@@ -199,10 +206,17 @@ class PairObjective(Objective):
 
     # ------------------------------------------------------------------ before step 0
     def before_training(self, context: ObjectiveContext) -> str | None:
-        """``preference.reference: precomputed``: every bin's reference sums (train and eval), once,
-        cached (its ranks, base model, device, dtype, bins and evals read from ``context``)."""
+        """``data.share_prefixes``' decision (pair trees, :mod:`.pair_sharing`), then, for
+        ``preference.reference: precomputed``, every bin's reference sums (train and eval), or with
+        trees every distinct step layout's, once, cached (its ranks, base model, device, dtype, bins and
+        evals read from ``context``)."""
         state = state_of(context.base_model)
         self.chunked = state is not None and state.chunked_loss is not None
+        self.pair_trees, sharing = None, None
+        mode = self.config.data.share_prefixes
+        if mode != "off" and self.settings.prefix_sharing and self.chunked:
+            self.pair_trees = PairTrees(self.config)
+            sharing = self.pair_trees.decide(context)
         if self.reference_free:
             line = f"reference: none ({self.name} is reference-free)"
         elif self.settings.reference != "precomputed":
@@ -210,34 +224,7 @@ class PairObjective(Objective):
             line = "reference: per_step (a no_grad forward with the adapter off in every step)"
         else:
             line = self._precompute(context)
-        sharing = self._decide_sharing(context)
         return line if sharing is None else f"{line}; {sharing}"
-
-    def _decide_sharing(self, context: ObjectiveContext) -> str | None:
-        """``data.share_prefixes`` on pairs: trees across the pairs whose prompts share history, decided on
-        the first epoch's steps (rank 0's, every rank the same) as for SFT rows; its policy line."""
-        config, info = self.config, context.ranks
-        mode = config.data.share_prefixes
-        if mode == "off" or not self.settings.prefix_sharing or not self.chunked:
-            self.sharing = None
-            return None
-        self.sharing = PrefixSharing(mode, config.data.max_seq_len, config.seed, pairs=True)
-        per_step = config.training.grad_accum * info.world_size
-        epoch = context.epoch_steps or steps_per_epoch(len(context.bins), per_step)
-        steps = [
-            [context.bins[index] for index in context.step_bins(step)[:: info.world_size]]
-            for step in range(min(context.steps, epoch))
-        ]
-        on = self.sharing.decide(
-            steps, lambda: LayoutCost.of(context.base_model, context.device, context.dtype)
-        )
-        if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
-            on = round(info.sum(float(on) if info.is_main else 0.0)) > 0
-            self.sharing.on, self.sharing.layout = on, "tree" if on else None
-        if self.sharing.on:
-            self.sharing.probe(context, steps[0], collate_pair_trees)
-        logger.info("%s", self.sharing.policy)
-        return self.sharing.policy
 
     def _precompute(self, context: ObjectiveContext) -> str:
         config, info = self.config, context.ranks
@@ -256,17 +243,32 @@ class PairObjective(Objective):
             "torch": torch.__version__,
         }
 
-        def compute(pairs):
-            return self.reference_log_probs(model, [pairs], context.device)[0]
+        def compute(items):
+            if items and is_tree(items[0]):  # a pair-tree micro-batch: the reference in the policy's layout
+                batch = collate_pair_trees(items, context.device)
+                return pair_forward.reference_sums(model, batch, chunked, adapter=False)
+            return self.reference_log_probs(model, [items], context.device)[0]
 
         started = time.perf_counter()
-        sets = [("train", context.bins)] + (
-            [("eval", context.evals.bins)] if context.evals is not None else []
-        )
+        steps: list[tuple[int, ...]] = []
+        if self.trees is not None:
+            steps, micro = self.trees.reference_items(context)
+            sets = [("train-trees", micro)]
+        else:
+            sets = [("train", context.bins)]
+        sets += [("eval", context.evals.bins)] if context.evals is not None else []
         computed = False
         cache = config.data.cache
         for part, bins in sets:
             key = cache_key(weights, {**base, "set": part}, bins)
+            if part == "train-trees":  # each rank its own trees: every rank reads, or every rank computes
+                # (FSDP2: every forward is a collective, so every rank reads only where every rank can)
+                everywhere = info.sum(float(cache and reference_cached(key))) >= info.world_size
+                read = everywhere or info.strategy != "fsdp2"
+                sums, how = precomputed_reference(key, bins, compute, cache=cache, read=read)
+                self.tree_reference = self._by_step(steps, context, sums)
+                computed = computed or "computed" in how
+                continue
             if info.enabled and cache and info.strategy != "fsdp2":
                 # DDP: rank 0 computes and writes, the others read it
                 if info.is_main:
@@ -291,13 +293,22 @@ class PairObjective(Objective):
         seconds = time.perf_counter() - started
         count = sum(len(bins) for _, bins in sets)
         where = cache_root() / "reference"
+        what = f"{count} bins" + (f", the trees of {len(steps)} step layouts" if steps else "")
         if computed:
             return (
-                f"reference log-probs computed once in {seconds:.1f} s before step 0 ({count} bins, "
+                f"reference log-probs computed once in {seconds:.1f} s before step 0 ({what}, "
                 + ("train and eval" if len(sets) > 1 else "train")
                 + (f"; cached under {where})" if cache else ")")
             )
-        return f"reference log-probs read from the cache ({where}; {count} bins)"
+        return f"reference log-probs read from the cache ({where}; {what})"
+
+    def _by_step(self, steps, context, sums) -> dict[tuple[int, ...], list[torch.Tensor]]:
+        """The tree reference sums, in ``reference_items``' order, per step (its bins) as its micro-batches."""
+        found, at = {}, 0
+        for key in steps:
+            count = sum(len(parts) for parts, _ in self.trees.layout(context, key))
+            found[key], at = sums[at : at + count], at + count
+        return found
 
     def reference_log_probs(self, model, bins, device) -> list[torch.Tensor] | None:
         """Every bin's reference sums (the one reference pass, :func:`.answers.reference_pass`), as this
@@ -315,41 +326,27 @@ class PairObjective(Objective):
     # ------------------------------------------------------------------ the step
     def plan_step(self, context: ObjectiveContext, step: int, step_bins) -> StepPlan:
         """The step's bins as they are, or, where pair trees are on, this rank's pairs regrouped into
-        trees (the same pairs; each micro-batch's reference sums gathered from the bins' own)."""
-        sharing = getattr(self, "sharing", None)
-        if sharing is None or not sharing.on:
+        trees (the same pairs), each micro-batch with its reference sums in that layout."""
+        if self.trees is None:
             return super().plan_step(context, step, step_bins)
-        info = context.ranks
-        ranks = [
-            [(sharing.share([context.bins[i] for i in step_bins[rank :: info.world_size]], step),
-              list(step_bins[rank :: info.world_size]))]
-            for rank in range(info.world_size)
-        ]  # fmt: skip
-        if len({len(micro) for ((micro, _),) in ranks}) > 1:  # every rank as many micro-batches (DDP)
-            ranks = [
-                [(sharing.share([context.bins[i]], step), [i]) for i in step_bins[rank :: info.world_size]]
-                for rank in range(info.world_size)
-            ]
-        micro = []
-        for trees_bins, indices in ranks[info.rank]:
-            reference = self._step_reference("train", indices)
-            for trees in trees_bins:
-                micro.append(self.collate(trees, context.device, _gathered(reference, trees, context.device)))
+        layout = self.trees.layout(context, step_bins)
+        micro = [trees for parts, _ in layout for trees in parts]
+        reference = self.tree_reference.get(tuple(step_bins)) if self.tree_reference is not None else None
+        if reference is None and self.tree_reference is not None:
+            raise RuntimeError(
+                f"pair trees: no reference sums were computed for the step of bins {step_bins}"
+            )
         return StepPlan(
-            micro=micro,
+            micro=[
+                self.collate(trees, context.device, None if reference is None else reference[number])
+                for number, trees in enumerate(micro)
+            ],
             total=sum(context.weights[index] for index in step_bins),
             tokens=sum(self.tokens(context.bins[index]) for index in step_bins),
-            documents=[
-                self.documents(trees) for parts in ranks for trees_bins, _ in parts for trees in trees_bins
-            ],
+            documents=[self.documents(trees) for trees in micro],
             pairs=sum(self.pairs(context.bins[index]) for index in step_bins),
             record={"micro_batches": len(micro)},
         )
-
-    def _step_reference(self, part: str, indices: Sequence[int]) -> torch.Tensor | None:
-        """The precomputed reference sums of these bins' pairs, in order (None where there are none)."""
-        found = [self.prepared(part, index) for index in indices]
-        return None if any(sums is None for sums in found) else torch.cat(found)
 
     def collate(self, rows, device, prepared=None):
         if rows and is_tree(rows[0]):
@@ -392,9 +389,10 @@ class PairObjective(Objective):
 
     def summary(self, bins, last) -> dict:
         settings = self.settings
-        sharing = getattr(self, "sharing", None)
+        decided = self.pair_trees
+        sharing = decided.sharing if decided is not None else PrefixSharing("off", 0, 0, pairs=True)
         return {
-            "shared_prefixes": (sharing or PrefixSharing("off", 0, 0, pairs=True)).as_dict(),
+            "shared_prefixes": sharing.as_dict(),
             "preference": {
                 "objective": self.name,
                 "beta": settings.beta,
@@ -404,12 +402,3 @@ class PairObjective(Objective):
                 "last_step": None if last is None else {k: last[k] for k in self.metrics},
             },
         }
-
-
-def _gathered(reference: torch.Tensor | None, trees: Sequence[dict], device) -> torch.Tensor | None:
-    """A pair-tree micro-batch's reference sums: the step's, at its pairs' answers (``tree_pairs``:
-    numbers in the step's pairs), chosen then rejected, gathered on the device (no host read)."""
-    if reference is None:
-        return None
-    index = [2 * number + side for tree in trees for number in tree["tree_pairs"] for side in (0, 1)]
-    return reference.index_select(0, host_tensor(index, reference.device))

@@ -54,8 +54,12 @@ def cache_key(weights: str, settings: dict, bins: Sequence[Sequence[dict]]) -> s
     )
     for pairs in bins:
         for pair in pairs:
-            for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
-                digest.update(json.dumps(pair[name]).encode())
+            if "tree_nodes" in pair:  # a pair tree (data.pair_trees): its nodes, their parents and rows
+                nodes = [(node["input_ids"], node["parent"]) for node in pair["tree_nodes"]]
+                digest.update(json.dumps([nodes, pair["tree_rows"], pair["tree_pairs"]]).encode())
+            else:
+                for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+                    digest.update(json.dumps(pair[name]).encode())
             digest.update(b"|")
         digest.update(b"#")
     return digest.hexdigest()[:32]
@@ -72,11 +76,13 @@ def precomputed_reference(
     compute: Callable[[Sequence[dict]], torch.Tensor],
     cache: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    read: bool = True,
 ) -> tuple[list[torch.Tensor], str]:
     """Per bin, its [answers] reference sums (CPU, fp32): read from the cache, or computed by
-    ``compute(pairs)`` bin by bin and written (atomically). Returns them and what was done."""
+    ``compute(pairs)`` bin by bin and written (atomically). Returns them and what was done. ``read``
+    False: computed and written whatever the cache holds (ranks that must all run the forwards)."""
     path = cache_root() / "reference" / f"{key}.pt"
-    if cache and path.exists():
+    if cache and read and path.exists():
         try:
             found = torch.load(path, weights_only=True)
             if isinstance(found, list) and len(found) == len(bins):
