@@ -1,5 +1,6 @@
 """``slipstream train`` with ``data.share_prefixes`` off and auto (or on, groups, tree): the same steps,
-the same loss curve, what the model answers after, and each epoch's time.
+the same loss curve, what the model answers after, and each epoch's time (``--objective dpo``: preference
+pairs, whose ``tree`` runs the histories their prompts share once).
 
 Runs the CLI as a user would, once per mode, on one config (written here), then compares: the
 optimizer steps, the micro-batches a step ran (``metrics.jsonl``), the loss curves (largest
@@ -28,7 +29,7 @@ def config(args, mode: str, out: Path) -> dict:
         "model": {"path": args.model, "dtype": args.dtype},
         "data": {
             "path": str(Path(args.data).resolve()),
-            "response_only": True,
+            "response_only": args.objective == "sft",
             "max_seq_len": args.max_seq_len,
             "share_prefixes": mode,
             "step_order": args.step_order,
@@ -40,7 +41,12 @@ def config(args, mode: str, out: Path) -> dict:
             "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         },
         "optimizer": {"lr": args.lr, "schedule": "cosine", "warmup_steps": 2},
-        "training": {"epochs": args.epochs, "grad_accum": args.grad_accum, "checkpoint_every": 0},
+        "training": {
+            "objective": args.objective,
+            "epochs": args.epochs,
+            "grad_accum": args.grad_accum,
+            "checkpoint_every": 0,
+        },
         "output_dir": str(out),
         "seed": 0,
     }
@@ -68,6 +74,8 @@ def run(args, mode: str) -> dict:
         "micro_batches": [r.get("micro_batches") for r in steps],
         "train_s": steps[-1]["elapsed_s"],
         "policy": (summary.get("shared_prefixes") or {}).get("policy"),
+        # a preference run's reference pass before step 0 (its time is in the line)
+        "reference": next((p for p in summary.get("policies", []) if "reference log-probs" in p), None),
         "answers": answers,
     }
 
@@ -86,6 +94,11 @@ def main() -> None:
         "--modes", default="off,auto", help="data.share_prefixes values, the first the baseline"
     )
     parser.add_argument("--step-order", default="shuffled", choices=("shuffled", "histories"))
+    parser.add_argument(
+        "--objective",
+        default="sft",
+        help="training.objective: sft rows, or dpo / orpo ... on preference pairs",
+    )
     parser.add_argument("--chat-template", default=None, help="data.chat_template: a .jinja file")
     parser.add_argument("--ask", action="append", default=[])
     parser.add_argument("--out", required=True)
@@ -106,7 +119,7 @@ def main() -> None:
             f"| {base['train_s'] / r['train_s']:.2f}x | {r['loss'][0]:.4f} / {r['loss'][-1]:.4f} | {diff:.2e} |"
         )
     for r in found:
-        print(f"\n{r['mode']}: {r['policy']}")
+        print(f"\n{r['mode']}: {r['policy']}" + (f"\n  {r['reference']}" if r["reference"] else ""))
         for question, answer in zip(args.ask, r["answers"], strict=True):
             print(f"  Q: {question}\n  A: {answer}")
     (Path(args.out) / "summary.json").write_text(json.dumps(found, indent=1))

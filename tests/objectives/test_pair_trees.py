@@ -113,3 +113,44 @@ def test_in_bf16_a_pair_trees_reference_runs_in_its_layout_so_step_0_is_ln_2(tmp
     run(config)
     assert run_json(tmp_path / "bf16")["shared_prefixes"]["on"]
     assert losses(tmp_path / "bf16")[0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_two_ranks_of_pair_trees_match_one_process_with_the_same_global_batch(tmp_path, strategy):
+    """Each rank regroups its own pairs into trees and runs its reference in that layout (FSDP2: every
+    rank as many forwards); the losses are one process's, whose trees hold both ranks' pairs."""
+    import os
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    from ..ports import free_port
+
+    if not dist.is_available():
+        pytest.skip("no torch.distributed")
+    pairs = write_pairs(tmp_path, conversation_pairs())
+    config = dpo_config(
+        tmp_path,
+        pairs,
+        # 4 steps of 2 bins each: every rank a bin (a step of one bin would be refused by name)
+        data={"share_prefixes": "tree", "step_order": "histories", "max_seq_len": 320},
+        training={"steps": 3, "distributed": strategy},
+    )
+
+    def launch(args):
+        done = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    single = ["-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'single'}"]
+    launch([*single, "--set", "training.grad_accum=2"])
+    ranks = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    launch([*ranks, "-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'ranks'}"])
+    one, two = losses(tmp_path / "single"), losses(tmp_path / "ranks")
+    assert abs(one[0] - math.log(2)) < 1e-5 and len(one) == len(two) == 3
+    assert max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True)) <= 1e-5
+    assert run_json(tmp_path / "ranks")["shared_prefixes"]["on"]
