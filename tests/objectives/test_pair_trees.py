@@ -12,7 +12,7 @@ import pytest
 
 from slipstream.train.config import ConfigError, load_config
 
-from .test_pairs import WORDS, dpo_config, losses, run, write_pairs
+from .test_pairs import WORDS, dpo_config, losses, records, run, write_pairs
 
 
 def conversation_pairs(chats: int = 4, turns: int = 4, seed: int = 0) -> list[dict]:
@@ -64,6 +64,8 @@ def test_pair_trees_take_the_same_steps_on_the_same_pairs_to_the_same_losses(tmp
     assert shared["tree"]["saved_fraction"] > 0.2  # the chats' histories run once
     assert "prefix trees across pairs" in shared["policy"]
     assert run_json(off)["shared_prefixes"]["on"] is False
+    micro = {name: [r["micro_batches"] for r in records(out)] for name, out in (("off", off), ("tree", tree))}
+    assert micro["off"] == [2, 2, 2] and sum(micro["tree"]) < sum(micro["off"])  # fewer rows: histories once
 
 
 def test_pair_trees_fall_back_to_pairs_alone_where_nothing_is_shared(tmp_path):
