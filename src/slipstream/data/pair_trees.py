@@ -18,21 +18,17 @@ later prompt repeats runs twice: once as that prompt's history, once as the answ
 A tree here is a :mod:`.prefix_tree` tree (nodes in pre-order, prompt nodes unlabelled, answer nodes
 labelled with their own ids) whose rows are the answers, chosen then rejected for each pair, and whose
 ``tree_pairs`` are the pairs' numbers in the list given, so a micro-batch's answer ``2j`` / ``2j + 1``
-are pair ``tree_pairs[j]``'s (the reference log-probs are gathered by it).
+are pair ``tree_pairs[j]``'s.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import Any
 
-from .binpack import best_fit_decreasing
 from .labels import IGNORE_INDEX
 from .prefix_groups import MIN_SHARED_TOKENS
-from .prefix_tree import Tree, TreeSharingReport, tree_items, tree_tokens
-
-PAIR_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
+from .prefix_tree import Tree, TreeSharingReport, pack_trees, tree_items
 
 
 def pair_tree_items(
@@ -110,8 +106,4 @@ def share_pairs_as_trees(
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
     items, report = pair_tree_items(pairs, max_seq_len, min_shared)
-    rng = random.Random(seed)
-    rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
-    bins = best_fit_decreasing(items, max_seq_len, size=tree_tokens)
-    rng.shuffle(bins)
-    return bins, report
+    return pack_trees(items, max_seq_len, seed), report

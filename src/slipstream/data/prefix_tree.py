@@ -333,11 +333,17 @@ def share_rows_as_trees(
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
     items, report = tree_items(rows, max_seq_len, min_shared)
+    return pack_trees(items, max_seq_len, seed), report
+
+
+def pack_trees(items: list[Tree], max_seq_len: int, seed: int) -> list[list[Tree]]:
+    """Trees packed best-fit-decreasing by their size into bins of ``max_seq_len``, ties and the bins
+    in a seeded order."""
     rng = random.Random(seed)
     rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
     bins = best_fit_decreasing(items, max_seq_len, size=tree_tokens)
     rng.shuffle(bins)
-    return bins, report
+    return bins
 
 
 def combined_tree_reports(reports: Sequence[TreeSharingReport]) -> TreeSharingReport:
