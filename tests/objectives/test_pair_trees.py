@@ -156,3 +156,34 @@ def test_two_ranks_of_pair_trees_match_one_process_with_the_same_global_batch(tm
     assert abs(one[0] - math.log(2)) < 1e-5 and len(one) == len(two) == 3
     assert max(abs(a - b) / abs(a) for a, b in zip(one, two, strict=True)) <= 1e-5
     assert run_json(tmp_path / "ranks")["shared_prefixes"]["on"]
+
+
+@pytest.mark.parametrize(
+    ("order", "objective", "on"),
+    [("shuffled", "dpo", False), ("histories", "dpo", True), ("shuffled", "orpo", True)],
+)
+def test_auto_keeps_pairs_alone_where_the_reference_would_run_every_epochs_new_layouts(
+    tmp_path, monkeypatch, order, objective, on
+):
+    """Shuffled steps over two epochs are new step layouts each epoch: a precomputed reference in the
+    trees' layout would run twice, which the cost model does not count, so ``auto`` says no (a
+    reference-free objective, or the fixed steps of ``histories``, keep the trees). The cost model is
+    made to favour the trees (its verdict is this machine's), so only that rule decides."""
+    from slipstream.objectives.sharing import PrefixSharing
+
+    def favour_trees(self, steps, cost):
+        self.on, self.layout, self.policy = True, "tree", "shared prefixes on (auto: faked): the trees"
+        return True
+
+    monkeypatch.setattr(PrefixSharing, "decide", favour_trees)
+    pairs = write_pairs(tmp_path, conversation_pairs())
+    config = dpo_config(
+        tmp_path, pairs, "auto",
+        data={"share_prefixes": "auto", "step_order": order, "max_seq_len": 320},
+        training={"objective": objective, "epochs": 2, "steps": None, "grad_accum": 2},
+    )  # fmt: skip
+    run(config)
+    shared = run_json(tmp_path / "auto")["shared_prefixes"]
+    assert shared["on"] is on, shared["policy"]
+    if not on:
+        assert "reference would run again in every epoch" in shared["policy"]

@@ -37,8 +37,9 @@ class PairTrees:
     """A run's pair trees: the decision (:meth:`decide`), each step's layout (:meth:`layout`), and the
     step layouts whose reference sums run before step 0 (:meth:`reference_items`)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, reference_pass: bool = False):
         self.config = config
+        self.reference_pass = reference_pass  # a precomputed reference runs each step layout before step 0
         self.sharing = PrefixSharing(
             config.data.share_prefixes, config.data.max_seq_len, config.seed, pairs=True
         )
@@ -60,6 +61,16 @@ class PairTrees:
         on = self.sharing.decide(
             steps, lambda: LayoutCost.of(context.base_model, context.device, context.dtype)
         )
+        if on and config.data.share_prefixes == "auto" and self._reference_per_layout(context, epoch):
+            # the cost model does not count the reference pass: with shuffled steps over several epochs
+            # it would run once per epoch (each epoch's steps are new layouts), not once
+            on = self.sharing.on = False
+            self.sharing.layout = None
+            self.sharing.policy = (
+                "shared prefixes off (auto: the precomputed reference would run again in every epoch's "
+                "new step layouts; data.step_order histories keeps the layouts, or set data.share_prefixes "
+                f"tree): {self.sharing.policy.split(': ', 1)[-1]}"
+            )
         if info.world_size > 1:  # rank 0's decision for every rank (its cost model was measured there)
             on = round(info.sum(float(on) if info.is_main else 0.0)) > 0
             self.sharing.on, self.sharing.layout = on, "tree" if on else None
@@ -67,6 +78,13 @@ class PairTrees:
             self.sharing.probe(context, steps[0], collate_pair_trees)
         logger.info("%s", self.sharing.policy)
         return self.sharing.policy
+
+    def _reference_per_layout(self, context: ObjectiveContext, epoch: int) -> bool:
+        """Whether a precomputed reference would run more step layouts than one epoch holds (shuffled
+        steps over more than one epoch: every epoch's steps are other bins together)."""
+        if not self.reference_pass or context.steps <= epoch:
+            return False
+        return len({tuple(context.step_bins(step)) for step in range(context.steps)}) > epoch
 
     def layout(self, context: ObjectiveContext, step_bins: Sequence[int]) -> Layout:
         """This rank's micro-batches of trees for a step of ``step_bins`` (every rank's): its own bins'

@@ -215,7 +215,8 @@ class PairObjective(Objective):
         self.pair_trees, sharing = None, None
         mode = self.config.data.share_prefixes
         if mode != "off" and self.settings.prefix_sharing and self.chunked:
-            self.pair_trees = PairTrees(self.config)
+            precomputed = not self.reference_free and self.settings.reference == "precomputed"
+            self.pair_trees = PairTrees(self.config, reference_pass=precomputed)
             sharing = self.pair_trees.decide(context)
         if self.reference_free:
             line = f"reference: none ({self.name} is reference-free)"
