@@ -173,9 +173,7 @@ def _without_short_spans(node: TrieNode, min_shared: int) -> int:
     return added + sum(_without_short_spans(child, min_shared) for child in node.children)
 
 
-# {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row],
-#  "tree_row_ids": [the row's number in the rows the trie was built from]}
-Tree = dict[str, Any]
+Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
 
 
 def _size(node: TrieNode, cache: dict[int, int]) -> int:
@@ -220,7 +218,6 @@ def _as_tree(root: TrieNode) -> Tree:
     children with no row ending between them joined into one node."""
     nodes: list[dict[str, Any]] = []
     ends: list[int] = []
-    row_ids: list[int] = []  # the rows (their numbers in the trie's input) that end at each of ``ends``
 
     def visit(node: TrieNode, parent: int) -> None:
         ids, labels = list(node.ids), list(node.labels)
@@ -231,12 +228,11 @@ def _as_tree(root: TrieNode) -> Tree:
         index = len(nodes)
         nodes.append({"input_ids": ids, "labels": labels, "parent": parent})
         ends.extend([index] * len(node.ends))
-        row_ids.extend(node.ends)
         for child in node.children:
             visit(child, index)
 
     visit(root, -1)
-    return {"tree_nodes": nodes, "tree_rows": ends, "tree_row_ids": row_ids}
+    return {"tree_nodes": nodes, "tree_rows": ends}
 
 
 def tree_tokens(tree: Tree, shared: bool = True) -> int:

@@ -98,10 +98,13 @@ class PairTrees:
             return [(share([bins[i]], seed), [i]) for i in ranks[info.rank]]
         return [(trees[info.rank], ranks[info.rank])]
 
-    def reference_items(self, context: ObjectiveContext) -> tuple[list[tuple[int, ...]], list[list[dict]]]:
-        """Every distinct step of the run (by its bins) and, in order, this rank's tree micro-batches of
-        each: what a reference pass in the policy's layout runs once before step 0."""
-        keys: list[tuple[int, ...]] = []
+    def reference_items(
+        self, context: ObjectiveContext
+    ) -> tuple[list[tuple[tuple[int, ...], int]], list[list[dict]]]:
+        """Every distinct step of the run (by its bins) with how many micro-batches this rank runs in it,
+        and, in order, those tree micro-batches: what a reference pass in the policy's layout runs once
+        before step 0."""
+        steps: list[tuple[tuple[int, ...], int]] = []
         seen: set[tuple[int, ...]] = set()
         micro: list[list[dict]] = []
         for step in range(context.steps):
@@ -109,6 +112,7 @@ class PairTrees:
             if key in seen:
                 continue
             seen.add(key)
-            keys.append(key)
-            micro += [trees for parts, _ in self.layout(context, key) for trees in parts]
-        return keys, micro
+            found = [trees for parts, _ in self.layout(context, key) for trees in parts]
+            steps.append((key, len(found)))
+            micro += found
+        return steps, micro

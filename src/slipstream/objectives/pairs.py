@@ -251,7 +251,7 @@ class PairObjective(Objective):
             return self.reference_log_probs(model, [items], context.device)[0]
 
         started = time.perf_counter()
-        steps: list[tuple[int, ...]] = []
+        steps: list[tuple[tuple[int, ...], int]] = []
         if self.trees is not None:
             steps, micro = self.trees.reference_items(context)
             sets = [("train-trees", micro)]
@@ -267,7 +267,7 @@ class PairObjective(Objective):
                 everywhere = info.sum(float(cache and reference_cached(key))) >= info.world_size
                 read = everywhere or info.strategy != "fsdp2"
                 sums, how = precomputed_reference(key, bins, compute, cache=cache, read=read)
-                self.tree_reference = self._by_step(steps, context, sums)
+                self.tree_reference = self._by_step(steps, sums)
                 computed = computed or "computed" in how
                 continue
             if info.enabled and cache and info.strategy != "fsdp2":
@@ -303,11 +303,11 @@ class PairObjective(Objective):
             )
         return f"reference log-probs read from the cache ({where}; {what})"
 
-    def _by_step(self, steps, context, sums) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    @staticmethod
+    def _by_step(steps, sums) -> dict[tuple[int, ...], list[torch.Tensor]]:
         """The tree reference sums, in ``reference_items``' order, per step (its bins) as its micro-batches."""
         found, at = {}, 0
-        for key in steps:
-            count = sum(len(parts) for parts, _ in self.trees.layout(context, key))
+        for key, count in steps:
             found[key], at = sums[at : at + count], at + count
         return found
 
