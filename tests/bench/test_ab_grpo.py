@@ -14,6 +14,16 @@ def test_the_grpo_preset_holds_grpo_arms_only():
     assert all(ARM_SPECS[arm].objective == "grpo" for arm in ARM_PRESETS["grpo"])
     assert ARM_SPECS["trl-grpo"].peer == "trl" and ARM_SPECS["trl-grpo"].stock
     assert ARM_SPECS["slipstream-grpo-no-prefix-sharing"].prefixes == "unshared"
+    assert all(ARM_SPECS[arm].objective == "grpo" for arm in ARM_PRESETS["grpo-trees"])
+
+
+def test_the_grpo_tree_arms_run_train_with_their_layouts(tmp_path):
+    from slipstream.bench.arms import train_config_of
+
+    config = _parse(["--config", str(grpo_config(tmp_path))])
+    assert train_config_of(config, "slipstream-grpo-groups").data.share_prefixes == "off"
+    assert train_config_of(config, "slipstream-grpo-tree").data.share_prefixes == "tree"
+    assert train_config_of(config, "slipstream-grpo").data.share_prefixes == config.train.data.share_prefixes
 
 
 def test_a_grpo_ab_refuses_other_arms_missing_rewards_and_missing_prompts(tmp_path):
@@ -112,7 +122,7 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     engine = ScriptedEngine(tokenizer, script, in_place=True)
     monkeypatch.setattr(grpo_arms, "CachedSampler", lambda *args, **kwargs: engine)  # the shared rollouts'
     argv = ["--config", str(agent_config(tmp_path, qwen3_model_dir)), "--steps", "2", "--warmup", "1"]
-    arms = ["trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo"]
+    arms = ["trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo-groups", "slipstream-grpo-tree"]
     config = _parse([*argv, "--arms", ",".join(arms), "--interleave", "arms", "--out", str(tmp_path / "ab")])
     record = run_ab(config, progress=False)
     packing = record["packing"]
@@ -134,5 +144,11 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
         assert run["loss"] == pytest.approx(trl["loss"], abs=1e-5), arm
         assert run["grad_norm"] == pytest.approx(trl["grad_norm"], rel=1e-4), arm
         assert 0.0 not in run["grad_norm"]
+    # the same trajectories as trees: the prompts' tool schemas once, the looked-up trajectories' call and
+    # result once; fewer tokens than one prompt a group, which runs fewer than a prompt a completion
+    ran = {arm: record["runs"][arm][0]["update_tokens"] for arm in arms[1:]}
+    for unshared, groups, tree in zip(*ran.values(), strict=True):
+        assert tree < groups < unshared, ran
     report = markdown_report(record)
     assert "Tools: the shared trajectories made 0.50 tool calls each" in report
+    assert "Update tokens a step" in report and "slipstream-grpo-tree" in report

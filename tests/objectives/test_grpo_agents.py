@@ -269,3 +269,32 @@ def test_trls_agent_example_conventions_run_unchanged(
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     tool = next(m for s in samples for m in s["messages"] if m["role"] == "tool")
     assert tool == {"role": "tool", "name": "query_rows", "content": [["JNKK", "MAPK8"]]}
+
+
+def test_trajectories_that_share_their_tool_schemas_and_turns_train_the_same_as_trees(
+    tmp_path, qwen3_model_dir, monkeypatch, qwen3_tokenizer
+):
+    """data.share_prefixes tree on agent trajectories: the prompts' tool schemas and system prompt once a
+    micro-batch, the trajectories that made the same call and read the same result share it, and the
+    steps train what one prompt per group trains (fp32)."""
+    engine = ScriptedEngine(qwen3_tokenizer, script, in_place=False)
+    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    runs = {}
+    for mode in ("off", "tree"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        config = load_config(agent_config(folder, qwen3_model_dir))
+        config.data.share_prefixes = mode
+        config.data.eval_fraction = None
+        config.training.eval_every = None
+        config.grpo.beta = 0.04
+        train(config, progress=False)
+        runs[mode] = [
+            json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()
+        ]
+    for off, tree in zip(runs["off"], runs["tree"], strict=True):
+        for key in ("loss", "kl", "grad_norm", "reward"):
+            assert tree[key] == pytest.approx(off[key], rel=1e-5, abs=1e-7), key
+        assert tree["tree_micro_batches"] == 1
+        # the schemas once for both prompts, and the looked-up trajectory's call and result once for two
+        assert tree["update_tokens"] < tree["update_tokens_today"] * 0.75

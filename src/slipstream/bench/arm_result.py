@@ -77,6 +77,8 @@ class ArmResult:
     generated_tokens: list[int] | None = None
     # with tools: the tool calls per trajectory of the arm's own sampling (None where no tools)
     tool_calls: list[float | None] | None = None
+    # the tokens the arm's update ran a step (its packed rows; None for a peer's padded batches)
+    update_tokens: list[int | None] | None = None
 
 
 def peak_memory_mb(device: str) -> float:

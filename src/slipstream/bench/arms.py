@@ -101,6 +101,10 @@ _FIXED_ARMS: dict[str, Arm] = {
     "trl-grpo": Arm("padded", STOCK, stock=True, peer="trl", objective="grpo"),
     "slipstream-grpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared", objective="grpo"),
     "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo"),
+    # the prompt once a group whatever --share-prefixes says (data.share_prefixes off: today's layout), and
+    # a micro-batch's prompts and completions as prefix trees (data.share_prefixes tree)
+    "slipstream-grpo-groups": Arm("packed", SLIPSTREAM, prefixes="groups", objective="grpo"),
+    "slipstream-grpo-tree": Arm("packed", SLIPSTREAM, prefixes="tree", objective="grpo"),
     # the same update, its rollouts sampled by vLLM in its own process (grpo.engine vllm), and TRL's
     # GRPOTrainer with use_vllm (its best configuration; skipped where it cannot run, with the reason)
     "slipstream-grpo-vllm": Arm("packed", SLIPSTREAM, objective="grpo", engine="vllm"),
@@ -123,6 +127,9 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
         "slipstream-grpo",
         "slipstream-grpo-vllm",
     ),
+    # --objective grpo on prompts that share a system prompt or tool schemas, or trajectories that share
+    # turns: TRL's GRPOTrainer, slipstream with one prompt per group, and as prefix trees
+    "grpo-trees": ("trl-grpo", "slipstream-grpo-groups", "slipstream-grpo-tree"),
     # rows that repeat a start (a system prompt, a prompt's N answers): TRL's SFTTrainer packing them
     # whole (bfd), slipstream without and with the start run once
     "shared-prefixes": ("trl", "slipstream-no-prefix-sharing", "slipstream"),
@@ -317,7 +324,9 @@ def train_config_of(config, arm: str) -> TrainConfig:
             # computed in every arm's process, not read back, so its time is the arm's own
             cache=objective_for(train.training.objective).reads == "samples",
             share_prefixes=(
-                spec.prefixes
+                "off"  # GRPO runs a prompt once a group without data.share_prefixes
+                if spec.objective == "grpo" and spec.prefixes == "groups"
+                else spec.prefixes
                 if spec.prefixes in ("groups", "tree")
                 else train.data.share_prefixes
                 if shares_prefixes(arm)

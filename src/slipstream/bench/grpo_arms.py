@@ -42,7 +42,15 @@ from .inputs import ABInputError, ab_tokenizer, vocab_size
 from .peers.trl_base import trainer_run
 
 # what a GRPO arm keeps of each step beyond the curves every arm keeps
-_PER_STEP = ("generation_s", "scoring_s", "update_s", "completions", "generated_tokens", "tool_calls")
+_PER_STEP = (
+    "generation_s",
+    "scoring_s",
+    "update_s",
+    "completions",
+    "generated_tokens",
+    "tool_calls",
+    "update_tokens",
+)
 
 
 def _seed(config: ABConfig, step: int) -> int:
@@ -238,7 +246,7 @@ class GrpoArmSession(ArmSession):
         if self.peer is not None:
             cuts = [0, *accumulate(len(micro) * G for micro in micro_groups)]
             per_micro = [advantages[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
-            return self.peer.update(micro_groups, per_micro, sum(counted))
+            return {**self.peer.update(micro_groups, per_micro, sum(counted)), "update_tokens": None}
         micro = objective.pack_update(
             groups, [len(m) for m in micro_groups], advantages, counted, float(sum(counted)), self.device
         )
@@ -249,7 +257,9 @@ class GrpoArmSession(ArmSession):
             documents=[],
         )
         done = self.driver.run(plan)  # the driver's step on the shared rollouts
-        return {**done.metrics, "lr": done.lr}
+        # the tokens its packed rows ran (its layout: the prompt once, G times, or as trees)
+        ran = sum(item.completions.batch.num_tokens for item in micro)
+        return {**done.metrics, "lr": done.lr, "update_tokens": ran}
 
     def _after_figures(self) -> None:
         """An engine in a process of its own (vLLM): its peak memory joins the arm's; it stops."""

@@ -415,6 +415,15 @@ def rollout_lines(record: dict) -> list[str]:
             f"{s['generated_tokens_per_s']:.1f} | {s['median_scoring_s']:.3f} | {s['median_update_s']:.2f} | "
             f"{cells(s, 'update_speedup_vs_', 'update_interval_vs_')} | {s['generation_share']:.0%} |"
         )
+    ran = {arm: s["update_tokens_per_step"] for arm, s in judged.items() if "update_tokens_per_step" in s}
+    if ran:  # what each slipstream arm's update ran: the same rollouts, in its layout
+        lines += [
+            "",
+            "Update tokens a step (the same rollouts in each arm's layout: the prompt once a group, once a "
+            "completion, or as prefix trees): "
+            + ", ".join(f"{arm} {tokens:,.0f}" for arm, tokens in ran.items())
+            + ".",
+        ]
     if "tool_calls_per_trajectory" in packing:  # grpo.tools: multi-turn trajectories
         own = ", ".join(
             f"{arm} {s['tool_calls_per_trajectory']:.2f}"

@@ -368,8 +368,10 @@ def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
     completions, generated = sum(timed("completions")), sum(timed("generated_tokens"))
     generation, scoring, update = sum(timed("generation_s")), sum(timed("scoring_s")), sum(timed("update_s"))
     calls = [c for c in timed("tool_calls") if c is not None] if runs[0].get("tool_calls") else []
+    ran = [t for t in timed("update_tokens") if t is not None] if runs[0].get("update_tokens") else []
     return {
         **({"tool_calls_per_trajectory": statistics.fmean(calls)} if calls else {}),
+        **({"update_tokens_per_step": statistics.fmean(ran)} if ran else {}),
         "completions_per_s": completions / (generation + scoring + update),
         "generation_completions_per_s": completions / generation,
         "update_completions_per_s": completions / update,

@@ -24,7 +24,7 @@ a tree of its own that repeats the path (its ancestors' tokens once more, counte
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -149,16 +149,19 @@ def _rows_below(root: TrieNode) -> dict[int, int]:
     return counts
 
 
-def _without_short_spans(node: TrieNode, min_shared: int) -> int:
+def _without_short_spans(
+    node: TrieNode, min_shared: int, keep: Callable[[TrieNode], bool] | None = None
+) -> int:
     """Push every shared span shorter than ``min_shared`` down into its children (each holds it again):
     a few shared tokens (a role header between two turns) save less than the extra document a level
-    costs. Returns the tokens this adds to the trie."""
+    costs. ``keep``: spans kept however short (GRPO's prompt ends: the layout it replaces shares every
+    prompt). Returns the tokens this adds to the trie."""
     added = 0
     children = list(node.children)
     kept: list[TrieNode] = []
     while children:
         child = children.pop()
-        if child.children and len(child.ids) < min_shared:
+        if child.children and len(child.ids) < min_shared and not (keep is not None and keep(child)):
             below = [
                 TrieNode(child.ids + g.ids, child.labels + g.labels, g.children, g.ends)
                 for g in child.children
@@ -170,7 +173,7 @@ def _without_short_spans(node: TrieNode, min_shared: int) -> int:
         else:
             kept.append(child)
     node.children = kept[::-1]
-    return added + sum(_without_short_spans(child, min_shared) for child in node.children)
+    return added + sum(_without_short_spans(child, min_shared, keep) for child in node.children)
 
 
 Tree = dict[str, Any]  # {"tree_nodes": [{"input_ids", "labels", "parent"}], "tree_rows": [end node per row]}
@@ -215,9 +218,12 @@ def _fit(
 
 def _as_tree(root: TrieNode) -> Tree:
     """A trie node and what is below it as a packable tree: nodes in pre-order, a chain of single
-    children with no row ending between them joined into one node."""
+    children with no row ending between them joined into one node. ``tree_row_numbers``: each row's
+    number in the rows the trie was built from (``tree_rows``' order), for a caller that must put
+    the rows' predictions back in their own order (GRPO's completions)."""
     nodes: list[dict[str, Any]] = []
     ends: list[int] = []
+    numbers: list[int] = []
 
     def visit(node: TrieNode, parent: int) -> None:
         ids, labels = list(node.ids), list(node.labels)
@@ -228,11 +234,12 @@ def _as_tree(root: TrieNode) -> Tree:
         index = len(nodes)
         nodes.append({"input_ids": ids, "labels": labels, "parent": parent})
         ends.extend([index] * len(node.ends))
+        numbers.extend(node.ends)
         for child in node.children:
             visit(child, index)
 
     visit(root, -1)
-    return {"tree_nodes": nodes, "tree_rows": ends}
+    return {"tree_nodes": nodes, "tree_rows": ends, "tree_row_numbers": numbers}
 
 
 def tree_tokens(tree: Tree, shared: bool = True) -> int:
@@ -288,11 +295,15 @@ class TreeSharingReport(SavedTokens):
 
 
 def tree_items(
-    rows: Sequence[dict], max_tokens: int, min_shared: int = MIN_SHARED_TOKENS
+    rows: Sequence[dict],
+    max_tokens: int,
+    min_shared: int = MIN_SHARED_TOKENS,
+    keep: Callable[[TrieNode], bool] | None = None,
 ) -> tuple[list[Tree], TreeSharingReport]:
     """``rows`` (each at most ``max_tokens``) as prefix trees of at most ``max_tokens`` tokens each: one
     per first token's subtree of the trie, split where it does not fit (module docstring); a shared
-    span shorter than ``min_shared`` is not shared (every row below holds it in its own node)."""
+    span shorter than ``min_shared`` is not shared (every row below holds it in its own node), unless
+    ``keep`` says it is."""
     longest = max((len(row["input_ids"]) for row in rows), default=0)
     if longest > max_tokens:
         raise ValueError(f"a row of {longest} tokens does not fit {max_tokens}: pack rows whole first")
@@ -302,7 +313,7 @@ def tree_items(
         rows=len(rows), unshared_tokens=counts.whole, trie_tokens=counts.trie, depth=counts.depth,
         saved_by_level=counts.saved_by_level,
     )  # fmt: skip
-    report.short_tokens = _without_short_spans(root, min_shared)
+    report.short_tokens = _without_short_spans(root, min_shared, keep)
     kept = trie_report(rows, root, with_groups=False)  # the levels as they run, short spans pushed down
     report.depth, report.saved_by_level = kept.depth, kept.saved_by_level
     sizes: dict[int, int] = {}

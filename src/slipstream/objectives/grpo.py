@@ -31,6 +31,8 @@ micro-batch):
    step / their count, TRL's default), ``grpo`` (each completion's token mean, then the mean over
    completions), ``dr_grpo`` (token sum / (completions x max_new_tokens)). The reference (``beta``
    > 0) is the base model: the same packed forward with the adapter off, no grad, before the step.
+   ``data.share_prefixes`` packs a micro-batch as prefix trees where its prompts and completions share
+   more than one prompt per group (:mod:`.grpo_sharing`): the same log-probs, fewer tokens.
    ``mask_truncated_completions`` leaves completions cut at ``max_new_tokens`` out of the loss.
 
 The step's metrics: the loss, the clipped share of tokens and the KL (read with the loss, in the
@@ -78,6 +80,8 @@ from .base import (
 from .evaluation import HeldOut, rank_share
 from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
+from .grpo_sharing import CompletionTrees
+from .sharing import LayoutCost
 
 
 @dataclass
@@ -227,6 +231,27 @@ class GRPO(RolloutMaker, Objective):
             fail("grpo.beta", "grpo.beta > 0 cannot switch lora.experts adapters off yet")
         if grpo.engine == "vllm" and grpo.vllm_sync == "lora" and not config.lora.enabled:
             fail("grpo.vllm_sync", "grpo.vllm_sync lora hands vLLM the adapter: it needs lora.enabled")
+        shares = config.data.share_prefixes
+        if shares == "groups":
+            fail(
+                "data.share_prefixes",
+                "data.share_prefixes groups is for SFT rows; grpo runs each prompt once for its completions "
+                "already (grpo.prefix_sharing): set data.share_prefixes tree to share what prompts and "
+                "completions share beyond that, or auto / off",
+            )
+        if shares in ("tree", "on") and not grpo.prefix_sharing:
+            fail(
+                "data.share_prefixes",
+                f"data.share_prefixes {shares} runs every shared prompt once; grpo.prefix_sharing false runs "
+                "each prompt once per completion: set one of them otherwise (data.share_prefixes off)",
+            )
+        if shares in ("tree", "on") and config.speedups.chunked_loss is False:
+            fail(
+                "data.share_prefixes",
+                f"data.share_prefixes {shares} on completions reads each completion token's log-prob across the "
+                "shared history (the chunked loss): set speedups.chunked_loss true (or leave it out), or "
+                "data.share_prefixes off",
+            )
         if config.training.distributed == "fsdp2":
             fail(
                 "training.distributed",
@@ -327,12 +352,22 @@ class GRPO(RolloutMaker, Objective):
             self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
         self.plan_agents(self.tokenizer, context.base_model)
         s = self.settings
+        self.trees = None
+        if s.prefix_sharing and self.chunked:
+            model = context.base_model
+            self.trees = CompletionTrees.make(
+                self.config.data.share_prefixes,
+                model,
+                lambda: LayoutCost.of(model, context.device, context.dtype),
+            )
         started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)
         tools = f"; {self.agents.line()}" if self.agents is not None else ""
         layout = (
             "prompt | completions (the prompt once)" if s.prefix_sharing else "prompt + completion, G times"
         )
+        if self.trees is not None:
+            layout += f"; {self.trees.policy()}"
         sampler = (
             f"vLLM: {started}; importance sampling {self._correction_line()}"
             if started
@@ -568,6 +603,7 @@ class GRPO(RolloutMaker, Objective):
                 "scale_rewards": s.scale_rewards,
                 "beta": s.beta,
                 "prefix_sharing": s.prefix_sharing,
+                "share_prefixes": "off" if self.trees is None else self.trees.policy(),
                 "rewards": [
                     {"name": fn.name, "function": fn.source, "weight": fn.weight} for fn in self.rewards
                 ],

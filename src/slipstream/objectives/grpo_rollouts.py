@@ -49,6 +49,7 @@ class GRPOMicro:
     # the update corrects for another engine's (vLLM's) numbers
     sampling: torch.Tensor | None = None
     record: dict | None = None  # the step's host record (rank 0's largest log-prob difference goes there)
+    documents: list[dict] | None = None  # the documents its packed row runs (model FLOPs)
 
 
 def stop_ids(tokenizer, model) -> tuple[int, ...]:
@@ -101,6 +102,7 @@ class RolloutMaker:
     corrects: bool  # the update weighs tokens by TRL's importance sampling (GRPO.corrects)
     synced_at: int | None = None  # the optimizer steps done when the engine last took the policy
     agents: Any = None  # .grpo_agents.AgentPlan: multi-turn tool-calling rollouts (grpo.tools)
+    trees: Any = None  # .grpo_sharing.CompletionTrees: data.share_prefixes on the update (None: off)
 
     @property
     def sampling(self) -> Sampling:
@@ -227,6 +229,8 @@ class RolloutMaker:
         if self.corrects and info.is_main:
             for item in micro:
                 item.record = record
+        if self.trees is not None and settings.prefix_sharing:
+            record.update(self.trees.step.record())
         sync_s = getattr(self.engine, "sync_s", None)
         if sync_s:
             record["engine_sync_s"] = sync_s[-1]
@@ -234,7 +238,7 @@ class RolloutMaker:
             micro=micro,
             total=total,
             tokens=sum(completion_tokens(g, prefix_sharing=False) for g in groups) * info.world_size,
-            documents=[completion_documents(groups, settings.prefix_sharing)],
+            documents=[item.documents for item in micro],
             record=record,
         )
 
@@ -264,19 +268,24 @@ class RolloutMaker:
     ) -> list[GRPOMicro]:
         """The update's micro-batches: ``groups`` (one prompt's completions each, in order) cut into
         micro-batches of ``sizes`` groups, each packed ``prompt | completions`` (or prompt + completion
-        G times without prefix sharing), with every token's advantage and loss mask. ``counted``: the
+        G times without prefix sharing; or as prefix trees, ``data.share_prefixes``), with every token's advantage and loss mask. ``counted``: the
         tokens each completion counts in the loss (0: masked out); ``tokens_all``: the step's counted
         tokens over every rank."""
         settings, G = self.settings, self.settings.num_generations
         micro, offset = [], 0
+        trees = self.trees if settings.prefix_sharing else None
+        if trees is not None:
+            trees.take_step()  # this call's counts start at zero
         for count in sizes:
             first = offset * G
-            packed = collate_completions(
-                groups[offset : offset + count],
-                settings.prefix_sharing,
-                device=None,
-                temperature=settings.temperature,
-            )
+            mine = groups[offset : offset + count]
+            if trees is not None:  # data.share_prefixes: trees where they share more than their prompts
+                packed, documents = trees.pack(mine, settings.temperature)
+            else:
+                packed = collate_completions(
+                    mine, settings.prefix_sharing, device=None, temperature=settings.temperature
+                )
+                documents = completion_documents(mine, settings.prefix_sharing)
             owner = packed.completion_index
             sampling = None
             if self.corrects:  # the engine's log-prob of each token, in the packed order
@@ -308,6 +317,7 @@ class RolloutMaker:
                     reference=None,
                     tokens_in_step=max(1.0, tokens_all),
                     sampling=None if sampling is None else sampling.to(device),
+                    documents=documents,
                 )
             )
             offset += count

@@ -115,6 +115,13 @@ def document_shapes(items: Sequence[Sample]):
                 context.append(0 if parent < 0 else context[parent] + len(nodes[parent]["input_ids"]))
                 yield len(node["input_ids"]), context[-1]
             continue
+        if "completions" in item:  # GRPO's G completions of a prompt as they pack today (the prompt once)
+            prompt = len(item["prompt_ids"])
+            first, *rest = (len(c) for c in item["completions"])
+            yield prompt + first, 0
+            for own in rest:
+                yield own, prompt
+            continue
         if "prompt_ids" in item:  # a preference pair as it packs today: prompt + chosen, then rejected
             prompt = len(item["prompt_ids"])
             yield prompt + len(item["chosen_ids"]), 0
