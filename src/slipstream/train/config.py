@@ -62,7 +62,9 @@ class DataConfig:
     # steps); "on": the faster of the two; auto: the faster where the device's cost model says it saves
     # time and the packed attention and the chunked loss run (objectives.sharing). Preference pairs
     # (each runs its prompt once already): "tree" / "on" share the histories pairs' prompts share
-    # (data.pair_trees), auto where it is modelled faster; "groups" is SFT's only
+    # (data.pair_trees), auto where it is modelled faster; GRPO (each group's prompt once already): "tree" /
+    # "on" run a micro-batch's prompts and completions as prefix trees, auto per micro-batch where they are
+    # modelled faster (objectives.grpo_sharing); "groups" is SFT's only
     share_prefixes: Literal["auto", "on", "off", "groups", "tree"] = "auto"
     # which rows form a step (data.steps), the same for every layout: "shuffled" (whole-row bins in a
     # seeded order each epoch) or "histories" (rows that share a history, a conversation's rows one per
