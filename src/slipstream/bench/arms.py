@@ -53,8 +53,9 @@ class Arm:
     pairs: Literal["shared", "unshared", "peer"] | None = None
     # rows that share a start (--share-prefixes): "unshared" packs every step's rows whole even where
     # this arm could share (the leave-one-out of the sharing); "groups" / "tree" share in that layout
-    # (one shared start a group, or every shared history once); None shares as --share-prefixes says
-    prefixes: Literal["unshared", "groups", "tree"] | None = None
+    # (one shared start a group, or every shared history once); "off": data.share_prefixes off whatever
+    # --share-prefixes says (GRPO: each group's prompt once, nothing more); None shares as --share-prefixes says
+    prefixes: Literal["unshared", "groups", "tree", "off"] | None = None
     # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
     objective: str | None = None
     engine: Literal["hf", "vllm"] = "hf"  # a GRPO arm's rollout engine (grpo.engine)
@@ -103,7 +104,7 @@ _FIXED_ARMS: dict[str, Arm] = {
     "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo"),
     # the prompt once a group whatever --share-prefixes says (data.share_prefixes off: today's layout), and
     # a micro-batch's prompts and completions as prefix trees (data.share_prefixes tree)
-    "slipstream-grpo-groups": Arm("packed", SLIPSTREAM, prefixes="groups", objective="grpo"),
+    "slipstream-grpo-groups": Arm("packed", SLIPSTREAM, prefixes="off", objective="grpo"),
     "slipstream-grpo-tree": Arm("packed", SLIPSTREAM, prefixes="tree", objective="grpo"),
     # the same update, its rollouts sampled by vLLM in its own process (grpo.engine vllm), and TRL's
     # GRPOTrainer with use_vllm (its best configuration; skipped where it cannot run, with the reason)
@@ -324,10 +325,8 @@ def train_config_of(config, arm: str) -> TrainConfig:
             # computed in every arm's process, not read back, so its time is the arm's own
             cache=objective_for(train.training.objective).reads == "samples",
             share_prefixes=(
-                "off"  # GRPO runs a prompt once a group without data.share_prefixes
-                if spec.objective == "grpo" and spec.prefixes == "groups"
-                else spec.prefixes
-                if spec.prefixes in ("groups", "tree")
+                spec.prefixes
+                if spec.prefixes in ("groups", "tree", "off")
                 else train.data.share_prefixes
                 if shares_prefixes(arm)
                 else "off"

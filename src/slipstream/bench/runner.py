@@ -327,6 +327,15 @@ def summarize(
         unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
         # rows' shared start run once against the same rows packed whole: that optimization's own share
         unshared += [a for a in ran if shares_prefixes(arm) and ARM_SPECS[a].prefixes == "unshared"]
+        # prefix trees against one shared start a group (or, for GRPO, one prompt a group): the trees' own share
+        unshared += [
+            a
+            for a in ran
+            if ARM_SPECS[arm].prefixes == "tree"
+            and ARM_SPECS[a].prefixes in ("groups", "off")
+            and ARM_SPECS[a].objective == ARM_SPECS[arm].objective
+            and not ARM_SPECS[a].stock
+        ]
         # another rollout engine against slipstream's own sampler, the update otherwise the same
         unshared += [
             a

@@ -80,7 +80,7 @@ from .base import (
 from .evaluation import HeldOut, rank_share
 from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset
 from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
-from .grpo_sharing import CompletionTrees
+from .grpo_sharing import CompletionTrees, validate_sharing
 from .sharing import LayoutCost
 
 
@@ -231,27 +231,7 @@ class GRPO(RolloutMaker, Objective):
             fail("grpo.beta", "grpo.beta > 0 cannot switch lora.experts adapters off yet")
         if grpo.engine == "vllm" and grpo.vllm_sync == "lora" and not config.lora.enabled:
             fail("grpo.vllm_sync", "grpo.vllm_sync lora hands vLLM the adapter: it needs lora.enabled")
-        shares = config.data.share_prefixes
-        if shares == "groups":
-            fail(
-                "data.share_prefixes",
-                "data.share_prefixes groups is for SFT rows; grpo runs each prompt once for its completions "
-                "already (grpo.prefix_sharing): set data.share_prefixes tree to share what prompts and "
-                "completions share beyond that, or auto / off",
-            )
-        if shares in ("tree", "on") and not grpo.prefix_sharing:
-            fail(
-                "data.share_prefixes",
-                f"data.share_prefixes {shares} runs every shared prompt once; grpo.prefix_sharing false runs "
-                "each prompt once per completion: set one of them otherwise (data.share_prefixes off)",
-            )
-        if shares in ("tree", "on") and config.speedups.chunked_loss is False:
-            fail(
-                "data.share_prefixes",
-                f"data.share_prefixes {shares} on completions reads each completion token's log-prob across the "
-                "shared history (the chunked loss): set speedups.chunked_loss true (or leave it out), or "
-                "data.share_prefixes off",
-            )
+        validate_sharing(config, fail)
         if config.training.distributed == "fsdp2":
             fail(
                 "training.distributed",

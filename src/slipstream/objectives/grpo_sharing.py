@@ -126,6 +126,31 @@ class CompletionTrees:
         return found
 
 
+def validate_sharing(config, fail) -> None:
+    """``data.share_prefixes``' refusals for GRPO, by key (``fail(key, message)``)."""
+    shares = config.data.share_prefixes
+    if shares == "groups":
+        fail(
+            "data.share_prefixes",
+            "data.share_prefixes groups is for SFT rows; grpo runs each prompt once for its completions "
+            "already (grpo.prefix_sharing): set data.share_prefixes tree to share what prompts and "
+            "completions share beyond that, or auto / off",
+        )
+    if shares in ("tree", "on") and not config.grpo.prefix_sharing:
+        fail(
+            "data.share_prefixes",
+            f"data.share_prefixes {shares} runs every shared prompt once; grpo.prefix_sharing false runs "
+            "each prompt once per completion: set one of them otherwise (data.share_prefixes off)",
+        )
+    if shares in ("tree", "on") and config.speedups.chunked_loss is False:
+        fail(
+            "data.share_prefixes",
+            f"data.share_prefixes {shares} on completions reads each completion token's log-prob across the "
+            "shared history (the chunked loss): set speedups.chunked_loss true (or leave it out), or "
+            "data.share_prefixes off",
+        )
+
+
 def _cannot_deepen(model) -> str | None:
     """Why ``model`` cannot take a deeper shared layout than one prompt per group exactly (None: it can)."""
     config = getattr(model, "config", None)
