@@ -21,8 +21,7 @@ from slipstream.packing.completions import (
     completion_trees,
 )
 
-from .test_completions import VOCAB, stock_token_logprobs
-from .test_groups import grads_of, lora_pair, rel
+from .test_completions import VOCAB, stock_token_logprobs, weighted_gradient_error
 from .test_pairs import tiny_mistral
 
 
@@ -117,16 +116,11 @@ def test_the_check_sees_completions_out_of_order():
 def test_per_token_weighted_gradients_equal_the_stock_models():
     """A loss that weighs every completion token differently (GRPO's advantages): LoRA gradients of the
     trees equal those of every prompt + completion run alone."""
-    stock, packed = lora_pair(build_model("llama", vocab_size=VOCAB))
     groups = agent_groups(seed=2)
-    total = sum(len(c) for g in groups for c in g["completions"])
-    weights = torch.linspace(-1.0, 2.0, total)
-    batch = collate_completion_trees(groups, completion_trees(groups, min_shared=1), temperature=0.8).batch
-    (answer_sums(packed, batch, True) * weights).sum().backward()
-    (stock_token_logprobs(stock, groups, 0.8) * weights).sum().backward()
-    ours, theirs = grads_of(packed), grads_of(stock)
-    assert ours.keys() == theirs.keys() and ours
-    worst = max(rel(ours[name], theirs[name]) for name in theirs)
+    worst = weighted_gradient_error(
+        groups,
+        lambda g, t: collate_completion_trees(g, completion_trees(g, min_shared=1), temperature=t).batch,
+    )
     assert worst <= 1e-5, worst
 
 

@@ -98,17 +98,21 @@ def test_temperature_changes_the_logprobs():
     assert (ours - theirs).abs().max().item() > 1e-3
 
 
-def test_per_token_weighted_gradients_equal_the_stock_models():
-    """A loss that weighs every token differently (as GRPO's does): LoRA gradients packed and shared
-    equal those of every prompt + completion run alone."""
+def weighted_gradient_error(groups, collate, temperature: float = 0.8) -> float:
+    """The worst relative LoRA-gradient error of a loss weighing every completion token differently (as
+    GRPO's does), ``collate(groups, temperature)``'s batch against every prompt + completion run alone."""
     stock, packed = lora_pair(build_model("llama", vocab_size=VOCAB))
-    groups = random_completion_groups(SHAPES)
     total = sum(len(c) for g in groups for c in g["completions"])
     weights = torch.linspace(-1.0, 2.0, total)
-    batch = collate_completions(groups, temperature=0.8).batch
-    (answer_sums(packed, batch, True) * weights).sum().backward()
-    (stock_token_logprobs(stock, groups, 0.8) * weights).sum().backward()
+    (answer_sums(packed, collate(groups, temperature), True) * weights).sum().backward()
+    (stock_token_logprobs(stock, groups, temperature) * weights).sum().backward()
     ours, theirs = grads_of(packed), grads_of(stock)
     assert ours.keys() == theirs.keys() and ours
-    worst = max(rel(ours[name], theirs[name]) for name in theirs)
+    return max(rel(ours[name], theirs[name]) for name in theirs)
+
+
+def test_per_token_weighted_gradients_equal_the_stock_models():
+    """LoRA gradients packed and shared equal those of every prompt + completion run alone."""
+    groups = random_completion_groups(SHAPES)
+    worst = weighted_gradient_error(groups, lambda g, t: collate_completions(g, temperature=t).batch)
     assert worst <= 1e-5, worst
