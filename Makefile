@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.slipstream-installed
 # the suite runs in this many pytest-xdist workers, one torch thread each (tests/conftest.py)
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-slow test-avx2 test-busy test-floor test-vllm compat compile-check lint setup clean bench-packing
+.PHONY: demo test test-slow test-avx2 test-busy test-floor test-vllm test-gguf compat compile-check lint setup clean bench-packing
 
 setup: $(STAMP)
 
@@ -66,6 +66,15 @@ VLLM_VENV ?= $(HOME)/.cache/slipstream-vllm
 test-vllm: $(STAMP)
 	bash src/slipstream/engines/make_vllm_venv.sh $(VLLM_VENV)
 	SLIPSTREAM_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q --runslow -m vllm tests/engines
+
+# slipstream export --gguf read back by llama.cpp itself: llama-cpp-python built from source once (several
+# minutes; portable: no -march=native) and its wheel kept in ~/.cache/slipstream-wheels, like vLLM's venv
+LLAMA_CPP_WHEELS ?= $(HOME)/.cache/slipstream-wheels
+test-gguf: $(STAMP)
+	ls $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
+		$(BIN)/python -m pip wheel -q --no-deps llama-cpp-python==0.3.36 -w $(LLAMA_CPP_WHEELS)
+	$(BIN)/python -m pip install -q $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl
+	$(BIN)/python -m pytest -q --runslow -m llamacpp tests/export
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)

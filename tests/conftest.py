@@ -20,7 +20,7 @@ def pytest_addoption(parser):
 # ``make test-slow`` (``.ci/run`` runs both): tests marked slow, and every test that starts several
 # processes or uses the real model (each costs tens of seconds there); the real vLLM engine's tests
 # run in ``make test-vllm`` (also in ``.ci/run``), with its venv.
-SLOW_MARKERS = ("slow", "multiprocess", "realmodel", "vllm")
+SLOW_MARKERS = ("slow", "multiprocess", "realmodel", "vllm", "llamacpp")
 
 
 def pytest_collection_modifyitems(config, items):

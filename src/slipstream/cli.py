@@ -295,6 +295,38 @@ def _cmd_doctor(args) -> int:
     return status
 
 
+def _cmd_export_gguf(args) -> int:
+    from .export import ExportError
+
+    try:
+        from .export.gguf_export import export_gguf
+    except ImportError as error:  # the gguf package: slipstream[gguf]
+        return _error(
+            "export", ExportError(f"--gguf needs the gguf package ({error}): pip install 'slipstream[gguf]'")
+        )
+    try:
+        report = export_gguf(
+            args.run_dir,
+            args.gguf,
+            quant=args.quant,
+            checkpoint=args.checkpoint,
+            verify=args.verify,
+            overwrite=args.overwrite,
+        )
+    except ExportError as error:
+        return _error("export", error)
+    for check in report.checks:
+        print(f"checked {check.describe()}")
+    for skipped in report.skipped:
+        print(f"not checked: {skipped}")
+    tensors = ", ".join(f"{count} {kind}" for kind, count in sorted(report.written["tensors"].items()))
+    print(
+        f"wrote {report.out} ({report.quant}: {tensors}; {report.written['tokens']:,} tokens, pre-tokenizer "
+        f"{report.written['pre_tokenizer']}) and {report.modelfile} in {report.seconds:.1f} s"
+    )
+    return 0
+
+
 def _add_export(sub) -> None:
     p = sub.add_parser(
         "export",
@@ -304,8 +336,32 @@ def _add_export(sub) -> None:
         "AutoModelForCausalLM.from_pretrained loads alone; checked against base + adapter on a probe batch "
         "before anything is written.",
     )
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a slipstream train output directory")
-    p.add_argument("--merged", required=True, metavar="OUT", help="the directory to write (outside RUN_DIR)")
+    p.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        help="a slipstream train output directory (or, with --gguf, a merged model directory)",
+    )
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--merged", metavar="OUT", help="the directory to write (outside RUN_DIR)")
+    target.add_argument(
+        "--gguf",
+        metavar="OUT.gguf",
+        help="write the merged model as GGUF (llama.cpp, Ollama, LM Studio) with an Ollama Modelfile beside "
+        "it, kept only once loaded back and checked against the merged model (docs/export.md)",
+    )
+    p.add_argument(
+        "--quant",
+        default="f16",
+        metavar="TYPE",
+        help="with --gguf: f16 (default), bf16, f32, q8_0, q5_1, q5_0, q4_1 or q4_0 (k-quants: llama.cpp's "
+        "llama-quantize on an f16 export)",
+    )
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="with --gguf: write without loading the file back (not recommended)",
+    )
     p.add_argument(
         "--dtype",
         choices=("bfloat16", "float16", "float32"),
@@ -330,6 +386,8 @@ def _add_export(sub) -> None:
 def _cmd_export(args) -> int:
     from .export import ExportError, export_merged  # pulls in peft / bitsandbytes: only `export` pays
 
+    if args.gguf is not None:
+        return _cmd_export_gguf(args)
     try:
         report = export_merged(
             args.run_dir, args.merged, dtype=args.dtype, checkpoint=args.checkpoint, overwrite=args.overwrite

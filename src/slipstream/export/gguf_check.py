@@ -1,0 +1,191 @@
+"""A written GGUF file loaded back and compared with the merged model it came from, before it is kept.
+
+Two runtimes read it: **transformers' own GGUF loader** (always there: it dequantizes the file into a torch
+model and rebuilds the tokenizer from the file's vocabulary and merges) and **llama.cpp** through
+``llama-cpp-python`` (the optional ``slipstream[gguf]`` extra: the file as llama.cpp, Ollama and LM Studio
+run it). On a fixed set of held prompts, for each runtime:
+
+- the prompts' tokens must be the merged tokenizer's exactly (a pre-tokenizer or a merge list that differs
+  shows here first);
+- every position's top-1 token, teacher-forced on those tokens, is compared with the merged model's
+  (fp32): at least ``TOP1_FLOOR[type]`` of them must agree (the issue's 99% for f16 / bf16 / f32, 97% for
+  q8_0; the coarser block types lower, stated there); the largest |logit difference| is reported;
+- greedy continuations of ``GREEDY_TOKENS`` tokens of the first ``GREEDY_PROMPTS`` prompts, counted where
+  identical (reported; a quantized model may part late in a continuation and still be right).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HELD_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog while the band plays on in the town square.",
+    "Explain, step by step, how a merged adapter keeps the model's answers unchanged after export.",
+    "In 1969, 3 astronauts flew 384,400 km to the Moon; 2 of them walked on its surface for 21.5 hours.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "Paris is the capital of France. Berlin is the capital of Germany. Rome is the capital of",
+    'She said: "Don\'t forget the keys!" — and then she left, closing the door softly behind her.',
+    "A recipe for bread: 500 g flour, 350 ml water, 10 g salt and 5 g yeast. Knead, rest, then bake at",
+    "Les montagnes et les rivières du pays sont belles au printemps, quand la neige fond lentement.",
+    "Question: what is 17 multiplied by 23? Answer: let us work it out carefully, one digit at a time.",
+    "The mitochondria is the powerhouse of the cell, producing energy through cellular respiration.",
+    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings",
+    "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC LIMIT 10;",
+)
+GREEDY_PROMPTS = 6
+GREEDY_TOKENS = 32
+TOP1_FLOOR = {
+    "f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 0.97, "q5_1": 0.93, "q5_0": 0.93, "q4_1": 0.90, "q4_0": 0.90,
+}  # fmt: skip
+
+
+@dataclass
+class GGUFCheck:
+    """One runtime's agreement with the merged model on the held prompts."""
+
+    runtime: str
+    positions: int
+    top1: float  # the share of positions whose top-1 token agrees
+    max_abs: float  # the largest |logit difference| over every position and token
+    greedy_same: int  # greedy continuations identical to the merged model's
+    greedy_total: int
+    floor: float
+    tokens_match: bool  # the runtime's tokens of the held prompts are the merged tokenizer's
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_match and self.top1 >= self.floor
+
+    def describe(self) -> str:
+        tokens = "" if self.tokens_match else "its tokens of the held prompts differ from the model's; "
+        return (
+            f"{self.runtime}: {tokens}top-1 agrees on {self.top1:.1%} of {self.positions} positions (at least "
+            f"{self.floor:.0%} needed), max |logit difference| {self.max_abs:.3g}, greedy {GREEDY_TOKENS}-token "
+            f"continuations identical on {self.greedy_same} of {self.greedy_total} prompts"
+        )
+
+
+@dataclass
+class Reference:
+    """The merged model's view of the held prompts: their tokens, logits and greedy continuations."""
+
+    ids: list[list[int]]
+    logits: list[torch.Tensor]  # [positions, vocab] fp32 per prompt
+    greedy: list[list[int]]
+
+
+@torch.no_grad()
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    """``GREEDY_TOKENS`` greedy tokens after ``prompt``, the KV cache kept (one new token a forward)."""
+    found = model(input_ids=torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+    ids: list[int] = []
+    for _ in range(GREEDY_TOKENS):
+        ids.append(int(found.logits[0, -1].argmax()))
+        found = model(
+            input_ids=torch.tensor([ids[-1:]]), past_key_values=found.past_key_values, use_cache=True
+        )
+    return ids
+
+
+@torch.no_grad()
+def reference(model_dir: Path) -> Reference:
+    """The merged model (fp32) on the held prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
+    logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ids]
+    greedy = [_hf_greedy(model, row) for row in ids[:GREEDY_PROMPTS]]
+    return Reference(ids, logits, greedy)
+
+
+def _compare(runtime: str, ref: Reference, ids, logits, greedy, quant: str) -> GGUFCheck:
+    agree = positions = 0
+    max_abs = 0.0
+    for expected, found in zip(ref.logits, logits, strict=True):
+        width = min(expected.shape[-1], found.shape[-1])
+        expected, found = expected[:, :width], found[:, :width]
+        agree += int((expected.argmax(-1) == found.argmax(-1)).sum())
+        positions += expected.shape[0]
+        max_abs = max(max_abs, float((expected - found).abs().max()))
+    same = sum(a == b for a, b in zip(ref.greedy, greedy, strict=True))
+    return GGUFCheck(
+        runtime,
+        positions,
+        agree / positions,
+        max_abs,
+        same,
+        len(ref.greedy),
+        TOP1_FLOOR[quant],
+        ids == ref.ids,
+    )
+
+
+@torch.no_grad()
+def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck:
+    """The file as transformers' GGUF loader reads it (dequantized to fp32)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        # the loader's map skips the head size for some families (Qwen3: its config then defaults to 128):
+        # taken from the file, as llama.cpp takes it
+        fields = GGUFReader(str(gguf_path)).fields
+        arch = fields["general.architecture"].contents()
+        if f"{arch}.attention.key_length" in fields:
+            config.head_dim = int(fields[f"{arch}.attention.key_length"].contents())
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, config=config, dtype=torch.float32
+        ).eval()
+    finally:
+        logging.set_verbosity(verbosity)
+    ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
+    logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
+    greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
+    return _compare("transformers' GGUF loader", ref, ids, logits, greedy, quant)
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def check_llama_cpp(gguf_path: Path, ref: Reference, quant: str, add_bos: bool) -> GGUFCheck:
+    """The file as llama.cpp runs it (``llama-cpp-python``), every position's logits kept."""
+    import llama_cpp
+
+    context = max(len(row) for row in ref.ids) + GREEDY_TOKENS + 8
+    llm = llama_cpp.Llama(
+        model_path=str(gguf_path), n_ctx=context, logits_all=True, verbose=False, n_threads=None, seed=0
+    )
+    ids = [llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True) for text in HELD_PROMPTS]
+
+    def run(row: list[int]) -> torch.Tensor:
+        llm.reset()
+        llm.eval(row)
+        return torch.tensor(llm.scores[: len(row)], dtype=torch.float32)
+
+    def greedy_after(row: list[int]) -> list[int]:
+        found: list[int] = []
+        last = run(row)[-1]
+        for _ in range(GREEDY_TOKENS):
+            found.append(int(last.argmax()))
+            llm.eval(found[-1:])  # one token more on llama.cpp's own cache
+            last = torch.tensor(llm.scores[llm.n_tokens - 1], dtype=torch.float32)
+        return found
+
+    logits = [run(row) for row in ref.ids]
+    greedy = [greedy_after(row) for row in ref.ids[:GREEDY_PROMPTS]]
+    llm.close()
+    return _compare("llama.cpp", ref, ids, logits, greedy, quant)

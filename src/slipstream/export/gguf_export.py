@@ -1,0 +1,142 @@
+"""``slipstream export SOURCE --gguf OUT.gguf``: from a run (merged first, :func:`.merged.export_merged`) or an
+already merged directory to a GGUF file and an Ollama Modelfile beside it, both kept only once the file,
+loaded back, agrees with the merged model (:mod:`.gguf_check`).
+
+Nothing is left at OUT unless everything passed: a refusal (another family, a type the export does not
+write, a tokenizer llama.cpp would split differently) comes before anything is written; the file and the
+Modelfile are written under temporary names beside their destinations and renamed once verified; an
+existing OUT is replaced only with ``overwrite`` and only where it is a GGUF file.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..atomic import atomic_file
+from ..train.output_dir import MARKER
+from .gguf import plan_gguf, write_gguf
+from .gguf_check import GGUFCheck, check_llama_cpp, check_transformers, llama_cpp_available, reference
+from .merged import ExportError, export_merged
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class GGUFReport:
+    out: str
+    modelfile: str
+    source: str  # the run or merged directory exported
+    quant: str
+    written: dict[str, Any]
+    checks: list[GGUFCheck] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # runtimes not checked, and why
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "checks": [asdict(c) | {"ok": c.ok} for c in self.checks]}
+
+
+def modelfile(gguf_name: str, chat_template: str | None, eos_token: str | None) -> str:
+    """An Ollama Modelfile for ``gguf_name``: ChatML's template and stop token where the chat template is
+    ChatML (SmolLM2, Qwen), else the GGUF's own template (Ollama reads ``tokenizer.chat_template``)."""
+    lines = [f"FROM ./{gguf_name}"]
+    stops = []
+    if chat_template and "<|im_start|>" in chat_template:
+        lines += [
+            'TEMPLATE """{{- if .System }}<|im_start|>system',
+            "{{ .System }}<|im_end|>",
+            "{{ end }}{{- range .Messages }}<|im_start|>{{ .Role }}",
+            "{{ .Content }}<|im_end|>",
+            "{{ end }}<|im_start|>assistant",
+            '"""',
+        ]
+        stops.append("<|im_end|>")
+    else:
+        lines.append("# the chat template: the GGUF file's own (tokenizer.chat_template), as Ollama reads it")
+    if eos_token and eos_token not in stops:
+        stops.append(eos_token)
+    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
+    return "\n".join(lines) + "\n"
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.suffix.lower() != ".gguf":
+        raise ExportError(f"{out}: the GGUF file's name must end in .gguf")
+    if out.is_dir():
+        raise ExportError(f"{out} is a directory: name the .gguf file to write")
+    if out.exists():
+        with out.open("rb") as handle:
+            is_gguf = handle.read(4) == GGUF_MAGIC
+        if not is_gguf:
+            raise ExportError(f"{out} exists and is not a GGUF file: not replaced")
+        if not overwrite:
+            raise ExportError(f"{out} exists: pass --overwrite to replace it")
+
+
+def export_gguf(
+    source: str | Path,
+    out: str | Path,
+    *,
+    quant: str = "f16",
+    checkpoint: int | None = None,
+    verify: bool = True,
+    overwrite: bool = False,
+) -> GGUFReport:
+    """Write ``source`` (a run directory, merged first, or a merged transformers directory) to ``out`` as GGUF
+    of type ``quant``, with an Ollama Modelfile beside it; with ``verify``, both kept only where every
+    installed runtime agrees with the merged model (:mod:`.gguf_check`)."""
+    from transformers import AutoTokenizer
+
+    started = time.perf_counter()
+    source, out = Path(source), Path(out)
+    _check_out(out, overwrite)
+    is_run = (source / MARKER).exists()
+    if not is_run and not (source / "config.json").exists():
+        raise ExportError(
+            f"{source}: neither a slipstream run directory nor a merged model directory (config.json)"
+        )
+    with tempfile.TemporaryDirectory(
+        prefix=".gguf-merge-", dir=out.parent if out.parent.exists() else None
+    ) as scratch:
+        if (
+            is_run
+        ):  # its adapter merged into the base first (checked there), in fp32: one rounding, at the end
+            merged_dir = Path(scratch) / "merged"
+            export_merged(source, merged_dir, dtype="float32", checkpoint=checkpoint)
+        else:
+            if checkpoint is not None:
+                raise ExportError(f"{source}: --checkpoint is for a run directory, not a merged model")
+            merged_dir = source
+        plan = plan_gguf(merged_dir, quant)  # every refusal before anything is written
+        tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        report = GGUFReport(str(out), str(out.with_suffix(".Modelfile")), str(source), plan.quant, {})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out.with_suffix(".Modelfile")) as model_tmp, atomic_file(out) as tmp:
+            report.written = write_gguf(merged_dir, tmp, plan, template)
+            if verify:
+                ref = reference(merged_dir)
+                report.checks.append(check_transformers(tmp, ref, plan.quant))
+                if llama_cpp_available():
+                    report.checks.append(
+                        check_llama_cpp(tmp, ref, plan.quant, bool(report.written["add_bos"]))
+                    )
+                else:
+                    report.skipped.append(
+                        "llama.cpp: llama-cpp-python is not installed (pip install 'slipstream[gguf]')"
+                    )
+                failed = [check for check in report.checks if not check.ok]
+                if failed:
+                    raise ExportError(
+                        f"{out}: not written: " + "; ".join(check.describe() for check in failed)
+                    )
+            else:
+                report.skipped.append("every runtime: --no-verify")
+            model_tmp.write_text(modelfile(out.name, template, tokenizer.eos_token))
+            _check_out(out, overwrite)  # again, just before the rename: what is there now may go
+    report.seconds = time.perf_counter() - started
+    return report

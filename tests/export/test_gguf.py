@@ -1,0 +1,194 @@
+"""`slipstream export SOURCE --gguf OUT.gguf`: the file loads back (transformers' GGUF loader) to the merged
+model's logits, the llama architecture's query / key rows in llama.cpp's order (a negative control without
+the reorder fails the check), and every refusal is one line that leaves nothing at OUT."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from slipstream.cli import main
+from slipstream.export import ExportError
+from slipstream.export import gguf as gguf_module
+from slipstream.export.gguf import _interleave_halves, plan_gguf, pre_tokenizer_name
+from slipstream.export.gguf_export import export_gguf, modelfile
+
+from .test_export import _base_dir, dense_run  # noqa: F401 (a fixture)
+
+pytest.importorskip("gguf")
+
+
+def _nothing_at(out: Path) -> None:
+    assert not out.exists() and not out.with_suffix(".Modelfile").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.stem}")]  # no temporary left
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return _base_dir(tmp_path_factory.mktemp("gguf-llama"), "llama")
+
+
+@pytest.mark.parametrize("quant", ["f32", "f16", "q8_0"])
+def test_a_merged_llama_directory_loads_back_to_its_logits(llama_dir, tmp_path, quant):
+    out = tmp_path / f"model-{quant}.gguf"
+    report = export_gguf(llama_dir, out, quant=quant)
+    (check,) = report.checks
+    assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
+    if quant == "f32":  # stored exactly: the same numbers up to the runtime's own arithmetic
+        assert check.top1 == 1.0 and check.max_abs < 1e-3, check.describe()
+    written = report.written
+    assert written["pre_tokenizer"] == "gpt-2" and written["tokens"] >= 256
+    assert out.read_bytes()[:4] == b"GGUF" and out.with_suffix(".Modelfile").exists()
+
+
+def test_without_llama_cpps_query_key_order_the_check_fails_and_nothing_is_kept(
+    llama_dir, tmp_path, monkeypatch
+):
+    """Negative control: the rotation pairs left in transformers' order (no reorder) give another model."""
+    monkeypatch.setitem(gguf_module.FAMILIES, "llama", gguf_module.Family("LLAMA", False))
+    out = tmp_path / "unordered.gguf"
+    with pytest.raises(ExportError, match=r"not written: transformers' GGUF loader: top-1 agrees on"):
+        export_gguf(llama_dir, out, quant="f32")
+    _nothing_at(out)
+
+
+def test_a_run_is_merged_then_written_and_the_cli_says_what_it_checked(dense_run, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "run.gguf"
+    assert main(["export", str(dense_run), "--gguf", str(out), "--quant", "f32"]) == 0
+    printed = capsys.readouterr().out
+    assert "checked transformers' GGUF loader: top-1 agrees on 100.0%" in printed
+    assert f"wrote {out}" in printed and out.exists()
+    # fp32 throughout: the file's logits are the merged run's to float rounding
+    found = re.search(r"max \|logit difference\| ([0-9.e+-]+)", printed)
+    assert found and float(found.group(1)) < 1e-3, printed
+
+
+def test_the_interleave_puts_each_heads_rotation_pairs_side_by_side():
+    weight = torch.arange(8, dtype=torch.float32).repeat_interleave(3).reshape(8, 3)  # 2 heads of 4 rows
+    rows = _interleave_halves(weight, heads=2)[:, 0].tolist()
+    assert rows == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_the_pre_tokenizer_is_named_from_tokenizer_json(qwen3_tokenizer, tmp_path):
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "ByteLevel", "use_regex": True}}) == "gpt-2"
+    digits = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "use_regex": True}]}  # fmt: skip
+    assert pre_tokenizer_name({"pre_tokenizer": digits}) == "smollm"
+    qwen3_tokenizer.save_pretrained(tmp_path)
+    assert pre_tokenizer_name(json.loads((tmp_path / "tokenizer.json").read_text())) == "qwen2"
+    assert pre_tokenizer_name({"pre_tokenizer": {"type": "Metaspace"}}) is None
+    assert pre_tokenizer_name({"pre_tokenizer": None}) is None
+
+
+def test_a_qwen3_with_its_real_tokenizer_writes_qwens_pre_tokenizer_and_chatml_modelfile(
+    qwen3_model_dir, tmp_path
+):
+    out = tmp_path / "qwen3.gguf"
+    report = export_gguf(qwen3_model_dir, out, quant="f16")
+    (check,) = report.checks
+    assert check.ok and check.tokens_match, check.describe()
+    assert report.written["pre_tokenizer"] == "qwen2"
+    text = out.with_suffix(".Modelfile").read_text()
+    assert text.startswith("FROM ./qwen3.gguf\n") and "<|im_start|>{{ .Role }}" in text
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
+def test_a_modelfile_for_a_template_that_is_not_chatml_leaves_the_template_to_the_gguf():
+    text = modelfile("m.gguf", "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}", "</s>")
+    assert "TEMPLATE" not in text and 'PARAMETER stop "</s>"' in text
+
+
+def _refused(source: Path, out: Path, words: str, **options) -> None:
+    with pytest.raises(ExportError) as caught:
+        export_gguf(source, out, **options)
+    message = str(caught.value)
+    assert "\n" not in message and words in message, message
+
+
+def test_what_cannot_be_written_exactly_is_refused_and_leaves_nothing(llama_dir, tmp_path):
+    out = tmp_path / "out.gguf"
+    _refused(llama_dir, out, "llama-quantize", quant="q4_k_m")
+    _refused(llama_dir, out, "not a GGUF type the export writes", quant="q3")
+    _refused(llama_dir, tmp_path / "out.bin", "must end in .gguf")
+    _refused(tmp_path, out, "neither a slipstream run directory nor a merged model directory")
+    other = tmp_path / "other"
+    shutil.copytree(llama_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt_neox"}))
+    _refused(other, out, "model_type 'gpt_neox' is not a family the GGUF export writes")
+    (other / "config.json").write_text(
+        json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    )
+    _refused(other, out, "RoPE scaling 'yarn'")
+    (other / "config.json").write_text(json.dumps(config))
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    (other / "tokenizer.json").write_text(json.dumps({**tokenizer, "pre_tokenizer": {"type": "Whitespace"}}))
+    _refused(other, out, "is not one llama.cpp reproduces")
+    _nothing_at(out)
+
+
+def test_a_run_that_cannot_be_merged_is_refused_and_leaves_nothing(dense_run, tmp_path):  # noqa: F811
+    run = tmp_path / "unfinished"
+    shutil.copytree(dense_run, run)
+    shutil.rmtree(run / "adapter")
+    (run / "run.json").unlink()
+    out = tmp_path / "out.gguf"
+    with pytest.raises(ExportError) as caught:
+        export_gguf(run, out)
+    assert "\n" not in str(caught.value) and str(run) in str(caught.value)
+    _nothing_at(out)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".gguf-merge-")]
+
+
+def test_an_existing_file_is_replaced_only_with_overwrite_and_only_when_it_is_gguf(llama_dir, tmp_path):
+    out = tmp_path / "model.gguf"
+    out.write_text("my notes")
+    _refused(llama_dir, out, "is not a GGUF file: not replaced", overwrite=True)
+    out.write_bytes(b"GGUF" + bytes(16))
+    _refused(llama_dir, out, "pass --overwrite")
+    export_gguf(llama_dir, out, quant="f16", overwrite=True, verify=False)
+    assert out.stat().st_size > 1000
+
+
+def test_plan_refuses_before_reading_weights(llama_dir):
+    assert plan_gguf(llama_dir, "Q8_0").quant == "q8_0"
+
+
+# ----------------------------------------------------------------------------- llama.cpp itself
+
+needs_llama_cpp = pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python: make test-gguf"
+)
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+@pytest.mark.parametrize("quant", ["f16", "q8_0"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_llama_cpp_tokenizes_and_predicts_as_the_merged_model(
+    llama_dir, qwen3_model_dir, tmp_path, quant, family
+):
+    source = llama_dir if family == "llama" else qwen3_model_dir
+    out = tmp_path / f"{family}-{quant}.gguf"
+    report = export_gguf(source, out, quant=quant)
+    runtimes = {check.runtime: check for check in report.checks}
+    check = runtimes["llama.cpp"]
+    assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
+    assert not report.skipped
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_llama_cpp_sees_the_query_key_order_too(llama_dir, tmp_path, monkeypatch):
+    """Negative control: without the reorder llama.cpp rotates other pairs, and its check says so."""
+    monkeypatch.setitem(gguf_module.FAMILIES, "llama", gguf_module.Family("LLAMA", False))
+    out = tmp_path / "unordered.gguf"
+    with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
+        export_gguf(llama_dir, out, quant="f32")
+    _nothing_at(out)
