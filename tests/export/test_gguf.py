@@ -19,7 +19,7 @@ from slipstream.export import gguf as gguf_module
 from slipstream.export.gguf import _interleave_halves, plan_gguf, pre_tokenizer_name
 from slipstream.export.gguf_export import export_gguf, modelfile
 
-from .test_export import _base_dir, dense_run  # noqa: F401 (a fixture)
+from .test_export import RUN, _base_dir, _train, dense_run  # noqa: F401 (a fixture)
 
 pytest.importorskip("gguf")
 
@@ -31,7 +31,15 @@ def _nothing_at(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory) -> Path:
-    return _base_dir(tmp_path_factory.mktemp("gguf-llama"), "llama")
+    """A tiny llama with the demo tokenizer, given a BOS token (every real llama has one; transformers 5.17's
+    GGUF loader cannot rebuild a llama tokenizer without it)."""
+    from transformers import AutoTokenizer
+
+    path = _base_dir(tmp_path_factory.mktemp("gguf-llama"), "llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.bos_token = tokenizer.eos_token
+    tokenizer.save_pretrained(path)
+    return path
 
 
 @pytest.mark.parametrize("quant", ["f32", "f16", "q8_0"])
@@ -58,9 +66,11 @@ def test_without_llama_cpps_query_key_order_the_check_fails_and_nothing_is_kept(
     _nothing_at(out)
 
 
-def test_a_run_is_merged_then_written_and_the_cli_says_what_it_checked(dense_run, tmp_path, capsys):  # noqa: F811
+def test_a_run_is_merged_then_written_and_the_cli_says_what_it_checked(qwen3_model_dir, tmp_path, capsys):
+    """A LoRA run on a tiny Qwen3 with Qwen3's real tokenizer (its pre-tokenizer: llama.cpp's qwen2)."""
+    run = _train(tmp_path, "run", {**RUN, "model": {"path": str(qwen3_model_dir), "dtype": "float32"}})
     out = tmp_path / "run.gguf"
-    assert main(["export", str(dense_run), "--gguf", str(out), "--quant", "f32"]) == 0
+    assert main(["export", str(run), "--gguf", str(out), "--quant", "f32"]) == 0
     printed = capsys.readouterr().out
     assert "checked transformers' GGUF loader: top-1 agrees on 100.0%" in printed
     assert f"wrote {out}" in printed and out.exists()

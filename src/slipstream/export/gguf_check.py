@@ -136,7 +136,7 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tokenizer = _gguf_tokenizer(AutoTokenizer, folder, name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         # the loader's map skips the head size for some families (Qwen3: its config then defaults to 128):
         # taken from the file, as llama.cpp takes it
@@ -153,6 +153,22 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
     greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
     return _compare("transformers' GGUF loader", ref, ids, logits, greedy, quant)
+
+
+def _gguf_tokenizer(auto, folder: str, name: str):
+    """transformers' tokenizer rebuilt from the file; a loader that cannot (older transformers: a llama
+    tokenizer without BOS) is an ExportError naming it, never a traceback."""
+    import transformers
+
+    from .merged import ExportError
+
+    try:
+        return auto.from_pretrained(folder, gguf_file=name)
+    except (AttributeError, KeyError, ValueError, TypeError) as error:
+        raise ExportError(
+            f"transformers {transformers.__version__}'s GGUF loader cannot rebuild this file's tokenizer "
+            f"({type(error).__name__}: {error}); a newer transformers can, or --no-verify writes it unchecked"
+        ) from None
 
 
 def llama_cpp_available() -> bool:
