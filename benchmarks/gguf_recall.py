@@ -2,8 +2,8 @@
 
 Asks every question of a chat file (``examples/data/chats.jsonl``: made-up facts about an island) through the
 chat template, greedy, ``--max-tokens`` tokens, three ways: the merged transformers model (the reference),
-and llama.cpp (``llama-cpp-python``) on each GGUF file given. For each, the share of answers that hold the
-trained answer's text, and for llama.cpp the share identical to the merged model's own answer. The prompt
+and llama.cpp (``llama-cpp-python``) on each GGUF file given. For each, the answers that hold the trained
+answer's fact (its last word), and for llama.cpp the answers identical to the merged model's own. The prompt
 tokens are the merged tokenizer's (``apply_chat_template``), handed to both runtimes as ids, so the two
 answer the very same prompts.
 
@@ -29,7 +29,9 @@ def load_chats(path: Path) -> list[tuple[str, str]]:
 
 
 def holds(answer: str, trained: str) -> bool:
-    return trained.strip().rstrip(".").lower() in answer.lower()
+    """The trained answer's last word (its fact: "Harrowick", "November", "Saltreach") in the answer."""
+    last = trained.strip().rstrip(".!").split()[-1].strip(",;:'\"").lower()
+    return last in answer.lower()
 
 
 def main() -> None:
@@ -48,10 +50,12 @@ def main() -> None:
     chats = load_chats(args.chats)
     stops = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} - {None}
     prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         for q, _ in chats
     ]
-    prompts = [p["input_ids"] if isinstance(p, dict) else list(p) for p in prompts]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
 
     started = time.perf_counter()
     reference = []
@@ -83,7 +87,9 @@ def main() -> None:
         llm.close()
         record[path.name] = {
             "holds_trained_answer": sum(holds(a, t) for a, (_, t) in zip(answers, chats, strict=True)),
-            "identical_to_merged": sum(a.strip() == r.strip() for a, r in zip(answers, reference, strict=True)),
+            "identical_to_merged": sum(
+                a.strip() == r.strip() for a, r in zip(answers, reference, strict=True)
+            ),
             "seconds": round(time.perf_counter() - started, 1),
             "example": {"question": chats[2][0], "answer": answers[2], "merged": reference[2]},
         }

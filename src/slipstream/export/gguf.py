@@ -15,7 +15,8 @@ What is written (llama.cpp's layout, read with the ``gguf`` package's writer and
   rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once.
 
 Types: ``f32``, ``f16``, ``bf16`` and the block types the ``gguf`` package quantizes in Python (``q8_0``,
-``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``); norms and biases stay f32, as llama.cpp's converter keeps them. The
+``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``); norms and biases stay f32, as llama.cpp's converter keeps them, and
+under a block type the LM head stays f16 (``_head_copies``). The
 k-quants (``q4_k_m`` ...) need llama.cpp's own quantizer and are refused with the command that makes them.
 
 Families: Llama (SmolLM2 included), Mistral without a sliding window shorter than its context (llama.cpp's
@@ -219,6 +220,17 @@ def _as_numpy(tensor: torch.Tensor, name: str, quant: str) -> tuple[np.ndarray, 
     return quantize(data, qtype), qtype
 
 
+def _head_copies(name: str, tied: bool, quant: str) -> list[tuple[str, str]]:
+    """The LM head in f16 under a block type: every logit, so every top-1, reads it (llama.cpp's own
+    quantizer keeps the head finer than the rest too). A head tied to the embedding is written twice then:
+    the embedding in the block type, ``output.weight`` in f16 (llama.cpp uses it where it is present)."""
+    if quant in ("f32", "f16", "bf16"):
+        return [(name, quant)]
+    if tied:
+        return [(name, quant), ("output.weight", "f16")]
+    return [(name, "f16")]
+
+
 def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | None) -> dict[str, Any]:
     """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns what was written."""
     import gguf
@@ -291,10 +303,12 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
                     tensor = _interleave_halves(tensor, heads)
                 elif family.interleave_qk and key.endswith("self_attn.k_proj.weight"):
                     tensor = _interleave_halves(tensor, kv_heads)
-                data, raw = _as_numpy(tensor, name, plan.quant)
-                writer.add_tensor(name, data, raw_dtype=raw)
-                kind = raw.name if raw is not None else str(data.dtype)
-                counts[kind] = counts.get(kind, 0) + 1
+                head = name == "output.weight" or (tied and name == "token_embd.weight")
+                for written, quant in _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]:
+                    data, raw = _as_numpy(tensor, written, quant)
+                    writer.add_tensor(written, data, raw_dtype=raw)
+                    kind = raw.name if raw is not None else str(data.dtype)
+                    counts[kind] = counts.get(kind, 0) + 1
     if not counts:
         raise ExportError(f"{model_dir}: no .safetensors weights to write")
     writer.write_header_to_file()
