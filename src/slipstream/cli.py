@@ -297,13 +297,8 @@ def _cmd_doctor(args) -> int:
 
 def _cmd_export_gguf(args) -> int:
     from .export import ExportError
+    from .export.gguf_export import export_gguf  # the gguf package itself only where it writes
 
-    try:
-        from .export.gguf_export import export_gguf
-    except ImportError as error:  # the gguf package: slipstream[gguf]
-        return _error(
-            "export", ExportError(f"--gguf needs the gguf package ({error}): pip install 'slipstream[gguf]'")
-        )
     try:
         report = export_gguf(
             args.run_dir,

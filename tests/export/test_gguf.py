@@ -188,6 +188,18 @@ def test_an_existing_file_is_replaced_only_with_overwrite_and_only_when_it_is_gg
     assert out.stat().st_size > 1000
 
 
+def test_without_the_gguf_package_the_export_says_which_extra(llama_dir, tmp_path, monkeypatch):
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else found(name, *a)
+    )
+    out = tmp_path / "out.gguf"
+    _refused(llama_dir, out, "pip install 'slipstream[gguf]'")
+    _nothing_at(out)
+
+
 def test_plan_refuses_before_reading_weights(llama_dir):
     assert plan_gguf(llama_dir, "Q8_0").quant == "q8_0"
 

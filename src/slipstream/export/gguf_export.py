@@ -89,9 +89,13 @@ def export_gguf(
     """Write ``source`` (a run directory, merged first, or a merged transformers directory) to ``out`` as GGUF
     of type ``quant``, with an Ollama Modelfile beside it; with ``verify``, both kept only where every
     installed runtime agrees with the merged model (:mod:`.gguf_check`)."""
+    import importlib.util
+
     from transformers import AutoTokenizer
 
     started = time.perf_counter()
+    if importlib.util.find_spec("gguf") is None:
+        raise ExportError("--gguf needs the gguf package: pip install 'slipstream[gguf]'")
     source, out = Path(source), Path(out)
     _check_out(out, overwrite)
     is_run = (source / MARKER).exists()
