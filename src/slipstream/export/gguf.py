@@ -189,7 +189,7 @@ def _tokens(plan: GGUFPlan) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
-def _specials(model_dir: Path, tokenizer) -> dict[str, Any]:
+def _specials(tokenizer) -> dict[str, Any]:
     """Special ids and whether the tokenizer adds BOS / EOS, from the transformers tokenizer itself."""
     probe = tokenizer("a")["input_ids"]
     return {
@@ -202,7 +202,7 @@ def _specials(model_dir: Path, tokenizer) -> dict[str, Any]:
     }
 
 
-def _as_numpy(tensor: torch.Tensor, name: str, quant: str) -> tuple[np.ndarray, Any]:
+def _as_numpy(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
     """``tensor`` in the type it is written as: f32 for 1-D tensors (norms, biases) and rows a block type
     cannot hold; else ``quant``. Returns the array and its raw GGML type (None: numpy's own)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -278,7 +278,7 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    specials = _specials(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    specials = _specials(AutoTokenizer.from_pretrained(model_dir))
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):  # fmt: skip
         if specials[key] is not None:
@@ -305,7 +305,7 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
                     tensor = _interleave_halves(tensor, kv_heads)
                 head = name == "output.weight" or (tied and name == "token_embd.weight")
                 for written, quant in _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]:
-                    data, raw = _as_numpy(tensor, written, quant)
+                    data, raw = _as_numpy(tensor, quant)
                     writer.add_tensor(written, data, raw_dtype=raw)
                     kind = raw.name if raw is not None else str(data.dtype)
                     counts[kind] = counts.get(kind, 0) + 1

@@ -45,10 +45,7 @@ class StepTreeCounts:
 
     tokens: int = 0
     tokens_today: int = 0
-    micro_batches: int = 0
     tree_micro_batches: int = 0
-    modelled_s: float = 0.0
-    modelled_today_s: float = 0.0
 
     def record(self) -> dict[str, Any]:
         return {
@@ -97,7 +94,6 @@ class CompletionTrees:
         trees = completion_trees(groups)
         shared = sum(len(n["input_ids"]) for t in trees for n in t["tree_nodes"])
         use = self._use_trees(groups, trees, today, shared)
-        self.step.micro_batches += 1
         self.step.tokens_today += today
         if use:
             self.step.tree_micro_batches += 1
@@ -115,10 +111,7 @@ class CompletionTrees:
         cost = self.cost
         if cost is None or not (cost.token_seconds or cost.pair_seconds):
             return shared <= (1 - AUTO_MIN_SAVING) * today
-        mine, theirs = cost.seconds([trees]), cost.seconds([list(groups)])
-        self.step.modelled_s += mine
-        self.step.modelled_today_s += theirs
-        return mine <= (1 - AUTO_MIN_SAVING) * theirs
+        return cost.seconds([trees]) <= (1 - AUTO_MIN_SAVING) * cost.seconds([list(groups)])
 
     def take_step(self) -> StepTreeCounts:
         """This step's counts (and a fresh count for the next)."""
