@@ -67,14 +67,18 @@ test-vllm: $(STAMP)
 	bash src/slipstream/engines/make_vllm_venv.sh $(VLLM_VENV)
 	SLIPSTREAM_VLLM_VENV=$(VLLM_VENV) $(BIN)/python -m pytest -q --runslow -m vllm tests/engines
 
-# slipstream export --gguf read back by llama.cpp itself: llama-cpp-python built from source once (several
-# minutes; portable: no -march=native) and its wheel kept in ~/.cache/slipstream-wheels, like vLLM's venv
+# slipstream export --gguf read back by llama.cpp itself: llama-cpp-python built from its source once (several
+# minutes; portable: no -march=native) and its wheel kept in ~/.cache/slipstream-wheels, like vLLM's venv; the
+# source is kept too: its models/ggml-vocab-*.gguf are real tokenizers with llama.cpp's own expected tokens
 LLAMA_CPP_WHEELS ?= $(HOME)/.cache/slipstream-wheels
+LLAMA_CPP_SDIST = $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36.tar.gz
 test-gguf: $(STAMP)
+	ls $(LLAMA_CPP_SDIST) >/dev/null 2>&1 || $(BIN)/python -m pip download -q --no-deps --no-binary :all: \
+		llama-cpp-python==0.3.36 -d $(LLAMA_CPP_WHEELS)
 	ls $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
-		$(BIN)/python -m pip wheel -q --no-deps llama-cpp-python==0.3.36 -w $(LLAMA_CPP_WHEELS)
+		$(BIN)/python -m pip wheel -q --no-deps $(LLAMA_CPP_SDIST) -w $(LLAMA_CPP_WHEELS)
 	$(BIN)/python -m pip install -q $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl
-	$(BIN)/python -m pytest -q --runslow -m llamacpp tests/export
+	SLIPSTREAM_LLAMA_CPP_SDIST=$(LLAMA_CPP_SDIST) $(BIN)/python -m pytest -q --runslow -m llamacpp tests/export
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).
 compat: $(STAMP)

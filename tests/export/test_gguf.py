@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from slipstream.cli import main
 from slipstream.export import ExportError
 from slipstream.export import gguf as gguf_module
 from slipstream.export.gguf import _interleave_halves, plan_gguf, pre_tokenizer_name
+from slipstream.export.gguf_check import TOKEN_PROBES
 from slipstream.export.gguf_export import export_gguf, modelfile
 
 from .test_export import RUN, _base_dir, _train, dense_run  # noqa: F401 (a fixture)
@@ -226,6 +228,7 @@ def test_llama_cpp_tokenizes_and_predicts_as_the_merged_model(llama_dir, qwen3_d
     runtimes = {check.runtime: check for check in report.checks}
     check = runtimes["llama.cpp"]
     assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
+    assert check.probes == len(TOKEN_PROBES) + 1, check.describe()  # and the chat template rendered
     assert not report.skipped
 
 
@@ -238,3 +241,169 @@ def test_llama_cpp_sees_the_query_key_order_too(llama_dir, tmp_path, monkeypatch
     with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
         export_gguf(llama_dir, out, quant="f32")
     _nothing_at(out)
+
+
+# --- SentencePiece-style tokenizers (Llama 2, Mistral, Gemma): tokens, scores and the space prefix ---
+
+
+@pytest.fixture(scope="module")
+def spm_llama_dir(tmp_path_factory) -> Path:
+    """A tiny llama with a SentencePiece-style tokenizer as Llama 2's own tokenizer.json writes it (a
+    normalizer that prepends "▁"), ChatML's special tokens added, sharpened."""
+    from slipstream.models import build_model
+
+    from .spm_tokenizer import save_spm_tokenizer
+
+    path = tmp_path_factory.mktemp("gguf-spm") / "llama-spm"
+    tokenizer = save_spm_tokenizer(path)
+    build_model("llama", vocab_size=len(tokenizer), dtype=torch.float32).save_pretrained(path)
+    return _sharpened(path)
+
+
+def test_sentencepiece_spacing_is_llama_cpps_space_prefix_or_refused():
+    from slipstream.export.gguf import spm_space_prefix
+
+    from .spm_tokenizer import spm_tokenizer_json
+
+    assert spm_space_prefix(spm_tokenizer_json(spacing="legacy")) is True
+    assert spm_space_prefix(spm_tokenizer_json(spacing="gemma")) is False
+    gemma = spm_tokenizer_json(spacing="gemma") | {
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious"}
+    }
+    assert spm_space_prefix(gemma) is False  # Gemma splits on spaces its normalizer has already replaced
+    metaspace = spm_tokenizer_json(spacing="metaspace-first")
+    assert spm_space_prefix(metaspace) is None
+    for scheme, expected in (("never", False), ("always", None)):
+        metaspace["pre_tokenizer"]["prepend_scheme"] = scheme
+        assert spm_space_prefix(metaspace) is expected
+    assert spm_space_prefix(spm_tokenizer_json() | {"normalizer": None}) is None  # no rule at all
+
+
+def test_merge_scores_make_the_first_merge_that_builds_a_token_win():
+    from slipstream.export.gguf import _merge_scores
+
+    scores = _merge_scores(["a b", "ab c", "b c", "a bc"])
+    assert scores == {"ab": 0.0, "abc": -1.0, "bc": -2.0}  # "abc" keeps its first (higher) rank
+
+
+def test_a_sentencepiece_llama_is_written_with_scores_byte_tokens_and_its_space_prefix(
+    spm_llama_dir, tmp_path
+):
+    from gguf import GGUFReader, TokenType
+
+    out = tmp_path / "spm.gguf"
+    report = export_gguf(spm_llama_dir, out, quant="f32")
+    assert _transformers(report).ok and _transformers(report).tokens_match
+    written = report.written
+    assert (written["tokenizer_model"], written["pre_tokenizer"], written["space_prefix"]) == (
+        "llama",
+        "default",
+        True,
+    )
+    fields = GGUFReader(str(out)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    scores = fields["tokenizer.ggml.scores"].contents()
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is True
+    assert "tokenizer.ggml.merges" not in fields
+    kind = dict(zip(tokens, types, strict=True))
+    assert kind["<unk>"] == TokenType.UNKNOWN and kind["<s>"] == TokenType.CONTROL
+    assert kind["<|im_start|>"] == TokenType.CONTROL and kind["<0x0A>"] == TokenType.BYTE
+    assert kind["\u2581the"] == TokenType.NORMAL
+    score = dict(zip(tokens, scores, strict=True))
+    assert score["\u2581t"] > score["\u2581the"]  # "▁t" is merged before "▁the" can be
+
+
+def test_a_llama_tokenizer_transformers_rebuilds_with_another_spacing_is_refused(tmp_path):
+    """transformers 5's LlamaTokenizer replaces the file's normalizer by a Metaspace that prepends "▁" only to
+    the first text: the run tokenized with that, llama.cpp cannot, so nothing is written."""
+    from slipstream.models import build_model
+
+    from .spm_tokenizer import save_spm_tokenizer
+
+    source = tmp_path / "llama-tokenizer-class"
+    tokenizer = save_spm_tokenizer(source, tokenizer_class="LlamaTokenizer")
+    build_model("llama", vocab_size=len(tokenizer), dtype=torch.float32).save_pretrained(source)
+    _refused(source, tmp_path / "out.gguf", "chat turns would be tokenized differently from the run")
+    _nothing_at(tmp_path / "out.gguf")
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_llama_cpp_tokenizes_a_sentencepiece_llama_as_the_run_did(spm_llama_dir, tmp_path):
+    """Spaces at the start and in runs, byte fallback, text after a special token and a ChatML conversation:
+    llama.cpp's SentencePiece tokenizer with the written scores and space prefix gives the run's tokens."""
+    report = export_gguf(spm_llama_dir, tmp_path / "spm.gguf", quant="f16")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.probes == 6, check.describe()  # TOKEN_PROBES and the chat rendering
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_without_the_space_prefix_llama_cpp_tokenizes_otherwise_and_nothing_is_kept(
+    spm_llama_dir, tmp_path, monkeypatch
+):
+    """Negative control: the same file with add_space_prefix false is refused by llama.cpp's probes."""
+    monkeypatch.setattr(gguf_module, "spm_space_prefix", lambda tokenizer_json: False)
+    out = tmp_path / "no-prefix.gguf"
+    with pytest.raises(ExportError, match=r"llama.cpp: .*tokenizes .* differently from the model"):
+        export_gguf(spm_llama_dir, out, quant="f32")
+    _nothing_at(out)
+
+
+def _llama_cpp_source() -> Path:
+    found = os.environ.get("SLIPSTREAM_LLAMA_CPP_SDIST", "")
+    if not found or not Path(found).exists():
+        pytest.skip("llama-cpp-python's source (make test-gguf keeps it and sets SLIPSTREAM_LLAMA_CPP_SDIST)")
+    return Path(found)
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_llama_2s_real_vocabulary_tokenizes_as_llama_cpps_own_tests_expect(tmp_path):
+    """Llama 2's real 32,000-token vocabulary (llama.cpp's models/ggml-vocab-llama-spm.gguf, read by
+    transformers and saved as Llama 2's tokenizer.json writes it): the exported file tokenizes llama.cpp's
+    own 47 test texts (leading spaces, runs of spaces, CJK, emoji) to the tokens llama.cpp's tests expect,
+    and the export's verification passes on a tiny llama of that vocabulary."""
+    import tarfile
+
+    import llama_cpp
+    from transformers import AutoTokenizer
+
+    from slipstream.models import build_model
+
+    from .spm_tokenizer import LEGACY_NORMALIZER
+
+    vocab = "ggml-vocab-llama-spm.gguf"
+    with tarfile.open(_llama_cpp_source()) as sdist:
+        for suffix in ("", ".inp", ".out"):
+            member = sdist.getmember(f"llama_cpp_python-0.3.36/vendor/llama.cpp/models/{vocab}{suffix}")
+            (tmp_path / f"{vocab}{suffix}").write_bytes(sdist.extractfile(member).read())
+    loaded = AutoTokenizer.from_pretrained(tmp_path, gguf_file=vocab)
+    pipeline = json.loads(loaded.backend_tokenizer.to_str())
+    pipeline |= {"normalizer": LEGACY_NORMALIZER, "pre_tokenizer": None}
+    source = tmp_path / "llama2-vocab"
+    source.mkdir()
+    (source / "tokenizer.json").write_text(json.dumps(pipeline, ensure_ascii=False))
+    (source / "tokenizer_config.json").write_text(
+        json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "chat_template": "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
+            "{{ m['content'] }} [/INST]{% elif m['role'] == 'assistant' %} {{ m['content'] }}{{ eos_token }}"
+            "{% endif %}{% endfor %}",
+        })
+    )  # fmt: skip
+    build_model("llama", vocab_size=32000, dtype=torch.float32).save_pretrained(source)
+    out = tmp_path / "llama2-vocab.gguf"
+    report = export_gguf(_sharpened(source), out, quant="f16")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.probes == 6, check.describe()
+
+    texts = (tmp_path / f"{vocab}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = (tmp_path / f"{vocab}.out").read_text().split("\n")
+    llm = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    found = [llm.tokenize(text.encode("utf-8"), add_bos=False, special=False) for text in texts]
+    assert len(texts) == 47
+    assert found == [[int(i) for i in line.split()] for line in expected[: len(texts)]]

@@ -5,11 +5,11 @@ What is written (llama.cpp's layout, read with the ``gguf`` package's writer and
 
 - **the architecture's metadata**: context, widths, heads (and the head size where it is not width / heads),
   RoPE base, the RMSNorm epsilon, the vocabulary size;
-- **the tokenizer**: every token by id (``tokenizer.json``'s vocabulary and its added tokens), their types
-  (an added special token is CONTROL, an added plain one USER_DEFINED), the BPE merges, the special ids, and
-  the pre-tokenizer llama.cpp must split text with (named from ``tokenizer.json``'s own pre-tokenizer: a
-  tokenizer whose splitting llama.cpp does not reproduce is refused, since llama.cpp would tokenize text
-  differently from the run); the chat template the run trained with;
+- **the tokenizer** the run tokenized with (:func:`vocabulary_of`): every token by id with its type, the
+  special ids and the chat template, and either byte-level BPE's merges and the pre-tokenizer llama.cpp must
+  split text with (named from the tokenizer's own), or SentencePiece-style BPE's scores (ranked as the
+  merges are) and llama.cpp's space prefix (read from the spacing rule). A tokenizer llama.cpp would split
+  or space differently from the run is refused;
 - **the tensors**: renamed by ``gguf.tensor_mapping``; for the ``llama`` architecture the query and key
   projections reordered within each head, because llama.cpp rotates interleaved pairs where transformers
   rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once.
@@ -20,13 +20,14 @@ under a block type the LM head stays f16 (``_head_copies``). The
 k-quants (``q4_k_m`` ...) need llama.cpp's own quantizer and are refused with the command that makes them.
 
 Families: Llama (SmolLM2 included), Mistral without a sliding window shorter than its context (llama.cpp's
-``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, with byte-level BPE tokenizers. Anything else
-(another family, a SentencePiece tokenizer, RoPE scaling) is refused by name before anything is written.
+``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3. Anything else (another family, another
+tokenizer, RoPE scaling) is refused by name before anything is written.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,109 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """How llama.cpp must tokenize: its tokenizer model, its pre-tokenizer, and (SentencePiece) the space."""
+
+    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece's BPE, bytes <0xXX>)
+    pre: str  # tokenizer.ggml.pre
+    space_prefix: bool | None = None  # SentencePiece: a space before every text after the start or a special
+
+
+_SPACE_TO_METASPACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+_PREPEND_METASPACE = {"type": "Prepend", "prepend": "\u2581"}
+
+
+def _normalizers(tokenizer_json: dict) -> list[dict]:
+    found = tokenizer_json.get("normalizer") or {}
+    parts = found.get("normalizers") if found.get("type") == "Sequence" else [found]
+    return [part for part in parts or [] if part]
+
+
+def spm_space_prefix(tokenizer_json: dict) -> bool | None:
+    """llama.cpp's ``add_space_prefix`` for a SentencePiece-style BPE tokenizer whose spacing it reproduces
+    exactly; None where it cannot.
+
+    llama.cpp's SentencePiece tokenizer turns spaces into "▁" and, with ``add_space_prefix``, puts one space
+    before every piece of text that starts the input or follows a special token, whatever the text starts
+    with. transformers writes that rule two ways, and one of them differs:
+
+    - ``Prepend("▁")`` then ``Replace(" ", "▁")`` as the normalizer (Llama 2's and Mistral's own
+      ``tokenizer.json``, loaded as they are): the same rule, so ``True``;
+    - ``Replace(" ", "▁")`` alone (Gemma), or a ``Metaspace`` pre-tokenizer that never prepends: no space,
+      so ``False``;
+    - a ``Metaspace`` pre-tokenizer that prepends ("first" or "always": what transformers 5's
+      ``LlamaTokenizer`` rebuilds any llama tokenizer as) skips text that already starts with a space, and
+      "first" skips text after a special token: a chat turn would start with other tokens in llama.cpp
+      than in the run, so None.
+    """
+    normalizers = _normalizers(tokenizer_json)
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    pre_parts = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    pre_parts = [part for part in pre_parts or [] if part]
+    # Gemma splits on " " after its normalizer has replaced every " ": it never splits anything
+    split_on_space = {"type": "Split", "pattern": {"String": " "}}
+    inert = bool(normalizers) and all(_matches(part, split_on_space) for part in pre_parts)
+    if pre_parts and not inert:
+        never = {"type": "Metaspace", "replacement": "\u2581", "split": False, "prepend_scheme": "never"}
+        return False if len(pre_parts) == 1 and not normalizers and _matches(pre_parts[0], never) else None
+    if normalizers == [_PREPEND_METASPACE, _SPACE_TO_METASPACE]:
+        return True
+    if normalizers == [_SPACE_TO_METASPACE]:
+        return False
+    return None
+
+
+def vocabulary_of(tokenizer_json: dict, where: Path) -> Vocabulary:
+    """The vocabulary llama.cpp reads for ``tokenizer_json`` (the pipeline the run tokenizes with), or an
+    ExportError naming what llama.cpp would tokenize differently."""
+    model = tokenizer_json.get("model") or {}
+    decoders = tokenizer_json.get("decoder") or {}
+    decoder_types = {d.get("type") for d in decoders.get("decoders") or [decoders]}
+    if model.get("type") == "BPE" and not model.get("byte_fallback") and decoder_types == {"ByteLevel"}:
+        pre = pre_tokenizer_name(tokenizer_json)
+        if pre is None:
+            raise ExportError(
+                f"{where}: its pre-tokenizer ({json.dumps(tokenizer_json.get('pre_tokenizer'))[:120]}) is not "
+                "one llama.cpp reproduces, so llama.cpp would split text differently from the run"
+            )
+        return Vocabulary("gpt2", pre)
+    if model.get("type") == "BPE" and model.get("byte_fallback") and "ByteFallback" in decoder_types:
+        prefix = spm_space_prefix(tokenizer_json)
+        if prefix is None:
+            raise ExportError(
+                f"{where}: a SentencePiece-style tokenizer whose spacing llama.cpp does not reproduce "
+                f"(normalizer {json.dumps(tokenizer_json.get('normalizer'))[:80]}, pre-tokenizer "
+                f"{json.dumps(tokenizer_json.get('pre_tokenizer'))[:100]}): llama.cpp puts a space before "
+                "every text after the start or a special token, this tokenizer does not, so chat turns "
+                "would be tokenized differently from the run"
+            )
+        return Vocabulary("llama", "default", prefix)
+    raise ExportError(
+        f"{where}: a {model.get('type')} tokenizer (byte_fallback {model.get('byte_fallback')}, decoder "
+        f"{sorted(t for t in decoder_types if t)}): the GGUF export writes byte-level BPE and SentencePiece-style "
+        "BPE tokenizers only"
+    )
+
+
+def _loaded_tokenizer(model_dir: Path) -> tuple[Any, dict]:
+    """The transformers tokenizer the run used, and its pipeline as ``tokenizer.json`` writes it. The loaded
+    one, not the file: transformers 5 rebuilds some classes' pipelines on load (``LlamaTokenizer`` replaces a
+    file's normalizer with a ``Metaspace`` pre-tokenizer), and the run tokenized with the rebuilt one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise ExportError(f"{model_dir}: cannot load its tokenizer ({error})") from None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ExportError(
+            f"{model_dir}: its tokenizer ({type(tokenizer).__name__}) has no tokenizer.json pipeline to export"
+        )
+    return tokenizer, json.loads(backend.to_str())
+
+
 @dataclass
 class GGUFPlan:
     """What will be written, decided and checked before anything is: the family, the type, the tokenizer."""
@@ -95,8 +199,9 @@ class GGUFPlan:
     model_type: str
     quant: str
     config: dict
-    tokenizer: dict
-    pre: str
+    tokenizer: dict  # the pipeline the run tokenizes with (the loaded tokenizer's, not the file's: see below)
+    vocabulary: Vocabulary
+    hf_tokenizer: Any  # the transformers tokenizer itself
 
 
 def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
@@ -134,27 +239,9 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
             f"{model_dir}: sliding_window {window} is shorter than the context "
             f"({config.get('max_position_embeddings')}): llama.cpp's llama architecture has no sliding window"
         )
-    try:
-        tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
-    except (OSError, ValueError) as error:
-        raise ExportError(f"{model_dir / 'tokenizer.json'}: cannot read it ({error})") from None
-    model = tokenizer.get("model") or {}
-    if (
-        model.get("type") != "BPE"
-        or model.get("byte_fallback")
-        or (tokenizer.get("decoder") or {}).get("type") != "ByteLevel"
-    ):
-        raise ExportError(
-            f"{model_dir / 'tokenizer.json'}: a {model.get('type')} tokenizer without byte-level BPE: the GGUF "
-            "export writes byte-level BPE tokenizers only (SentencePiece ones are not exported yet)"
-        )
-    pre = pre_tokenizer_name(tokenizer)
-    if pre is None:
-        raise ExportError(
-            f"{model_dir / 'tokenizer.json'}: its pre-tokenizer ({json.dumps(tokenizer.get('pre_tokenizer'))[:120]}) "
-            "is not one llama.cpp reproduces, so llama.cpp would split text differently from the run"
-        )
-    return GGUFPlan(family, model_type, quant, config, tokenizer, pre)
+    hf_tokenizer, tokenizer = _loaded_tokenizer(model_dir)
+    vocabulary = vocabulary_of(tokenizer, model_dir / "tokenizer.json")
+    return GGUFPlan(family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer)
 
 
 def _interleave_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -166,27 +253,60 @@ def _interleave_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, size // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _tokens(plan: GGUFPlan) -> tuple[list[str], list[int], list[str]]:
-    """Every token by id, its llama.cpp type, and the merges as ``"left right"``."""
+def _tokens(plan: GGUFPlan) -> tuple[list[str], list[int], list[str], list[float] | None]:
+    """Every token by id, its llama.cpp type, the merges as ``"left right"`` (byte-level BPE) and the
+    scores (SentencePiece: llama.cpp merges the adjacent pair whose joined token scores highest)."""
     from gguf import TokenType
 
     model = plan.tokenizer["model"]
+    spm = plan.vocabulary.model == "llama"
     by_id: dict[int, str] = {int(i): text for text, i in model["vocab"].items()}
     kinds: dict[int, int] = {}
     for added in plan.tokenizer.get("added_tokens") or []:
         by_id[int(added["id"])] = added["content"]
         kinds[int(added["id"])] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+    unk = plan.hf_tokenizer.unk_token_id
+    if spm and unk is not None:
+        kinds[int(unk)] = TokenType.UNKNOWN
     size = max(int(plan.config.get("vocab_size") or 0), max(by_id) + 1)
-    tokens, types = [], []
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    scores = _merge_scores(merges) if spm else None
+    tokens, types, token_scores = [], [], []
     for i in range(size):
         if i in by_id:
-            tokens.append(by_id[i])
-            types.append(int(kinds.get(i, TokenType.NORMAL)))
+            text = by_id[i]
+            tokens.append(text)
+            kind = kinds.get(i, TokenType.NORMAL)
+            if spm and kind == TokenType.NORMAL and _BYTE_TOKEN.fullmatch(text):
+                kind = TokenType.BYTE  # <0xXX>: the fallback for a character with no token
+            types.append(int(kind))
+            token_scores.append(scores.get(text, 0.0) if scores is not None else 0.0)
         else:  # the embedding has rows past the tokenizer's ids: padding llama.cpp never produces
             tokens.append(f"[PAD{i}]")
             types.append(int(TokenType.UNUSED))
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    return tokens, types, merges
+            token_scores.append(0.0)
+    if spm:
+        return tokens, types, [], token_scores
+    return tokens, types, merges, None
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _merge_scores(merges: list[str]) -> dict[str, float]:
+    """Each merged token's score from its merge's rank: the first merge that makes a token scores highest.
+
+    transformers' BPE merges the adjacent pair of lowest rank in ``merges``; llama.cpp's SentencePiece
+    tokenizer merges the adjacent pair whose joined token has the highest score. Scoring a token minus the
+    rank of the first merge that makes it orders llama.cpp's choices as transformers' ranks order them. A
+    tokenizer converted from SentencePiece lists every pair whose join is a token (that is how its merges
+    are made), so llama.cpp finds no pair transformers would not merge; one that does not is caught by the
+    verification's tokens."""
+    scores: dict[str, float] = {}
+    for rank, merge in enumerate(merges):
+        left, _, right = merge.partition(" ")
+        scores.setdefault(left + right, -float(rank))
+    return scores
 
 
 def _specials(tokenizer) -> dict[str, Any]:
@@ -235,7 +355,6 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns what was written."""
     import gguf
     from safetensors import safe_open
-    from transformers import AutoTokenizer
 
     config, family = plan.config, plan.family
     arch = gguf.MODEL_ARCH[family.arch]
@@ -271,14 +390,19 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    tokens, types, merges = _tokens(plan)
+    tokens, types, merges, scores = _tokens(plan)
+    vocabulary = plan.vocabulary
     writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(plan.pre)
+    writer.add_tokenizer_model(vocabulary.model)
+    writer.add_tokenizer_pre(vocabulary.pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(merges)
-    specials = _specials(AutoTokenizer.from_pretrained(model_dir))
+    if scores is not None:
+        writer.add_token_scores(scores)
+        writer.add_add_space_prefix(bool(vocabulary.space_prefix))
+    else:
+        writer.add_token_merges(merges)
+    specials = _specials(plan.hf_tokenizer)
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):  # fmt: skip
         if specials[key] is not None:
@@ -319,6 +443,8 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
         "tensors": counts,
         "tokens": len(tokens),
         "merges": len(merges),
-        "pre_tokenizer": plan.pre,
+        "tokenizer_model": plan.vocabulary.model,
+        "pre_tokenizer": plan.vocabulary.pre,
+        "space_prefix": plan.vocabulary.space_prefix,
         **specials,
     }

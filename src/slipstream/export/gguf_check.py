@@ -6,7 +6,11 @@ model and rebuilds the tokenizer from the file's vocabulary and merges) and **ll
 run it). On a fixed set of held prompts, for each runtime:
 
 - the prompts' tokens must be the merged tokenizer's exactly (a pre-tokenizer or a merge list that differs
-  shows here first);
+  shows here first); llama.cpp, which tokenizes with its own code, must also tokenize ``TOKEN_PROBES`` (the
+  spacing, byte-fallback and special-token cases where tokenizers part: a leading space, runs of spaces,
+  text after a special token) and the model's chat template rendered on a short conversation exactly as the
+  merged tokenizer does (transformers' loader rebuilds a tokenizer of its own for the file, not the one the
+  run used, so it is held to the prompts only);
 - every position's top-1 token, teacher-forced on those tokens, is compared with the merged model's
   (fp32): at least ``TOP1_FLOOR[type]`` of them must agree (the issue's 99% for f16 / bf16 / f32, 97% for
   q8_0; the coarser block types lower, stated there); the largest |logit difference| is reported;
@@ -35,6 +39,22 @@ HELD_PROMPTS = (
     "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings",
     "SELECT name, COUNT(*) FROM orders WHERE total > 100 GROUP BY name ORDER BY 2 DESC LIMIT 10;",
 )
+# the cases where two tokenizers of the same vocabulary part: spaces at the start and in runs, tabs and line
+# ends, characters only bytes spell (SentencePiece's byte fallback), and text that follows a special token
+# ("{eos}" is the model's end-of-sequence token)
+TOKEN_PROBES = (
+    " a leading space, then  two and   three spaces",
+    "a trailing space ",
+    "tab\tthen new lines\n\nand a carriage return\r\n",
+    "accents: d\u00e9j\u00e0 vu, na\u00efve caf\u00e9; kana and kanji: \u304b\u306a\u6f22\u5b57; emoji: \U0001f642\U0001f680",
+    "an answer.{eos}The next text, after the end-of-sequence token{eos} and one with a space",
+)
+CONVERSATION = (
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": " What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?\n"},
+)
 GREEDY_PROMPTS = 6
 GREEDY_TOKENS = 32
 TOP1_FLOOR = {
@@ -54,13 +74,17 @@ class GGUFCheck:
     greedy_total: int
     floor: float
     tokens_match: bool  # the runtime's tokens of the held prompts are the merged tokenizer's
+    probe_mismatch: str | None = None  # the first probe the runtime tokenizes differently (None: all agree)
+    probes: int = 0  # how many probes were compared
 
     @property
     def ok(self) -> bool:
-        return self.tokens_match and self.top1 >= self.floor
+        return self.tokens_match and self.probe_mismatch is None and self.top1 >= self.floor
 
     def describe(self) -> str:
         tokens = "" if self.tokens_match else "its tokens of the held prompts differ from the model's; "
+        if self.probe_mismatch is not None:
+            tokens += f"it tokenizes {self.probe_mismatch[:60]!r} differently from the model; "
         return (
             f"{self.runtime}: {tokens}top-1 agrees on {self.top1:.1%} of {self.positions} positions (at least "
             f"{self.floor:.0%} needed), max |logit difference| {self.max_abs:.3g}, greedy {GREEDY_TOKENS}-token "
@@ -75,6 +99,21 @@ class Reference:
     ids: list[list[int]]
     logits: list[torch.Tensor]  # [positions, vocab] fp32 per prompt
     greedy: list[list[int]]
+    probes: dict[str, list[int]]  # each tokenization probe's text (the chat rendering too) -> its tokens
+
+
+def probe_texts(tokenizer) -> list[str]:
+    """``TOKEN_PROBES`` with the model's end-of-sequence token, and the chat template on ``CONVERSATION``."""
+    eos = tokenizer.eos_token or ""
+    texts = [probe.replace("{eos}", eos) for probe in TOKEN_PROBES]
+    if isinstance(tokenizer.chat_template, str):
+        for conversation in (list(CONVERSATION), list(CONVERSATION[1:])):  # some templates refuse a system
+            try:
+                texts.append(tokenizer.apply_chat_template(conversation, tokenize=False))
+                break
+            except Exception:  # noqa: BLE001 (a template's own raise_exception: try without a system turn)
+                continue
+    return texts
 
 
 @torch.no_grad()
@@ -100,10 +139,13 @@ def reference(model_dir: Path) -> Reference:
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ids]
     greedy = [_hf_greedy(model, row) for row in ids[:GREEDY_PROMPTS]]
-    return Reference(ids, logits, greedy)
+    probes = {text: tokenizer(text, add_special_tokens=False)["input_ids"] for text in probe_texts(tokenizer)}
+    return Reference(ids, logits, greedy, probes)
 
 
-def _compare(runtime: str, ref: Reference, ids, logits, greedy, quant: str) -> GGUFCheck:
+def _compare(
+    runtime: str, ref: Reference, ids, logits, greedy, quant: str, probes: dict[str, list[int]] | None = None
+) -> GGUFCheck:
     agree = positions = 0
     max_abs = 0.0
     for expected, found in zip(ref.logits, logits, strict=True):
@@ -113,6 +155,8 @@ def _compare(runtime: str, ref: Reference, ids, logits, greedy, quant: str) -> G
         positions += expected.shape[0]
         max_abs = max(max_abs, float((expected - found).abs().max()))
     same = sum(a == b for a, b in zip(ref.greedy, greedy, strict=True))
+    probes = probes or {}
+    mismatch = next((text for text, found in probes.items() if found != ref.probes[text]), None)
     return GGUFCheck(
         runtime,
         positions,
@@ -122,6 +166,8 @@ def _compare(runtime: str, ref: Reference, ids, logits, greedy, quant: str) -> G
         len(ref.greedy),
         TOP1_FLOOR[quant],
         ids == ref.ids,
+        mismatch,
+        len(probes),
     )
 
 
@@ -150,6 +196,10 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     finally:
         logging.set_verbosity(verbosity)
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
+    bos = fields["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in fields else None
+    add_bos = "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents()
+    if add_bos and bos is not None:  # the file's rule, where an older loader (5.17) drops it for SentencePiece
+        ids = [row if row[:1] == [bos] else [bos, *row] for row in ids]
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
     greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
     return _compare("transformers' GGUF loader", ref, ids, logits, greedy, quant)
@@ -186,6 +236,7 @@ def check_llama_cpp(gguf_path: Path, ref: Reference, quant: str, add_bos: bool) 
         model_path=str(gguf_path), n_ctx=context, logits_all=True, verbose=False, n_threads=None, seed=0
     )
     ids = [llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True) for text in HELD_PROMPTS]
+    probes = {text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=True) for text in ref.probes}
 
     def run(row: list[int]) -> torch.Tensor:
         llm.reset()
@@ -204,4 +255,4 @@ def check_llama_cpp(gguf_path: Path, ref: Reference, quant: str, add_bos: bool) 
     logits = [run(row) for row in ref.ids]
     greedy = [greedy_after(row) for row in ref.ids[:GREEDY_PROMPTS]]
     llm.close()
-    return _compare("llama.cpp", ref, ids, logits, greedy, quant)
+    return _compare("llama.cpp", ref, ids, logits, greedy, quant, probes)

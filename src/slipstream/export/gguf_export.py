@@ -91,8 +91,6 @@ def export_gguf(
     installed runtime agrees with the merged model (:mod:`.gguf_check`)."""
     import importlib.util
 
-    from transformers import AutoTokenizer
-
     started = time.perf_counter()
     if importlib.util.find_spec("gguf") is None:
         raise ExportError("--gguf needs the gguf package: pip install 'slipstream[gguf]'")
@@ -116,7 +114,7 @@ def export_gguf(
                 raise ExportError(f"{source}: --checkpoint is for a run directory, not a merged model")
             merged_dir = source
         plan = plan_gguf(merged_dir, quant)  # every refusal before anything is written
-        tokenizer = AutoTokenizer.from_pretrained(merged_dir)
+        tokenizer = plan.hf_tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         report = GGUFReport(str(out), str(out.with_suffix(".Modelfile")), str(source), plan.quant, {})
         out.parent.mkdir(parents=True, exist_ok=True)
