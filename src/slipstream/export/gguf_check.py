@@ -196,9 +196,13 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     finally:
         logging.set_verbosity(verbosity)
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
-    bos = fields["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in fields else None
+    bos = (
+        fields["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in fields else None
+    )
     add_bos = "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents()
-    if add_bos and bos is not None:  # the file's rule, where an older loader (5.17) drops it for SentencePiece
+    if (
+        add_bos and bos is not None
+    ):  # the file's rule, where an older loader (5.17) drops it for SentencePiece
         ids = [row if row[:1] == [bos] else [bos, *row] for row in ids]
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
     greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
