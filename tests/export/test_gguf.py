@@ -407,3 +407,135 @@ def test_llama_2s_real_vocabulary_tokenizes_as_llama_cpps_own_tests_expect(tmp_p
     found = [llm.tokenize(text.encode("utf-8"), add_bos=False, special=False) for text in texts]
     assert len(texts) == 47
     assert found == [[int(i) for i in line.split()] for line in expected[: len(texts)]]
+
+
+# --- mixtures of experts: Qwen3-MoE (llama.cpp's qwen3moe) and Mixtral (its llama architecture) ---
+
+
+def _moe_dir(root: Path, family: str, tokenizer) -> Path:
+    """A tiny Qwen3-MoE (8 experts, top 2, renormalized) or Mixtral (4 experts, top 2), sharpened."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from slipstream.models import build_model
+
+    path = root / family
+    if family == "qwen3-moe":
+        model = build_model("qwen3-moe", vocab_size=len(tokenizer), dtype=torch.float32)
+    else:
+        torch.manual_seed(0)
+        config = MixtralConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+            max_position_embeddings=512, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return _sharpened(path)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory) -> Path:
+    """With the demo tokenizer splitting text as Qwen's does (transformers 5.17's GGUF loader picks the
+    pre-tokenizer by architecture; Qwen3's real 151,936 tokens would take a minute to read back)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from slipstream.data import demo_tokenizer
+    from slipstream.export.gguf import _QWEN2_REGEX
+
+    tokenizer = demo_tokenizer()
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])  # fmt: skip
+    return _moe_dir(tmp_path_factory.mktemp("gguf-moe"), "qwen3-moe", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory) -> Path:
+    """With the demo tokenizer, given a BOS."""
+    from slipstream.data import demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    tokenizer.bos_token = tokenizer.eos_token
+    return _moe_dir(tmp_path_factory.mktemp("gguf-moe"), "mixtral", tokenizer)
+
+
+def test_a_qwen3_moe_loads_back_with_each_layers_experts_stacked(qwen3_moe_dir, tmp_path):
+    from gguf import GGUFReader
+
+    out = tmp_path / "moe.gguf"
+    report = export_gguf(qwen3_moe_dir, out, quant="f32")
+    check = _transformers(report)
+    assert check.ok and check.top1 == 1.0, check.describe()
+    assert report.written["pre_tokenizer"] == "qwen2"
+    reader = GGUFReader(str(out))
+    fields = reader.fields
+    assert fields["general.architecture"].contents() == "qwen3moe"
+    assert fields["qwen3moe.expert_count"].contents() == 8
+    assert fields["qwen3moe.expert_used_count"].contents() == 2
+    assert fields["qwen3moe.expert_feed_forward_length"].contents() == 32
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    # GGUF lists a tensor's dimensions innermost first: [hidden, expert width, experts] for gate and up
+    assert shapes["blk.0.ffn_gate_exps.weight"] == shapes["blk.0.ffn_up_exps.weight"] == (64, 32, 8)
+    assert shapes["blk.0.ffn_down_exps.weight"] == (32, 64, 8)
+    assert shapes["blk.0.ffn_gate_inp.weight"] == (64, 8)
+    assert not [
+        name for name in shapes if re.search(r"\.\d+\.", name.removeprefix("blk."))
+    ]  # no expert alone
+
+
+def test_experts_stacked_out_of_order_fail_the_check_and_nothing_is_kept(
+    qwen3_moe_dir, tmp_path, monkeypatch
+):
+    """Negative control: each layer's down projections stacked in reverse expert order route every token's
+    output through other experts: the check catches it."""
+    stacked = gguf_module._stacked_experts
+
+    def reversed_down(items, experts):
+        for key, tensor in stacked(items, experts):
+            yield key, tensor.flip(0) if key.endswith("experts.down_proj.weight") else tensor
+
+    monkeypatch.setattr(gguf_module, "_stacked_experts", reversed_down)
+    out = tmp_path / "shuffled.gguf"
+    with pytest.raises(ExportError, match=r"transformers' GGUF loader: top-1 agrees on"):
+        export_gguf(qwen3_moe_dir, out, quant="f32")
+    _nothing_at(out)
+
+
+def test_routing_llama_cpp_does_not_do_is_refused_before_anything_is_written(
+    qwen3_moe_dir, mixtral_dir, tmp_path, monkeypatch
+):
+    for changes, words in (
+        ({"norm_topk_prob": False}, "always renormalizes the chosen experts' weights"),
+        ({"mlp_only_layers": [0]}, "has experts in every layer"),
+        ({"decoder_sparse_step": 2}, "has experts in every layer"),
+    ):
+        source = tmp_path / f"moe-{next(iter(changes))}"
+        shutil.copytree(qwen3_moe_dir, source)
+        config = json.loads((source / "config.json").read_text())
+        (source / "config.json").write_text(json.dumps(config | changes))
+        _refused(source, tmp_path / "out.gguf", words)
+        _nothing_at(tmp_path / "out.gguf")
+    windowed = tmp_path / "mixtral-window"
+    shutil.copytree(mixtral_dir, windowed)
+    config = json.loads((windowed / "config.json").read_text())
+    (windowed / "config.json").write_text(json.dumps(config | {"sliding_window": 64}))
+    _refused(windowed, tmp_path / "out.gguf", "llama.cpp's llama architecture has no sliding window")
+    # Mixtral is read back as Mixtral by llama.cpp alone: without it, verifying is impossible, so refused
+    monkeypatch.setattr("slipstream.export.gguf_export.llama_cpp_available", lambda: False)
+    _refused(mixtral_dir, tmp_path / "out.gguf", "only llama.cpp reads a mixtral GGUF back as it is")
+    _nothing_at(tmp_path / "out.gguf")
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+@pytest.mark.parametrize("family", ["qwen3-moe", "mixtral"])
+def test_llama_cpp_routes_each_token_through_the_same_experts(qwen3_moe_dir, mixtral_dir, tmp_path, family):
+    source = qwen3_moe_dir if family == "qwen3-moe" else mixtral_dir
+    report = export_gguf(source, tmp_path / f"{family}.gguf", quant="f16")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.top1 >= 0.99, check.describe()
+    if family == "mixtral":  # transformers reads it as a dense Llama: said, not checked
+        assert [c.runtime for c in report.checks] == ["llama.cpp"]
+        assert any("dense Llama" in reason for reason in report.skipped)

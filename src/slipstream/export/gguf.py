@@ -50,6 +50,8 @@ LLAMA_CPP_TYPES = (
 class Family:
     arch: str  # gguf.MODEL_ARCH's name
     interleave_qk: bool  # llama.cpp's llama architecture rotates interleaved pairs: reorder q / k
+    # None: transformers' GGUF loader reads the file as this family; else why it cannot (llama.cpp alone checks)
+    transformers_misreads: str | None = None
 
 
 FAMILIES = {
@@ -57,6 +59,10 @@ FAMILIES = {
     "mistral": Family("LLAMA", True),
     "qwen2": Family("QWEN2", False),
     "qwen3": Family("QWEN3", False),
+    "qwen3_moe": Family("QWEN3MOE", False),
+    "mixtral": Family(
+        "LLAMA", True, "it reads a llama-architecture file as a dense Llama, without Mixtral's experts"
+    ),
 }
 
 # tokenizer.json's pre-tokenizer -> llama.cpp's name for the same splitting (tokenizer.ggml.pre)
@@ -234,14 +240,82 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
     if kind not in (None, "default"):
         raise ExportError(f"{model_dir}: RoPE scaling {kind!r} is not exported to GGUF yet")
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    if model_type == "mistral" and window is not None and window < config.get("max_position_embeddings", 0):
+    if (
+        model_type in ("mistral", "mixtral")
+        and window is not None
+        and window < config.get("max_position_embeddings", 0)
+    ):
         raise ExportError(
             f"{model_dir}: sliding_window {window} is shorter than the context "
             f"({config.get('max_position_embeddings')}): llama.cpp's llama architecture has no sliding window"
         )
+    if model_type == "qwen3_moe":
+        _check_qwen3_moe(config, model_dir)
     hf_tokenizer, tokenizer = _loaded_tokenizer(model_dir)
     vocabulary = vocabulary_of(tokenizer, model_dir / "tokenizer.json")
     return GGUFPlan(family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer)
+
+
+def _check_qwen3_moe(config: dict, model_dir: Path) -> None:
+    """llama.cpp's ``qwen3moe`` routes every layer's tokens by a softmax over the experts, keeps the top k and
+    always renormalizes their weights to sum to one: a config that routes otherwise is refused by key."""
+    if config.get("norm_topk_prob") is not True:
+        raise ExportError(
+            f"{model_dir}: norm_topk_prob {config.get('norm_topk_prob')!r}: llama.cpp's qwen3moe always "
+            "renormalizes the chosen experts' weights, so its outputs would differ"
+        )
+    if int(config.get("decoder_sparse_step") or 1) != 1 or config.get("mlp_only_layers"):
+        raise ExportError(
+            f"{model_dir}: decoder_sparse_step {config.get('decoder_sparse_step')} / mlp_only_layers "
+            f"{config.get('mlp_only_layers')}: llama.cpp's qwen3moe has experts in every layer"
+        )
+
+
+_EXPERT = re.compile(
+    r"(?P<layer>.+\.(?:mlp|block_sparse_moe)\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)"
+    r"\.weight"
+)
+
+
+def _checkpoint(model_dir: Path, *, skip_head: bool):
+    """Every tensor of the directory's safetensors files, in file order (a tied head skipped: llama.cpp
+    reads it from the embedding)."""
+    from safetensors import safe_open
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                if not (skip_head and key == "lm_head.weight"):
+                    yield key, weights.get_tensor(key)
+
+
+def _stacked_experts(keys_and_tensors, experts: int):
+    """The checkpoint's tensors with each layer's experts stacked, as llama.cpp reads them: one
+    ``[experts, out, in]`` tensor per projection (``...mlp.experts.gate_proj``), from the per-expert layout
+    ``save_pretrained`` writes or from a fused ``gate_up_proj`` (gate rows first, as transformers splits it)."""
+    pending: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for key, tensor in keys_and_tensors:
+        found = _EXPERT.fullmatch(key)
+        if found and experts:
+            group = pending.setdefault((found["layer"], found["proj"]), {})
+            group[int(found["expert"])] = tensor
+            if len(group) == experts:
+                del pending[(found["layer"], found["proj"])]
+                yield (
+                    f"{found['layer']}.{found['proj']}.weight",
+                    torch.stack([group[e] for e in range(experts)]),
+                )
+        elif key.endswith("mlp.experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            yield f"{key[: -len('gate_up_proj')]}gate_proj.weight", gate
+            yield f"{key[: -len('gate_up_proj')]}up_proj.weight", up
+        elif key.endswith("mlp.experts.down_proj"):
+            yield f"{key}.weight", tensor
+        else:
+            yield key, tensor
+    if pending:
+        (layer, proj), group = next(iter(pending.items()))
+        raise ExportError(f"{layer}: {len(group)} of {experts} experts' {proj} in the checkpoint")
 
 
 def _interleave_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -354,7 +428,6 @@ def _head_copies(name: str, tied: bool, quant: str) -> list[tuple[str, str]]:
 def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | None) -> dict[str, Any]:
     """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns what was written."""
     import gguf
-    from safetensors import safe_open
 
     config, family = plan.config, plan.family
     arch = gguf.MODEL_ARCH[family.arch]
@@ -370,6 +443,12 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     writer.add_embedding_length(width)
     writer.add_block_count(layers)
     writer.add_feed_forward_length(int(config["intermediate_size"]))
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):  # Mixtral's experts are intermediate_size wide
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_key_length(head_dim)  # always: a reader's default head size need not be width / heads
@@ -414,25 +493,20 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
 
     counts: dict[str, int] = {}
     tied = bool(config.get("tie_word_embeddings"))
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as weights:
-            for key in weights.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if tied and key == "lm_head.weight":
-                    continue  # llama.cpp reads the tied head from the embedding
-                name = names.get_name(key, try_suffixes=(".weight", ".bias"))
-                if name is None:
-                    raise ExportError(f"{path}: tensor {key} has no GGUF name for {plan.model_type}")
-                tensor = weights.get_tensor(key)
-                if family.interleave_qk and key.endswith("self_attn.q_proj.weight"):
-                    tensor = _interleave_halves(tensor, heads)
-                elif family.interleave_qk and key.endswith("self_attn.k_proj.weight"):
-                    tensor = _interleave_halves(tensor, kv_heads)
-                head = name == "output.weight" or (tied and name == "token_embd.weight")
-                for written, quant in _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]:
-                    data, raw = _as_numpy(tensor, quant)
-                    writer.add_tensor(written, data, raw_dtype=raw)
-                    kind = raw.name if raw is not None else str(data.dtype)
-                    counts[kind] = counts.get(kind, 0) + 1
+    for key, tensor in _stacked_experts(_checkpoint(model_dir, skip_head=tied), experts):
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ExportError(f"{model_dir}: tensor {key} has no GGUF name for {plan.model_type}")
+        if family.interleave_qk and key.endswith("self_attn.q_proj.weight"):
+            tensor = _interleave_halves(tensor, heads)
+        elif family.interleave_qk and key.endswith("self_attn.k_proj.weight"):
+            tensor = _interleave_halves(tensor, kv_heads)
+        head = name == "output.weight" or (tied and name == "token_embd.weight")
+        for written, quant in _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]:
+            data, raw = _as_numpy(tensor, quant)
+            writer.add_tensor(written, data, raw_dtype=raw)
+            kind = raw.name if raw is not None else str(data.dtype)
+            counts[kind] = counts.get(kind, 0) + 1
     if not counts:
         raise ExportError(f"{model_dir}: no .safetensors weights to write")
     writer.write_header_to_file()

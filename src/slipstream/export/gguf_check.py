@@ -190,6 +190,8 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
         arch = fields["general.architecture"].contents()
         if f"{arch}.attention.key_length" in fields:
             config.head_dim = int(fields[f"{arch}.attention.key_length"].contents())
+        if f"{arch}.expert_feed_forward_length" in fields:  # Qwen3-MoE's expert width, skipped the same way
+            config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"].contents())
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, config=config, dtype=torch.float32
         ).eval()

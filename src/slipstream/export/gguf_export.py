@@ -114,6 +114,12 @@ def export_gguf(
                 raise ExportError(f"{source}: --checkpoint is for a run directory, not a merged model")
             merged_dir = source
         plan = plan_gguf(merged_dir, quant)  # every refusal before anything is written
+        if verify and plan.family.transformers_misreads and not llama_cpp_available():
+            raise ExportError(
+                f"{merged_dir}: only llama.cpp reads a {plan.model_type} GGUF back as it is (transformers' GGUF "
+                f"loader: {plan.family.transformers_misreads}): pip install 'slipstream[gguf]' to verify it, "
+                "or --no-verify to write it unchecked"
+            )
         tokenizer = plan.hf_tokenizer
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         report = GGUFReport(str(out), str(out.with_suffix(".Modelfile")), str(source), plan.quant, {})
@@ -122,7 +128,11 @@ def export_gguf(
             report.written = write_gguf(merged_dir, tmp, plan, template)
             if verify:
                 ref = reference(merged_dir)
-                report.checks.append(check_transformers(tmp, ref, plan.quant))
+                misreads = plan.family.transformers_misreads
+                if misreads is None:
+                    report.checks.append(check_transformers(tmp, ref, plan.quant))
+                else:
+                    report.skipped.append(f"transformers' GGUF loader: {misreads}")
                 if llama_cpp_available():
                     report.checks.append(
                         check_llama_cpp(tmp, ref, plan.quant, bool(report.written["add_bos"]))
