@@ -4,7 +4,9 @@ LM Studio read.
 What is written (llama.cpp's layout, read with the ``gguf`` package's writer and its tensor-name maps):
 
 - **the architecture's metadata**: context, widths, heads (and the head size where it is not width / heads),
-  RoPE base, the RMSNorm epsilon, the vocabulary size;
+  RoPE base, the RMSNorm epsilon, the vocabulary size; for Gemma (:func:`gemma_keys`) the soft-caps, the
+  sliding window and which layers slide (written per layer), the sliding layers' RoPE base and a linear
+  RoPE factor on the global layers;
 - **the tokenizer**: every token by id (``tokenizer.json``'s vocabulary and its added tokens), their types
   (an added special token is CONTROL, an added plain one USER_DEFINED), the BPE merges, the special ids, and
   the pre-tokenizer llama.cpp must split text with (named from ``tokenizer.json``'s own pre-tokenizer: a
@@ -12,7 +14,10 @@ What is written (llama.cpp's layout, read with the ``gguf`` package's writer and
   differently from the run); the chat template the run trained with;
 - **the tensors**: renamed by ``gguf.tensor_mapping``; for the ``llama`` architecture the query and key
   projections reordered within each head, because llama.cpp rotates interleaved pairs where transformers
-  rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once.
+  rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once;
+  Gemma's norms written as 1 + weight (transformers' Gemma RMSNorm multiplies by 1 + weight, llama.cpp's by
+  the weight it reads; its graph scales the embedding by sqrt(width) itself, and rotates halves as
+  transformers does).
 
 Types: ``f32``, ``f16``, ``bf16`` and the block types the ``gguf`` package quantizes in Python (``q8_0``,
 ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``); norms and biases stay f32, as llama.cpp's converter keeps them, and
@@ -20,8 +25,11 @@ under a block type the LM head stays f16 (``_head_copies``). The
 k-quants (``q4_k_m`` ...) need llama.cpp's own quantizer and are refused with the command that makes them.
 
 Families: Llama (SmolLM2 included), Mistral without a sliding window shorter than its context (llama.cpp's
-``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, with byte-level BPE tokenizers. Anything else
-(another family, a SentencePiece tokenizer, RoPE scaling) is refused by name before anything is written.
+``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, Gemma 2 and Gemma 3 text (llama.cpp's ``gemma2``
+/ ``gemma3``), with byte-level BPE tokenizers. Anything else (another family, a SentencePiece tokenizer, RoPE
+scaling other than Gemma's linear factor on its global layers, a Gemma that llama.cpp would run differently:
+a ``query_pre_attn_scalar`` other than the one llama.cpp assumes, Gemma 2 without soft-caps, Gemma 3 with an
+attention soft-cap, ...) is refused by name before anything is written.
 """
 
 from __future__ import annotations
