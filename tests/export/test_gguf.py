@@ -303,6 +303,9 @@ def test_what_cannot_be_written_exactly_is_refused_and_leaves_nothing(llama_dir,
         json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     )
     _refused(other, out, "RoPE scaling 'yarn'")
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}  # as transformers 5 saves it
+    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": llama3}))
+    _refused(other, out, "RoPE scaling 'llama3'")
     (other / "config.json").write_text(json.dumps(config))
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     (other / "tokenizer.json").write_text(json.dumps({**tokenizer, "pre_tokenizer": {"type": "Whitespace"}}))

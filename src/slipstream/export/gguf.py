@@ -140,7 +140,10 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
         )
     if model_type in GEMMA_TYPES:
         gemma_keys(model_dir, model_type)  # its refusals, RoPE scaling's included
-    rope = config.get("rope_scaling") or {} if model_type not in GEMMA_TYPES else {}
+    # transformers 5 saves RoPE scaling as rope_parameters (older config.json files: rope_scaling)
+    rope = (
+        {} if model_type in GEMMA_TYPES else config.get("rope_scaling") or config.get("rope_parameters") or {}
+    )
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if kind not in (None, "default"):
         raise ExportError(f"{model_dir}: RoPE scaling {kind!r} is not exported to GGUF yet")
