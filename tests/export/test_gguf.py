@@ -4,6 +4,7 @@ the reorder fails the check), and every refusal is one line that leaves nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -138,6 +140,150 @@ def test_a_modelfile_for_a_template_that_is_not_chatml_leaves_the_template_to_th
     assert "TEMPLATE" not in text and 'PARAMETER stop "</s>"' in text
 
 
+# ----------------------------------------------------------------------------- Gemma 2 / Gemma 3 text
+
+
+def _gemma_dir(root: Path, model_type: str, tokenizer=None) -> Path:
+    """A tiny Gemma 2 or Gemma 3 text model with the demo tokenizer (byte-level BPE, BOS = EOS), shaped so
+    that every Gemma key bites on the held prompts (20-40 tokens): a sliding window of 8 on some layers, a
+    small attention soft-cap (Gemma 2), a final soft-cap other than llama.cpp's default (30 / none), for
+    Gemma 3 a layer pattern llama.cpp's default period (6) does not give, a local RoPE base other than
+    llama.cpp's default and a linear RoPE factor on the global layers (the 4B+ models' 8); the norms'
+    weights random (Gemma's norms multiply by 1 + w, so a missing +1 shows) and the head sharpened through
+    the final norm (the head is tied: scaling it would scale the embedding too)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+
+    from slipstream.data import demo_tokenizer
+
+    if tokenizer is None:
+        tokenizer = demo_tokenizer()
+        tokenizer.bos_token = tokenizer.eos_token
+    shape = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        sliding_window=8, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, final_logit_softcapping=60.0,
+    )  # fmt: skip
+    if model_type == "gemma2":  # layers sliding, full, sliding, full
+        config = Gemma2Config(**shape, attn_logit_softcapping=1.0)
+    else:
+        config = Gemma3TextConfig(
+            **shape,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("norm.weight"):
+                weight.normal_(0.0, 0.3)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(4.0)  # attention scores large enough for the soft-cap and the window to matter
+        norm = model.model.norm.weight
+        norm.copy_((1.0 + norm) * 60.0 - 1.0)
+    path = root / model_type
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gguf-gemma")
+    return {model_type: _gemma_dir(root, model_type) for model_type in ("gemma2", "gemma3_text")}
+
+
+@pytest.mark.parametrize("quant", ["f32", "f16"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_a_gemma_loads_back_to_its_logits(gemma_dirs, tmp_path, model_type, quant):
+    import gguf
+
+    out = tmp_path / f"{model_type}-{quant}.gguf"
+    report = export_gguf(gemma_dirs[model_type], out, quant=quant)
+    assert all(c.ok for c in report.checks)  # llama.cpp's too, where it is installed
+    check = _transformers(report)
+    assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
+    if quant == "f32":
+        assert check.top1 == 1.0 and check.max_abs < 1e-3, check.describe()
+    fields = gguf.GGUFReader(str(out)).fields
+    arch = "gemma2" if model_type == "gemma2" else "gemma3"
+
+    def value(key):
+        return fields[f"{arch}.{key}"].contents()
+
+    assert fields["general.architecture"].contents() == arch
+    assert value("attention.sliding_window") == 8 and value("final_logit_softcapping") == 60.0
+    if arch == "gemma2":
+        assert value("attention.sliding_window_pattern") == [True, False, True, False]
+        assert value("attn_logit_softcapping") == 1.0 and value("rope.freq_base_swa") == 10000.0
+    else:
+        assert value("attention.sliding_window_pattern") == [True, True, False, True]
+        assert f"{arch}.attn_logit_softcapping" not in fields
+        assert value("rope.freq_base") == 1e6 and value("rope.freq_base_swa") == 1000.0
+        assert value("rope.scaling.type") == "linear" and value("rope.scaling.factor") == 8.0
+    # Gemma's norms multiply by 1 + w: the file holds 1 + w, in f32
+    from safetensors.torch import load_file
+
+    (stored,) = [t for t in gguf.GGUFReader(str(out)).tensors if t.name == "blk.0.attn_norm.weight"]
+    weight = load_file(str(gemma_dirs[model_type] / "model.safetensors"))[
+        "model.layers.0.input_layernorm.weight"
+    ]
+    assert np.array_equal(np.asarray(stored.data), (1.0 + weight).numpy())
+
+
+def test_a_gemma_without_the_norms_plus_one_fails_the_check(gemma_dirs, tmp_path, monkeypatch):
+    """Negative control: the norm weights as transformers stores them (w, not 1 + w) give another model."""
+    family = gguf_module.FAMILIES["gemma2"]
+    monkeypatch.setitem(gguf_module.FAMILIES, "gemma2", dataclasses.replace(family, norm_shift=0.0))
+    out = tmp_path / "unshifted.gguf"
+    with pytest.raises(ExportError, match=r"not written: transformers' GGUF loader: top-1 agrees on"):
+        export_gguf(gemma_dirs["gemma2"], out, quant="f32")
+    _nothing_at(out)
+
+
+def _with_config(source: Path, root: Path, **changes) -> Path:
+    """A copy of ``source`` whose config.json has ``changes``."""
+    other = root / f"changed-{len(list(root.iterdir()))}"
+    shutil.copytree(source, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, **changes}))
+    return other
+
+
+def test_a_gemma_that_llama_cpp_would_run_differently_is_refused_by_name(gemma_dirs, tmp_path):
+    g2, g3 = gemma_dirs["gemma2"], gemma_dirs["gemma3_text"]
+    root = tmp_path / "copies"
+    root.mkdir()
+    out = tmp_path / "out.gguf"
+    _refused(
+        _with_config(g2, root, query_pre_attn_scalar=64), out, "query_pre_attn_scalar 64: llama.cpp scales"
+    )
+    _refused(_with_config(g3, root, query_pre_attn_scalar=256), out, "1/sqrt(32)")
+    _refused(_with_config(g2, root, attn_logit_softcapping=None), out, "always soft-caps both")
+    _refused(_with_config(g3, root, attn_logit_softcapping=50.0), out, "gemma3 has no attention soft-capping")
+    _refused(_with_config(g2, root, tie_word_embeddings=False), out, "untied LM head")
+    _refused(_with_config(g2, root, hidden_activation="gelu"), out, "hidden_activation 'gelu'")
+    _refused(_with_config(g3, root, use_bidirectional_attention=True), out, "use_bidirectional_attention")
+    _refused(_with_config(g3, root, attention_bias=True), out, "attention_bias")
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 128}
+    rope = json.loads((g3 / "config.json").read_text())["rope_parameters"]
+    _refused(
+        _with_config(g3, root, rope_parameters={**rope, "full_attention": yarn}), out, "RoPE scaling 'yarn'"
+    )
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0}
+    _refused(
+        _with_config(g3, root, rope_parameters={**rope, "sliding_attention": linear}),
+        out,
+        "RoPE scaling 'linear' on the sliding layers",
+    )
+    _nothing_at(out)
+
+
 def _refused(source: Path, out: Path, words: str, **options) -> None:
     with pytest.raises(ExportError) as caught:
         export_gguf(source, out, **options)
@@ -160,6 +306,9 @@ def test_what_cannot_be_written_exactly_is_refused_and_leaves_nothing(llama_dir,
         json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     )
     _refused(other, out, "RoPE scaling 'yarn'")
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}  # as transformers 5 saves it
+    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": llama3}))
+    _refused(other, out, "RoPE scaling 'llama3'")
     (other / "config.json").write_text(json.dumps(config))
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     (other / "tokenizer.json").write_text(json.dumps({**tokenizer, "pre_tokenizer": {"type": "Whitespace"}}))
@@ -241,6 +390,73 @@ def test_llama_cpp_sees_the_query_key_order_too(llama_dir, tmp_path, monkeypatch
     with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
         export_gguf(llama_dir, out, quant="f32")
     _nothing_at(out)
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+@pytest.mark.parametrize("quant", ["f32", "f16"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_llama_cpp_runs_a_gemma_as_transformers_does(gemma_dirs, tmp_path, model_type, quant):
+    """llama.cpp's gemma2 / gemma3 on the file: the window (8, shorter than every held prompt) on the
+    sliding layers only, the soft-caps, the local RoPE base and the global layers' linear factor."""
+    out = tmp_path / f"{model_type}-{quant}.gguf"
+    report = export_gguf(gemma_dirs[model_type], out, quant=quant)
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.tokens_match and check.positions >= 200, check.describe()
+    # the final soft-cap is monotone, so top-1 cannot see it: the logits themselves must agree (without the
+    # cap, or with llama.cpp's default one, they differ by ~10; see the control below)
+    assert check.max_abs < 0.5, check.describe()
+    assert not report.skipped
+
+
+def _gemma_keys_without(monkeypatch, **changes) -> None:
+    real = gguf_module.gemma_keys
+    monkeypatch.setattr(gguf_module, "gemma_keys", lambda *args: dataclasses.replace(real(*args), **changes))
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+@pytest.mark.parametrize(
+    "model_type, missing",
+    [
+        ("gemma2", "norm +1"),  # the norms as transformers stores them (w, not 1 + w)
+        ("gemma2", "attn_softcap"),  # llama.cpp's default, 50, for the model's 1
+        ("gemma3_text", "window pattern"),  # llama.cpp's default period, 6: every layer sliding
+        ("gemma3_text", "window"),  # gemma3 without a window: no layer slides
+        ("gemma3_text", "rope_theta_swa"),  # llama.cpp's default local base, 10000, for the model's 1000
+        ("gemma3_text", "rope_linear"),  # the global layers' RoPE unscaled
+    ],
+)
+def test_without_a_gemma_key_llama_cpp_runs_another_model(
+    gemma_dirs, tmp_path, monkeypatch, model_type, missing
+):
+    """Negative controls: each Gemma key (or the norms' +1) left out, llama.cpp's check fails."""
+    import gguf
+
+    if missing == "norm +1":
+        family = gguf_module.FAMILIES[model_type]
+        monkeypatch.setitem(gguf_module.FAMILIES, model_type, dataclasses.replace(family, norm_shift=0.0))
+    elif missing == "window pattern":
+        monkeypatch.setattr(gguf.GGUFWriter, "add_sliding_window_pattern", lambda self, value: None)
+    elif missing == "rope_theta_swa":
+        _gemma_keys_without(monkeypatch, rope_theta_swa=10000.0)
+    else:
+        _gemma_keys_without(monkeypatch, **{missing: None})
+    out = tmp_path / "without.gguf"
+    with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
+        export_gguf(gemma_dirs[model_type], out, quant="f32")
+    _nothing_at(out)
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_without_the_final_soft_cap_llama_cpps_logits_part(gemma_dirs, tmp_path, monkeypatch):
+    """Control for the bound above: the final soft-cap left out (llama.cpp's gemma2 then caps at 30, not the
+    model's 60), top-1 still agrees, the logits do not."""
+    _gemma_keys_without(monkeypatch, final_softcap=None)
+    report = export_gguf(gemma_dirs["gemma2"], tmp_path / "uncapped.gguf", quant="f32")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.max_abs > 1.0, check.describe()
 
 
 # --- SentencePiece-style tokenizers (Llama 2, Mistral, Gemma): tokens, scores and the space prefix ---
@@ -438,6 +654,11 @@ def _moe_dir(root: Path, family: str, tokenizer) -> Path:
 def qwen3_moe_dir(tmp_path_factory) -> Path:
     """With the demo tokenizer splitting text as Qwen's does (transformers 5.17's GGUF loader picks the
     pre-tokenizer by architecture; Qwen3's real 151,936 tokens would take a minute to read back)."""
+    return _moe_dir(tmp_path_factory.mktemp("gguf-moe"), "qwen3-moe", _qwen_split_demo_tokenizer())
+
+
+def _qwen_split_demo_tokenizer():
+    """The demo tokenizer splitting text as Qwen's does (llama.cpp's qwen2 pre-tokenizer)."""
     from tokenizers import Regex, pre_tokenizers
 
     from slipstream.data import demo_tokenizer
@@ -448,7 +669,43 @@ def qwen3_moe_dir(tmp_path_factory) -> Path:
         pre_tokenizers.Split(Regex(_QWEN2_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
-    return _moe_dir(tmp_path_factory.mktemp("gguf-moe"), "qwen3-moe", tokenizer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 (Qwen2.5's shape: biases on q / k / v, no sliding window), sharpened."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = _qwen_split_demo_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases large enough that a missing or misplaced one shows
+        for name, bias in model.named_parameters():
+            if name.endswith("proj.bias"):
+                bias.normal_(0.0, 1.0)
+    path = tmp_path_factory.mktemp("gguf-qwen2") / "qwen2"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return _sharpened(path)
+
+
+def test_a_qwen2_loads_back_with_its_attention_biases(qwen2_dir, tmp_path):
+    from gguf import GGUFReader
+
+    out = tmp_path / "qwen2.gguf"
+    report = export_gguf(qwen2_dir, out, quant="f16")
+    check = _transformers(report)
+    assert check.ok and check.tokens_match and check.top1 >= 0.99, check.describe()
+    assert all(c.ok for c in report.checks)  # llama.cpp's too, where it is installed
+    tensors = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
+    assert tensors["blk.0.attn_q.bias"] == tensors["blk.1.attn_v.bias"] == "F32"  # biases stay f32
+    assert tensors["blk.0.attn_q.weight"] == "F16"
 
 
 @pytest.fixture(scope="module")
@@ -539,3 +796,30 @@ def test_llama_cpp_routes_each_token_through_the_same_experts(qwen3_moe_dir, mix
     if family == "mixtral":  # transformers reads it as a dense Llama: said, not checked
         assert [c.runtime for c in report.checks] == ["llama.cpp"]
         assert any("dense Llama" in reason for reason in report.skipped)
+
+
+@pytest.fixture(scope="module")
+def gemma_spm_dir(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 text model with a SentencePiece-style tokenizer spaced as Gemma's (spaces become "▁",
+    nothing prepended), loaded through transformers' GemmaTokenizer, which rebuilds that pipeline."""
+    from .spm_tokenizer import save_spm_tokenizer
+
+    root = tmp_path_factory.mktemp("gguf-gemma-spm")
+    tokenizer = save_spm_tokenizer(root / "tokenizer", spacing="gemma", tokenizer_class="GemmaTokenizer")
+    return _gemma_dir(root, "gemma3_text", tokenizer)
+
+
+def test_a_gemma_with_its_sentencepiece_spacing_is_written_without_a_space_prefix(gemma_spm_dir, tmp_path):
+    report = export_gguf(gemma_spm_dir, tmp_path / "gemma-spm.gguf", quant="f32")
+    assert (report.written["tokenizer_model"], report.written["space_prefix"]) == ("llama", False)
+    check = _transformers(report)  # transformers reads a gemma3 file's tokenizer as Gemma's: same tokens
+    assert check.ok and check.tokens_match, check.describe()
+    assert all(c.ok for c in report.checks)  # llama.cpp's probes too, where it is installed
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_llama_cpp_tokenizes_a_gemma_as_the_run_did(gemma_spm_dir, tmp_path):
+    report = export_gguf(gemma_spm_dir, tmp_path / "gemma-spm.gguf", quant="f16")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.probes == len(TOKEN_PROBES) + 1, check.describe()

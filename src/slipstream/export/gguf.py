@@ -4,7 +4,10 @@ LM Studio read.
 What is written (llama.cpp's layout, read with the ``gguf`` package's writer and its tensor-name maps):
 
 - **the architecture's metadata**: context, widths, heads (and the head size where it is not width / heads),
-  RoPE base, the RMSNorm epsilon, the vocabulary size;
+  RoPE base, the RMSNorm epsilon, the vocabulary size; for Gemma (:func:`gemma_keys`) the soft-caps, the
+  sliding window and which layers slide (written per layer), the sliding layers' RoPE base and a linear
+  RoPE factor on the global layers; for mixtures of experts their count, how many route each token, and
+  their width;
 - **the tokenizer** the run tokenized with (:func:`vocabulary_of`): every token by id with its type, the
   special ids and the chat template, and either byte-level BPE's merges and the pre-tokenizer llama.cpp must
   split text with (named from the tokenizer's own), or SentencePiece-style BPE's scores (ranked as the
@@ -12,7 +15,10 @@ What is written (llama.cpp's layout, read with the ``gguf`` package's writer and
   or space differently from the run is refused;
 - **the tensors**: renamed by ``gguf.tensor_mapping``; for the ``llama`` architecture the query and key
   projections reordered within each head, because llama.cpp rotates interleaved pairs where transformers
-  rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once.
+  rotates the two halves of a head (``_interleave_halves``); an embedding tied to the head written once;
+  Gemma's norms written as 1 + weight (transformers' Gemma RMSNorm multiplies by 1 + weight, llama.cpp's by
+  the weight it reads; its graph scales the embedding by sqrt(width) itself, and rotates halves as
+  transformers does).
 
 Types: ``f32``, ``f16``, ``bf16`` and the block types the ``gguf`` package quantizes in Python (``q8_0``,
 ``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``); norms and biases stay f32, as llama.cpp's converter keeps them, and
@@ -20,8 +26,12 @@ under a block type the LM head stays f16 (``_head_copies``). The
 k-quants (``q4_k_m`` ...) need llama.cpp's own quantizer and are refused with the command that makes them.
 
 Families: Llama (SmolLM2 included), Mistral without a sliding window shorter than its context (llama.cpp's
-``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3. Anything else (another family, another
-tokenizer, RoPE scaling) is refused by name before anything is written.
+``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, Gemma 2 and Gemma 3 text (llama.cpp's ``gemma2``
+/ ``gemma3``), and the mixtures of experts Qwen3-MoE (``qwen3moe``) and Mixtral (``llama`` with experts: each
+layer's experts stacked, ``_stacked_experts``). Anything else (another family, another tokenizer, RoPE
+scaling other than Gemma's linear factor on its global layers, routing llama.cpp does not do, a Gemma that
+llama.cpp would run differently: a ``query_pre_attn_scalar`` other than the one llama.cpp assumes, Gemma 2
+without soft-caps, Gemma 3 with an attention soft-cap, ...) is refused by name before anything is written.
 """
 
 from __future__ import annotations
@@ -52,6 +62,10 @@ class Family:
     interleave_qk: bool  # llama.cpp's llama architecture rotates interleaved pairs: reorder q / k
     # None: transformers' GGUF loader reads the file as this family; else why it cannot (llama.cpp alone checks)
     transformers_misreads: str | None = None
+    # Gemma's RMSNorm multiplies by (1 + weight), llama.cpp's by the stored weight: 1 added to every norm
+    norm_shift: float = 0.0
+    # llama.cpp's gemma2 reads the head from token_embd only (an output.weight is an unexpected tensor)
+    head_is_embedding: bool = False
 
 
 FAMILIES = {
@@ -63,6 +77,8 @@ FAMILIES = {
     "mixtral": Family(
         "LLAMA", True, "it reads a llama-architecture file as a dense Llama, without Mixtral's experts"
     ),
+    "gemma2": Family("GEMMA2", False, norm_shift=1.0, head_is_embedding=True),
+    "gemma3_text": Family("GEMMA3", False, norm_shift=1.0),
 }
 
 # tokenizer.json's pre-tokenizer -> llama.cpp's name for the same splitting (tokenizer.ggml.pre)
@@ -235,7 +251,12 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
             f"{model_dir}: model_type {model_type!r} is not a family the GGUF export writes "
             f"({', '.join(sorted(FAMILIES))}; see docs/export.md)"
         )
-    rope = config.get("rope_scaling") or {}
+    if model_type in GEMMA_TYPES:
+        gemma_keys(model_dir, model_type)  # its refusals, RoPE scaling's included
+    # transformers 5 saves RoPE scaling as rope_parameters (older config.json files: rope_scaling)
+    rope = (
+        {} if model_type in GEMMA_TYPES else config.get("rope_scaling") or config.get("rope_parameters") or {}
+    )
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if kind not in (None, "default"):
         raise ExportError(f"{model_dir}: RoPE scaling {kind!r} is not exported to GGUF yet")
@@ -425,6 +446,130 @@ def _head_copies(name: str, tied: bool, quant: str) -> list[tuple[str, str]]:
     return [(name, "f16")]
 
 
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# llama.cpp scales Gemma's queries by 1 / sqrt(head size), except for the layer count it takes for the 27B
+# model, where it uses 1 / sqrt(width / heads) (llama_model_gemma2 / gemma3::load_arch_hparams)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
+
+
+@dataclass(frozen=True)
+class GemmaKeys:
+    """What llama.cpp's gemma2 / gemma3 read beyond the common keys, from the config transformers runs."""
+
+    rope_theta: float  # the global (full-attention) layers' base
+    rope_theta_swa: float  # the sliding layers' base (gemma3: rope_local_base_freq)
+    rope_linear: float | None  # a linear RoPE factor on the global layers
+    window: int | None
+    swa_layers: list[bool]  # which layers slide, written per layer
+    attn_softcap: float | None
+    final_softcap: float | None
+
+
+def _rope_of(rope: dict, layer_type: str) -> dict:
+    """transformers' RoPE parameters for one layer type (Gemma 3 keys them by type; Gemma 2 has one set)."""
+    return rope[layer_type] if isinstance(rope.get(layer_type), dict) else rope
+
+
+def gemma_keys(model_dir: Path, model_type: str) -> GemmaKeys:
+    """Gemma 2 / Gemma 3 text as llama.cpp's ``gemma2`` / ``gemma3`` run them, from the config transformers
+    builds (an older config.json's rope_scaling, rope_local_base_freq or sliding_window_pattern normalised
+    as transformers does); whatever llama.cpp would run differently is refused by name."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (OSError, ValueError) as error:
+        raise ExportError(f"{model_dir / 'config.json'}: transformers cannot read it ({error})") from None
+    where = f"{model_dir}: {model_type}"
+    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if activation != "gelu_pytorch_tanh":
+        raise ExportError(
+            f"{where} hidden_activation {activation!r}: llama.cpp's Gemma graph uses GELU's tanh approximation "
+            "(gelu_pytorch_tanh) only"
+        )
+    if getattr(config, "attention_bias", False):
+        raise ExportError(f"{where} attention_bias: llama.cpp's Gemma graph has no attention biases")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ExportError(
+            f"{where} use_bidirectional_attention: llama.cpp's {model_type} attention is causal"
+        )
+    if model_type == "gemma2" and not config.tie_word_embeddings:
+        raise ExportError(
+            f"{where} with an untied LM head: llama.cpp's gemma2 reads the head from the embedding"
+        )
+    layers, width, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    head_dim = config.head_dim or width // heads
+    assumed = width // heads if layers == _GEMMA_27B_LAYERS[model_type] else head_dim
+    if float(config.query_pre_attn_scalar) != float(assumed):
+        raise ExportError(
+            f"{where} query_pre_attn_scalar {config.query_pre_attn_scalar}: llama.cpp scales queries by "
+            f"1/sqrt({assumed}) for this shape ({layers} layers, head size {head_dim}), so it would run another model"
+        )
+    attn_cap, final_cap = config.attn_logit_softcapping, config.final_logit_softcapping
+    if model_type == "gemma2" and (attn_cap is None or final_cap is None):
+        raise ExportError(
+            f"{where} without attn_logit_softcapping / final_logit_softcapping: llama.cpp's gemma2 always "
+            "soft-caps both (50 / 30 where the file has no value)"
+        )
+    if model_type == "gemma3_text" and attn_cap is not None:
+        raise ExportError(
+            f"{where} attn_logit_softcapping {attn_cap}: llama.cpp's gemma3 has no attention soft-capping"
+        )
+    types = list(config.layer_types or [])
+    odd = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != layers or odd:
+        raise ExportError(
+            f"{where} layer_types {odd or types}: llama.cpp's {model_type} has sliding and full layers only"
+        )
+    swa = [kind == "sliding_attention" for kind in types]
+    window = config.sliding_window
+    if any(swa) and not window:
+        raise ExportError(f"{where}: sliding layers without a sliding_window")
+    rope = config.rope_parameters or {}
+    full, sliding = _rope_of(rope, "full_attention"), _rope_of(rope, "sliding_attention")
+    full_type = full.get("rope_type", full.get("type")) or "default"
+    if full_type not in ("default", "linear"):
+        raise ExportError(
+            f"{where} RoPE scaling {full_type!r}: the GGUF export writes linear RoPE scaling only"
+        )
+    sliding_type = sliding.get("rope_type", sliding.get("type")) or "default"
+    if any(swa) and sliding is not full and sliding_type != "default":
+        raise ExportError(
+            f"{where} RoPE scaling {sliding_type!r} on the sliding layers: llama.cpp's gemma3 scales the global "
+            "layers' RoPE only"
+        )
+    if (full.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ExportError(f"{where} partial_rotary_factor: llama.cpp's Gemma graph rotates the whole head")
+    theta = float(full.get("rope_theta") or 10000.0)
+    return GemmaKeys(
+        rope_theta=theta,
+        rope_theta_swa=float(sliding.get("rope_theta") or theta),
+        rope_linear=float(full["factor"]) if full_type == "linear" else None,
+        window=int(window) if window else None,
+        swa_layers=swa,
+        attn_softcap=float(attn_cap) if attn_cap is not None else None,
+        final_softcap=float(final_cap) if final_cap else None,
+    )
+
+
+def _add_gemma_keys(writer, keys: GemmaKeys) -> None:
+    """llama.cpp's gemma2 / gemma3 keys: soft-caps, the window, which layers slide, the sliding layers'
+    RoPE base and the global layers' linear RoPE factor."""
+    from gguf import RopeScalingType
+
+    if keys.attn_softcap is not None:
+        writer.add_attn_logit_softcapping(keys.attn_softcap)
+    if keys.final_softcap is not None:
+        writer.add_final_logit_softcapping(keys.final_softcap)
+    if keys.window is not None:
+        writer.add_sliding_window(keys.window)
+    writer.add_sliding_window_pattern(keys.swa_layers)  # per layer: read before llama.cpp's default period
+    writer.add_rope_freq_base_swa(keys.rope_theta_swa)
+    if keys.rope_linear is not None:
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(keys.rope_linear)
+
+
 def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | None) -> dict[str, Any]:
     """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns what was written."""
     import gguf
@@ -457,6 +602,10 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     theta = (
         config.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     )
+    gemma = gemma_keys(model_dir, plan.model_type) if plan.model_type in GEMMA_TYPES else None
+    if gemma is not None:
+        theta = gemma.rope_theta
+        _add_gemma_keys(writer, gemma)
     writer.add_rope_freq_base(float(theta))
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
@@ -492,17 +641,23 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
         writer.add_chat_template(chat_template)
 
     counts: dict[str, int] = {}
-    tied = bool(config.get("tie_word_embeddings"))
+    # Gemma's configs tie the head unless they say otherwise (an older config.json may not say)
+    tied = bool(config.get("tie_word_embeddings", plan.model_type in GEMMA_TYPES))
     for key, tensor in _stacked_experts(_checkpoint(model_dir, skip_head=tied), experts):
         name = names.get_name(key, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ExportError(f"{model_dir}: tensor {key} has no GGUF name for {plan.model_type}")
+        if family.norm_shift and key.endswith("norm.weight"):  # 1 + w in f32, as Gemma computes it
+            tensor = tensor.to(torch.float32) + family.norm_shift
         if family.interleave_qk and key.endswith("self_attn.q_proj.weight"):
             tensor = _interleave_halves(tensor, heads)
         elif family.interleave_qk and key.endswith("self_attn.k_proj.weight"):
             tensor = _interleave_halves(tensor, kv_heads)
         head = name == "output.weight" or (tied and name == "token_embd.weight")
-        for written, quant in _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]:
+        copies = _head_copies(name, tied, plan.quant) if head else [(name, plan.quant)]
+        if head and family.head_is_embedding:  # one tensor is both: the head's type wins
+            copies = [(name, copies[-1][1])]
+        for written, quant in copies:
             data, raw = _as_numpy(tensor, quant)
             writer.add_tensor(written, data, raw_dtype=raw)
             kind = raw.name if raw is not None else str(data.dtype)

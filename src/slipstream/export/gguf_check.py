@@ -192,6 +192,8 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
             config.head_dim = int(fields[f"{arch}.attention.key_length"].contents())
         if f"{arch}.expert_feed_forward_length" in fields:  # Qwen3-MoE's expert width, skipped the same way
             config.moe_intermediate_size = int(fields[f"{arch}.expert_feed_forward_length"].contents())
+        if arch in ("gemma2", "gemma3"):
+            _gemma_from_file(config, fields, arch)
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, config=config, dtype=torch.float32
         ).eval()
@@ -209,6 +211,48 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
     greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
     return _compare("transformers' GGUF loader", ref, ids, logits, greedy, quant)
+
+
+def _gemma_from_file(config, fields, arch: str) -> None:
+    """transformers' GGUF loader maps only Gemma's common keys (widths, heads, window size) and leaves the
+    rest at its config class's defaults (Gemma 2's soft-caps 50 / 30, a query scale of 1/sqrt(256), every
+    sixth layer global, Gemma 3's RoPE bases), so those are read from the file here as llama.cpp reads them
+    (``llama_model_gemma2`` / ``gemma3::load_arch_hparams``), llama.cpp's defaults where a key is absent."""
+
+    def get(key: str, default=None):
+        field = fields.get(f"{arch}.{key}")
+        return default if field is None else field.contents()
+
+    gemma2 = arch == "gemma2"
+    layers, width, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    # llama.cpp's query scale: 1/sqrt(head size), 1/sqrt(width / heads) at the 27B models' layer count
+    config.query_pre_attn_scalar = width // heads if layers == (46 if gemma2 else 62) else config.head_dim
+    if gemma2:  # always soft-capped
+        config.attn_logit_softcapping = float(get("attn_logit_softcapping", 50.0))
+        config.final_logit_softcapping = float(get("final_logit_softcapping", 30.0))
+    else:
+        config.attn_logit_softcapping = None
+        config.final_logit_softcapping = float(get("final_logit_softcapping", 0.0)) or None
+    window = int(get("attention.sliding_window", 4096 if gemma2 else 0))
+    pattern = get("attention.sliding_window_pattern", 2 if gemma2 else 6)
+    if isinstance(pattern, list):  # which layers slide, per layer
+        swa = [bool(x) for x in pattern]
+    else:  # a period: all but the last layer of each period slide (llama_hparams::set_swa_pattern)
+        swa = [pattern == 0 or il % pattern < pattern - 1 for il in range(layers)]
+    if not window:  # gemma3 without a window: no layer slides
+        swa = [False] * layers
+    config.sliding_window = window or config.max_position_embeddings  # transformers builds the mask anyway
+    config.layer_types = ["sliding_attention" if s else "full_attention" for s in swa]
+    theta = float(get("rope.freq_base", 10000.0))
+    full = {"rope_type": "default", "rope_theta": theta}
+    factor = get("rope.scaling.factor", get("rope.scale_linear", 0.0))
+    if factor and get("rope.scaling.type", "linear") == "linear":
+        full = {"rope_type": "linear", "factor": float(factor), "rope_theta": theta}
+    if gemma2:  # one RoPE for every layer (llama.cpp copies the global base and scale to the sliding ones)
+        config.rope_parameters = full
+    else:
+        local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
+        config.rope_parameters = {"full_attention": full, "sliding_attention": local}
 
 
 def _gguf_tokenizer(auto, folder: str, name: str):
