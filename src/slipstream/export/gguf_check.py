@@ -85,6 +85,8 @@ class GGUFCheck:
         tokens = "" if self.tokens_match else "its tokens of the held prompts differ from the model's; "
         if self.probe_mismatch is not None:
             tokens += f"it tokenizes {self.probe_mismatch[:60]!r} differently from the model; "
+        elif self.tokens_match and self.probes:
+            tokens = f"tokens identical on the held prompts and {self.probes} tokenization probes; "
         return (
             f"{self.runtime}: {tokens}top-1 agrees on {self.top1:.1%} of {self.positions} positions (at least "
             f"{self.floor:.0%} needed), max |logit difference| {self.max_abs:.3g}, greedy {GREEDY_TOKENS}-token "
