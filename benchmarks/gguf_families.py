@@ -24,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' build
 
 def _families(root: Path) -> dict[str, Path]:
     from tests.export.spm_tokenizer import save_spm_tokenizer
-    from tests.export.test_gguf import _gemma_dir, _moe_dir, _qwen_split_demo_tokenizer, _sharpened
+    from tests.export.test_gguf import (
+        _gemma_dir,
+        _moe_dir,
+        _qwen2_dir,
+        _qwen_split_demo_tokenizer,
+        _sharpened,
+    )
 
     from slipstream.data import demo_tokenizer
     from slipstream.models import build_model
@@ -35,25 +41,6 @@ def _families(root: Path) -> dict[str, Path]:
         tokenizer.save_pretrained(path)
         return _sharpened(path)
 
-    def qwen2() -> Path:
-        from transformers import AutoModelForCausalLM, Qwen2Config
-
-        tokenizer = _qwen_split_demo_tokenizer()
-        config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-            eos_token_id=tokenizer.eos_token_id,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for name, bias in model.named_parameters():
-                if name.endswith("proj.bias"):
-                    bias.normal_(0.0, 1.0)
-        model.save_pretrained(root / "qwen2")
-        tokenizer.save_pretrained(root / "qwen2")
-        return _sharpened(root / "qwen2")
-
     demo = demo_tokenizer()
     demo.bos_token = demo.eos_token
     spm = save_spm_tokenizer(root / "spm-tokenizer")
@@ -63,7 +50,7 @@ def _families(root: Path) -> dict[str, Path]:
     return {
         "llama, byte-level BPE": llama("llama", demo),
         "llama, SentencePiece (Llama 2 spacing)": llama("llama-spm", spm),
-        "qwen2 (biases)": qwen2(),
+        "qwen2 (biases)": _qwen2_dir(root),
         "qwen3_moe (8 experts, top 2)": _moe_dir(root, "qwen3-moe", _qwen_split_demo_tokenizer()),
         "mixtral (4 experts, top 2)": _moe_dir(root, "mixtral", demo),
         "gemma2 (window 8, soft-caps)": _gemma_dir(root, "gemma2"),

@@ -672,8 +672,7 @@ def _qwen_split_demo_tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory) -> Path:
+def _qwen2_dir(root: Path) -> Path:
     """A tiny Qwen2 (Qwen2.5's shape: biases on q / k / v, no sliding window), sharpened."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -689,10 +688,15 @@ def qwen2_dir(tmp_path_factory) -> Path:
         for name, bias in model.named_parameters():
             if name.endswith("proj.bias"):
                 bias.normal_(0.0, 1.0)
-    path = tmp_path_factory.mktemp("gguf-qwen2") / "qwen2"
+    path = root / "qwen2"
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return _sharpened(path)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory) -> Path:
+    return _qwen2_dir(tmp_path_factory.mktemp("gguf-qwen2"))
 
 
 def test_a_qwen2_loads_back_with_its_attention_biases(qwen2_dir, tmp_path):
