@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from slipstream.cli import main
 from slipstream.export import ExportError
@@ -26,6 +27,14 @@ from slipstream.export.gguf_export import export_gguf, modelfile
 from .test_export import RUN, _base_dir, _train, dense_run  # noqa: F401 (a fixture)
 
 pytest.importorskip("gguf")
+
+
+# transformers 5.17's GGUF loader (the floor) rebuilds a Gemma file's tokenizer its own way: not at all for a
+# byte-level one, with other tokens for a SentencePiece one, so its check (and the export) refuses there
+gemma_loader = pytest.mark.skipif(
+    tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 24),
+    reason=f"transformers {transformers.__version__}'s GGUF loader cannot rebuild a Gemma file's tokenizer",
+)
 
 
 def _transformers(report):
@@ -198,6 +207,7 @@ def gemma_dirs(tmp_path_factory) -> dict[str, Path]:
     return {model_type: _gemma_dir(root, model_type) for model_type in ("gemma2", "gemma3_text")}
 
 
+@gemma_loader
 @pytest.mark.parametrize("quant", ["f32", "f16"])
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_a_gemma_loads_back_to_its_logits(gemma_dirs, tmp_path, model_type, quant):
@@ -236,6 +246,7 @@ def test_a_gemma_loads_back_to_its_logits(gemma_dirs, tmp_path, model_type, quan
     assert np.array_equal(np.asarray(stored.data), (1.0 + weight).numpy())
 
 
+@gemma_loader
 def test_a_gemma_without_the_norms_plus_one_fails_the_check(gemma_dirs, tmp_path, monkeypatch):
     """Negative control: the norm weights as transformers stores them (w, not 1 + w) give another model."""
     family = gguf_module.FAMILIES["gemma2"]
@@ -392,6 +403,7 @@ def test_llama_cpp_sees_the_query_key_order_too(llama_dir, tmp_path, monkeypatch
     _nothing_at(out)
 
 
+@gemma_loader
 @pytest.mark.llamacpp
 @needs_llama_cpp
 @pytest.mark.parametrize("quant", ["f32", "f16"])
@@ -427,6 +439,7 @@ def _gemma_keys_without(monkeypatch, **changes) -> None:
         ("gemma3_text", "rope_linear"),  # the global layers' RoPE unscaled
     ],
 )
+@gemma_loader
 def test_without_a_gemma_key_llama_cpp_runs_another_model(
     gemma_dirs, tmp_path, monkeypatch, model_type, missing
 ):
@@ -448,6 +461,7 @@ def test_without_a_gemma_key_llama_cpp_runs_another_model(
     _nothing_at(out)
 
 
+@gemma_loader
 @pytest.mark.llamacpp
 @needs_llama_cpp
 def test_without_the_final_soft_cap_llama_cpps_logits_part(gemma_dirs, tmp_path, monkeypatch):
@@ -813,6 +827,7 @@ def gemma_spm_dir(tmp_path_factory) -> Path:
     return _gemma_dir(root, "gemma3_text", tokenizer)
 
 
+@gemma_loader
 def test_a_gemma_with_its_sentencepiece_spacing_is_written_without_a_space_prefix(gemma_spm_dir, tmp_path):
     report = export_gguf(gemma_spm_dir, tmp_path / "gemma-spm.gguf", quant="f32")
     assert (report.written["tokenizer_model"], report.written["space_prefix"]) == ("llama", False)
@@ -821,6 +836,7 @@ def test_a_gemma_with_its_sentencepiece_spacing_is_written_without_a_space_prefi
     assert all(c.ok for c in report.checks)  # llama.cpp's probes too, where it is installed
 
 
+@gemma_loader
 @pytest.mark.llamacpp
 @needs_llama_cpp
 def test_llama_cpp_tokenizes_a_gemma_as_the_run_did(gemma_spm_dir, tmp_path):
