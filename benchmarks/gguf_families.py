@@ -26,6 +26,7 @@ def _families(root: Path) -> dict[str, Path]:
     from tests.export.spm_tokenizer import save_spm_tokenizer
     from tests.export.test_gguf import (
         _gemma_dir,
+        _llama3_rope_dir,
         _moe_dir,
         _qwen2_dir,
         _qwen_split_demo_tokenizer,
@@ -50,6 +51,7 @@ def _families(root: Path) -> dict[str, Path]:
     return {
         "llama, byte-level BPE": llama("llama", demo),
         "llama, SentencePiece (Llama 2 spacing)": llama("llama-spm", spm),
+        "llama, Llama 3.1 RoPE scaling (rope_freqs)": _llama3_rope_dir(root),
         "qwen2 (biases)": _qwen2_dir(root),
         "qwen3_moe (8 experts, top 2)": _moe_dir(root, "qwen3-moe", _qwen_split_demo_tokenizer()),
         "mixtral (4 experts, top 2)": _moe_dir(root, "mixtral", demo),

@@ -317,9 +317,9 @@ def test_what_cannot_be_written_exactly_is_refused_and_leaves_nothing(llama_dir,
         json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     )
     _refused(other, out, "RoPE scaling 'yarn'")
-    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0}  # as transformers 5 saves it
-    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": llama3}))
-    _refused(other, out, "RoPE scaling 'llama3'")
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500000.0}  # as transformers 5 saves it
+    (other / "config.json").write_text(json.dumps({**config, "rope_parameters": dynamic}))
+    _refused(other, out, "RoPE scaling 'dynamic'")
     (other / "config.json").write_text(json.dumps(config))
     tokenizer = json.loads((other / "tokenizer.json").read_text())
     (other / "tokenizer.json").write_text(json.dumps({**tokenizer, "pre_tokenizer": {"type": "Whitespace"}}))
@@ -398,7 +398,7 @@ def test_llama_cpp_sees_the_query_key_order_too(llama_dir, tmp_path, monkeypatch
     """Negative control: without the reorder llama.cpp rotates other pairs, and its check says so."""
     monkeypatch.setitem(gguf_module.FAMILIES, "llama", gguf_module.Family("LLAMA", False))
     out = tmp_path / "unordered.gguf"
-    with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
+    with pytest.raises(ExportError, match=r"llama.cpp: .*top-1 agrees on"):
         export_gguf(llama_dir, out, quant="f32")
     _nothing_at(out)
 
@@ -456,7 +456,7 @@ def test_without_a_gemma_key_llama_cpp_runs_another_model(
     else:
         _gemma_keys_without(monkeypatch, **{missing: None})
     out = tmp_path / "without.gguf"
-    with pytest.raises(ExportError, match=r"llama.cpp: top-1 agrees on"):
+    with pytest.raises(ExportError, match=r"llama.cpp: .*top-1 agrees on"):
         export_gguf(gemma_dirs[model_type], out, quant="f32")
     _nothing_at(out)
 
@@ -843,3 +843,90 @@ def test_llama_cpp_tokenizes_a_gemma_as_the_run_did(gemma_spm_dir, tmp_path):
     report = export_gguf(gemma_spm_dir, tmp_path / "gemma-spm.gguf", quant="f16")
     check = {c.runtime: c for c in report.checks}["llama.cpp"]
     assert check.ok and check.probes == len(TOKEN_PROBES) + 1, check.describe()
+
+
+# --- Llama 3.1's RoPE scaling (rope_type llama3): llama.cpp's rope_freqs.weight ---
+
+
+@pytest.fixture(scope="module")
+def llama3_rope_dir(tmp_path_factory) -> Path:
+    return _llama3_rope_dir(tmp_path_factory.mktemp("gguf-llama3-rope"))
+
+
+def _llama3_rope_dir(root: Path) -> Path:
+    """A tiny llama with Llama 3.1's RoPE scaling, its original context 64 so the scaling bites on the held
+    prompts (Llama 3.1's own 8,192 scales only frequencies slower than the prompts can show), sharpened."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from slipstream.data import demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    tokenizer.bos_token = tokenizer.eos_token
+    rope = {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0,
+    }  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_parameters=rope,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # attention sharp enough that the rotation's frequencies show in the logits
+        for name, weight in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                weight.mul_(4.0)
+    path = root / "llama3-rope"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return _sharpened(path)
+
+
+def test_llama_3_1s_rope_scaling_is_written_as_rope_freqs(llama3_rope_dir, tmp_path):
+    from gguf import GGUFReader
+
+    out = tmp_path / "llama3-rope.gguf"
+    report = export_gguf(llama3_rope_dir, out, quant="f32")
+    check = _transformers(report)
+    assert check.ok and check.top1 == 1.0 and check.max_abs < 1e-3, check.describe()
+    (freqs,) = [t for t in GGUFReader(str(out)).tensors if t.name == "rope_freqs.weight"]
+    factors = np.asarray(freqs.data)
+    # head size 16: 8 pairs; the fastest pairs unscaled (1), the slowest divided by the factor (8)
+    assert factors.shape == (8,) and factors[0] == 1.0 and factors[-1] == 8.0
+
+
+def test_without_the_rope_factors_the_check_fails_and_nothing_is_kept(llama3_rope_dir, tmp_path, monkeypatch):
+    """Negative control: the same file without rope_freqs.weight rotates at the unscaled frequencies."""
+    monkeypatch.setattr(gguf_module, "llama3_rope_factors", lambda model_dir: None)
+    out = tmp_path / "unscaled.gguf"
+    with pytest.raises(ExportError, match=r"transformers' GGUF loader: .*top-1 agrees on"):
+        export_gguf(llama3_rope_dir, out, quant="f32")
+    _nothing_at(out)
+
+
+def test_llama3_rope_scaling_outside_llama_and_other_scalings_are_refused(
+    llama3_rope_dir, qwen2_dir, tmp_path
+):
+    for source, rope, words in (
+        (qwen2_dir, {"rope_type": "llama3", "factor": 8.0}, "llama.cpp reads it for llama only"),
+        (llama3_rope_dir, {"rope_type": "yarn", "factor": 4.0}, "RoPE scaling 'yarn' is not exported"),
+    ):
+        copy = tmp_path / f"{source.name}-{rope['rope_type']}"
+        shutil.copytree(source, copy)
+        config = json.loads((copy / "config.json").read_text())
+        (copy / "config.json").write_text(json.dumps(config | {"rope_parameters": rope}))
+        _refused(copy, tmp_path / "out.gguf", words)
+        _nothing_at(tmp_path / "out.gguf")
+
+
+@pytest.mark.llamacpp
+@needs_llama_cpp
+def test_llama_cpp_rotates_with_llama_3_1s_scaling(llama3_rope_dir, tmp_path, monkeypatch):
+    report = export_gguf(llama3_rope_dir, tmp_path / "llama3-rope.gguf", quant="f16")
+    check = {c.runtime: c for c in report.checks}["llama.cpp"]
+    assert check.ok and check.top1 >= 0.99, check.describe()
+    monkeypatch.setattr(gguf_module, "llama3_rope_factors", lambda model_dir: None)  # negative control
+    monkeypatch.setattr("slipstream.export.gguf_export.check_transformers", lambda *args: check)
+    with pytest.raises(ExportError, match=r"llama.cpp: .*top-1 agrees on"):
+        export_gguf(llama3_rope_dir, tmp_path / "unscaled.gguf", quant="f16")

@@ -29,7 +29,8 @@ Families: Llama (SmolLM2 included), Mistral without a sliding window shorter tha
 ``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, Gemma 2 and Gemma 3 text (llama.cpp's ``gemma2``
 / ``gemma3``), and the mixtures of experts Qwen3-MoE (``qwen3moe``) and Mixtral (``llama`` with experts: each
 layer's experts stacked, ``_stacked_experts``). Anything else (another family, another tokenizer, RoPE
-scaling other than Gemma's linear factor on its global layers, routing llama.cpp does not do, a Gemma that
+scaling other than Llama 3.1's (``rope_freqs.weight``, :func:`llama3_rope_factors`) and Gemma's linear
+factor on its global layers, routing llama.cpp does not do, a Gemma that
 llama.cpp would run differently: a ``query_pre_attn_scalar`` other than the one llama.cpp assumes, Gemma 2
 without soft-caps, Gemma 3 with an attention soft-cap, ...) is refused by name before anything is written.
 """
@@ -258,7 +259,11 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
         {} if model_type in GEMMA_TYPES else config.get("rope_scaling") or config.get("rope_parameters") or {}
     )
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
-    if kind not in (None, "default"):
+    if kind == "llama3" and family.arch != "LLAMA":
+        raise ExportError(
+            f"{model_dir}: RoPE scaling 'llama3' on {model_type}: llama.cpp reads it for llama only"
+        )
+    if kind not in (None, "default", "llama3"):
         raise ExportError(f"{model_dir}: RoPE scaling {kind!r} is not exported to GGUF yet")
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if (
@@ -275,6 +280,27 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
     hf_tokenizer, tokenizer = _loaded_tokenizer(model_dir)
     vocabulary = vocabulary_of(tokenizer, model_dir / "tokenizer.json")
     return GGUFPlan(family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer)
+
+
+def llama3_rope_factors(model_dir: Path) -> torch.Tensor | None:
+    """Llama 3.1's RoPE scaling as llama.cpp reads it: one divisor per rotated pair (``rope_freqs.weight``),
+    the default frequencies over the scaled ones, taken from transformers' own llama3 rule so the file rotates
+    as the run's model does; None where the model has no llama3 scaling."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(model_dir)
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    scaled, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    if attention_factor != 1.0:
+        raise ExportError(
+            f"{model_dir}: llama3 RoPE with an attention factor {attention_factor}: not in GGUF"
+        )
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    default = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    return (default / scaled).to(torch.float32)
 
 
 def _check_qwen3_moe(config: dict, model_dir: Path) -> None:
@@ -608,6 +634,9 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
         _add_gemma_keys(writer, gemma)
     writer.add_rope_freq_base(float(theta))
     writer.add_rope_dimension_count(head_dim)
+    rope_factors = llama3_rope_factors(model_dir) if family.arch == "LLAMA" else None
+    if rope_factors is not None:  # llama.cpp divides each pair's frequency by its factor
+        writer.add_tensor("rope_freqs.weight", rope_factors.numpy())
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     file_type = {
         "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,

@@ -188,7 +188,8 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         # the loader's map skips the head size for some families (Qwen3: its config then defaults to 128):
         # taken from the file, as llama.cpp takes it
-        fields = GGUFReader(str(gguf_path)).fields
+        reader = GGUFReader(str(gguf_path))
+        fields = reader.fields
         arch = fields["general.architecture"].contents()
         if f"{arch}.attention.key_length" in fields:
             config.head_dim = int(fields[f"{arch}.attention.key_length"].contents())
@@ -199,6 +200,7 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, config=config, dtype=torch.float32
         ).eval()
+        _apply_rope_freqs(model, reader)
     finally:
         logging.set_verbosity(verbosity)
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
@@ -255,6 +257,20 @@ def _gemma_from_file(config, fields, arch: str) -> None:
     else:
         local = {"rope_type": "default", "rope_theta": float(get("rope.freq_base_swa", 10000.0))}
         config.rope_parameters = {"full_attention": full, "sliding_attention": local}
+
+
+def _apply_rope_freqs(model, reader) -> None:
+    """The file's ``rope_freqs.weight`` (Llama 3.1's RoPE scaling: a divisor per rotated pair), which the
+    loader skips, applied to the loaded model's rotary frequencies as llama.cpp applies it."""
+    import numpy as np
+
+    found = [tensor for tensor in reader.tensors if tensor.name == "rope_freqs.weight"]
+    if not found:
+        return
+    factors = torch.from_numpy(np.array(found[0].data, dtype=np.float32))
+    rotary = model.model.rotary_emb
+    rotary.inv_freq = rotary.inv_freq / factors
+    rotary.original_inv_freq = rotary.inv_freq
 
 
 def _gguf_tokenizer(auto, folder: str, name: str):
