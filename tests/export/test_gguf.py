@@ -18,11 +18,12 @@ import torch
 import transformers
 
 from slipstream.cli import main
-from slipstream.export import ExportError
+from slipstream.export import ExportError, gguf_vocab
 from slipstream.export import gguf as gguf_module
-from slipstream.export.gguf import _interleave_halves, plan_gguf, pre_tokenizer_name
+from slipstream.export.gguf import _interleave_halves, plan_gguf
 from slipstream.export.gguf_check import TOKEN_PROBES
 from slipstream.export.gguf_export import export_gguf, modelfile
+from slipstream.export.gguf_vocab import pre_tokenizer_name
 
 from .test_export import RUN, _base_dir, _train, dense_run  # noqa: F401 (a fixture)
 
@@ -491,7 +492,7 @@ def spm_llama_dir(tmp_path_factory) -> Path:
 
 
 def test_sentencepiece_spacing_is_llama_cpps_space_prefix_or_refused():
-    from slipstream.export.gguf import spm_space_prefix
+    from slipstream.export.gguf_vocab import spm_space_prefix
 
     from .spm_tokenizer import spm_tokenizer_json
 
@@ -510,7 +511,7 @@ def test_sentencepiece_spacing_is_llama_cpps_space_prefix_or_refused():
 
 
 def test_merge_scores_make_the_first_merge_that_builds_a_token_win():
-    from slipstream.export.gguf import _merge_scores
+    from slipstream.export.gguf_vocab import _merge_scores
 
     scores = _merge_scores(["a b", "ab c", "b c", "a bc"])
     assert scores == {"ab": 0.0, "abc": -1.0, "bc": -2.0}  # "abc" keeps its first (higher) rank
@@ -575,7 +576,7 @@ def test_without_the_space_prefix_llama_cpp_tokenizes_otherwise_and_nothing_is_k
     spm_llama_dir, tmp_path, monkeypatch
 ):
     """Negative control: the same file with add_space_prefix false is refused by llama.cpp's probes."""
-    monkeypatch.setattr(gguf_module, "spm_space_prefix", lambda tokenizer_json: False)
+    monkeypatch.setattr(gguf_vocab, "spm_space_prefix", lambda tokenizer_json: False)
     out = tmp_path / "no-prefix.gguf"
     with pytest.raises(ExportError, match=r"llama.cpp: .*tokenizes .* differently from the model"):
         export_gguf(spm_llama_dir, out, quant="f32")
@@ -676,7 +677,7 @@ def _qwen_split_demo_tokenizer():
     from tokenizers import Regex, pre_tokenizers
 
     from slipstream.data import demo_tokenizer
-    from slipstream.export.gguf import _QWEN2_REGEX
+    from slipstream.export.gguf_vocab import _QWEN2_REGEX
 
     tokenizer = demo_tokenizer()
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([

@@ -46,6 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .gguf_gemma import GEMMA_TYPES, _add_gemma_keys, gemma_keys
+from .gguf_vocab import Vocabulary, _loaded_tokenizer, _specials, tokens_of, vocabulary_of
 from .merged import ExportError
 
 # the block types the gguf package quantizes in Python, and the plain ones
@@ -81,137 +83,6 @@ FAMILIES = {
     "gemma2": Family("GEMMA2", False, norm_shift=1.0, head_is_embedding=True),
     "gemma3_text": Family("GEMMA3", False, norm_shift=1.0),
 }
-
-# tokenizer.json's pre-tokenizer -> llama.cpp's name for the same splitting (tokenizer.ggml.pre)
-_GPT2 = {"type": "ByteLevel", "use_regex": True}
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-
-
-def _matches(found: dict, wanted: dict) -> bool:
-    return all(found.get(key) == value for key, value in wanted.items())
-
-
-def pre_tokenizer_name(tokenizer_json: dict) -> str | None:
-    """llama.cpp's pre-tokenizer that splits text as ``tokenizer_json``'s does (None: none it has)."""
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
-    parts = [p for p in parts or [] if p]
-    if len(parts) == 1 and _matches(parts[0], _GPT2):
-        return "gpt-2"
-    if len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits"):
-        return "smollm" if _matches(parts[1], _GPT2) else None
-    if (
-        len(parts) == 2
-        and parts[0].get("type") == "Split"
-        and _matches(parts[1], {"type": "ByteLevel", "use_regex": False})
-    ):
-        regex = (parts[0].get("pattern") or {}).get("Regex")
-        return {_QWEN2_REGEX: "qwen2", _LLAMA3_REGEX: "llama-bpe"}.get(regex)
-    return None
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """How llama.cpp must tokenize: its tokenizer model, its pre-tokenizer, and (SentencePiece) the space."""
-
-    model: str  # tokenizer.ggml.model: "gpt2" (byte-level BPE), "llama" (SentencePiece's BPE, bytes <0xXX>)
-    pre: str  # tokenizer.ggml.pre
-    space_prefix: bool | None = None  # SentencePiece: a space before every text after the start or a special
-
-
-_SPACE_TO_METASPACE = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
-_PREPEND_METASPACE = {"type": "Prepend", "prepend": "\u2581"}
-
-
-def _normalizers(tokenizer_json: dict) -> list[dict]:
-    found = tokenizer_json.get("normalizer") or {}
-    parts = found.get("normalizers") if found.get("type") == "Sequence" else [found]
-    return [part for part in parts or [] if part]
-
-
-def spm_space_prefix(tokenizer_json: dict) -> bool | None:
-    """llama.cpp's ``add_space_prefix`` for a SentencePiece-style BPE tokenizer whose spacing it reproduces
-    exactly; None where it cannot.
-
-    llama.cpp's SentencePiece tokenizer turns spaces into "▁" and, with ``add_space_prefix``, puts one space
-    before every piece of text that starts the input or follows a special token, whatever the text starts
-    with. transformers writes that rule two ways, and one of them differs:
-
-    - ``Prepend("▁")`` then ``Replace(" ", "▁")`` as the normalizer (Llama 2's and Mistral's own
-      ``tokenizer.json``, loaded as they are): the same rule, so ``True``;
-    - ``Replace(" ", "▁")`` alone (Gemma), or a ``Metaspace`` pre-tokenizer that never prepends: no space,
-      so ``False``;
-    - a ``Metaspace`` pre-tokenizer that prepends ("first" or "always": what transformers 5's
-      ``LlamaTokenizer`` rebuilds any llama tokenizer as) skips text that already starts with a space, and
-      "first" skips text after a special token: a chat turn would start with other tokens in llama.cpp
-      than in the run, so None.
-    """
-    normalizers = _normalizers(tokenizer_json)
-    pre = tokenizer_json.get("pre_tokenizer") or {}
-    pre_parts = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
-    pre_parts = [part for part in pre_parts or [] if part]
-    # Gemma splits on " " after its normalizer has replaced every " ": it never splits anything
-    split_on_space = {"type": "Split", "pattern": {"String": " "}}
-    inert = bool(normalizers) and all(_matches(part, split_on_space) for part in pre_parts)
-    if pre_parts and not inert:
-        never = {"type": "Metaspace", "replacement": "\u2581", "split": False, "prepend_scheme": "never"}
-        return False if len(pre_parts) == 1 and not normalizers and _matches(pre_parts[0], never) else None
-    if normalizers == [_PREPEND_METASPACE, _SPACE_TO_METASPACE]:
-        return True
-    if normalizers == [_SPACE_TO_METASPACE]:
-        return False
-    return None
-
-
-def vocabulary_of(tokenizer_json: dict, where: Path) -> Vocabulary:
-    """The vocabulary llama.cpp reads for ``tokenizer_json`` (the pipeline the run tokenizes with), or an
-    ExportError naming what llama.cpp would tokenize differently."""
-    model = tokenizer_json.get("model") or {}
-    decoders = tokenizer_json.get("decoder") or {}
-    decoder_types = {d.get("type") for d in decoders.get("decoders") or [decoders]}
-    if model.get("type") == "BPE" and not model.get("byte_fallback") and decoder_types == {"ByteLevel"}:
-        pre = pre_tokenizer_name(tokenizer_json)
-        if pre is None:
-            raise ExportError(
-                f"{where}: its pre-tokenizer ({json.dumps(tokenizer_json.get('pre_tokenizer'))[:120]}) is not "
-                "one llama.cpp reproduces, so llama.cpp would split text differently from the run"
-            )
-        return Vocabulary("gpt2", pre)
-    if model.get("type") == "BPE" and model.get("byte_fallback") and "ByteFallback" in decoder_types:
-        prefix = spm_space_prefix(tokenizer_json)
-        if prefix is None:
-            raise ExportError(
-                f"{where}: a SentencePiece-style tokenizer whose spacing llama.cpp does not reproduce "
-                f"(normalizer {json.dumps(tokenizer_json.get('normalizer'))[:80]}, pre-tokenizer "
-                f"{json.dumps(tokenizer_json.get('pre_tokenizer'))[:100]}): llama.cpp puts a space before "
-                "every text after the start or a special token, this tokenizer does not, so chat turns "
-                "would be tokenized differently from the run"
-            )
-        return Vocabulary("llama", "default", prefix)
-    raise ExportError(
-        f"{where}: a {model.get('type')} tokenizer (byte_fallback {model.get('byte_fallback')}, decoder "
-        f"{sorted(t for t in decoder_types if t)}): the GGUF export writes byte-level BPE and SentencePiece-style "
-        "BPE tokenizers only"
-    )
-
-
-def _loaded_tokenizer(model_dir: Path) -> tuple[Any, dict]:
-    """The transformers tokenizer the run used, and its pipeline as ``tokenizer.json`` writes it. The loaded
-    one, not the file: transformers 5 rebuilds some classes' pipelines on load (``LlamaTokenizer`` replaces a
-    file's normalizer with a ``Metaspace`` pre-tokenizer), and the run tokenized with the rebuilt one."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise ExportError(f"{model_dir}: cannot load its tokenizer ({error})") from None
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ExportError(
-            f"{model_dir}: its tokenizer ({type(tokenizer).__name__}) has no tokenizer.json pipeline to export"
-        )
-    return tokenizer, json.loads(backend.to_str())
 
 
 @dataclass
@@ -374,75 +245,6 @@ def _interleave_halves(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, size // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _tokens(plan: GGUFPlan) -> tuple[list[str], list[int], list[str], list[float] | None]:
-    """Every token by id, its llama.cpp type, the merges as ``"left right"`` (byte-level BPE) and the
-    scores (SentencePiece: llama.cpp merges the adjacent pair whose joined token scores highest)."""
-    from gguf import TokenType
-
-    model = plan.tokenizer["model"]
-    spm = plan.vocabulary.model == "llama"
-    by_id: dict[int, str] = {int(i): text for text, i in model["vocab"].items()}
-    kinds: dict[int, int] = {}
-    for added in plan.tokenizer.get("added_tokens") or []:
-        by_id[int(added["id"])] = added["content"]
-        kinds[int(added["id"])] = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
-    unk = plan.hf_tokenizer.unk_token_id
-    if spm and unk is not None:
-        kinds[int(unk)] = TokenType.UNKNOWN
-    size = max(int(plan.config.get("vocab_size") or 0), max(by_id) + 1)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
-    scores = _merge_scores(merges) if spm else None
-    tokens, types, token_scores = [], [], []
-    for i in range(size):
-        if i in by_id:
-            text = by_id[i]
-            tokens.append(text)
-            kind = kinds.get(i, TokenType.NORMAL)
-            if spm and kind == TokenType.NORMAL and _BYTE_TOKEN.fullmatch(text):
-                kind = TokenType.BYTE  # <0xXX>: the fallback for a character with no token
-            types.append(int(kind))
-            token_scores.append(scores.get(text, 0.0) if scores is not None else 0.0)
-        else:  # the embedding has rows past the tokenizer's ids: padding llama.cpp never produces
-            tokens.append(f"[PAD{i}]")
-            types.append(int(TokenType.UNUSED))
-            token_scores.append(0.0)
-    if spm:
-        return tokens, types, [], token_scores
-    return tokens, types, merges, None
-
-
-_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-
-
-def _merge_scores(merges: list[str]) -> dict[str, float]:
-    """Each merged token's score from its merge's rank: the first merge that makes a token scores highest.
-
-    transformers' BPE merges the adjacent pair of lowest rank in ``merges``; llama.cpp's SentencePiece
-    tokenizer merges the adjacent pair whose joined token has the highest score. Scoring a token minus the
-    rank of the first merge that makes it orders llama.cpp's choices as transformers' ranks order them. A
-    tokenizer converted from SentencePiece lists every pair whose join is a token (that is how its merges
-    are made), so llama.cpp finds no pair transformers would not merge; one that does not is caught by the
-    verification's tokens."""
-    scores: dict[str, float] = {}
-    for rank, merge in enumerate(merges):
-        left, _, right = merge.partition(" ")
-        scores.setdefault(left + right, -float(rank))
-    return scores
-
-
-def _specials(tokenizer) -> dict[str, Any]:
-    """Special ids and whether the tokenizer adds BOS / EOS, from the transformers tokenizer itself."""
-    probe = tokenizer("a")["input_ids"]
-    return {
-        "bos": tokenizer.bos_token_id,
-        "eos": tokenizer.eos_token_id,
-        "unk": tokenizer.unk_token_id,
-        "pad": tokenizer.pad_token_id,
-        "add_bos": tokenizer.bos_token_id is not None and bool(probe) and probe[0] == tokenizer.bos_token_id,
-        "add_eos": tokenizer.eos_token_id is not None and bool(probe) and probe[-1] == tokenizer.eos_token_id,
-    }
-
-
 def _as_numpy(tensor: torch.Tensor, quant: str) -> tuple[np.ndarray, Any]:
     """``tensor`` in the type it is written as: f32 for 1-D tensors (norms, biases) and rows a block type
     cannot hold; else ``quant``. Returns the array and its raw GGML type (None: numpy's own)."""
@@ -470,130 +272,6 @@ def _head_copies(name: str, tied: bool, quant: str) -> list[tuple[str, str]]:
     if tied:
         return [(name, quant), ("output.weight", "f16")]
     return [(name, "f16")]
-
-
-GEMMA_TYPES = ("gemma2", "gemma3_text")
-# llama.cpp scales Gemma's queries by 1 / sqrt(head size), except for the layer count it takes for the 27B
-# model, where it uses 1 / sqrt(width / heads) (llama_model_gemma2 / gemma3::load_arch_hparams)
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
-
-
-@dataclass(frozen=True)
-class GemmaKeys:
-    """What llama.cpp's gemma2 / gemma3 read beyond the common keys, from the config transformers runs."""
-
-    rope_theta: float  # the global (full-attention) layers' base
-    rope_theta_swa: float  # the sliding layers' base (gemma3: rope_local_base_freq)
-    rope_linear: float | None  # a linear RoPE factor on the global layers
-    window: int | None
-    swa_layers: list[bool]  # which layers slide, written per layer
-    attn_softcap: float | None
-    final_softcap: float | None
-
-
-def _rope_of(rope: dict, layer_type: str) -> dict:
-    """transformers' RoPE parameters for one layer type (Gemma 3 keys them by type; Gemma 2 has one set)."""
-    return rope[layer_type] if isinstance(rope.get(layer_type), dict) else rope
-
-
-def gemma_keys(model_dir: Path, model_type: str) -> GemmaKeys:
-    """Gemma 2 / Gemma 3 text as llama.cpp's ``gemma2`` / ``gemma3`` run them, from the config transformers
-    builds (an older config.json's rope_scaling, rope_local_base_freq or sliding_window_pattern normalised
-    as transformers does); whatever llama.cpp would run differently is refused by name."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir)
-    except (OSError, ValueError) as error:
-        raise ExportError(f"{model_dir / 'config.json'}: transformers cannot read it ({error})") from None
-    where = f"{model_dir}: {model_type}"
-    activation = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-    if activation != "gelu_pytorch_tanh":
-        raise ExportError(
-            f"{where} hidden_activation {activation!r}: llama.cpp's Gemma graph uses GELU's tanh approximation "
-            "(gelu_pytorch_tanh) only"
-        )
-    if getattr(config, "attention_bias", False):
-        raise ExportError(f"{where} attention_bias: llama.cpp's Gemma graph has no attention biases")
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ExportError(
-            f"{where} use_bidirectional_attention: llama.cpp's {model_type} attention is causal"
-        )
-    if model_type == "gemma2" and not config.tie_word_embeddings:
-        raise ExportError(
-            f"{where} with an untied LM head: llama.cpp's gemma2 reads the head from the embedding"
-        )
-    layers, width, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-    head_dim = config.head_dim or width // heads
-    assumed = width // heads if layers == _GEMMA_27B_LAYERS[model_type] else head_dim
-    if float(config.query_pre_attn_scalar) != float(assumed):
-        raise ExportError(
-            f"{where} query_pre_attn_scalar {config.query_pre_attn_scalar}: llama.cpp scales queries by "
-            f"1/sqrt({assumed}) for this shape ({layers} layers, head size {head_dim}), so it would run another model"
-        )
-    attn_cap, final_cap = config.attn_logit_softcapping, config.final_logit_softcapping
-    if model_type == "gemma2" and (attn_cap is None or final_cap is None):
-        raise ExportError(
-            f"{where} without attn_logit_softcapping / final_logit_softcapping: llama.cpp's gemma2 always "
-            "soft-caps both (50 / 30 where the file has no value)"
-        )
-    if model_type == "gemma3_text" and attn_cap is not None:
-        raise ExportError(
-            f"{where} attn_logit_softcapping {attn_cap}: llama.cpp's gemma3 has no attention soft-capping"
-        )
-    types = list(config.layer_types or [])
-    odd = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if len(types) != layers or odd:
-        raise ExportError(
-            f"{where} layer_types {odd or types}: llama.cpp's {model_type} has sliding and full layers only"
-        )
-    swa = [kind == "sliding_attention" for kind in types]
-    window = config.sliding_window
-    if any(swa) and not window:
-        raise ExportError(f"{where}: sliding layers without a sliding_window")
-    rope = config.rope_parameters or {}
-    full, sliding = _rope_of(rope, "full_attention"), _rope_of(rope, "sliding_attention")
-    full_type = full.get("rope_type", full.get("type")) or "default"
-    if full_type not in ("default", "linear"):
-        raise ExportError(
-            f"{where} RoPE scaling {full_type!r}: the GGUF export writes linear RoPE scaling only"
-        )
-    sliding_type = sliding.get("rope_type", sliding.get("type")) or "default"
-    if any(swa) and sliding is not full and sliding_type != "default":
-        raise ExportError(
-            f"{where} RoPE scaling {sliding_type!r} on the sliding layers: llama.cpp's gemma3 scales the global "
-            "layers' RoPE only"
-        )
-    if (full.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ExportError(f"{where} partial_rotary_factor: llama.cpp's Gemma graph rotates the whole head")
-    theta = float(full.get("rope_theta") or 10000.0)
-    return GemmaKeys(
-        rope_theta=theta,
-        rope_theta_swa=float(sliding.get("rope_theta") or theta),
-        rope_linear=float(full["factor"]) if full_type == "linear" else None,
-        window=int(window) if window else None,
-        swa_layers=swa,
-        attn_softcap=float(attn_cap) if attn_cap is not None else None,
-        final_softcap=float(final_cap) if final_cap else None,
-    )
-
-
-def _add_gemma_keys(writer, keys: GemmaKeys) -> None:
-    """llama.cpp's gemma2 / gemma3 keys: soft-caps, the window, which layers slide, the sliding layers'
-    RoPE base and the global layers' linear RoPE factor."""
-    from gguf import RopeScalingType
-
-    if keys.attn_softcap is not None:
-        writer.add_attn_logit_softcapping(keys.attn_softcap)
-    if keys.final_softcap is not None:
-        writer.add_final_logit_softcapping(keys.final_softcap)
-    if keys.window is not None:
-        writer.add_sliding_window(keys.window)
-    writer.add_sliding_window_pattern(keys.swa_layers)  # per layer: read before llama.cpp's default period
-    writer.add_rope_freq_base_swa(keys.rope_theta_swa)
-    if keys.rope_linear is not None:
-        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(keys.rope_linear)
 
 
 def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | None) -> dict[str, Any]:
@@ -647,7 +325,9 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
-    tokens, types, merges, scores = _tokens(plan)
+    tokens, types, merges, scores = tokens_of(
+        plan.tokenizer, plan.vocabulary, plan.hf_tokenizer, int(config.get("vocab_size") or 0)
+    )
     vocabulary = plan.vocabulary
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model(vocabulary.model)
