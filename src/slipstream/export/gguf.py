@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .gguf_gemma import GEMMA_TYPES, _add_gemma_keys, gemma_keys
+from .gguf_gemma import GEMMA_TYPES, GemmaKeys, _add_gemma_keys, gemma_keys
 from .gguf_vocab import Vocabulary, _loaded_tokenizer, _specials, tokens_of, vocabulary_of
 from .merged import ExportError
 
@@ -96,6 +96,10 @@ class GGUFPlan:
     tokenizer: dict  # the pipeline the run tokenizes with (the loaded tokenizer's, not the file's: see below)
     vocabulary: Vocabulary
     hf_tokenizer: Any  # the transformers tokenizer itself
+    gemma: GemmaKeys | None  # Gemma 2 / 3's keys (None: another family)
+    rope_factors: (
+        torch.Tensor | None
+    )  # Llama 3.1's RoPE divisors, rope_freqs.weight (None: no llama3 scaling)
 
 
 def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
@@ -123,8 +127,7 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
             f"{model_dir}: model_type {model_type!r} is not a family the GGUF export writes "
             f"({', '.join(sorted(FAMILIES))}; see docs/export.md)"
         )
-    if model_type in GEMMA_TYPES:
-        gemma_keys(model_dir, model_type)  # its refusals, RoPE scaling's included
+    gemma = gemma_keys(model_dir, model_type) if model_type in GEMMA_TYPES else None  # refusals included
     # transformers 5 saves RoPE scaling as rope_parameters (older config.json files: rope_scaling)
     rope = (
         {} if model_type in GEMMA_TYPES else config.get("rope_scaling") or config.get("rope_parameters") or {}
@@ -137,11 +140,7 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
     if kind not in (None, "default", "llama3"):
         raise ExportError(f"{model_dir}: RoPE scaling {kind!r} is not exported to GGUF yet")
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-    if (
-        model_type in ("mistral", "mixtral")
-        and window is not None
-        and window < config.get("max_position_embeddings", 0)
-    ):
+    if family.arch == "LLAMA" and window is not None and window < config.get("max_position_embeddings", 0):
         raise ExportError(
             f"{model_dir}: sliding_window {window} is shorter than the context "
             f"({config.get('max_position_embeddings')}): llama.cpp's llama architecture has no sliding window"
@@ -150,7 +149,10 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
         _check_qwen3_moe(config, model_dir)
     hf_tokenizer, tokenizer = _loaded_tokenizer(model_dir)
     vocabulary = vocabulary_of(tokenizer, model_dir / "tokenizer.json")
-    return GGUFPlan(family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer)
+    rope_factors = llama3_rope_factors(model_dir) if kind == "llama3" else None
+    return GGUFPlan(
+        family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer, gemma, rope_factors
+    )
 
 
 def llama3_rope_factors(model_dir: Path) -> torch.Tensor | None:
@@ -306,15 +308,13 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     theta = (
         config.get("rope_theta") or (rope.get("rope_theta") if isinstance(rope, dict) else None) or 10000.0
     )
-    gemma = gemma_keys(model_dir, plan.model_type) if plan.model_type in GEMMA_TYPES else None
-    if gemma is not None:
-        theta = gemma.rope_theta
-        _add_gemma_keys(writer, gemma)
+    if plan.gemma is not None:
+        theta = plan.gemma.rope_theta
+        _add_gemma_keys(writer, plan.gemma)
     writer.add_rope_freq_base(float(theta))
     writer.add_rope_dimension_count(head_dim)
-    rope_factors = llama3_rope_factors(model_dir) if family.arch == "LLAMA" else None
-    if rope_factors is not None:  # llama.cpp divides each pair's frequency by its factor
-        writer.add_tensor("rope_freqs.weight", rope_factors.numpy())
+    if plan.rope_factors is not None:  # llama.cpp divides each pair's frequency by its factor
+        writer.add_tensor("rope_freqs.weight", plan.rope_factors.numpy())
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
     file_type = {
         "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -381,8 +381,8 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
         "tensors": counts,
         "tokens": len(tokens),
         "merges": len(merges),
-        "tokenizer_model": plan.vocabulary.model,
-        "pre_tokenizer": plan.vocabulary.pre,
-        "space_prefix": plan.vocabulary.space_prefix,
+        "tokenizer_model": vocabulary.model,
+        "pre_tokenizer": vocabulary.pre,
+        "space_prefix": vocabulary.space_prefix,
         **specials,
     }

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from .gguf_gemma import llama_cpp_query_scalar
+
 HELD_PROMPTS = (
     "The quick brown fox jumps over the lazy dog while the band plays on in the town square.",
     "Explain, step by step, how a merged adapter keeps the model's answers unchanged after export.",
@@ -204,13 +206,9 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     finally:
         logging.set_verbosity(verbosity)
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
-    bos = (
-        fields["tokenizer.ggml.bos_token_id"].contents() if "tokenizer.ggml.bos_token_id" in fields else None
-    )
-    add_bos = "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents()
-    if (
-        add_bos and bos is not None
-    ):  # the file's rule, where an older loader (5.17) drops it for SentencePiece
+    # the file's add-BOS rule, where an older loader (5.17) drops it for SentencePiece
+    if "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents():
+        bos = fields["tokenizer.ggml.bos_token_id"].contents()
         ids = [row if row[:1] == [bos] else [bos, *row] for row in ids]
     logits = [model(input_ids=torch.tensor([row])).logits[0].float() for row in ref.ids]
     greedy = [_hf_greedy(model, row) for row in ref.ids[:GREEDY_PROMPTS]]
@@ -229,8 +227,9 @@ def _gemma_from_file(config, fields, arch: str) -> None:
 
     gemma2 = arch == "gemma2"
     layers, width, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
-    # llama.cpp's query scale: 1/sqrt(head size), 1/sqrt(width / heads) at the 27B models' layer count
-    config.query_pre_attn_scalar = width // heads if layers == (46 if gemma2 else 62) else config.head_dim
+    config.query_pre_attn_scalar = llama_cpp_query_scalar(
+        "gemma2" if gemma2 else "gemma3_text", layers, width, heads, config.head_dim
+    )
     if gemma2:  # always soft-capped
         config.attn_logit_softcapping = float(get("attn_logit_softcapping", 50.0))
         config.final_logit_softcapping = float(get("final_logit_softcapping", 30.0))

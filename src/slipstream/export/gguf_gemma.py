@@ -16,6 +16,11 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3_text": 62}
 
 
+def llama_cpp_query_scalar(model_type: str, layers: int, width: int, heads: int, head_dim: int) -> int:
+    """The ``query_pre_attn_scalar`` llama.cpp's Gemma graph assumes for this shape."""
+    return width // heads if layers == _GEMMA_27B_LAYERS[model_type] else head_dim
+
+
 @dataclass(frozen=True)
 class GemmaKeys:
     """What llama.cpp's gemma2 / gemma3 read beyond the common keys, from the config transformers runs."""
@@ -63,7 +68,7 @@ def gemma_keys(model_dir: Path, model_type: str) -> GemmaKeys:
         )
     layers, width, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
     head_dim = config.head_dim or width // heads
-    assumed = width // heads if layers == _GEMMA_27B_LAYERS[model_type] else head_dim
+    assumed = llama_cpp_query_scalar(model_type, layers, width, heads, head_dim)
     if float(config.query_pre_attn_scalar) != float(assumed):
         raise ExportError(
             f"{where} query_pre_attn_scalar {config.query_pre_attn_scalar}: llama.cpp scales queries by "
