@@ -60,3 +60,22 @@ def test_the_probe_leaves_no_activation_alive():
         if key not in before and t.untyped_storage().data_ptr() not in own
     ]
     assert alive == []
+
+
+def test_a_trained_head_under_the_chunked_loss_counts_only_what_its_backward_keeps():
+    """A head trained in full (``modules_to_save``) runs each loss chunk under ``torch.autograd.grad``
+    inside the forward (issue 62: the probe raised there). What that inner backward saved is freed
+    before the forward returns; what stays is the head's fp32 gradient the loss keeps for backward,
+    so the count is the frozen head's plus exactly vocab x hidden x 4 bytes."""
+    from peft import LoraConfig, get_peft_model
+
+    def count(modules_to_save):
+        model = slipstream.optimize(build_model("llama", vocab_size=128))
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=modules_to_save)
+        model = get_peft_model(model, lora).train()
+        batch = slipstream.collate_packed(random_docs([60, 100, 40], vocab_size=128))
+        return device_activation_bytes(model, batch.model_inputs()), model.config.hidden_size
+
+    frozen, hidden = count(None)
+    trained, _ = count(["lm_head"])
+    assert trained - frozen == 128 * hidden * 4
