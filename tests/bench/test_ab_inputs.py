@@ -262,7 +262,10 @@ def test_chat_template_renders_the_arms_rows_with_another_template(model_dir, ch
     """``ab --chat-template FILE`` (or a train config's data.chat_template): the tokenizer every arm
     uses renders with that template, the samples differ accordingly, the record names the template."""
     from slipstream.bench.inputs import ab_tokenizer, data_fingerprint
-    from slipstream.bench.workload import ab_samples
+    from slipstream.objectives.sft import SFT
+
+    def ab_samples(config, tokenizer):  # the rows the run's objective reads, every arm's
+        return SFT(config.train).samples(tokenizer)[0]
 
     template = tmp_path / "shouted.jinja"
     template.write_text(

@@ -90,12 +90,13 @@ def test_every_arm_gets_each_steps_rows_whole_and_the_sharing_arm_regroups_the_s
 
 def test_the_plan_takes_the_bins_in_trains_order(tmp_path):
     from slipstream.bench.inputs import ab_tokenizer
-    from slipstream.bench.workload import ab_samples
     from slipstream.data import pack_samples
+    from slipstream.objectives.sft import SFT
 
     cfg = config(tmp_path, share_prefixes="off", grad_accum=2)
     plan, _, _ = prepare_bins(cfg)
-    bins, _ = pack_samples(ab_samples(cfg, ab_tokenizer(cfg)), 512, seed=cfg.train.seed)
+    samples, _ = SFT(cfg.train).samples(ab_tokenizer(cfg))
+    bins, _ = pack_samples(samples, 512, seed=cfg.train.seed)
     bins_for = step_order(len(bins), 2, cfg.train.seed)
     expected = [[[d["input_ids"] for d in bins[i]] for i in bins_for(step)] for step in range(3)]
     assert [[[d["input_ids"] for d in docs] for docs in step] for step in plan] == expected

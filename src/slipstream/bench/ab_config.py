@@ -50,12 +50,6 @@ class ABSection:
     arms: tuple[str, ...] = _option(ARM_PRESETS["default"], f"comma-separated, from {','.join(ARMS)}")
     steps: int = _option(40, "optimizer steps per arm (warm-up included)")
     warmup: int = _option(2, "untimed warm-up steps")
-    # bfd's bins gather similar lengths, so they also spare the padded arm most of its padding
-    batching: Literal["bfd", "sequential"] = _option(
-        "bfd",
-        "documents per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
-        "(sequential: the batches padded training usually sees)",
-    )
     device: str = _option("auto", "auto, cpu or cuda")
     repeats: int = _option(1, "run every arm this many times, interleaved")
     interleave: Interleave = _option(
@@ -146,20 +140,10 @@ class ABConfig:
         if ab.steps <= ab.warmup:
             raise ValueError(f"steps ({ab.steps}) must exceed warmup ({ab.warmup})")
         check_fields(ab)  # the typed fields' rules (choices, ranges), as everywhere
-        source = ab.train_config or "the train config"
-        unsupported = {
-            "quantization.four_bit": train.quantization.four_bit,
-            "lora.experts": train.lora.experts,
-            "model.trust_remote_code": train.model.trust_remote_code,
-        }
-        for key, value in unsupported.items():
-            if value:
-                raise ValueError(
-                    f"{source}: '{key}' is not supported by slipstream ab yet (A/B the run without it)"
-                )
-        if train.data.skip_bad_rows:
+        if train.model.trust_remote_code:  # an arm's process would run the directory's own code
             raise ValueError(
-                f"{source}: 'data.skip_bad_rows': slipstream ab reads every row or stops; fix or drop the bad rows"
+                f"{ab.train_config or 'the train config'}: 'model.trust_remote_code' is not supported by "
+                "slipstream ab yet (A/B the run without it)"
             )
         if train.model.layers is not None and is_model_dir(self.model):
             raise ValueError(
@@ -264,6 +248,12 @@ TRAIN_FLAGS = {
         "which rows form a step: shuffled bins, or histories (rows sharing a history in one step)",
     ),
     "max_seq_len": ("data.max_seq_len", "tokens per packed micro-batch"),
+    # bfd's bins gather similar lengths, so they also spare the padded arm most of its padding
+    "batching": (
+        "data.batching",
+        "rows per micro-batch: best-fit-decreasing bins, or shuffled order up to the budget "
+        "(sequential: the batches padded training usually sees)",
+    ),
     "overflow": ("data.overflow", "a sample longer than --max-seq-len: cut it, or split it in pieces"),
     "grad_accum": ("training.grad_accum", "micro-batches per step"),
     "lr": ("optimizer.lr", "peak learning rate (default: 2e-4 for a model directory; 2e-3 for a shape)"),

@@ -23,7 +23,7 @@ from ..train.step import train_step
 from ..utilisation import docs_micro_batch, matmul_peak, profile_step
 from .ab_config import ABConfig, resolve_device
 from .arm_session import ArmSession
-from .arms import ARM_SPECS, micro_batch_inputs, train_config_of
+from .arms import ARM_SPECS, micro_batch_inputs, run_steps, train_config_of
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
@@ -94,9 +94,9 @@ class RowsArmSession(ArmSession):
         if self.peer is None and self.driver is None:  # the driver's AdamW and schedule, as train's
             from ..train.driver import optimizer_and_schedule
 
-            settings = train_config_of(config, "slipstream")
+            settings = train_config_of(config, self.arm)  # the file's optimizer, as written
             self.optimizer, self.scheduler = optimizer_and_schedule(
-                self.model.parameters(), settings, torch.device(self.device), config.ab.steps
+                self.model.parameters(), settings, torch.device(self.device), run_steps(config)
             )
         return {
             "host_syncs_per_step": 0,
@@ -126,7 +126,10 @@ class RowsArmSession(ArmSession):
                 found["reward_accuracy"] = found.pop("accuracy")
             return found
         lr = self.optimizer.param_groups[0]["lr"]
-        metrics = train_step(self.model, micro, self.optimizer, model_context=model_context)
+        max_grad_norm = self.config.train.optimizer.max_grad_norm
+        metrics = train_step(
+            self.model, micro, self.optimizer, max_grad_norm=max_grad_norm, model_context=model_context
+        )
         self.scheduler.step()
         return {**metrics, "lr": lr}
 

@@ -27,7 +27,7 @@ from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups, registry
 from ..speedups.base import AblationRun
 from ..speedups.registry import ablation_arms
-from ..train.config import OptimizerConfig, TrainConfig, TrainingConfig
+from ..train.config import TrainConfig
 from .peers import Peer, prepare_base_model
 
 
@@ -311,11 +311,12 @@ def drives(arm: str) -> bool:
 
 
 def train_config_of(config, arm: str) -> TrainConfig:
-    """``slipstream train``'s config of ``arm``: the A/B's one train config (an ``ABConfig``'s) with the
-    arm's own speedups and prefix sharing, run for the A/B's steps. Every slipstream arm builds the one
-    step driver (``train/driver.py``) from it, so what the arm times is what ``train`` runs; a stock arm
-    or a peer loads its model and adapter from it (:func:`build_arm_model`)."""
-    spec, train, opt = ARM_SPECS[arm], config.train, config.train.optimizer
+    """``slipstream train``'s config of ``arm``: the run's own train config (an ``ABConfig``'s) with what
+    makes it that arm (:func:`arm_overrides` lists it, key by key), its schedule over the run's steps.
+    Every slipstream arm builds the one step driver (``train/driver.py``) from it, so what the arm times
+    is what ``train`` runs; a stock arm or a peer loads its model and adapter from it
+    (:func:`build_arm_model`), and every arm but a peer steps the file's optimizer as written."""
+    spec, train = ARM_SPECS[arm], config.train
     replace = dataclasses.replace
     return replace(
         train,
@@ -331,19 +332,36 @@ def train_config_of(config, arm: str) -> TrainConfig:
                 if shares_prefixes(arm)
                 else "off"
             ),
-            eval_path=None,  # a timed A/B trains; it does not evaluate
-            eval_fraction=None,
         ),
         lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
-        # the peers' optimizer (AdamW at its default betas, clipped at 1.0, no weight decay) at the run's lr
-        optimizer=OptimizerConfig(lr=opt.lr, schedule=opt.schedule, warmup_steps=opt.warmup_steps),
-        training=TrainingConfig(
-            objective=train.training.objective, steps=config.ab.steps, grad_accum=train.training.grad_accum
-        ),
         preference=replace(train.preference, prefix_sharing=spec.pairs != "unshared"),
         grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared", engine=spec.engine),
         speedups=arm_speedups(config, arm),
     )
+
+
+def run_steps(config) -> int:
+    """The run's optimizer steps, which its schedule runs over (the A/B replays its first ``ab.steps``)."""
+    return config.train.training.steps or config.ab.steps
+
+
+def _flat(section, prefix: str = "") -> dict[str, object]:
+    """A config as ``{dotted key: value}``, the way ``--set`` names its keys."""
+    found = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            found |= _flat(value, f"{prefix}{f.name}.")
+        else:
+            found[f"{prefix}{f.name}"] = value
+    return found
+
+
+def arm_overrides(config, arm: str) -> dict[str, object]:
+    """What ``arm`` changes of the run's train config, ``{dotted key: value}`` as ``--set`` writes them
+    (the record and ``ab.md`` list them: nothing an arm runs differs from the file unsaid)."""
+    run, own = _flat(config.train), _flat(train_config_of(config, arm))
+    return {key: value for key, value in own.items() if run.get(key) != value}
 
 
 def build_arm_model(config, arm: str, vocab_size: int, device: str):

@@ -145,6 +145,9 @@ def ab_config_from_args(args: argparse.Namespace, **point) -> ABConfig:
         for spec in dataclasses.fields(speedups_module.Speedups)
         if (value := getattr(args, f"speedup_{spec.name}", None)) is not None
     }
+    if flags := [name for name in given if name in TRAIN_FLAGS]:  # one name per train key: say which
+        keys = ", ".join(f"--{name.replace('_', '-')} sets {TRAIN_FLAGS[name][0]}" for name in flags)
+        print(f"slipstream ab: {keys} (--set KEY=VALUE, or the key in --config RUN.yaml)", file=sys.stderr)
     options = {**(getattr(args, "ab_defaults", None) or {}), **given, **point}
     if speedups:
         options["speedups"] = {**options.get("speedups", {}), **speedups}
@@ -202,6 +205,8 @@ def ab_config(sets: list[str] | tuple[str, ...] = (), **options) -> ABConfig:
                 f"(it A/Bs {', '.join(with_arms)})"
             )
         preset = preset or (objective if "arms" not in ab and objective in ARM_PRESETS else None)
+        if "steps" not in ab and train.training.steps and train.training.steps < ABSection.steps:
+            ab["steps"] = train.training.steps  # a run shorter than the A/B's default: all of it
         if train.lora.enabled and train.lora.dropout:
             print(
                 f"slipstream ab: {path}: lora.dropout {train.lora.dropout:g} runs as 0 here: each arm would "

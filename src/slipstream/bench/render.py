@@ -216,6 +216,7 @@ def markdown_report(record: dict) -> str:
     arms = ran_arms(record)
     lines += ["", "What each arm ran (its policies and settings, first repeat):", ""]
     lines += [f"- **{arm}**: " + "; ".join(_ran(record["runs"][arm][0])) for arm in arms]
+    lines += overrides_lines(record)
     lines += [
         "",
         "![loss](loss.png) ![step time](step_time.png) ![memory](memory.png)"
@@ -226,6 +227,22 @@ def markdown_report(record: dict) -> str:
         *_per_step_table(record, arms, "loss", config["steps"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def overrides_lines(record: dict) -> list[str]:
+    """What each arm changes of the run's train config, key by key (an older record has none)."""
+    found = record.get("arm_overrides")
+    if not found:
+        return []
+    lines = [
+        "",
+        "What each arm changes of the run's config (as `--set` writes it; every other key is the file's):",
+        "",
+    ]
+    for arm, overrides in found.items():
+        said = ", ".join(f"`{key}={json.dumps(value)}`" for key, value in overrides.items()) or "nothing"
+        lines.append(f"- **{arm}**: {said}")
+    return lines
 
 
 def _per_step_table(record: dict, arms: list[str], key: str, steps: int) -> list[str]:

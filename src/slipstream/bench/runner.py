@@ -25,10 +25,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..data import pack_samples
 from ..data.prefix_groups import combined, share_rows
 from ..data.prefix_tree import combined_tree_reports, share_rows_as_trees
-from ..data.steps import block_order, history_steps, step_order
 from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
 from ..utilisation import matmul_peak
@@ -36,13 +34,12 @@ from . import ablation
 from .ab_config import ABConfig, record_config, resolve_device
 from .arm_result import perturb_by_one_ulp
 from .arm_run import run_arm
-from .arms import ARM_SPECS, shares_prefixes
+from .arms import ARM_SPECS, arm_overrides, shares_prefixes
 from .ceiling import search_all
 from .fingerprint import fingerprint
 from .inputs import ABInputError, ab_tokenizer, inputs_record, vocab_size
 from .lockstep import run_in_fresh_process, run_lockstep
 from .truth import gradient_directory, measure_fp32_step0
-from .workload import ab_samples
 
 # what the tests and the benchmark scripts import from here
 __all__ = [
@@ -57,66 +54,44 @@ __all__ = [
 from .stats import against_fp32, loss_parity, margin_parity, speedup
 
 
-def _plan(bins: list, config: ABConfig, source: str, blocks: list[list[int]] | None = None) -> list:
-    """Each step's bins (a step's micro-batches), in the order ``slipstream train`` takes them
-    (``data.steps``: a seeded permutation of the bins, ``grad_accum`` a step; ``blocks``: the fixed
-    steps of ``data.step_order: histories``, in a seeded order); too few bins for distinct steps is an
-    error naming ``source``."""
-    train, accum = config.train, config.train.training.grad_accum
-    if blocks is not None:
-        if len(blocks) < config.ab.steps:
-            raise ABInputError(
-                f"{source} makes {len(blocks)} steps of up to {accum} bins of {train.data.max_seq_len} tokens "
-                f"(data.step_order histories), fewer than --steps {config.ab.steps} (lower --steps or --grad-accum)"
-            )
-        bins_for = block_order(blocks, train.seed)
-        return [[bins[i] for i in bins_for(step)] for step in range(config.ab.steps)]
-    needed = config.ab.steps * accum
-    if len(bins) < needed:
-        raise ABInputError(
-            f"{source} packs into {len(bins)} bins of {train.data.max_seq_len} tokens, fewer than steps x "
-            f"grad_accum = {needed} (lower --steps, or --max-seq-len)"
-        )
-    bins_for = step_order(len(bins), accum, train.seed)
-    return [[bins[i] for i in bins_for(step)] for step in range(config.ab.steps)]
+def recorded_steps(config: ABConfig, tokenizer):
+    """The run's first ``ab.steps`` steps as ``slipstream train`` plans them (``train.record``: the
+    objective's own rows, held-out split, bins and step order); ABInputError naming what is wrong (a
+    step count the run does not reach names the config file)."""
+    from ..errors import TrainError
+    from ..fields import ConfigError
+    from ..train.record import record_steps
+
+    try:
+        return record_steps(config.train, config.ab.steps, tokenizer)
+    except ConfigError as error:
+        raise ABInputError(f"{config.ab.train_config or 'the run'}: {error}") from None
+    except (TrainError, ValueError) as error:  # DataError included: each names its file and line
+        raise ABInputError(str(error)) from None
 
 
 def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
-    """A preference objective (``--objective dpo``, orpo): the pairs of every step (``[step][micro_batch] -> pairs``), packed best-fit
-    by their shared length (prompt once), the same pairs for every arm whatever its layout."""
-    from ..data import DataError
-    from ..data.pairs import load_pairs
-    from ..packing.pairs import pack_pairs
-
-    tokenizer, data = ab_tokenizer(config), config.train.data
+    """A preference objective (``--objective dpo``, orpo): the pairs of every step (``[step][micro_batch]
+    -> pairs``) as the run's objective packs them (best-fit by their shared length, prompt once), the same
+    pairs for every arm whatever its layout."""
+    tokenizer = ab_tokenizer(config)
+    record = recorded_steps(config, tokenizer)
+    plan, data = record.steps, config.train.data
     vocab = vocab_size(config, tokenizer)
-    try:
-        pairs, report = load_pairs(data.path, tokenizer, max_seq_len=data.max_seq_len)
-    except ValueError as error:
-        message = str(error)
-        raise ABInputError(message if isinstance(error, DataError) else f"{data.path}: {message}") from None
-    docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in pairs]
-    check_ids_in_vocab(docs, vocab, data.path, error=ABInputError)
-    bins, blocks = pack_pairs(pairs, data.max_seq_len, seed=config.train.seed), None
-    if data.step_order == "histories":  # pairs that share a history in one step (data.steps)
-        from ..data.pair_trees import pair_history_key
-        from ..packing.pairs import pair_tokens
-
-        bins, blocks = history_steps(
-            pairs, data.max_seq_len, config.train.training.grad_accum, pair_tokens, pair_history_key
-        )
-    plan = _plan(bins, config, data.path, blocks)
     needed = sum(len(step) for step in plan)
     used = [p for step in plan for mb in step for p in mb]
+    docs = [{"input_ids": p["prompt_ids"] + p["chosen_ids"] + p["rejected_ids"]} for p in used]
+    check_ids_in_vocab(docs, vocab, data.path, error=ABInputError)
     shared_tokens = sum(len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
     return (
         plan,
         vocab,
         {
             "efficiency": shared_tokens / (needed * data.max_seq_len),  # the bins' fill, prompt once
-            **report.to_dict(),
+            **record.data.report.to_dict(),
             "pairs_trained": len(used),
             "bins": needed,
+            "run_steps": record.run_steps,
             "mean_pairs_per_bin": len(used) / needed,
             "mean_prompt_tokens_trained": sum(len(p["prompt_ids"]) for p in used) / len(used),
             "mean_answer_tokens_trained": sum(len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in used)
@@ -126,7 +101,8 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
 
 
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
-    """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report."""
+    """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report:
+    the run's own first steps (``recorded_steps``), which every arm replays."""
     from ..objectives import objective_for
 
     reads = objective_for(config.train.training.objective).reads
@@ -138,23 +114,16 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
 
         return prepare_rollouts(config)
     tokenizer = ab_tokenizer(config)
-    samples = ab_samples(config, tokenizer)
+    recorded = recorded_steps(config, tokenizer)
     vocab = vocab_size(config, tokenizer)
-    source = data.path or "the demo rows"
-    check_ids_in_vocab(samples, vocab, source, error=ABInputError)  # the tokenizer belongs to the model
-    bins, report = pack_samples(
-        samples, data.max_seq_len, seed=seed, overflow=data.overflow, strategy=config.ab.batching
-    )
-    blocks = None
-    if data.step_order == "histories":  # rows that share a history in one step (data.steps)
-        bins, blocks = history_steps(
-            [row for rows in bins for row in rows], data.max_seq_len, config.train.training.grad_accum
-        )
-    plan = _plan(bins, config, source, blocks)  # every arm's rows, step by step, whole
-    slim = [
-        [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step] for step in plan
+    slim = [  # every arm's rows, step by step, whole
+        [[{"input_ids": d["input_ids"], "labels": d["labels"]} for d in mb] for mb in step]
+        for step in recorded.steps
     ]
-    record = dataclasses.asdict(report)
+    rows = [row for step in slim for docs in step for row in docs]
+    # the tokenizer belongs to the model
+    check_ids_in_vocab(rows, vocab, data.path or "the demo rows", error=ABInputError)
+    record = {**dataclasses.asdict(recorded.data.packing), "run_steps": recorded.run_steps}
     if data.share_prefixes == "off":
         record["sharing_policy"] = "shared prefixes off (--share-prefixes off): every row runs whole"
     else:  # what sharing each step's rows saves; whether an arm shares is its own policy line
@@ -448,6 +417,11 @@ def parity_failures(record: dict) -> list[str]:
 def run_ab(config: ABConfig, progress: bool = True) -> dict:
     """Run every arm ``config.ab.repeats`` times (interleaved) and return the full record."""
     plan, vocab_size, packing = prepare_bins(config)
+    if config.train.training.steps is None and packing.get(
+        "run_steps"
+    ):  # a run of epochs: its steps now known
+        training = dataclasses.replace(config.train.training, steps=packing["run_steps"], epochs=None)
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, training=training))
     # the peak the arms could reach: their device, dtype and threads (measured once per machine, cached)
     ab = config.ab
     peak = matmul_peak(resolve_device(ab.device), getattr(torch, config.train.model.dtype), ab.threads)
@@ -492,6 +466,8 @@ def run_ab(config: ABConfig, progress: bool = True) -> dict:
         # The arms' own thread count (--threads), not this parent process's.
         "fingerprint": {**fingerprint(), **({"torch_threads": ab.threads} if ab.threads else {})},
         "packing": packing,
+        # what each arm changes of the run's train config, as --set writes it (the rest is the file's)
+        "arm_overrides": {arm: arm_overrides(config, arm) for arm in ab.arms},
         "interleaving": schedules,  # per repeat: lockstep ("steps") or one arm after another ("arms"), and why
         "summary": summary,
         **({"sensitivity": sensitivity} if sensitivity else {}),

@@ -185,6 +185,12 @@ class GRPO(RolloutMaker, Objective):
                 "data.path",
                 "training.objective 'grpo' needs prompt rows: set data.path (a file of {\"prompt\": ...} rows)",
             )
+        if config.data.batching != "bfd":
+            fail(
+                "data.batching",
+                f"training.objective 'grpo' batches prompts_per_batch prompts; data.batching "
+                f"{config.data.batching} is for SFT rows (set bfd)",
+            )
         try:
             toolset = load_toolset(grpo)
         except ToolError as error:

@@ -112,6 +112,12 @@ class PairObjective(Objective):
             )
         if config.data.overflow == "split":
             fail("data.overflow", f"{objective}: a pair cannot be split; data.overflow must be 'truncate'")
+        if config.data.batching != "bfd":
+            fail(
+                "data.batching",
+                f"{objective}: pairs are packed best-fit by their shared length; data.batching "
+                f"{config.data.batching} is for SFT rows (set bfd)",
+            )
         shares = config.data.share_prefixes
         if shares == "groups":
             fail(

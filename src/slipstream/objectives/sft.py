@@ -122,7 +122,9 @@ class SFT(Objective):
         trains (``data.steps``); sharing regroups a step's rows later (:meth:`plan_step`). With
         ``data.step_order: histories`` also each step's bins (rows sharing a history together)."""
         data = self.config.data
-        bins, packing = pack_samples(samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow)
+        bins, packing = pack_samples(
+            samples, data.max_seq_len, seed=self.config.seed, overflow=data.overflow, strategy=data.batching
+        )
         if data.step_order == "shuffled":
             return bins, packing, None
         per_step = self.config.training.grad_accum * info.world_size

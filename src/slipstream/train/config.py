@@ -55,6 +55,10 @@ class DataConfig:
     skip_bad_rows: bool = False  # skip (and report) bad rows and samples left without labels, or stop
     max_seq_len: Annotated[int, Range(ge=2)] = 1024
     overflow: Literal["truncate", "split"] = "truncate"
+    # which rows share a micro-batch: best-fit-decreasing bins (similar lengths together, little padding
+    # for any layout), or the rows in a seeded shuffled order up to max_seq_len (the batches padded
+    # training usually sees); SFT rows only
+    batching: Literal["bfd", "sequential"] = "bfd"
     cache: bool = True  # keep tokenized samples under $SLIPSTREAM_CACHE and reuse them
     # rows that share tokens run them once: each step's own rows regrouped, never other rows
     # (data.steps). "groups": one shared start per group of rows (data.prefix_groups); "tree": every

@@ -49,11 +49,15 @@ def checkpointing_argument(arguments_class) -> str:
 
 def trainer_run(config) -> dict:
     """The run's settings every TRL arm's trainer takes (``config``: the A/B's ``ABConfig``): its steps,
-    learning rate and schedule, seed and accumulation, as slipstream's arms train them."""
+    its optimizer as the file writes it (learning rate, betas, weight decay, clipping, schedule), seed and
+    accumulation, as slipstream's arms train them."""
     optimizer = config.train.optimizer
     return dict(
-        steps=config.ab.steps,
+        steps=config.train.training.steps or config.ab.steps,  # the schedule runs over the run's steps
         lr=optimizer.lr,
+        betas=tuple(optimizer.betas),
+        weight_decay=optimizer.weight_decay,
+        max_grad_norm=optimizer.max_grad_norm,
         schedule=optimizer.schedule,
         warmup_steps=optimizer.warmup_steps,
         seed=config.train.seed,
@@ -68,14 +72,17 @@ def trainer_arguments(
     grad_accum: int = 1,
     steps: int,
     lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    weight_decay: float = 0.0,
+    max_grad_norm: float = 1.0,
     schedule: str,
     warmup_steps: int,
     seed: int,
     device: str,
     **own,
 ):
-    """The training arguments every TRL arm runs with, beside its trainer's ``own``: the run's schedule
-    with the Trainer's ``adamw_torch`` (no weight decay) and clipping at 1.0; mixed precision off (the
+    """The training arguments every TRL arm runs with, beside its trainer's ``own``: the run's optimizer
+    (the Trainer's ``adamw_torch`` at the run's betas and weight decay, its clipping and schedule); mixed precision off (the
     model is already in the run's dtype; TRL's default would autocast); TRL's checkpointing off (the
     run's is installed like the stock arms'); nothing logged, reported or saved."""
     return arguments_class(
@@ -85,8 +92,10 @@ def trainer_arguments(
         learning_rate=lr,
         lr_scheduler_type=schedule,
         warmup_steps=warmup_steps,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        weight_decay=weight_decay,
+        max_grad_norm=max_grad_norm,
         optim="adamw_torch",
         bf16=False,
         fp16=False,
@@ -104,7 +113,8 @@ def trainer_arguments(
 def optimizer_step(trainer, model, parameters) -> float:
     """The Trainer's end of an optimizer step: clip (its ``max_grad_norm``), step the optimizer and the
     schedule, zero the gradients; the gradient norm before clipping."""
-    grad_norm = trainer.accelerator.clip_grad_norm_(parameters, trainer.args.max_grad_norm)
+    # max_grad_norm 0: no clipping (as the Trainer's own loop skips it), the norm still measured
+    grad_norm = trainer.accelerator.clip_grad_norm_(parameters, trainer.args.max_grad_norm or float("inf"))
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     model.zero_grad()

@@ -123,6 +123,10 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
             "--lr", str(config.train.optimizer.lr),
             "--schedule", config.train.optimizer.schedule,
             "--lr-warmup-steps", str(config.train.optimizer.warmup_steps),
+            "--schedule-steps", str(config.train.training.steps or config.ab.steps),
+            "--weight-decay", str(config.train.optimizer.weight_decay),
+            "--betas", ",".join(str(b) for b in config.train.optimizer.betas),
+            "--max-grad-norm", str(config.train.optimizer.max_grad_norm),
             "--max-seq-len", str(config.train.data.max_seq_len * config.train.training.grad_accum),
             "--out", str(work / "result.json"),
         ]  # fmt: skip

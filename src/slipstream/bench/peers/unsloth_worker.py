@@ -121,6 +121,12 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--schedule", default="constant", help="transformers' get_scheduler name, over the steps")
     p.add_argument("--lr-warmup-steps", type=int, default=0)
+    p.add_argument(
+        "--schedule-steps", type=int, default=None, help="the schedule's length (default: the steps)"
+    )
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--betas", default="0.9,0.999", help="AdamW's beta1,beta2")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--max-seq-len", type=int, default=4096, help="Unsloth's max_seq_length")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing summary")
     p.add_argument("--out", help="write the JSON here instead of stdout")
@@ -173,11 +179,15 @@ def main() -> int:
     autocast = model_dtype == torch.bfloat16 and cpu_bf16_supported()
     owner = chunked_ce_owner(model)
     params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=True)
+    betas = tuple(float(b) for b in args.betas.split(","))
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=betas, weight_decay=args.weight_decay, fused=True)
     with open(args.batches) as f:
         batches = json.load(f)
     scheduler = transformers.get_scheduler(
-        args.schedule, optimizer, num_warmup_steps=args.lr_warmup_steps, num_training_steps=len(batches)
+        args.schedule,
+        optimizer,
+        num_warmup_steps=args.lr_warmup_steps,
+        num_training_steps=args.schedule_steps or len(batches),
     )
 
     # Any id pads: padded slots are masked out of attention and labels. A tokenizer without a pad
@@ -203,7 +213,7 @@ def main() -> int:
         backward_start = time.perf_counter()
         loss.backward()
         backward_end = time.perf_counter()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -246,7 +256,8 @@ def main() -> int:
             "chunked_cross_entropy": owner is not None and chunked_used,
             "layout": "padded (right), attention mask; Unsloth's CPU trainer turns packing / padding_free off",
             "attn_implementation": base.config._attn_implementation,
-            "optimizer": f"torch.optim.AdamW(fused=True, weight_decay=0), max_grad_norm 1.0, {args.schedule} "
+            "optimizer": f"torch.optim.AdamW(fused=True, betas={args.betas}, weight_decay={args.weight_decay:g}), "
+            f"max_grad_norm {args.max_grad_norm:g}, {args.schedule} "
             f"schedule ({args.lr_warmup_steps} warm-up steps)",
             "lora": f"r={args.lora_rank} alpha={alpha:g} dropout=0 {','.join(targets)}",
             "lora_param_dtype": str(params[0].dtype).removeprefix("torch."),
