@@ -14,6 +14,7 @@ from . import __version__
 from . import speedups as speedups_module  # read at call time: a new field shows in the help
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.inputs import ABInputError
+from .bench.lockstep import ArmProcessError
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .doctor import first_use_hint
@@ -570,10 +571,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _error(args.command, "interrupted", 130)
     except Exception as error:  # anything a command did not turn into its own message: one line
-        if args.debug:
+        if args.debug:  # (an arm's own traceback shows as the cause)
             raise
         text = " ".join(str(error).split()) or "no message"
-        return _error(args.command, f"{type(error).__name__}: {text} (run with --debug for the traceback)")
+        if not isinstance(error, ArmProcessError):  # (which names the arm's own error's type)
+            text = f"{type(error).__name__}: {text}"
+        return _error(args.command, f"{text} (run with --debug for the traceback)")
 
 
 if __name__ == "__main__":
