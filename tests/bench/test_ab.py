@@ -28,7 +28,7 @@ def _run(arm, step_s, tokens, loss):
 
 def test_summary_speedup_is_a_tokens_per_second_ratio_without_warmup():
     config = ab_config(steps=3, warmup=1, arms=("stock-packed", "slipstream"))
-    # (the interval is bootstrapped from the same two timed steps per arm)
+    # (two timed steps per arm: too few for an interval)
     runs = {
         "stock-packed": [_run("stock-packed", [9.0, 2.0, 2.0], [100, 100, 100], [3.0, 2.0, 1.0])],
         "slipstream": [_run("slipstream", [9.0, 1.0, 1.0], [100, 100, 100], [3.0, 2.0, 1.0])],
@@ -165,8 +165,9 @@ def test_a_short_real_run_of_every_arm(tmp_path, monkeypatch):
         with Image.open(tmp_path / name) as image:
             assert image.size[0] > 300 and image.size[1] > 200
     assert parity_failures(record) == []
-    interval = summary["slipstream"]["interval_vs_stock-packed"]
-    assert interval["low"] <= summary["slipstream"]["speedup_vs_stock-packed"] * 1.5
+    interval = summary["slipstream"]["interval_vs_stock-packed"]  # 3 steps, 1 warm-up: too few for one
+    assert interval["low"] is None and interval["timed_steps"] == 2
+    assert "(2 timed steps: no interval) vs stock-packed" in md_path.read_text()
 
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
