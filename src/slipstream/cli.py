@@ -14,12 +14,14 @@ from . import __version__
 from . import speedups as speedups_module  # read at call time: a new field shows in the help
 from .bench.command import ab_grid, add_ab_arguments, run_grid
 from .bench.inputs import ABInputError
+from .bench.lockstep import ArmProcessError
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .doctor import first_use_hint
 from .fields import choices, field_types, is_kind
 from .models import model_names
 from .noise import known_noise_hidden
+from .objectives import objective_names  # read at call time: a new objective shows in the help
 from .train.config import ConfigError, load_config
 
 DESCRIPTION = """\
@@ -27,7 +29,8 @@ slipstream makes LoRA / QLoRA fine-tuning of Hugging Face causal LMs faster and 
 every gain with a same-configuration A/B benchmark.
 
 commands:
-  train  LoRA / QLoRA SFT from a YAML config (slipstream train examples/tiny.yaml)
+  train  LoRA / QLoRA fine-tuning ({objectives}) from a YAML config
+         (slipstream train examples/tiny.yaml)
   ab     train the same model on the same packed data under stock transformers and under
          slipstream; print step time, tokens/s, peak memory, host syncs and the per-step
          loss of each arm (with no arguments: the built-in demo, a few minutes on a CPU)
@@ -131,8 +134,9 @@ def speedups_help(prefix: str) -> str:
 def _add_train(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="LoRA / QLoRA SFT from a YAML config",
-        description="Train from CONFIG.yaml; every speedup on by default, each switchable.",
+        help=f"LoRA / QLoRA fine-tuning ({', '.join(objective_names())}) from a YAML config",
+        description=f"Train from CONFIG.yaml, its training.objective one of {', '.join(objective_names())}; "
+        "every speedup on by default, each switchable.",
         epilog=speedups_help("speedups."),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -200,13 +204,15 @@ def _add_pack(sub) -> None:
     p.add_argument(
         "--tokenizer", default=None, help="a local tokenizer directory (default: the built-in demo tokenizer)"
     )
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seq-len", type=int, default=2048, help="tokens per bin (default: %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds the order of equal lengths (default: %(default)s)"
+    )
     p.add_argument(
         "--overflow",
         choices=("truncate", "split"),
         default="truncate",
-        help="what to do with a sample longer than --max-seq-len",
+        help="what to do with a sample longer than --max-seq-len (default: %(default)s)",
     )
     p.add_argument("--response-only", action="store_true", help="train on assistant / response tokens only")
     p.add_argument(
@@ -414,11 +420,15 @@ def _add_generate(sub) -> None:
     given = p.add_mutually_exclusive_group()
     given.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     given.add_argument("--file", default=None, metavar="PROMPTS.txt", help="prompts, one per line")
-    p.add_argument("--max-new-tokens", type=int, default=256, metavar="N")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, metavar="N", help="per answer (default: %(default)s)"
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--temperature", type=float, default=None, help="with --sample (default 1.0)")
     p.add_argument("--top-p", type=float, default=None, help="with --sample (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed, set before each prompt")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the sampling seed, set before each prompt (default: %(default)s)"
+    )
     p.add_argument(
         "--dtype",
         choices=("auto", "float32", "bfloat16", "float16"),
@@ -438,7 +448,8 @@ def _add_generate(sub) -> None:
         type=float,
         default=0.3,
         metavar="SHARE",
-        help="with --engine vllm: the share of GPU memory (host memory on its CPU build) vLLM reserves",
+        help="with --engine vllm: the share of GPU memory (host memory on its CPU build) vLLM reserves "
+        "(default: %(default)s)",
     )
     p.set_defaults(func=_cmd_generate)
 
@@ -534,7 +545,9 @@ def _answer_all(generator, engine, prompts, interactive, args, options) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="slipstream", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="slipstream",
+        description=DESCRIPTION.format(objectives=", ".join(objective_names())),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log each policy decision")
@@ -570,10 +583,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return _error(args.command, "interrupted", 130)
     except Exception as error:  # anything a command did not turn into its own message: one line
-        if args.debug:
+        if args.debug:  # (an arm's own traceback shows as the cause)
             raise
         text = " ".join(str(error).split()) or "no message"
-        return _error(args.command, f"{type(error).__name__}: {text} (run with --debug for the traceback)")
+        if not isinstance(error, ArmProcessError):  # (which names the arm's own error's type)
+            text = f"{type(error).__name__}: {text}"
+        return _error(args.command, f"{text} (run with --debug for the traceback)")
 
 
 if __name__ == "__main__":

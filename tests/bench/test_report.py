@@ -223,3 +223,23 @@ def test_a_profiled_run_is_the_same_workload_as_an_unprofiled_one():
     profiled = record("cpu", 1024, 2.0, 1)
     profiled["config"]["profile_step"] = True
     assert workload(profiled) == workload(record("cpu", 1024, 2.0, 1))
+
+
+def test_runs_of_too_few_timed_steps_are_reported_without_an_interval(tmp_path, capsys):
+    """Records of one timed step each (--steps 3 --warmup 2): one gives the ratio alone and says why,
+    and so does the plot; three pooled make an interval."""
+    short = record("NVIDIA H100", 2048, 1.25, 1)
+    short["runs"] = {
+        arm: [{**runs[0], "step_s": runs[0]["step_s"][:3]}] for arm, runs in short["runs"].items()
+    }
+    write(tmp_path, "a", short)
+    (row,) = report_rows(load_records([tmp_path]))
+    assert row["low"] is None and row["high"] is None and row["timed_steps"] == 1
+    assert "(1 timed step: no interval)" in cross_table([row])
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+    assert "(1 timed step: no interval)" in (tmp_path / "report" / "report.md").read_text()
+    assert (tmp_path / "report" / "report.png").exists()
+    write(tmp_path, "b", short)
+    write(tmp_path, "c", short)
+    (pooled,) = report_rows(load_records([tmp_path]))
+    assert pooled["records"] == 3 and pooled["timed_steps"] == 3 and pooled["low"] is not None

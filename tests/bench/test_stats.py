@@ -1,5 +1,6 @@
 """The verdicts, on synthetic data with known answers."""
 
+import dataclasses
 import random
 
 import pytest
@@ -148,3 +149,19 @@ def test_loss_parity_takes_the_fp32_judgement_in_place_of_the_strict_step_zero()
     further = against_fp32(reference, {"loss": 0.0, "grad_norm": 0.0, "cosine": 1.0}, "bfloat16")
     judged = loss_parity(curve, apart[0], "bfloat16", grads, apart[1], first_step=further)
     assert judged.verdict == "diverged" and "further from fp32 than the reference" in judged.detail
+
+
+def test_fewer_than_three_timed_steps_make_no_interval_and_say_why():
+    """One timed step bootstrapped is that step's ratio twice ('1.92x [1.92, 1.92]'): too few steps
+    give the ratio alone, and the number of steps that left it without an interval."""
+    from slipstream.bench.stats import format_speedup
+
+    one = speedup([1.92], [1.0])
+    assert (one.low, one.high, one.verdict, one.timed_steps) == (None, None, "no interval", 1)
+    assert format_speedup(one.ratio, dataclasses.asdict(one)) == "1.92x (1 timed step: no interval)"
+    two = dataclasses.asdict(speedup([2.0, 2.0, 2.0], [1.0, 1.0]))  # unpaired: the fewer steps count
+    assert two["low"] is None and format_speedup(2.0, two) == "2.00x (2 timed steps: no interval)"
+    three = speedup([2.0, 2.1, 1.9], [1.0, 1.0, 1.0])
+    assert three.low is not None and three.timed_steps == 3 and three.verdict == "faster"
+    assert format_speedup(three.ratio, dataclasses.asdict(three)).startswith("2.00x [")
+    assert format_speedup(1.5) == "1.50x"  # (no interval given: an older record's bare ratio)

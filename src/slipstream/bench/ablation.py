@@ -44,11 +44,13 @@ def ablation_verdicts(summary: dict, timed: dict[str, list[float]], seed: int = 
     if AGAIN in timed:
         again = speedup(timed["slipstream"], timed[AGAIN], seed=seed)
         summary[AGAIN]["vs_slipstream"] = dataclasses.asdict(again)
-        margin = max(abs(again.ratio - 1), abs(again.low - 1), abs(again.high - 1))
+        margin = max(abs(edge - 1) for edge in (again.ratio, again.low, again.high) if edge is not None)
     beats = []
     for arm in ablations:
         found = speedup(timed["slipstream"], timed[arm], seed=seed)
-        if found.low > 1 + margin:
+        if found.low is None:  # too few timed steps: no interval, so no verdict
+            verdict = f"not judged ({found.verdict})"
+        elif found.low > 1 + margin:
             verdict = "beats auto"
             beats.append(arm)
         elif found.high < 1 - margin:

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import sys
+from functools import reduce
 from pathlib import Path
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
@@ -25,7 +26,7 @@ from .ab_config import (
     resolve_device,
     source_of,
 )
-from .arms import ARM_PRESETS, ARM_SPECS, preset_arms
+from .arms import ARM_PRESETS, ARM_SPECS, ablation_arms, preset_arms
 from .inputs import check_model, is_model_dir
 from .render import print_tables, write_record
 from .runner import parity_failures, run_ab
@@ -44,7 +45,7 @@ def _train_type(key: str):
 def _argument(p: argparse.ArgumentParser, flag: str, expected, help_text: str | None, shown=None, **extra):
     """An option that parses to None when not given, typed and choosing from its annotation."""
     options: dict = {"default": None, "help": help_text, **extra}
-    if help_text is not None and shown not in (None, False, ""):
+    if help_text is not None and shown is not None and shown != "":
         options["help"] = f"{help_text} (default: {shown})"
     if is_kind(expected, bool):
         options["action"] = argparse.BooleanOptionalAction
@@ -70,10 +71,15 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -
         help="a built-in shape (tiny config or real-model preset, seeded random weights) or a local model "
         f"directory (real weights, with its tokenizer and chat template) (default: {defaults.get('model', 'demo')})",
     )
+    built_in = default_train("demo", ABSection.steps)  # what `slipstream ab` alone trains
     for name, (key, help_text) in TRAIN_FLAGS.items():
         flag = "--rows" if name == "num_rows" else "--" + name.replace("_", "-")
         extra = {"dest": name, "metavar": "FILE" if name in ("data", "chat_template") else None}
-        _argument(p, flag, _train_type(key), f"{help_text} (train's {key})", defaults.get(name), **extra)
+        # (a help that says its default itself says how it depends on the model)
+        shown = None if "default" in help_text else _shown(reduce(getattr, key.split("."), built_in))
+        _argument(
+            p, flag, _train_type(key), f"{help_text} (train's {key})", defaults.get(name, shown), **extra
+        )
     _argument(
         p,
         "--lora-rank",
@@ -82,19 +88,10 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -
         "as slipstream train; 0 for a shape)",
         defaults.get("lora_rank"),
     )
-    p.add_argument(
-        "--preset",
-        choices=tuple(ARM_PRESETS),
-        default=None,
-        help="arms preset: default (stock-padded, stock-packed, slipstream), ablation (leave-one-out), "
-        "ceiling (stock-packed, trl-fused-head, slipstream, slipstream-offload) or peers (trl, "
-        "stock-packed, stock-offload, unsloth, unsloth-same-settings, liger, slipstream; a peer "
-        "that cannot run here is skipped with the reason)",
-    )
+    p.add_argument("--preset", choices=tuple(ARM_PRESETS), default=None, help=presets_help())
     types_ = field_types(ABSection)
     for spec in dataclasses.fields(ABSection):
-        shown = defaults.get(spec.name, getattr(ABSection, spec.name, None))
-        shown = ",".join(shown) if spec.name in _LISTS and shown else shown
+        shown = _shown(defaults.get(spec.name, getattr(ABSection, spec.name, None)))
         flag = spec.metadata.get("flag") or "--" + spec.name.replace("_", "-")
         extra = {"dest": spec.name, "metavar": spec.metadata.get("metavar")}
         _argument(p, flag, types_[spec.name], spec.metadata["help"], shown, **extra)
@@ -107,6 +104,22 @@ def add_ab_arguments(p: argparse.ArgumentParser, defaults: dict | None = None) -
         help="change a train key as slipstream train --set does (optimizer.lr=1e-4), of --config RUN.yaml or "
         "of the built-in defaults, or a key of its ab: section (ab.steps=20); repeatable",
     )
+
+
+def _shown(value):
+    """A default as its option is written: a list comma-separated."""
+    return ",".join(value) if isinstance(value, (list, tuple)) else value
+
+
+def presets_help() -> str:
+    """Every preset of ``ARM_PRESETS`` and its arms (the leave-one-out arms said once): a new one shows."""
+    leave_one_out = ablation_arms()
+    said = []
+    for name, arms in ARM_PRESETS.items():
+        named = [arm for arm in arms if arm not in leave_one_out]
+        named += ["slipstream-no-<speedup> for each speedup"] if len(named) < len(arms) else []
+        said.append(f"{name} ({', '.join(named)})")
+    return f"arms preset: {'; '.join(said)}. A peer that cannot run here is skipped with the reason"
 
 
 def _bool(text: str) -> bool:
@@ -131,7 +144,12 @@ def add_speedup_arguments(p: argparse.ArgumentParser) -> None:
             choices=allowed,
             default=None,
             metavar=None if allowed else spec.name.upper(),
-            help=spec.metadata.get("help", "") + " (slipstream arms)",
+            help=spec.metadata.get("help", "")
+            + (
+                " (slipstream arms)"
+                if spec.default is None
+                else f" (slipstream arms; default: {spec.default})"
+            ),
         )
 
 

@@ -53,8 +53,24 @@ def run_in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result()
 
 
+class ArmTraceback(Exception):
+    """An arm process's traceback, as text: the cause of its :class:`ArmProcessError`, so a traceback
+    of that error (``slipstream --debug``) shows where the arm failed, as ``concurrent.futures`` shows a
+    worker's."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0]}"""'
+
+
 class ArmProcessError(RuntimeError):
-    """An arm's process failed; the message carries its traceback."""
+    """An arm's process failed: one line, the arm and its error's type and message; the process's
+    traceback is the cause (an :class:`ArmTraceback`), kept out of the line a person reads."""
+
+    def __init__(self, arm: str, error: str, arm_traceback: str | None = None):
+        super().__init__(f"arm {arm} failed: {error}")
+        self.arm = arm
+        if arm_traceback:
+            self.__cause__ = ArmTraceback(arm_traceback)
 
 
 def _serve(
@@ -83,7 +99,7 @@ def _serve(
                 connection.send(("result", session.finish()))
                 return
     except BaseException as error:  # noqa: BLE001 - handed to the parent, which raises it
-        connection.send(("error", f"{type(error).__name__}: {error}\n{traceback.format_exc()}"))
+        connection.send(("error", (f"{type(error).__name__}: {error}", traceback.format_exc())))
 
 
 class ArmProcess:
@@ -111,10 +127,10 @@ class ArmProcess:
             kind, value = self.connection.recv()
         except EOFError:
             self.process.join()
-            raise ArmProcessError(f"{self.arm}: its process ended (exit {self.process.exitcode})") from None
+            raise ArmProcessError(self.arm, f"its process ended (exit {self.process.exitcode})") from None
         if kind == "error":
             self.process.join()
-            raise ArmProcessError(f"{self.arm}: {value}")
+            raise ArmProcessError(self.arm, *value)
         if kind == "result":
             self.result = value
             self.process.join()

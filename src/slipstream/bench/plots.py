@@ -69,7 +69,11 @@ def report_plot(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * max(1, len(rows))))
     labels = [f"{r['hardware']} | {r['workload']} | {r['arm']}" for r in rows]
     ratios = [r["ratio"] for r in rows]
-    errors = [[r["ratio"] - r["low"] for r in rows], [r["high"] - r["ratio"] for r in rows]]
+    # a row from too few timed steps has no interval (low / high None): its point alone
+    errors = [
+        [r["ratio"] - r["low"] if r["low"] is not None else 0.0 for r in rows],
+        [r["high"] - r["ratio"] if r["high"] is not None else 0.0 for r in rows],
+    ]
     ax.errorbar(ratios, range(len(rows)), xerr=errors, fmt="o", capsize=4)
     ax.axvline(1.0, color="grey", linestyle="--")
     ax.set_yticks(range(len(rows)), labels, fontsize=8)

@@ -14,7 +14,7 @@ from ..utilisation.step_profile import CATEGORIES
 from .arms import ARM_SPECS
 from .fingerprint import describe
 from .inputs import short_name
-from .stats import format_speedup
+from .stats import format_speedup, interval_words
 
 CATEGORY_COLUMNS = " | ".join(name.replace("_", " ") for name in CATEGORIES)  # a profiled step's headers
 
@@ -389,11 +389,6 @@ def packing_words(record: dict) -> str:
     return "packing -"
 
 
-def _interval_words(s: dict, key: str) -> str:
-    found = s.get(key)
-    return f" [{found['low']:.2f}, {found['high']:.2f}]" if found else ""
-
-
 def rollout_lines(record: dict) -> list[str]:
     """``--objective grpo``: each arm's whole step, its sampling and its update in completions per
     second and against every baseline, what it sampled, and the update's gradient norm per step (on
@@ -421,7 +416,7 @@ def rollout_lines(record: dict) -> list[str]:
 
     def cells(s: dict, prefix: str, interval: str) -> str:
         bases = [k.removeprefix("speedup_vs_") for k in s if k.startswith("speedup_vs_")]
-        shown = [f"{s[f'{prefix}{b}']:.2f}x{_interval_words(s, f'{interval}{b}')} vs {b}" for b in bases]
+        shown = [f"{s[f'{prefix}{b}']:.2f}x{interval_words(s.get(f'{interval}{b}'))} vs {b}" for b in bases]
         return "<br>".join(shown) or "-"
 
     for arm, s in judged.items():

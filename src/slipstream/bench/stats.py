@@ -5,7 +5,8 @@ speedup is total baseline time / total candidate time over the same steps (the r
 their real-token throughputs), and its 95% interval comes from resampling the steps with
 replacement, both arms together. Unpaired samples fall back to a ratio of medians with each
 arm resampled on its own. "faster" / "slower" only when the whole interval clears 1.0,
-otherwise "within noise". Deterministic for a seed.
+otherwise "within noise". Deterministic for a seed. Fewer than ``MIN_TIMED_STEPS`` timed steps
+make no interval: the ratio stands alone, and says why.
 """
 
 from __future__ import annotations
@@ -19,19 +20,36 @@ from dataclasses import dataclass
 LOSS_TOLERANCES = {"float32": (1e-6, 1e-3), "bfloat16": (1e-3, 3e-2), "float16": (1e-3, 3e-2)}
 
 
+# A resample of one or two timed steps only draws them again: the "interval" of one step is that
+# step's ratio twice ("1.92x [1.92, 1.92]"), which claims a certainty it does not have.
+MIN_TIMED_STEPS = 3
+NO_INTERVAL = "no interval"
+
+
 @dataclass(frozen=True)
 class Speedup:
     ratio: float  # baseline time / candidate time for the same steps (a throughput ratio)
-    low: float
-    high: float
-    verdict: str  # "faster", "slower" or "within noise"
+    low: float | None  # None (and high): too few timed steps for an interval (MIN_TIMED_STEPS)
+    high: float | None
+    verdict: str  # "faster", "slower", "within noise", or NO_INTERVAL
+    timed_steps: int  # the fewer of the two arms' (every repeat's together)
+
+
+def interval_words(interval: Mapping | None) -> str:
+    """' [1.39, 1.50]', or why there is none (' (1 timed step: no interval)'); '' without ``interval``."""
+    if not interval:
+        return ""
+    if interval.get("low") is None:
+        steps = interval.get("timed_steps")
+        return f" ({steps} timed step{'' if steps == 1 else 's'}: {NO_INTERVAL})"
+    return f" [{interval['low']:.2f}, {interval['high']:.2f}]"
 
 
 def format_speedup(ratio: float, interval: Mapping | None = None) -> str:
-    """'1.44x [1.39, 1.50] faster': how every table writes a speedup (``interval``: low, high, verdict)."""
-    if not interval:
-        return f"{ratio:.2f}x"
-    return f"{ratio:.2f}x [{interval['low']:.2f}, {interval['high']:.2f}] {interval['verdict']}"
+    """'1.44x [1.39, 1.50] faster': how every table writes a speedup (``interval``: low, high, verdict);
+    '1.92x (1 timed step: no interval)' where too few steps were timed for one."""
+    shown = f"{ratio:.2f}x{interval_words(interval)}"
+    return shown if not interval or interval.get("low") is None else f"{shown} {interval['verdict']}"
 
 
 def speedup(
@@ -57,6 +75,9 @@ def speedup(
         ratio = sum(baseline_s) / sum(candidate_s)
     else:
         ratio = statistics.median(baseline_s) / statistics.median(candidate_s)
+    timed = min(len(baseline_s), len(candidate_s))
+    if timed < MIN_TIMED_STEPS:
+        return Speedup(ratio=ratio, low=None, high=None, verdict=NO_INTERVAL, timed_steps=timed)
     samples = []
     n = len(baseline_s)
     block = n // repeats if paired and repeats > 1 and n % repeats == 0 else n
@@ -75,7 +96,7 @@ def speedup(
     tail = (1 - confidence) / 2
     low, high = samples[int(tail * resamples)], samples[min(resamples - 1, int((1 - tail) * resamples))]
     verdict = "faster" if low > 1.0 else "slower" if high < 1.0 else "within noise"
-    return Speedup(ratio=ratio, low=low, high=high, verdict=verdict)
+    return Speedup(ratio=ratio, low=low, high=high, verdict=verdict, timed_steps=timed)
 
 
 # Step 0 runs the same weights on the same batch in every arm, so a real difference in what a step
