@@ -213,19 +213,25 @@ def test_a_model_directory_trains_what_slipstream_train_would_and_the_record_say
 
 
 @pytest.mark.parametrize(
-    ("yaml_text", "message"),
+    ("sections", "message"),
     [
-        ("quantization:\n  four_bit: true\n", "'quantization.four_bit' is not supported by slipstream ab"),
-        ("lora:\n  experts: true\n", "'lora.experts' is not supported"),
-        ("data:\n  skip_bad_rows: true\n", "'data.skip_bad_rows'"),
-        ("optimizer:\n  lr: -1\n", "optimizer.lr"),
+        (
+            {"model": {"trust_remote_code": True}},
+            "'model.trust_remote_code' is not supported by slipstream ab",
+        ),
+        ({"optimizer": {"lr": -1}}, "optimizer.lr"),
     ],
 )
 def test_a_config_file_an_ab_cannot_run_exactly_is_refused_naming_the_key(
-    yaml_text, message, model_dir, tmp_path, capsys
+    sections, message, model_dir, tmp_path, capsys
 ):
+    import yaml
+
     run = tmp_path / "run.yaml"
-    run.write_text(f"model:\n  path: {model_dir}\ntraining:\n  steps: 2\n{yaml_text}")
+    written = {"model": {"path": str(model_dir)}, "training": {"steps": 2}}
+    for section, keys in sections.items():
+        written[section] = {**written.get(section, {}), **keys}
+    run.write_text(yaml.safe_dump(written))
     assert main(["ab", "--config", str(run), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
@@ -247,7 +253,6 @@ def test_bad_models_and_data_are_one_line_errors(model_dir, chats, tmp_path, cap
         (["--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl")], "no such file"),
         (["--model", str(model_dir), "--data", str(empty)], str(empty)),
         (["--model", str(other), "--data", str(chats)], "beyond the model's 64 embeddings"),
-        (["--model", str(model_dir), "--data", str(chats), "--steps", "400"], "fewer than steps"),
     ]
     capsys.readouterr()  # the set-up's own output (transformers' progress bars)
     for options, message in cases:
@@ -255,6 +260,37 @@ def test_bad_models_and_data_are_one_line_errors(model_dir, chats, tmp_path, cap
         err = capsys.readouterr().err
         assert code == 2, (options, err)
         assert message in err and len(err.strip().splitlines()) == 1, (options, err)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_ab_longer_than_the_run_is_one_line_naming_the_file(model_dir, chats, tmp_path, capsys):
+    """The A/B replays the run's first steps: more steps than the run trains is refused, not invented."""
+    import yaml
+
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        yaml.safe_dump(
+            {"model": {"path": str(model_dir)}, "data": {"path": str(chats)}, "training": {"steps": 3}}
+        )
+    )
+    assert (
+        main(
+            [
+                "ab",
+                "--config",
+                str(run),
+                "--steps",
+                "5",
+                "--arms",
+                "stock-packed",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"slipstream ab: {run}: the run trains 3 optimizer steps (training.steps)"), err
     assert not (tmp_path / "out").exists()
 
 

@@ -163,13 +163,14 @@ def ab_config_from_args(args: argparse.Namespace, **point) -> ABConfig:
         for spec in dataclasses.fields(speedups_module.Speedups)
         if (value := getattr(args, f"speedup_{spec.name}", None)) is not None
     }
-    if flags := [name for name in given if name in TRAIN_FLAGS]:  # one name per train key: say which
-        keys = ", ".join(f"--{name.replace('_', '-')} sets {TRAIN_FLAGS[name][0]}" for name in flags)
-        print(f"slipstream ab: {keys} (--set KEY=VALUE, or the key in --config RUN.yaml)", file=sys.stderr)
     options = {**(getattr(args, "ab_defaults", None) or {}), **given, **point}
     if speedups:
         options["speedups"] = {**options.get("speedups", {}), **speedups}
-    return ab_config(getattr(args, "set", None) or (), **options)
+    config = ab_config(getattr(args, "set", None) or (), **options)
+    if (flags := [name for name in given if name in TRAIN_FLAGS]) and not point:  # one name per train key
+        keys = ", ".join(f"--{name.replace('_', '-')} sets {TRAIN_FLAGS[name][0]}" for name in flags)
+        print(f"slipstream ab: {keys} (--set KEY=VALUE, or the key in --config RUN.yaml)")
+    return config
 
 
 def _sets(options: dict, shape: bool) -> list[str]:
@@ -225,6 +226,7 @@ def ab_config(sets: list[str] | tuple[str, ...] = (), **options) -> ABConfig:
         preset = preset or (objective if "arms" not in ab and objective in ARM_PRESETS else None)
         if "steps" not in ab and train.training.steps and train.training.steps < ABSection.steps:
             ab["steps"] = train.training.steps  # a run shorter than the A/B's default: all of it
+            ab.setdefault("warmup", min(ABSection.warmup, ab["steps"] - 1))
         if train.lora.enabled and train.lora.dropout:
             print(
                 f"slipstream ab: {path}: lora.dropout {train.lora.dropout:g} runs as 0 here: each arm would "
