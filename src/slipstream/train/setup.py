@@ -29,7 +29,7 @@ from .errors import TrainError
 from .fingerprint import fingerprint as run_fingerprint
 from .inputs import read_inputs
 from .lock import RunLock
-from .output_dir import CONFIG, SAMPLES, prepare_output, rewind_metrics
+from .output_dir import CONFIG, SAMPLES, NewOutput, prepare_output, rewind_metrics
 from .precision import resolve_dtype
 
 logger = logging.getLogger("slipstream")
@@ -69,11 +69,14 @@ def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) 
         require("bitsandbytes", "quantization.four_bit (QLoRA)")
     info = setup(config.training.distributed)
     out = Path(config.output_dir)
+    new = NewOutput.of(out) if info.is_main else None  # a failed set-up leaves it as it was
     lock = RunLock.acquire(out) if info.is_main else None  # before anything there is read or changed
     try:
         return _set_up_locked(config, info, out, lock, resume=resume, overwrite=overwrite, force=force)
     except BaseException:
-        if lock is not None:
+        if new is not None:
+            new.undo(lock)  # and releases the lock
+        elif lock is not None:
             lock.release()
         raise
 
