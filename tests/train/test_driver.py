@@ -34,7 +34,7 @@ def test_a_step_trains_the_bins_of_the_shared_order_and_says_what_it_did(tmp_pat
     assert done.plan.documents == [driver.bins[i] for i in order(0)]
     assert done.tokens == sum(len(row["input_ids"]) for i in order(0) for row in driver.bins[i])
     assert math.isfinite(done.loss) and done.finite and done.grad_norm > 0
-    assert done.lr == 1e-2 and done.pairs == 0 and done.forward_s > 0
+    assert done.lr == 1e-2 and done.pairs == 0 and done.metrics["forward_s"] > 0
 
 
 def test_a_planned_driver_steps_the_same_rows_to_the_same_loss(tmp_path):

@@ -61,7 +61,7 @@ def test_token_ids_beyond_the_vocabulary():
 def test_a_refusal_is_said_in_config_terms():
     from slipstream.loss.chunked_loss import UnsupportedLoss
     from slipstream.packing.guards import UnsupportedArchitecture
-    from slipstream.train.loop import config_advice
+    from slipstream.train.driver import config_advice
 
     # read from the exception (its class's avoid, or the raise site's), never from its text
     assert config_advice(UnsupportedArchitecture("X")) == " (in the config: speedups.packed_attention: false)"

@@ -56,14 +56,6 @@ class StepResult:
     lr: float  # the learning rate the step ran with
     plan: StepPlan  # its micro-batches, documents and the objective's record
 
-    @property
-    def forward_s(self) -> float:
-        return self.metrics["forward_s"]
-
-    @property
-    def backward_s(self) -> float:
-        return self.metrics["backward_s"]
-
 
 @dataclass
 class StepDriver:

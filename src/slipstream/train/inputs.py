@@ -1,10 +1,5 @@
-"""What a step driver is built on besides its config: the tokenizer, the objective and its steps' rows.
-
-:func:`read_inputs` is ``slipstream train``'s: the tokenizer (with ``data.chat_template``'s template),
-the objective ``training.objective`` names and its rows read and packed (``objective.read``), on the
-device and dtype set-up chose. An A/B arm builds its :class:`DriverInputs` itself, on the rows the
-A/B planned once for every arm (``plan``). ``driver.driver_for`` takes either.
-"""
+"""What a step driver is built on besides its config (:class:`DriverInputs`): ``slipstream train``
+reads them (:func:`read_inputs`); an A/B arm builds its own on the steps the A/B planned for every arm."""
 
 from __future__ import annotations
 
@@ -25,9 +20,8 @@ from .preflight import check_model_dir
 
 @dataclass
 class DriverInputs:
-    """What a driver is built on besides its config, read once by its caller: the run's bins are
-    ``data`` (``objective.read``: bins in ``data.steps``' order, the held-out set) or ``plan``
-    (each step's bins in that order already, ``[step][micro_batch] -> rows``: an A/B arm's)."""
+    """The tokenizer, the objective, and its rows read (``data``: ``objective.read``'s bins and held-out
+    set) or its steps planned (``plan``: each step's bins, ``[step][micro_batch] -> rows``)."""
 
     tokenizer: Any
     objective: Objective
@@ -36,10 +30,6 @@ class DriverInputs:
     data: ObjectiveData | None = None
     plan: list[list[list[dict]]] | None = None
     vocab_size: int | None = None  # the embedding rows (None: the tokenizer's)
-
-    def __post_init__(self) -> None:
-        if (self.data is None) == (self.plan is None):
-            raise ValueError("DriverInputs: give exactly one of data (rows read) or plan (steps planned)")
 
 
 def read_inputs(

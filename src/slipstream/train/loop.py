@@ -31,25 +31,13 @@ from ..utilisation import docs_micro_batch
 from .checkpoints import newest_checkpoint, prune_checkpoints, save_checkpoint, save_final
 from .config import TrainConfig
 from .distributed import full_trainable_state, shutdown
-from .driver import config_advice
-from .errors import TrainError, TrainInterrupted
+from .errors import TrainInterrupted
 from .interrupt import GracefulStop, stop_agreed
 from .metrics import _Metrics, _summary
 from .nonfinite import NonFiniteSteps, finite_or_none
-from .output_dir import CHECKPOINTS, FINISHED
+from .output_dir import CHECKPOINTS
 from .samples import Samples
 from .setup import _Run, _set_up
-
-__all__ = [
-    "CHECKPOINTS",
-    "FINISHED",
-    "TrainError",
-    "TrainInterrupted",
-    "config_advice",
-    "newest_checkpoint",
-    "save_checkpoint",
-    "train",
-]
 
 
 def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
@@ -87,9 +75,8 @@ def _evaluate(run: _Run, step: int) -> dict[str, float | None]:
 
 def _evaluation_point(run: _Run, step: int) -> bool:
     """Every ``training.eval_every`` steps (0: none) and the last."""
-    driver = run.driver
-    every = driver.config.training.eval_every
-    return step == driver.total or (every > 0 and step % every == 0)
+    every = run.driver.config.training.eval_every
+    return step == run.driver.total or (every > 0 and step % every == 0)
 
 
 def _checkpoint(run: _Run, step: int, loss: float | None) -> None:

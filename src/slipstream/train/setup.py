@@ -142,8 +142,7 @@ def _set_up_locked(
 
 def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
     """Load the checkpoint resumed from and keep the metrics up to it; the step to start at."""
-    driver = run.driver
-    info, point = driver.info, run.point
+    driver, info, point = run.driver, run.driver.info, run.point
     if checkpoint is None:
         if resume and info.is_main:
             logger.warning("%s: no checkpoint to resume from: starting at step 0", driver.out)
@@ -152,7 +151,7 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
             rewind_metrics(driver.out, 0, SAMPLES)
         return 0
     start = apply_checkpoint(checkpoint, driver.model, driver.optimizer, driver.scheduler)
-    _config_hyperparameters(run)
+    _config_hyperparameters(driver)
     if start > driver.total:
         raise TrainError(
             f"{point.path}: the checkpoint is at step {start}, past this run's {driver.total} steps"
@@ -168,14 +167,13 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
     return start
 
 
-def _config_hyperparameters(run: _Run) -> None:
+def _config_hyperparameters(driver: StepDriver) -> None:
     """The config's optimizer settings over those a checkpoint restored (``--resume --force`` with a changed lr).
 
     ``load_state_dict`` brings back the checkpoint's lr, betas and weight decay with the moments,
     and the scheduler its base lr, so a changed ``optimizer.lr`` would silently not apply. The
     schedule itself (its shape, warmup) is this run's; the lr is recomputed for the step resumed at.
     """
-    driver = run.driver
     settings = driver.config.optimizer
     for group in driver.optimizer.param_groups:
         group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
