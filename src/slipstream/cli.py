@@ -18,6 +18,7 @@ from .bench.lockstep import ArmProcessError
 from .bench.report import ReportError, load_records, report_markdown, report_rows, write_report
 from .data import DataError, demo_tokenizer, load_samples, pack_samples
 from .doctor import first_use_hint
+from .errors import TrainError
 from .fields import choices, field_types, is_kind
 from .models import model_names
 from .noise import known_noise_hidden
@@ -168,7 +169,7 @@ def _add_train(sub) -> None:
 
 
 def _cmd_train(args) -> int:
-    from .train.loop import TrainError, train  # pulls in peft / bitsandbytes: only `train` pays for them
+    from .train.loop import train  # pulls in peft / bitsandbytes: only `train` pays for them
 
     try:
         config = load_config(args.config, args.set)

@@ -170,7 +170,7 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Generator:
-    from .train.setup import load_model as train_model
+    from .train.driver import load_model as train_model
 
     adapter = run / ADAPTER
     if not adapter.is_dir():

@@ -68,7 +68,7 @@ def nonfinite_at(steps: set[int], rank: int | None = None) -> Iterator[None]:
             output.loss = output.loss * float("inf")
             return output
 
-        handle = run.model.register_forward_hook(hook)
+        handle = run.driver.model.register_forward_hook(hook)
         try:
             return real(run, step)
         finally:

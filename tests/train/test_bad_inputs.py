@@ -47,7 +47,9 @@ def run(tmp_path: Path, capsys, data: dict, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def assert_one_line_refusal(code: int, err: str, expected: str, out: Path) -> None:
+def assert_one_line_refusal(code: int, err: str, expected: str, out: Path, existed: bool = False) -> None:
+    """... and a run refused before its first step leaves nothing behind: no output directory where
+    there was none (``existed``: one that was there is checked by the test)."""
     lines = [  # without transformers' progress bars and the dtype line a run prints first
         line
         for line in err.replace("\r", "\n").splitlines()
@@ -57,6 +59,7 @@ def assert_one_line_refusal(code: int, err: str, expected: str, out: Path) -> No
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert expected in lines[0], lines[0]
+    assert existed or not out.exists(), sorted(p.name for p in out.iterdir())
     assert not (out / "adapter").exists() and not (out / "run.json").exists()
 
 
@@ -89,7 +92,7 @@ def test_config_mistakes(tmp_path, capsys, args, expected):
 def test_output_dir_that_is_a_file(tmp_path, capsys):
     (tmp_path / "taken").write_text("not a folder")
     code, err = run(tmp_path, capsys, {**BASE, "output_dir": str(tmp_path / "taken")})
-    assert_one_line_refusal(code, err, str(tmp_path / "taken"), tmp_path / "taken")
+    assert_one_line_refusal(code, err, str(tmp_path / "taken"), tmp_path / "taken", existed=True)
 
 
 def test_overwrite_of_a_folder_slipstream_did_not_make_leaves_it_untouched(tmp_path, capsys):
@@ -97,7 +100,7 @@ def test_overwrite_of_a_folder_slipstream_did_not_make_leaves_it_untouched(tmp_p
     folder.mkdir()
     (folder / "train.jsonl").write_text('{"text": "precious"}\n')
     code, err = run(tmp_path, capsys, {**BASE, "output_dir": str(folder)}, "--overwrite")
-    assert_one_line_refusal(code, err, "--overwrite refused", folder)
+    assert_one_line_refusal(code, err, "--overwrite refused", folder, existed=True)
     assert (folder / "train.jsonl").read_text() == '{"text": "precious"}\n'
 
 
@@ -106,6 +109,22 @@ def test_missing_model_directory_is_not_blamed_on_the_network(tmp_path, capsys):
     code, err = run(tmp_path, capsys, data)
     assert_one_line_refusal(code, err, "model.path", tmp_path / "out")
     assert "no such directory" in err and "connect" not in err.lower()
+
+
+def test_a_bad_data_line_names_its_line_and_leaves_no_output_directory(tmp_path, capsys):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps(chat("hi", "yo")) + "\n" + '{"messages": [\n')
+    out = tmp_path / "runs" / "first"  # its parent is created too, and removed with it
+    code, err = run(tmp_path, capsys, {**BASE, "data": {"path": str(data)}, "output_dir": str(out)})
+    assert_one_line_refusal(code, err, f"{data}:2", out)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_set_up_leaves_an_empty_output_directory_empty(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    code, err = run(tmp_path, capsys, {**BASE, "model": {"path": str(tmp_path / "no-such-model")}})
+    assert_one_line_refusal(code, err, "model.path", tmp_path / "out", existed=True)
+    assert list((tmp_path / "out").iterdir()) == []
 
 
 def test_damaged_weights_name_the_file(tmp_path, capsys, model_dir):

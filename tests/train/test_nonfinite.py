@@ -144,7 +144,7 @@ def test_skip_drops_the_update_counts_and_logs_it(tmp_path, monkeypatch):
     def recording(run, step):
         result = real(run, step)
         weights[step + 1] = {
-            n: p.detach().clone() for n, p in run.model.named_parameters() if p.requires_grad
+            n: p.detach().clone() for n, p in run.driver.model.named_parameters() if p.requires_grad
         }
         return result
 

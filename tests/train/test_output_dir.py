@@ -11,8 +11,9 @@ import yaml
 from slipstream.cli import main
 from slipstream.train.config import load_config
 from slipstream.train.errors import TrainError
+from slipstream.train.lock import RunLock
 from slipstream.train.loop import train
-from slipstream.train.output_dir import MARKER, is_leftover, prepare_output
+from slipstream.train.output_dir import MARKER, NewOutput, is_leftover, prepare_output
 
 from .test_train import TINY
 
@@ -163,3 +164,23 @@ def test_resume_in_a_new_directory_starts_at_step_zero_with_a_warning(tmp_path, 
         _, summary = train(config, resume=True, progress=False)
     assert "no checkpoint to resume from: starting at step 0" in caplog.text
     assert summary["steps"] == 2 and "resumed" not in summary
+
+
+def test_a_failed_set_up_undoes_only_what_it_made(tmp_path):
+    """``NewOutput``: the directories a run created go, slipstream's entries go, anything else stays."""
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "notes.txt").write_text("mine")
+    assert NewOutput.of(tmp_path / "used") is None  # it holds something: never undone
+    out = tmp_path / "a" / "b" / "run"
+    new = NewOutput.of(out)
+    assert new.created == tmp_path / "a"
+    lock = RunLock.acquire(out)
+    prepare_output(out, resume=False, overwrite=False)
+    new.undo(lock)
+    assert not (tmp_path / "a").exists()
+    new = NewOutput.of(out)
+    lock = RunLock.acquire(out)
+    prepare_output(out, resume=False, overwrite=False)
+    (out / "notes.txt").write_text("written meanwhile")  # not slipstream's: kept, and its folders
+    new.undo(lock)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

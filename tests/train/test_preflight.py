@@ -61,7 +61,7 @@ def test_token_ids_beyond_the_vocabulary():
 def test_a_refusal_is_said_in_config_terms():
     from slipstream.loss.chunked_loss import UnsupportedLoss
     from slipstream.packing.guards import UnsupportedArchitecture
-    from slipstream.train.loop import config_advice
+    from slipstream.train.driver import config_advice
 
     # read from the exception (its class's avoid, or the raise site's), never from its text
     assert config_advice(UnsupportedArchitecture("X")) == " (in the config: speedups.packed_attention: false)"
@@ -121,7 +121,7 @@ def test_the_chat_template_option_renders_every_row_with_the_given_template(tmp_
     """A .jinja file, or a tokenizer directory: its template replaces the tokenizer's, so the rows
     render (and tokenize) differently; the labels are still the assistant's tokens only."""
     from slipstream.data import tokenize_row
-    from slipstream.train.setup import load_tokenizer
+    from slipstream.train.inputs import load_tokenizer
 
     stock = load_tokenizer(TrainConfig(model=ModelConfig(preset="demo")))
     (tmp_path / "shouted.jinja").write_text(SHOUTED)
@@ -147,7 +147,7 @@ def test_the_chat_template_option_renders_every_row_with_the_given_template(tmp_
     ],
 )
 def test_a_chat_template_that_cannot_be_used_is_one_line_naming_the_key(tmp_path, write, message):
-    from slipstream.train.setup import load_tokenizer
+    from slipstream.train.inputs import load_tokenizer
 
     path = tmp_path / "template.jinja"
     if write is not None:

@@ -118,6 +118,7 @@ def open_arm_model(config, arm: str, plan: list, vocab_size: int, perturb: bool,
     run is judged against (``bench/truth.py``); ``perturb``: the weights moved by one ulp, the run's
     sensitivity. Returns ``(device, driver or None, model, weights moved)``."""
     from ..train.driver import driver_for
+    from ..train.inputs import DriverInputs, objective_of
     from .ab_config import resolve_device
     from .arms import build_arm_model, drives, train_config_of
     from .inputs import ab_tokenizer, quiet_progress_bars
@@ -127,14 +128,16 @@ def open_arm_model(config, arm: str, plan: list, vocab_size: int, perturb: bool,
     device, driver = resolve_device(config.ab.device), None
     if drives(arm):
         with quiet_progress_bars():
-            driver = driver_for(
-                train_config_of(config, arm),
+            train = train_config_of(config, arm)
+            inputs = DriverInputs(
                 tokenizer=ab_tokenizer(config),
-                plan=plan,
+                objective=objective_of(train),
                 device=torch.device(device),
                 dtype=getattr(torch, config.train.model.dtype),
+                plan=plan,
                 vocab_size=vocab_size,
             )
+            driver = driver_for(train, inputs=inputs)
         model = driver.model
     else:
         model = build_arm_model(config, arm, vocab_size, device)

@@ -52,12 +52,12 @@ def check_model(model: str) -> None:
 
 
 def ab_tokenizer(config):
-    """``slipstream train``'s tokenizer of the run (``train/driver.load_tokenizer``): the model
+    """``slipstream train``'s tokenizer of the run (``train/inputs.load_tokenizer``): the model
     directory's own (and chat template), or the demo tokenizer for a preset; with
     ``data.chat_template``'s template in place of its own where one is given. ABInputError naming
     what cannot be used."""
     from ..errors import TrainError
-    from ..train.driver import load_tokenizer
+    from ..train.inputs import load_tokenizer
 
     try:
         return load_tokenizer(config.train)

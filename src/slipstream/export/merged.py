@@ -225,7 +225,7 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
     from ..moe.lora import load_expert_lora
 
     # the run's own builders: the same base, the same adapter
-    from ..train.setup import apply_lora, load_model
+    from ..train.driver import apply_lora, load_model
 
     try:
         base = load_model(config, len(tokenizer), dtype)
@@ -358,7 +358,7 @@ def export_merged(
     """
     from transformers import AutoModelForCausalLM
 
-    from ..train.setup import load_tokenizer
+    from ..train.inputs import load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
     if dtype is not None and dtype not in DTYPES:

@@ -1,8 +1,9 @@
 """The one step driver: what ``slipstream train`` and every slipstream arm of ``slipstream ab`` run.
 
-:func:`driver_for` builds a :class:`StepDriver` from one ``TrainConfig`` (the tokenizer, the
-objective, its bins and their step order, the model loaded, checked, optimized and with its
-adapters, the optimizer and schedule); :meth:`StepDriver.prepare` runs what the objective runs
+:func:`driver_for` builds a :class:`StepDriver` from one ``TrainConfig`` and its inputs
+(``inputs.DriverInputs``: the tokenizer, the objective, its rows read or an A/B's planned steps): the
+bins in their step order, the model loaded, checked, optimized and with its adapters, the optimizer
+and schedule; :meth:`StepDriver.prepare` runs what the objective runs
 before step 0; :meth:`StepDriver.step` runs optimizer step i (the objective's ``plan_step``,
 ``train_step``, the scheduler) and returns a :class:`StepResult`. ``train``'s loop adds
 checkpoints, evaluation, metrics and samples around it (``loop.py``, its run directory in
@@ -20,15 +21,14 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, get_scheduler
 
-from ..data import demo_tokenizer
 from ..data.steps import block_order, step_order, steps_per_epoch
 from ..models import build_model
 from ..models.qlora import load_for_qlora
 from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
-from ..objectives import Objective, ObjectiveData, objective_for
+from ..objectives import Objective
 from ..objectives.base import ObjectiveContext, StepPlan
 from ..optimize import optimize, state_of
 from ..packing.batch import cumulative
@@ -37,8 +37,9 @@ from .checkpoints import newest_checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed, unwrap, wrap
 from .errors import TrainError
+from .inputs import DriverInputs, read_inputs
 from .precision import resolve_dtype
-from .preflight import check_lora_targets, check_model_dir, check_token_ids, weights_error, with_chat_template
+from .preflight import check_loaded_model, check_model_dir, weights_error
 from .step import train_step
 
 
@@ -54,14 +55,6 @@ class StepResult:
     pairs: int  # preference pairs the step held (0: none)
     lr: float  # the learning rate the step ran with
     plan: StepPlan  # its micro-batches, documents and the objective's record
-
-    @property
-    def forward_s(self) -> float:
-        return self.metrics["forward_s"]
-
-    @property
-    def backward_s(self) -> float:
-        return self.metrics["backward_s"]
 
 
 @dataclass
@@ -180,22 +173,6 @@ class StepDriver:
 
 
 # ----------------------------------------------------------------------------- building one
-def load_tokenizer(config: TrainConfig):
-    if config.model.preset is not None:
-        return with_chat_template(demo_tokenizer(), config)
-    # before anything reads it: a missing directory is not a network problem
-    check_model_dir(config.model.path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            config.model.path, local_files_only=True, trust_remote_code=config.model.trust_remote_code
-        )
-    except (OSError, ValueError) as error:
-        raise TrainError(
-            f"{config.model.path}: no usable tokenizer saved beside the model ({error})"
-        ) from None
-    return with_chat_template(tokenizer, config)  # data.chat_template: another template than the model's
-
-
 def config_advice(error: BaseException) -> str:
     """The config lines that avoid the refusal in ``error`` (its ``avoid``, read from the exception
     or its cause: `` (in the config: speedups.packed_attention: false)``), or "" where none does."""
@@ -283,30 +260,21 @@ def step_plan(
     return total, step_order(num_bins, per_step, config.seed), epoch
 
 
-def objective_of(config: TrainConfig) -> Objective:
-    """The objective ``training.objective`` names (the config checked it is registered)."""
-    return objective_for(config.training.objective)(config)
-
-
 def trainable_model(
     config: TrainConfig,
-    tokenizer,
+    inputs: DriverInputs,
     rows,
-    device,
-    dtype,
-    info: Distributed,
     evals,
-    objective: Objective,
+    info: Distributed,
     expected_steps: int | None = None,
-    vocab_size: int | None = None,
 ) -> torch.nn.Module:
     """The model loaded, checked, optimized, with its adapters and wrapped for the ranks."""
-    model = load_model(config, vocab_size or len(tokenizer), dtype)
-    check_lora_targets(model, config)
-    check_token_ids(objective.documents(rows), model, config.data.path or "the demo data")
+    objective, device = inputs.objective, inputs.device
+    model = load_model(config, inputs.vocab_size or len(inputs.tokenizer), inputs.dtype)
+    held_out = None
     if evals is not None and config.data.eval_path is not None:
-        held_out = [d for b in evals.bins for d in b]
-        check_token_ids(objective.documents(held_out), model, config.data.eval_path)
+        held_out = objective.documents([d for b in evals.bins for d in b])
+    check_loaded_model(model, config, objective.documents(rows), held_out)
     if not config.quantization.four_bit:
         model.to(device)
     try:
@@ -342,29 +310,21 @@ def optimizer_and_schedule(
 def driver_for(
     config: TrainConfig,
     info: Distributed | None = None,
+    inputs: DriverInputs | None = None,
     *,
-    tokenizer=None,
-    objective: Objective | None = None,
-    data: ObjectiveData | None = None,
-    plan: list[list[list[dict]]] | None = None,
-    device: torch.device | None = None,
-    dtype: torch.dtype | None = None,
-    vocab_size: int | None = None,
     out: Path | None = None,
 ) -> StepDriver:
-    """The driver of ``config``, not yet prepared (:meth:`StepDriver.prepare`).
-
-    Its bins are the objective's (``objective.read``, or ``data`` already read) in ``data.steps``'
-    order; or ``plan``, each step's bins in that order already (``[step][micro_batch] -> rows``,
-    what an A/B hands every arm's process). ``vocab_size``: the embedding rows (default: the
-    tokenizer's)."""
+    """The driver of ``config``, not yet prepared (:meth:`StepDriver.prepare`), on ``inputs``
+    (default: ``slipstream train``'s, :func:`inputs.read_inputs`): its bins are the objective's rows
+    read in ``data.steps``' order, or the steps an A/B planned (``inputs.plan``). ``out``: the run's
+    directory (``train``), where the resume hint looks."""
     info = info or Distributed()
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config)
-    objective = objective or objective_of(config)
-    device = device or info.device()
-    dtype = dtype or resolve_dtype(config.model.dtype, device)[0]
+    if inputs is None:
+        device = info.device()
+        inputs = read_inputs(config, info, device, resolve_dtype(config.model.dtype, device)[0])
     evals = None
-    if plan is not None:
+    if inputs.plan is not None:
+        plan = inputs.plan
         bins = [rows for micro in plan for rows in micro]
         total = config.training.steps or len(plan)
         starts = cumulative(len(micro) for micro in plan)  # a step may hold fewer bins (histories)
@@ -375,28 +335,26 @@ def driver_for(
 
         rows = [row for rows in bins for row in rows]
     else:
-        data = data or objective.read(tokenizer, info)
+        data = inputs.data
         bins, rows, evals = data.bins, data.rows, data.evals
         total, bins_for, epoch_steps = step_plan(len(bins), config, info.world_size, data.blocks)
-    model = trainable_model(
-        config, tokenizer, rows, device, dtype, info, evals, objective, total, vocab_size=vocab_size
-    )
+    model = trainable_model(config, inputs, rows, evals, info, total)
     optimizer, scheduler = optimizer_and_schedule(
-        model.parameters(), config, device, total, fused=info.strategy != "fsdp2"
+        model.parameters(), config, inputs.device, total, fused=info.strategy != "fsdp2"
     )
     return StepDriver(
         config=config,
         info=info,
-        objective=objective,
+        objective=inputs.objective,
         model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         bins=bins,
         bins_for=bins_for,
         total=total,
-        device=device,
-        dtype=dtype,
-        tokenizer=tokenizer,
+        device=inputs.device,
+        dtype=inputs.dtype,
+        tokenizer=inputs.tokenizer,
         evals=evals,
         out=out,
         epoch_steps=epoch_steps,

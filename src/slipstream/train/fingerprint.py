@@ -131,10 +131,11 @@ def _describe(data: dict[str, Any]) -> str:
 
 def fingerprint(config, tokenizer, *, world_size: int, dtype: torch.dtype) -> dict[str, Any]:
     """The fingerprint a checkpoint of this run stores (JSON-ready)."""
+    data = data_fingerprint(config)
     return {
         "format": FINGERPRINT_FORMAT,
         "config": config_fingerprint(config, world_size=world_size, dtype=dtype),
-        "data": data_fingerprint(config),
+        "data": data,
         "tokenizer": tokenizer_parts(tokenizer),
     }
 

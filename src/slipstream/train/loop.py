@@ -31,24 +31,13 @@ from ..utilisation import docs_micro_batch
 from .checkpoints import newest_checkpoint, prune_checkpoints, save_checkpoint, save_final
 from .config import TrainConfig
 from .distributed import full_trainable_state, shutdown
-from .errors import TrainError, TrainInterrupted
+from .errors import TrainInterrupted
 from .interrupt import GracefulStop, stop_agreed
 from .metrics import _Metrics, _summary
 from .nonfinite import NonFiniteSteps, finite_or_none
-from .output_dir import CHECKPOINTS, FINISHED
+from .output_dir import CHECKPOINTS
 from .samples import Samples
-from .setup import _Run, _set_up, config_advice
-
-__all__ = [
-    "CHECKPOINTS",
-    "FINISHED",
-    "TrainError",
-    "TrainInterrupted",
-    "config_advice",
-    "newest_checkpoint",
-    "save_checkpoint",
-    "train",
-]
+from .setup import _Run, _set_up
 
 
 def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
@@ -69,15 +58,16 @@ def _step_flops(run: _Run) -> int:
 def _evaluate(run: _Run, step: int) -> dict[str, float | None]:
     """The eval metrics after step ``step`` (every rank); the loss, where the objective has one, kept
     in ``run.eval_losses``; a non-finite value is None, and said."""
+    driver = run.driver
     metrics = {
         k: finite_or_none(v)
-        for k, v in run.objective.evaluate(run.model, run.evals, run.info, run.device).items()
+        for k, v in driver.objective.evaluate(driver.model, driver.evals, driver.info, driver.device).items()
     }
     if len(metrics) > 1 or "loss" not in metrics:  # more than a loss: the reward metrics, say
         run.eval_metrics.append((step, metrics))
     if "loss" in metrics:
         loss = metrics["loss"]
-        if loss is None and run.info.is_main:
+        if loss is None and driver.info.is_main:
             tqdm.write(f"slipstream train: the eval loss after step {step} is not finite: recorded as null")
         run.eval_losses.append((step, loss))
     return metrics
@@ -85,52 +75,61 @@ def _evaluate(run: _Run, step: int) -> dict[str, float | None]:
 
 def _evaluation_point(run: _Run, step: int) -> bool:
     """Every ``training.eval_every`` steps (0: none) and the last."""
-    every = run.config.training.eval_every
-    return step == run.total or (every > 0 and step % every == 0)
+    every = run.driver.config.training.eval_every
+    return step == run.driver.total or (every > 0 and step % every == 0)
 
 
 def _checkpoint(run: _Run, step: int, loss: float | None) -> None:
     """Save step ``step``'s checkpoint, then keep the newest ``training.keep_checkpoints``."""
+    driver = run.driver
     save_checkpoint(
-        run.out, step, run.model, run.optimizer, run.scheduler, loss=loss, fingerprint=run.fingerprint
+        driver.out,
+        step,
+        driver.model,
+        driver.optimizer,
+        driver.scheduler,
+        loss=loss,
+        fingerprint=run.fingerprint,
     )
-    prune_checkpoints(run.out, run.config.training.keep_checkpoints, step)
+    prune_checkpoints(driver.out, driver.config.training.keep_checkpoints, step)
 
 
 def _stop(run: _Run, requested: str | None, step: int, loss: float | None, saved: bool) -> TrainInterrupted:
     """Save step ``step`` (if not just saved) for a stop every rank agreed on; the error that says so."""
-    if run.info.strategy == "fsdp2":
+    driver = run.driver
+    if driver.info.strategy == "fsdp2":
         where = "no checkpoint (training.distributed fsdp2 cannot write checkpoints yet)"
         how = "run it again to start over"
     else:
-        if run.info.is_main and not saved:
+        if driver.info.is_main and not saved:
             _checkpoint(run, step, loss)
-        run.info.barrier()
-        where = f"checkpoint {run.out / CHECKPOINTS / f'step-{step:06d}'}"
+        driver.info.barrier()
+        where = f"checkpoint {driver.out / CHECKPOINTS / f'step-{step:06d}'}"
         how = "run the same command with --resume to continue"
     return TrainInterrupted(
         f"{requested or 'a stop request on another rank'}: stopped after step "
-        f"{step} of {run.total}; {where}: {how}"
+        f"{step} of {driver.total}; {where}: {how}"
     )
 
 
 def _run_steps(
     run: _Run, *, progress: bool, after_step: Callable[[int], None] | None
 ) -> tuple[list[float], NonFiniteSteps]:
-    """Steps ``run.start`` to ``run.total``; returns the finite losses and the non-finite count.
+    """Steps ``run.start`` to ``driver.total``; returns the finite losses and the non-finite count.
 
     Ctrl-C stops after a whole step; a non-finite step stops the run or is skipped
     (``nonfinite.NonFiniteSteps``)."""
-    config, info, total = run.config, run.info, run.total
+    driver = run.driver
+    config, info, total = driver.config, driver.info, driver.total
     metrics = _Metrics(run)
     samples = Samples(
-        run.out,
+        driver.out,
         config.training.sample_prompts,
         config.training.sample_max_new_tokens,
         main=info.is_main,
-        evaluated=run.evals is not None and bool(run.objective.keeps_samples),
+        evaluated=driver.evals is not None and bool(driver.objective.keeps_samples),
     )
-    nonfinite = NonFiniteSteps(run.config, run.info, run.out, run.total, run.model)
+    nonfinite = NonFiniteSteps(driver.config, driver.info, driver.out, driver.total, driver.model)
     losses: list[float] = []
     begin = time.perf_counter()
     tokens_seen = pairs_seen = 0
@@ -145,10 +144,10 @@ def _run_steps(
     )
     step, stop = run.start, GracefulStop()
     postfix: dict[str, str] = {}  # the last eval loss, shown until the next
-    if config.training.eval_at_start and run.evals is not None and run.start == 0:
+    if config.training.eval_at_start and driver.evals is not None and run.start == 0:
         evaluated = time.perf_counter()  # the starting weights' figures, the base a run improves on
         found = _evaluate(run, 0)
-        samples.keep(0, run.objective.eval_samples())
+        samples.keep(0, driver.objective.eval_samples())
         metrics.log({"step": 0, **{f"eval_{name}": value for name, value in found.items()}})
         eval_seconds += time.perf_counter() - evaluated
         if info.is_main:
@@ -166,12 +165,12 @@ def _run_steps(
                 "step": step + 1,
                 "loss": finite_or_none(loss),
                 "grad_norm": finite_or_none(grad_norm),
-                "lr": run.scheduler.get_last_lr()[0],
+                "lr": driver.scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_seen / max(elapsed - eval_seconds, 1e-9),  # training time only
                 "elapsed_s": elapsed,
             }
             result = run.last_metrics
-            for name in run.objective.metrics[1:]:  # beyond the loss: the reward metrics, say
+            for name in driver.objective.metrics[1:]:  # beyond the loss: the reward metrics, say
                 record[name] = finite_or_none(result[name])
             # the objective's host values (GRPO: rewards, lengths; a device scalar it kept during the step
             # is read now, after the step's own read)
@@ -179,10 +178,10 @@ def _run_steps(
             if result["pairs"]:
                 pairs_seen += result["pairs"]
                 record["pairs_per_s"] = pairs_seen / max(elapsed - eval_seconds, 1e-9)
-            if run.evals is not None and _evaluation_point(run, step + 1):
+            if driver.evals is not None and _evaluation_point(run, step + 1):
                 evaluated = time.perf_counter()
                 found = _evaluate(run, step + 1)
-                samples.keep(step + 1, run.objective.eval_samples())
+                samples.keep(step + 1, driver.objective.eval_samples())
                 for name, value in found.items():  # the loss first, where the objective has one
                     record[f"eval_{name}"] = value
                 eval_seconds += time.perf_counter() - evaluated
@@ -200,7 +199,9 @@ def _run_steps(
                     tqdm.write(line)
             if samples.enabled and _evaluation_point(run, step + 1):
                 answered = time.perf_counter()
-                samples.write(run.model, run.tokenizer, step + 1)  # training.sample_prompts' answers (rank 0)
+                samples.write(
+                    driver.model, driver.tokenizer, step + 1
+                )  # training.sample_prompts' answers (rank 0)
                 tqdm.write(f"slipstream train: samples at step {step + 1} -> {samples.path}")
                 eval_seconds += time.perf_counter() - answered
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **postfix)
@@ -218,7 +219,7 @@ def _run_steps(
     except KeyboardInterrupt as error:
         if isinstance(error, TrainInterrupted):
             raise
-        newest = newest_checkpoint(run.out)
+        newest = newest_checkpoint(driver.out)
         raise TrainInterrupted(
             f"stopped at once during step {step + 1} of {total} (a second Ctrl-C), nothing saved for it: "
             + (
@@ -258,30 +259,31 @@ def train(
     try:
         return _train_and_save(run, progress=progress, after_step=after_step)
     finally:
-        run.objective.after_training()  # e.g. a rollout engine's process stops, however the run ended
+        run.driver.objective.after_training()  # e.g. a rollout engine's process stops, however the run ended
         if run.lock is not None:
             run.lock.release()
 
 
 def _train_and_save(run: _Run, *, progress: bool, after_step: Callable[[int], None] | None):
-    config = run.config
+    driver = run.driver
+    config = driver.config
     losses, nonfinite = _run_steps(run, progress=progress, after_step=after_step)
     summary = _summary(run, losses, nonfinite)
-    info = run.info
+    info = driver.info
     # a collective under FSDP2: every rank gathers, rank 0 writes
-    state = full_trainable_state(run.model, info) if info.strategy == "fsdp2" else None
-    nonfinite.check_weights(run.total, state)
+    state = full_trainable_state(driver.model, info) if info.strategy == "fsdp2" else None
+    nonfinite.check_weights(driver.total, state)
     del nonfinite  # it holds the ranks' wrapper, which must go before the process group (shutdown)
     if info.is_main:
         save_final(
-            run.out,
-            run.model,
-            run.tokenizer,
+            driver.out,
+            driver.model,
+            driver.tokenizer,
             summary,
             state=state,
             expert_lora=config.lora.enabled and config.lora.experts,
         )
     info.barrier()
-    run.driver.drop_wrapper()
+    driver.drop_wrapper()
     shutdown(info)
-    return run.model, summary
+    return driver.model, summary

@@ -29,7 +29,7 @@ def _utilisation(run: _Run) -> dict:
         "mfu_steps": len(work),
     }
     if run.matmul_peak:
-        found["mfu"] = achieved / (run.matmul_peak["flops_per_s"] * run.info.world_size)
+        found["mfu"] = achieved / (run.matmul_peak["flops_per_s"] * run.driver.info.world_size)
         found["matmul_peak"] = run.matmul_peak
     return found
 
@@ -38,11 +38,12 @@ class _Metrics:
     """``metrics.jsonl`` (every ``training.log_every`` steps and the last) and TensorBoard; rank 0 writes."""
 
     def __init__(self, run: _Run) -> None:
-        self.every, self.total = run.config.training.log_every, run.total
-        self.objective_metrics = run.objective.metrics[1:]  # beyond the loss: the reward metrics, say
-        main = run.info.is_main
-        self.writer = _tensorboard(run.out) if run.config.training.tensorboard and main else None
-        self.stream = (run.out / METRICS).open("a") if main else None
+        driver = run.driver
+        self.every, self.total = driver.config.training.log_every, driver.total
+        self.objective_metrics = driver.objective.metrics[1:]  # beyond the loss: the reward metrics, say
+        main = driver.info.is_main
+        self.writer = _tensorboard(driver.out) if driver.config.training.tensorboard and main else None
+        self.stream = (driver.out / METRICS).open("a") if main else None
 
     def log(self, record: dict) -> None:
         """Every ``log_every`` steps, the last, every non-finite step and every evaluated one (always kept)."""
@@ -77,26 +78,27 @@ def _tensorboard(out: Path):
 
 def _summary(run: _Run, losses: list[float], nonfinite: NonFiniteSteps) -> dict:
     """What ``run.json`` records and ``train`` returns."""
+    driver = run.driver
     data = run.data_report.to_dict() if run.data_report is not None else {"source": "built-in demo data"}
     summary = {
-        "steps": run.total,
+        "steps": driver.total,
         "final_loss": losses[-1] if losses else run.point.loss,
         "data": data,
         "packing": run.packing.summary(),
-        "policies": list(run.policies),
-        "dtype": str(run.dtype).removeprefix("torch."),
-        "world_size": run.info.world_size,
-        "distributed": run.info.strategy,
+        "policies": list(driver.policies),
+        "dtype": str(driver.dtype).removeprefix("torch."),
+        "world_size": driver.info.world_size,
+        "distributed": driver.info.strategy,
         "skipped_nonfinite_steps": nonfinite.skipped,
         **_utilisation(run),
     }
-    state = state_of(run.model)
+    state = state_of(driver.model)
     if state is not None and state.packed_attention is not None:
         # this invocation's batches (train and eval) whose packed SDPA ran grouped / per document
         summary["attention_grouping_counts"] = state.grouping_counts.to_dict()
-    if run.evals is not None:
+    if driver.evals is not None:
         summary["eval"] = _eval_summary(run)
-    summary.update(run.objective.summary(run.bins, run.last_metrics))
+    summary.update(driver.objective.summary(driver.bins, run.last_metrics))
     if run.eval_metrics:
         summary["eval"]["metrics"] = [{"step": step, **values} for step, values in run.eval_metrics]
     if run.point.path is not None:
@@ -117,5 +119,5 @@ def _eval_summary(run: _Run) -> dict:
     return {
         "best": {"step": best[0], "loss": best[1]} if best else None,
         "last": {"step": last[0], "loss": last[1]} if last else None,
-        **run.evals.summary(),
+        **run.driver.evals.summary(),
     }

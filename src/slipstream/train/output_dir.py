@@ -14,6 +14,10 @@ time, slipstream version) before it writes anything else. The rules:
 - the temporary files and folders a killed run leaves (``.step-*.tmp-*`` checkpoints caught
   mid-write, ``.adapter.tmp-*``, ``.run.tmp-*.json`` ...) are removed when a run starts or resumes.
 
+A run whose set-up fails (a bad data line, a missing model: anything before the first step) leaves
+nothing behind (``NewOutput``): a directory it created is removed, and one that was empty is left
+empty; a directory that held something keeps it.
+
 A directory written by a slipstream from before the marker (it has ``checkpoints/`` but no
 marker) may still be resumed; it is marked then. One live run at a time: the caller holds the
 directory's lock (``lock.py``) before calling ``prepare_output``, which ignores the lock file.
@@ -21,11 +25,13 @@ directory's lock (``lock.py``) before calling ``prepare_output``, which ignores 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .._version import __version__
@@ -109,6 +115,46 @@ def _clear(out: Path, entries: list[str], overwrite: bool) -> None:
             "y" if len(kept) == 1 else "ies",
             ", ".join(kept),
         )
+
+
+@dataclass(frozen=True)
+class NewOutput:
+    """An output directory a run starts from nothing (absent, or empty): what a failed set-up undoes."""
+
+    out: Path
+    created: Path | None  # the outermost directory the run creates (``out`` or a parent); None: out was empty
+
+    @classmethod
+    def of(cls, out: Path) -> NewOutput | None:
+        """``out`` before the run touches it; None where it holds something (or cannot be read)."""
+        out = Path(out)
+        try:
+            if out.is_dir():
+                return None if any(out.iterdir()) else cls(out, None)
+        except OSError:
+            return None
+        if out.exists() or out.is_symlink():  # a file, or a dangling link: refused, never removed
+            return None
+        top = out
+        while top.parent != top and not top.parent.exists():
+            top = top.parent
+        return cls(out, top)
+
+    def undo(self, lock) -> None:
+        """Remove what the failed set-up wrote in ``out`` (slipstream's own entries only) while ``lock``
+        (``lock.RunLock``, which this releases) still holds it, then the directories it created, if empty."""
+        with contextlib.suppress(OSError, TrainError):  # the set-up's own error is the one to say
+            for entry in self.out.iterdir():
+                if entry.name in OWN_ENTRIES or is_leftover(entry.name):
+                    _remove(entry)
+        lock.release()
+        for folder in (self.out, *self.out.parents) if self.created is not None else ():
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: another run took it meanwhile
+                return
+            if folder == self.created:
+                return
 
 
 def rewind_metrics(out: Path, step: int, name: str = METRICS) -> list[dict]:

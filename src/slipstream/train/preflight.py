@@ -1,9 +1,11 @@
 """Checks that run before the first step, so a mistake costs seconds, not a crash minutes in.
 
 Each raises a ``TrainError`` whose one line names the config key or file and says what to do:
-the model directory and its weight files, the chat template ``data.chat_template`` names, LoRA's target modules against the model's module
-names, and the data's token ids against the model's vocabulary (samples that ``max_seq_len`` would
-leave with no label are SFT's check: ``objectives.sft.check_labels_left``).
+the model directory and its weight files, then, once the model is loaded, :func:`check_loaded_model`:
+LoRA's target modules against the model's module names, and the data's token ids against the model's
+vocabulary (samples that ``max_seq_len`` would leave with no label are SFT's check:
+``objectives.sft.check_labels_left``; the chat template ``data.chat_template`` names is read with the
+tokenizer: ``inputs.with_chat_template``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from ..data.chat import read_chat_template
 from ..data.token_ids import check_ids_in_vocab
 from .config import TrainConfig
 from .errors import TrainError
@@ -35,17 +36,6 @@ def check_model_dir(path: str | Path) -> Path:
     return path
 
 
-def with_chat_template(tokenizer, config: TrainConfig):
-    """The tokenizer with ``data.chat_template``'s template in place of its own (unset: as it is)."""
-    if config.data.chat_template is None:
-        return tokenizer
-    try:
-        tokenizer.chat_template = read_chat_template(config.data.chat_template)
-    except ValueError as error:
-        raise TrainError(f"data.chat_template {error}") from None
-    return tokenizer
-
-
 def weights_error(path: str | Path, error: Exception) -> TrainError:
     """A failed model load, with the weight file at fault named where one can be found."""
     from safetensors import safe_open
@@ -58,6 +48,20 @@ def weights_error(path: str | Path, error: Exception) -> TrainError:
         except Exception as problem:  # the file at fault: its own error says how
             return TrainError(f"{file}: damaged weight file ({' '.join(str(problem).split())})")
     return TrainError(f"model.path {path}: cannot load the model ({' '.join(str(error).split())})")
+
+
+def check_loaded_model(
+    model: torch.nn.Module,
+    config: TrainConfig,
+    documents: Sequence[dict],
+    held_out: Sequence[dict] | None = None,
+) -> None:
+    """The loaded model against the config and the data, in one call: LoRA's targets, then every
+    token id of the training documents and of ``data.eval_path``'s (``held_out``) in its vocabulary."""
+    check_lora_targets(model, config)
+    check_token_ids(documents, model, config.data.path or "the demo data")
+    if held_out is not None:
+        check_token_ids(held_out, model, config.data.eval_path)
 
 
 def check_lora_targets(model: torch.nn.Module, config: TrainConfig) -> None:

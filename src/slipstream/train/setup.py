@@ -24,24 +24,13 @@ from ..utilisation import FlopProfile, flop_profile, matmul_peak
 from .checkpoints import Checkpoint, ResumePoint, apply_checkpoint, load_resume_point
 from .config import TrainConfig
 from .distributed import Distributed, setup
-from .driver import (
-    StepDriver,
-    apply_lora,
-    config_advice,
-    driver_for,
-    load_model,
-    load_tokenizer,
-    objective_of,
-)
+from .driver import StepDriver, driver_for
 from .errors import TrainError
 from .fingerprint import fingerprint as run_fingerprint
+from .inputs import read_inputs
 from .lock import RunLock
-from .output_dir import CONFIG, SAMPLES, prepare_output, rewind_metrics
+from .output_dir import CONFIG, SAMPLES, NewOutput, prepare_output, rewind_metrics
 from .precision import resolve_dtype
-
-# the model's building blocks live with the driver (driver.py); export/, generation.py and the tests
-# import them from here too
-__all__ = ["apply_lora", "config_advice", "load_model", "load_tokenizer", "objective_of"]
 
 logger = logging.getLogger("slipstream")
 
@@ -51,7 +40,7 @@ class _Run:
     """A run once set up: its driver (the step), and what the loop and the summary keep around it.
 
     What the driver holds (config, info, tokenizer, objective, bins, model, optimizer, scheduler,
-    total, bins_for, device, dtype, evals, out, policies) is read through it: ``run.model``."""
+    total, bins_for, device, dtype, evals, out, policies) is read through it: ``run.driver.model``."""
 
     driver: StepDriver
     packing: PackingReport
@@ -71,12 +60,6 @@ class _Run:
     last_metrics: dict | None = None  # the last step's metrics (loss first)
     last_plan: Any = None  # the last step's objectives.StepPlan (its documents, its record)
 
-    def __getattr__(self, name: str) -> Any:
-        """The driver's fields (one copy of each: the loop reads what the step uses)."""
-        if name == "driver":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.driver, name)
-
 
 def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) -> _Run:
     """Everything before the first step, in an order the seeds depend on; every rank runs it."""
@@ -86,11 +69,14 @@ def _set_up(config: TrainConfig, *, resume: bool, overwrite: bool, force: bool) 
         require("bitsandbytes", "quantization.four_bit (QLoRA)")
     info = setup(config.training.distributed)
     out = Path(config.output_dir)
+    new = NewOutput.of(out) if info.is_main else None  # a failed set-up leaves it as it was
     lock = RunLock.acquire(out) if info.is_main else None  # before anything there is read or changed
     try:
         return _set_up_locked(config, info, out, lock, resume=resume, overwrite=overwrite, force=force)
     except BaseException:
-        if lock is not None:
+        if new is not None:
+            new.undo(lock)  # and releases the lock
+        elif lock is not None:
             lock.release()
         raise
 
@@ -109,13 +95,14 @@ def _set_up_locked(
     info.barrier()
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    tokenizer = load_tokenizer(config)
-    objective = objective_of(config)
-    data = objective.read(tokenizer, info)
     device = info.device()
     dtype, dtype_policy = resolve_dtype(config.model.dtype, device)
+    inputs = read_inputs(config, info, device, dtype)  # the tokenizer, the objective, its rows and bins
+    data = inputs.data
     fingerprint = (
-        run_fingerprint(config, tokenizer, world_size=info.world_size, dtype=dtype) if info.is_main else None
+        run_fingerprint(config, inputs.tokenizer, world_size=info.world_size, dtype=dtype)
+        if info.is_main
+        else None
     )
     point, checkpoint = load_resume_point(
         out,
@@ -129,9 +116,7 @@ def _set_up_locked(
         tqdm.write(f"slipstream train: {dtype_policy}")
     # measured once per device, dtype, threads and torch (cached), before the model takes the memory
     peak = matmul_peak(device, dtype) if info.is_main else None
-    driver = driver_for(
-        config, info, tokenizer=tokenizer, objective=objective, data=data, device=device, dtype=dtype, out=out
-    )
+    driver = driver_for(config, info, inputs, out=out)
     driver.policies.insert(0, dtype_policy)
     run = _Run(
         driver=driver,
@@ -157,24 +142,24 @@ def _set_up_locked(
 
 def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
     """Load the checkpoint resumed from and keep the metrics up to it; the step to start at."""
-    info, point = run.info, run.point
+    driver, info, point = run.driver, run.driver.info, run.point
     if checkpoint is None:
         if resume and info.is_main:
-            logger.warning("%s: no checkpoint to resume from: starting at step 0", run.out)
+            logger.warning("%s: no checkpoint to resume from: starting at step 0", driver.out)
         if info.is_main:
-            rewind_metrics(run.out, 0)
-            rewind_metrics(run.out, 0, SAMPLES)
+            rewind_metrics(driver.out, 0)
+            rewind_metrics(driver.out, 0, SAMPLES)
         return 0
-    start = apply_checkpoint(checkpoint, run.model, run.optimizer, run.scheduler)
-    _config_hyperparameters(run)
-    if start > run.total:
+    start = apply_checkpoint(checkpoint, driver.model, driver.optimizer, driver.scheduler)
+    _config_hyperparameters(driver)
+    if start > driver.total:
         raise TrainError(
-            f"{point.path}: the checkpoint is at step {start}, past this run's {run.total} steps"
+            f"{point.path}: the checkpoint is at step {start}, past this run's {driver.total} steps"
         )
     if info.is_main:
-        kept = rewind_metrics(run.out, start)
-        if (run.out / SAMPLES).exists():
-            rewind_metrics(run.out, start, SAMPLES)  # the answers after it are given again
+        kept = rewind_metrics(driver.out, start)
+        if (driver.out / SAMPLES).exists():
+            rewind_metrics(driver.out, start, SAMPLES)  # the answers after it are given again
         run.eval_losses = [(r["step"], r["eval_loss"]) for r in kept if "eval_loss" in r]
         if point.loss is None and kept:  # a checkpoint from before state.json held the loss
             point.loss = kept[-1]["loss"]
@@ -182,22 +167,22 @@ def _restore(run: _Run, checkpoint: Checkpoint | None, *, resume: bool) -> int:
     return start
 
 
-def _config_hyperparameters(run: _Run) -> None:
+def _config_hyperparameters(driver: StepDriver) -> None:
     """The config's optimizer settings over those a checkpoint restored (``--resume --force`` with a changed lr).
 
     ``load_state_dict`` brings back the checkpoint's lr, betas and weight decay with the moments,
     and the scheduler its base lr, so a changed ``optimizer.lr`` would silently not apply. The
     schedule itself (its shape, warmup) is this run's; the lr is recomputed for the step resumed at.
     """
-    settings = run.config.optimizer
-    for group in run.optimizer.param_groups:
+    settings = driver.config.optimizer
+    for group in driver.optimizer.param_groups:
         group.update(initial_lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
-    scheduler = run.scheduler
-    scheduler.base_lrs = [settings.lr] * len(run.optimizer.param_groups)
+    scheduler = driver.scheduler
+    scheduler.base_lrs = [settings.lr] * len(driver.optimizer.param_groups)
     lrs = [
         lr * factor(scheduler.last_epoch)
         for lr, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
     ]
-    for group, lr in zip(run.optimizer.param_groups, lrs, strict=True):
+    for group, lr in zip(driver.optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     scheduler._last_lr = lrs  # what get_last_lr() reports (torch keeps no public setter)
