@@ -16,7 +16,8 @@ from typing import Any
 from ..objectives import ObjectiveData
 from .config import ConfigError, TrainConfig
 from .distributed import Distributed
-from .driver import load_tokenizer, objective_of, step_plan
+from .driver import step_plan
+from .inputs import load_tokenizer, objective_of
 
 
 @dataclass
