@@ -129,12 +129,13 @@ def open_arm_model(config, arm: str, plan: list, vocab_size: int, perturb: bool,
     if drives(arm):
         with quiet_progress_bars():
             train = train_config_of(config, arm)
+            objective = objective_of(train)
             inputs = DriverInputs(
                 tokenizer=ab_tokenizer(config),
-                objective=objective_of(train),
+                objective=objective,
                 device=torch.device(device),
                 dtype=getattr(torch, config.train.model.dtype),
-                plan=plan,
+                plan=[objective.replayed_bins(step) for step in plan],  # the run's recorded steps
                 vocab_size=vocab_size,
             )
             driver = driver_for(train, inputs=inputs)

@@ -26,7 +26,9 @@ its name. What an objective says, method by method:
 - ``plan_step(context, step, step_bins)``: what one optimizer step trains, as a :class:`StepPlan`
   (this rank's micro-batches, the step's weight, tokens and documents, extra record fields); by
   default the bins collated as they are. An online objective (GRPO) samples its rollouts here;
-  ``updates_per_round``: how many steps train on one round (the loop hands each the round's bins).
+  ``updates_per_round``: how many steps train on one round (the loop hands each the round's bins);
+- ``replayed_bins(recorded)``: the bins of one step ``slipstream ab`` recorded of the run, which every
+  arm replays (the step's bins; GRPO records the round it sampled and scored).
 
 :func:`register_objective` adds a class under its ``name``; :func:`objective_for` returns it;
 :func:`objective_names` lists them. A new objective is one module here (plus, where it needs
@@ -216,6 +218,11 @@ class Objective:
             documents=[self.documents(bins[index]) for index in step_bins],
             pairs=sum(self.pairs(bins[index]) for index in step_bins),
         )
+
+    def replayed_bins(self, recorded: Any) -> list[list[dict]]:
+        """The bins of one step ``slipstream ab`` recorded of the run (``train.record``): the step's bins
+        themselves; an objective that records more (GRPO: the round it sampled and scored) says which."""
+        return recorded
 
     def model_device(self, micro: Any) -> torch.device:
         """The device a micro-batch lives on (the step's clock and its weight tensor)."""

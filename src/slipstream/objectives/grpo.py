@@ -422,7 +422,7 @@ class GRPO(RolloutMaker, Objective):
         number, iteration = divmod(step, k)
         self.evaluated_at = (step + 1, context.steps)  # trainer_state of an evaluation after this step
         if iteration == 0:
-            plan = self._round(context, step, step_bins)
+            plan = self.plan_round(context, self.sample_round(context, step, step_bins))
             if k > 1:
                 plan.record["iteration"] = 1
             self.kept = (number, plan)

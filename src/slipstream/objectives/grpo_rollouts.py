@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -50,6 +51,25 @@ class GRPOMicro:
     sampling: torch.Tensor | None = None
     record: dict | None = None  # the step's host record (rank 0's largest log-prob difference goes there)
     documents: list[dict] | None = None  # the documents its packed row runs (model FLOPs)
+
+
+@dataclass
+class ScoredRound:
+    """A round's rollouts as sampled and scored, before anything is packed: what ``slipstream ab``
+    records once and every GRPO arm updates on (:meth:`RolloutMaker.plan_round`)."""
+
+    step: int
+    sizes: list[int]  # prompts per micro-batch (this rank's bins of the round)
+    prompts: list[dict]  # the prompt rows, in order
+    groups: list[dict]  # per prompt: prompt_ids, completions, finished, logprobs (model_masks)
+    per_function: list[list[float]]  # per completion, each reward function's value
+    rewards: list[float]  # per completion, weighted (G a prompt)
+    record: dict  # the host metrics so far: rewards, lengths, sampling and scoring times
+
+    def bins(self) -> list[list[dict]]:
+        """The round's prompt rows, a bin per micro-batch (what the step's ``step_bins`` held)."""
+        cuts = [0, *accumulate(self.sizes)]
+        return [self.prompts[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
 
 
 def stop_ids(tokenizer, model) -> tuple[int, ...]:
@@ -171,9 +191,14 @@ class RolloutMaker:
                 group["prompt_ids"] = list(prompt_ids)  # with reset()'s text, where the environment gave one
         return values, groups
 
-    def _round(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> StepPlan:
-        """Sample, score and pack this rank's share of ``step_bins``; the old log-probs where kept."""
-        config, settings, info = self.config, self.settings, context.ranks
+    def replayed_bins(self, recorded: ScoredRound) -> list[list[dict]]:
+        """A recorded round's bins (``slipstream ab``'s arms replay the run's rounds: ``plan_round``)."""
+        return recorded.bins()
+
+    def sample_round(self, context: ObjectiveContext, step: int, step_bins: Sequence[int]) -> ScoredRound:
+        """This rank's share of ``step_bins`` sampled (seeded by the run's seed, the step and the rank) and
+        scored: the round before anything is packed (what ``slipstream ab`` records and replays)."""
+        settings, info = self.settings, context.ranks
         G = settings.num_generations
         mine = [context.bins[i] for i in step_bins[info.rank :: info.world_size]]
         prompts = [row for rows in mine for row in rows]
@@ -181,7 +206,7 @@ class RolloutMaker:
         rollouts = self.sample(
             context.base_model,
             prompts,
-            seed=(config.seed * 1_000_003 + step) * 1_009 + info.rank,
+            seed=(self.config.seed * 1_000_003 + step) * 1_009 + info.rank,
             steps_done=step,
         )
         generated = time.perf_counter()
@@ -193,7 +218,18 @@ class RolloutMaker:
                 f"step {step + 1}: {error}; nothing of this step was applied ({context.resume_hint()})"
             ) from None
         rewards = [weighted(values, self.rewards) for values in per_function]
-        scored = time.perf_counter()
+        record = self._record(
+            per_function, rewards, groups, rollouts, (started, generated, time.perf_counter())
+        )
+        record.update(call.metric_means())  # what the reward functions logged (log_metric), as TRL logs it
+        return ScoredRound(step, [len(rows) for rows in mine], prompts, groups, per_function, rewards, record)
+
+    def plan_round(self, context: ObjectiveContext, scored: ScoredRound) -> StepPlan:
+        """The update of a scored round: advantages (the step's counts over every rank), the packed
+        micro-batches, and the reference's and the sampling policy's log-probs where kept."""
+        settings, info, groups, rewards = self.settings, context.ranks, scored.groups, scored.rewards
+        G = settings.num_generations
+        started = time.perf_counter()
         # the step's counts over every rank: completions, counted tokens, and the rewards' sums (batch std)
         counted = self.counted_tokens(groups)
         local = torch.tensor(
@@ -208,9 +244,7 @@ class RolloutMaker:
                 max(0.0, (reward_squares - completions_all * mean * mean) / max(1.0, completions_all - 1))
             )
         advantages = advantages_of(rewards, G, settings.scale_rewards, batch_std)
-        micro = self.pack_update(
-            groups, [len(rows) for rows in mine], advantages, counted, tokens_all, context.device
-        )
+        micro = self.pack_update(groups, scored.sizes, advantages, counted, tokens_all, context.device)
         if settings.beta > 0:  # the reference: the same packed forward with the adapter off, before the clock
             for item in micro:
                 item.reference = reference_sums(
@@ -220,12 +254,7 @@ class RolloutMaker:
             with torch.no_grad():
                 for item in micro:
                     item.old = answer_sums(context.model, item.completions.batch, self.chunked).detach()
-        referenced = time.perf_counter()
-        total = self.loss_divisor(completions_all, tokens_all)
-        record = self._record(
-            per_function, rewards, groups, rollouts, (started, generated, scored, referenced)
-        )
-        record.update(call.metric_means())  # what the reward functions logged (log_metric), as TRL logs it
+        record = {**scored.record, "reference_s": time.perf_counter() - started}
         if self.corrects and info.is_main:
             for item in micro:
                 item.record = record
@@ -236,7 +265,7 @@ class RolloutMaker:
             record["engine_sync_s"] = sync_s[-1]
         return StepPlan(
             micro=micro,
-            total=total,
+            total=self.loss_divisor(completions_all, tokens_all),
             tokens=sum(completion_tokens(g, prefix_sharing=False) for g in groups) * info.world_size,
             documents=[item.documents for item in micro],
             record=record,
@@ -330,11 +359,11 @@ class RolloutMaker:
 
     def _record(self, per_function, rewards, groups, rollouts, times):
         """This rank's host-side metrics of a step (rank 0's are logged); ``times``: when the sampling
-        started and when it, the scoring and the reference forwards were done."""
+        started and when it and the scoring were done."""
         G = self.settings.num_generations
         lengths = [len(c) for g in groups for c in g["completions"]]
         finished = [f for g in groups for f in g["finished"]]
-        started, generated, scored, referenced = times
+        started, generated, scored = times
         record: dict[str, Any] = {"reward": statistics.fmean(rewards)}
         stds = [statistics.stdev(rewards[i : i + G]) for i in range(0, len(rewards), G)]
         record["reward_std"] = statistics.fmean(stds)
@@ -348,7 +377,7 @@ class RolloutMaker:
         record["generation_s"] = generated - started
         record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
         record["reward_s"] = scored - generated
-        record["reference_s"] = referenced - scored
+        record["reference_s"] = 0.0  # the update's reference forwards (plan_round)
         if isinstance(rollouts, AgentRollouts):
             record.update(agent_record(rollouts))
         return record
