@@ -2,8 +2,9 @@
 ``train`` plans (issue 62), so its slipstream arm's step 0 is ``train``'s own, loss and gradient norm.
 
 An example that names a model or data file not on this machine gets a tiny random model of the same
-family (Qwen3's real tokenizer and template) and the walk-through's chats, and every run is cut to 2
-steps; the same ``--set``s go to ``train`` and to ``ab``, so both read the same file the same way.
+family (the demo tokenizer and its ChatML template; Qwen3's real tokenizer where the example renders
+tool calls) and the walk-through's chats, and every run is cut to 2 steps of at most 1,024 tokens
+a micro-batch; the same ``--set``s go to ``train`` and to ``ab``, so both read the same file alike.
 """
 
 from __future__ import annotations
@@ -39,19 +40,21 @@ def _family(path: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory, qwen3_tokenizer):
-    """family -> a tiny random model directory with Qwen3's real tokenizer and chat template."""
+    """(family, tools) -> a tiny random model directory with the demo tokenizer, or with tools Qwen3's
+    real tokenizer (its tool-call format)."""
+    from slipstream.data import demo_tokenizer
     from slipstream.models import build_model
 
-    tokenizer = qwen3_tokenizer
-    made: dict[str, Path] = {}
+    made: dict[tuple[str, bool], Path] = {}
 
-    def tiny(family: str) -> Path:
-        if family not in made:
+    def tiny(family: str, tools: bool) -> Path:
+        if (family, tools) not in made:
+            tokenizer = qwen3_tokenizer if tools else demo_tokenizer()
             folder = tmp_path_factory.mktemp(f"tiny-{family}")
             build_model(family, vocab_size=len(tokenizer), dtype=torch.float32).save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            made[family] = folder
-        return made[family]
+            made[family, tools] = folder
+        return made[family, tools]
 
     return tiny
 
@@ -63,7 +66,8 @@ def _sets(name: str, tiny_dirs, out: Path) -> list[str]:
     sets = ["training.steps=2", "training.epochs=null", f"output_dir={out}"]
     model = raw.get("model", {}).get("path")
     if model is not None and not (path.parent / model).is_dir():
-        sets.append(f"model.path={tiny_dirs(_family(model))}")
+        tools = "tools" in str(raw.get("data", {}).get("chat_template"))
+        sets.append(f"model.path={tiny_dirs(_family(model), tools)}")
     data = raw.get("data", {}).get("path")
     if data is not None and not (path.parent / data).exists():
         sets.append(f"data.path={CHATS}")
