@@ -21,7 +21,6 @@ from typing import Literal
 import torch
 
 from ..data.labels import count_label_tokens
-from ..objectives import objective_for
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
 from ..speedups import Speedups, registry
@@ -322,9 +321,9 @@ def train_config_of(config, arm: str) -> TrainConfig:
         train,
         data=replace(
             train.data,
-            # documents are read through the cache (as ``ab`` always read them); a reference pass is
-            # computed in every arm's process, not read back, so its time is the arm's own
-            cache=objective_for(train.training.objective).reads == "samples",
+            # the arms read nothing (they replay the recorded steps); what a pass before step 0 would
+            # cache (DPO's reference log-probs) is computed in every arm's process, so its time is its own
+            cache=False,
             share_prefixes=(
                 spec.prefixes
                 if spec.prefixes in ("groups", "tree", "off")
