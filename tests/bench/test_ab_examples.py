@@ -94,3 +94,16 @@ def test_the_examples_slipstream_arm_steps_as_train_does(name, tiny_dirs, tmp_pa
     plan, vocab, _ = prepare_bins(ab)
     result = run_arm(dataclasses.asdict(ab), arm, plan, vocab)
     assert (result["loss"][0], result["grad_norm"][0]) == (logged["loss"], logged["grad_norm"]), name
+
+
+@pytest.mark.slow  # every arm of the example's own preset, each in its own process: a minute or more each
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_ab_config_exits_0_on_every_example_with_its_own_arms(name, tiny_dirs, tmp_path, capsys):
+    """``slipstream ab --config examples/X.yaml`` as a user runs it (its objective's preset, peers
+    included, a peer that cannot run here skipped with its reason), 2 steps."""
+    from slipstream.cli import main
+
+    sets = [word for s in _sets(name, tiny_dirs, tmp_path / "run") for word in ("--set", s)]
+    argv = ["ab", "--config", str(ROOT / "examples" / name), *sets, "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--out", str(tmp_path / "ab")]) == 0, capsys.readouterr().err
+    assert (tmp_path / "ab" / "ab.md").is_file()
