@@ -153,3 +153,11 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     report = markdown_report(record)
     assert "Tools: the shared trajectories made 0.50 tool calls each" in report
     assert "Update tokens a step" in report and "slipstream-grpo-tree" in report
+
+
+def test_a_grpo_run_of_several_updates_a_round_is_refused_by_name(tmp_path):
+    """The arms replay one update a round: grpo.num_iterations above 1 is refused naming the key."""
+    with pytest.raises(ValueError, match="'grpo.num_iterations' 2 is not supported by slipstream ab"):
+        ab_config(
+            ["grpo.num_iterations=2"], train_config=str(grpo_config(tmp_path)), arms=("slipstream-grpo",)
+        )

@@ -140,10 +140,10 @@ class ABConfig:
         if ab.steps <= ab.warmup:
             raise ValueError(f"steps ({ab.steps}) must exceed warmup ({ab.warmup})")
         check_fields(ab)  # the typed fields' rules (choices, ranges), as everywhere
-        if objective_for(train.training.objective).reads == "prompts" and train.grpo.num_iterations > 1:
-            raise ValueError(
-                f"{ab.train_config or 'the train config'}: 'grpo.num_iterations' {train.grpo.num_iterations} is not "
-                "supported by slipstream ab yet: its arms replay one update a round (A/B the run with 1)"
+        if (rounds := objective_for(train.training.objective)(train).updates_per_round) > 1:
+            raise ValueError(  # GRPO's grpo.num_iterations: the one objective that updates a round k times
+                f"{ab.train_config or 'the train config'}: 'grpo.num_iterations' {rounds} is not supported by "
+                "slipstream ab yet: its arms replay one update a round (A/B the run with 1)"
             )
         if train.model.trust_remote_code:  # an arm's process would run the directory's own code
             raise ValueError(
