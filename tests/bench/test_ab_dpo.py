@@ -35,11 +35,11 @@ def test_the_dpo_preset_holds_pair_arms_only():
 
 
 def test_a_dpo_ab_refuses_document_arms_and_a_missing_file(pairs_file):
-    with pytest.raises(ValueError, match="train documents, not pairs"):
+    with pytest.raises(ValueError, match=r"\['slipstream'\] train another objective, sft"):
         ab_config(objective="dpo", data=str(pairs_file), arms=("slipstream", "slipstream-dpo"))
     with pytest.raises(ValueError, match="needs preference pairs: set data.path"):
         ab_config(objective="dpo", arms=ARM_PRESETS["dpo"])
-    with pytest.raises(ValueError, match="add --objective dpo"):
+    with pytest.raises(ValueError, match="train another objective, dpo \\(add --objective dpo"):
         ab_config(arms=("slipstream-dpo",))
 
 

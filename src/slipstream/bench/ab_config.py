@@ -165,27 +165,17 @@ class ABConfig:
             parse_bytes(ab.max_tokens_within)  # raises ValueError naming the value
 
     def _check_objective(self) -> None:
-        """Its arms train what the objective reads (pairs or prompts of this objective, or documents);
-        its data file and a grpo run's rewards are train's validation's."""
+        """Its arms train the run's objective (each arm names the one it trains); its data file and a
+        grpo run's rewards are train's validation's."""
         objective, arms = self.train.training.objective, self.ab.arms
-        reads = objective_for(objective).reads
-        if reads == "samples":
-            if wanted := sorted({ARM_SPECS[arm].objective for arm in arms if ARM_SPECS[arm].pairs}):
-                raise ValueError(
-                    f"the {'/'.join(wanted)} arms train preference pairs: add --objective {wanted[0]}"
-                )
-            return
         own = [arm for arm in ARMS if ARM_SPECS[arm].objective == objective]
         if not own:
             raise ValueError(f"objective {objective}: no A/B arm trains it yet")
-        if documents := [arm for arm in arms if reads == "pairs" and not ARM_SPECS[arm].pairs]:
-            raise ValueError(
-                f"objective {objective}: arm(s) {documents} train documents, not pairs (use --preset {objective})"
-            )
         if other := [arm for arm in arms if ARM_SPECS[arm].objective != objective]:
+            theirs = sorted({ARM_SPECS[arm].objective for arm in other})
             raise ValueError(
-                f"objective {objective}: arm(s) {other} train another objective "
-                f"(use --preset {objective}: {', '.join(own)})"
+                f"objective {objective}: arm(s) {other} train another objective, {'/'.join(theirs)} "
+                f"(add --objective {theirs[0]}, or run {objective}'s own: {', '.join(own)})"
             )
 
     def _resolve_dtype(self) -> None:
@@ -282,7 +272,7 @@ def record_config(config: ABConfig) -> dict[str, Any]:
     """The record's ``config``: the A/B's keys, the workload under its option names (what the reports
     read, older records' names too), and the whole train config under ``train``."""
     train = config.train
-    online = objective_for(train.training.objective).reads == "prompts"
+    online = any(ARM_SPECS[arm].engine for arm in config.ab.arms)  # arms that sample their rollouts
     # each workload option's value: its dotted train key's
     flat = {
         name: reduce(getattr, k.split("."), train) for name, (k, _) in TRAIN_FLAGS.items() if "lora" not in k

@@ -219,9 +219,7 @@ def open_arm(
             vllm_python(create=False)  # ab does not install it: train does, or make_vllm_venv.sh
         except EngineError as error:
             return {"arm": arm, "skipped": str(error)}
-    from ..objectives import objective_for
-
-    if spec.objective and objective_for(spec.objective).reads == "prompts":
+    if spec.engine:
         # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
         from .grpo_arms import GrpoArmSession
         from .peers import PeerUnavailable

@@ -55,9 +55,11 @@ class Arm:
     # (one shared start a group, or every shared history once); "off": data.share_prefixes off whatever
     # --share-prefixes says (GRPO: each group's prompt once, nothing more); None shares as --share-prefixes says
     prefixes: Literal["unshared", "groups", "tree", "off"] | None = None
-    # the preference objective a pair arm trains (slipstream.objectives); None: SFT on documents
-    objective: str | None = None
-    engine: Literal["hf", "vllm"] = "hf"  # a GRPO arm's rollout engine (grpo.engine)
+    # the objective the arm trains (training.objective): a run's arms all train the run's own
+    objective: str = "sft"
+    # the engine an online-RL arm samples its own rollouts with (grpo.engine); None: it samples
+    # nothing, it trains the run's recorded rows or pairs
+    engine: Literal["hf", "vllm"] | None = None
 
 
 # Stock arms are the model as users run it today; "trl-fused-head" is the peer users would pick
@@ -98,17 +100,19 @@ _FIXED_ARMS: dict[str, Arm] = {
     # transformers generate with every prompt repeated G times, the padded update), slipstream's
     # update with each completion packed after its own copy of the prompt, and slipstream's (the prompt
     # once per group); every arm samples with its own engine and updates on the same rollouts
-    "trl-grpo": Arm("padded", STOCK, stock=True, peer="trl", objective="grpo"),
-    "slipstream-grpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, prefixes="unshared", objective="grpo"),
-    "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo"),
+    "trl-grpo": Arm("padded", STOCK, stock=True, peer="trl", objective="grpo", engine="hf"),
+    "slipstream-grpo-no-prefix-sharing": Arm(
+        "packed", SLIPSTREAM, prefixes="unshared", objective="grpo", engine="hf"
+    ),
+    "slipstream-grpo": Arm("packed", SLIPSTREAM, objective="grpo", engine="hf"),
     # the prompt once a group whatever --share-prefixes says (data.share_prefixes off: today's layout), and
     # a micro-batch's prompts and completions as prefix trees (data.share_prefixes tree)
-    "slipstream-grpo-groups": Arm("packed", SLIPSTREAM, prefixes="off", objective="grpo"),
-    "slipstream-grpo-tree": Arm("packed", SLIPSTREAM, prefixes="tree", objective="grpo"),
+    "slipstream-grpo-groups": Arm("packed", SLIPSTREAM, prefixes="off", objective="grpo", engine="hf"),
+    "slipstream-grpo-tree": Arm("packed", SLIPSTREAM, prefixes="tree", objective="grpo", engine="hf"),
     # the same update, its rollouts sampled by vLLM in its own process (grpo.engine vllm), and TRL's
     # GRPOTrainer with use_vllm (its best configuration; skipped where it cannot run, with the reason)
     "slipstream-grpo-vllm": Arm("packed", SLIPSTREAM, objective="grpo", engine="vllm"),
-    "trl-grpo-vllm": Arm("padded", STOCK, stock=True, peer="trl-vllm", objective="grpo"),
+    "trl-grpo-vllm": Arm("padded", STOCK, stock=True, peer="trl-vllm", objective="grpo", engine="hf"),
     # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
     "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
     "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
@@ -334,7 +338,9 @@ def train_config_of(config, arm: str) -> TrainConfig:
         ),
         lora=replace(train.lora, dropout=0.0),  # each arm would draw its own masks: no dropout in an A/B
         preference=replace(train.preference, prefix_sharing=spec.pairs != "unshared"),
-        grpo=replace(train.grpo, prefix_sharing=spec.prefixes != "unshared", engine=spec.engine),
+        grpo=replace(
+            train.grpo, prefix_sharing=spec.prefixes != "unshared", engine=spec.engine or train.grpo.engine
+        ),
         speedups=arm_speedups(config, arm),
     )
 

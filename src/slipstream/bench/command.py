@@ -15,7 +15,6 @@ from pathlib import Path
 
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
-from ..objectives import objective_for
 from ..train.config import TrainConfig, load_config
 from .ab_config import (
     TRAIN_FLAGS,
@@ -217,8 +216,8 @@ def ab_config(sets: list[str] | tuple[str, ...] = (), **options) -> ABConfig:
         ab = {**{k: v for k, v in from_file.items() if k != "preset"}, **ab}
         train = load_config(path, train_sets + _sets(options, shape=False))
         objective = train.training.objective
-        if objective_for(objective).reads != "samples" and objective not in ARM_PRESETS:
-            with_arms = sorted({spec.objective for spec in ARM_SPECS.values() if spec.objective})
+        with_arms = sorted({spec.objective for spec in ARM_SPECS.values()})
+        if objective not in with_arms:
             raise ValueError(
                 f"{path}: 'training.objective' {objective!r}: slipstream ab has no arms for it yet "
                 f"(it A/Bs {', '.join(with_arms)})"

@@ -103,13 +103,11 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
 def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     """The packed bins of every step (``[step][micro_batch] -> docs``), the vocab size and a packing report:
     the run's own first steps (``recorded_steps``), which every arm replays."""
-    from ..objectives import objective_for
-
-    reads = objective_for(config.train.training.objective).reads
     data, seed = config.train.data, config.train.seed
-    if reads == "pairs":
+    specs = [ARM_SPECS[arm] for arm in config.ab.arms]  # all of the run's objective (ABConfig)
+    if any(spec.pairs for spec in specs):
         return prepare_pair_bins(config)
-    if reads == "prompts":  # online RL: rollouts sampled once (grpo_arms)
+    if any(spec.engine for spec in specs):  # online RL: rollouts sampled once (grpo_arms)
         from .grpo_arms import prepare_rollouts
 
         return prepare_rollouts(config)
@@ -309,7 +307,7 @@ def summarize(
         unshared += [
             a
             for a in ran
-            if ARM_SPECS[arm].engine != "hf"
+            if ARM_SPECS[arm].engine == "vllm"
             and ARM_SPECS[a].engine == "hf"
             and not ARM_SPECS[a].stock
             and ARM_SPECS[a].objective == ARM_SPECS[arm].objective

@@ -212,12 +212,6 @@ class TrainConfig:
                 f"'training.objective' must be a registered objective ({', '.join(objective_names())}), "
                 f"got {self.training.objective!r}",
             )
-        if self.data.step_order == "histories" and objective.reads not in ("samples", "pairs"):
-            fail(
-                "data.step_order",
-                f"data.step_order histories groups SFT rows or preference pairs by their history; training.objective "
-                f"{self.training.objective} reads {objective.reads}: set data.step_order shuffled",
-            )
         objective.validate(self, fail)
         return self
 
