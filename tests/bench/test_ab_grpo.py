@@ -32,6 +32,8 @@ def test_a_grpo_ab_refuses_other_arms_missing_rewards_and_missing_prompts(tmp_pa
     rewards = {"rewards": ["answer_tag"]}
     with pytest.raises(ValueError, match="train another objective"):
         ab_config(objective="grpo", data=str(prompts), arms=("slipstream", "slipstream-grpo"), grpo=rewards)
+    with pytest.raises(ValueError, match=r"train another objective, grpo \(add --objective grpo"):
+        ab_config(arms=("slipstream", "slipstream-grpo"))  # an SFT run's A/B samples no rollouts
     with pytest.raises(ValueError, match="needs at least one reward function in grpo.rewards"):
         ab_config(objective="grpo", data=str(prompts), arms=ARM_PRESETS["grpo"])
     with pytest.raises(ValueError, match="needs prompt rows: set data.path"):
@@ -97,6 +99,7 @@ def test_a_short_grpo_ab_updates_every_arm_on_the_same_rollouts(tmp_path):
     assert "GRPO rollouts:" in report and "Update gradient norm per step" in report
 
 
+@pytest.mark.slow  # every GRPO arm on multi-turn tool trajectories, Qwen3's real vocabulary: minutes
 def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, qwen3_model_dir, monkeypatch):
     """grpo.tools / grpo.environment (Qwen3's tokenizer, a tiny fp32 model): the shared rollouts are
     multi-turn trajectories (scripted here: half of them call the tool), and TRL's GRPOTrainer, handed the
