@@ -32,9 +32,12 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --runslow -m "slow or multiprocess or realmodel"
 
 # The default suite as on an AVX2-only, fp32-only CPU: slipstream's CPU probe overridden
-# (SLIPSTREAM_CPU_CLASS, so `dtype: auto` is fp32) and torch's fp32 GEMMs held to AVX2 (MKL).
+# (SLIPSTREAM_CPU_CLASS, so `dtype: auto` is fp32) and torch's fp32 GEMMs held to AVX2 (MKL). On a CPU
+# whose own probe says avx2, `make test` has just run exactly that: said, and not run twice.
 test-avx2: $(STAMP)
-	SLIPSTREAM_CPU_CLASS=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	@if [ "$$($(BIN)/python -c 'from slipstream.hardware import probed_cpu_class; print(probed_cpu_class())')" = avx2 ]; \
+	then echo "make test-avx2: this CPU is AVX2-only (slipstream.hardware's probe): make test ran the suite as on one"; \
+	else SLIPSTREAM_CPU_CLASS=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(TEST_WORKERS); fi
 
 # The default suite on a busy machine, as users run it beside other work: two CPU-bound processes
 # beside it for its whole length (.ci/busy.sh: stopped when it ends, however it ends). No test's

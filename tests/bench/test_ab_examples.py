@@ -78,32 +78,54 @@ def _sets(name: str, tiny_dirs, out: Path) -> list[str]:
     return sets
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n in QUICK else pytest.mark.slow) for n in EXAMPLES]
-)
-def test_the_examples_slipstream_arm_steps_as_train_does(name, tiny_dirs, tmp_path):
-    path = str(ROOT / "examples" / name)
-    sets = _sets(name, tiny_dirs, tmp_path / "out")
-    config = load_config(path, sets)
-    train(config, progress=False)
-    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    logged = next(r for r in records if "loss" in r)  # step 1's (an evaluation at start comes first)
+def _trains_step_1(path: Path, sets: list[str], out: Path) -> dict:
+    """``slipstream train`` on the file with ``sets``: its first trained step's record (an evaluation at
+    start comes first)."""
+    train(load_config(path, sets), progress=False)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return next(r for r in records if "loss" in r)
+
+
+def _own_arm(config) -> str:
     objective = config.training.objective
-    arm = ARM[objective_for(objective).reads].format(objective=objective)
-    ab = ab_config(sets, train_config=path, arms=(arm,), steps=2, warmup=1)
+    return ARM[objective_for(objective).reads].format(objective=objective)
+
+
+@pytest.mark.parametrize("name", sorted(QUICK))
+def test_the_examples_slipstream_arm_steps_as_train_does(name, tiny_dirs, tmp_path):
+    """In this process, through ``ab``'s own config and arm runner (the CLI below takes a minute an example)."""
+    path = ROOT / "examples" / name
+    sets = _sets(name, tiny_dirs, tmp_path / "out")
+    logged = _trains_step_1(path, sets, tmp_path / "out")
+    arm = _own_arm(load_config(path, sets))
+    ab = ab_config(sets, train_config=str(path), arms=(arm,), steps=2, warmup=1)
     plan, vocab, _ = prepare_bins(ab)
     result = run_arm(dataclasses.asdict(ab), arm, plan, vocab)
     assert (result["loss"][0], result["grad_norm"][0]) == (logged["loss"], logged["grad_norm"]), name
 
 
-@pytest.mark.slow  # every arm of the example's own preset, each in its own process: a minute or more each
+# an example of each objective's preset and the 4-bit MoE one run every arm of their preset (a minute or
+# more an arm here); the others run their own slipstream arm
+WHOLE_PRESET = {"tiny.yaml", "dpo.yaml", "orpo.yaml", "grpo.yaml", "gpt-oss-20b-qlora.yaml"}
+
+
+@pytest.mark.slow  # each arm in its own process
 @pytest.mark.parametrize("name", EXAMPLES)
-def test_ab_config_exits_0_on_every_example_with_its_own_arms(name, tiny_dirs, tmp_path, capsys):
-    """``slipstream ab --config examples/X.yaml`` as a user runs it (its objective's preset, peers
-    included, a peer that cannot run here skipped with its reason), 2 steps."""
+def test_ab_config_exits_0_on_every_example_and_its_arm_steps_as_train_does(
+    name, tiny_dirs, tmp_path, capsys
+):
+    """``slipstream ab --config examples/X.yaml`` as a user runs it, 2 steps, with its objective's preset
+    (peers included, a peer that cannot run here skipped with its reason) or its slipstream arm alone,
+    on one thread as this test's ``train`` runs: exit 0, and the slipstream arm's step 0 is ``train``'s."""
     from slipstream.cli import main
 
-    sets = [word for s in _sets(name, tiny_dirs, tmp_path / "run") for word in ("--set", s)]
-    argv = ["ab", "--config", str(ROOT / "examples" / name), *sets, "--steps", "2", "--warmup", "1"]
-    assert main([*argv, "--out", str(tmp_path / "ab")]) == 0, capsys.readouterr().err
-    assert (tmp_path / "ab" / "ab.md").is_file()
+    path = ROOT / "examples" / name
+    sets = _sets(name, tiny_dirs, tmp_path / "run")
+    logged = _trains_step_1(path, sets, tmp_path / "run")
+    arm = _own_arm(load_config(path, sets))
+    argv = ["ab", "--config", str(path), *[w for s in sets for w in ("--set", s)], "--steps", "2"]
+    argv += ["--warmup", "1", "--threads", str(torch.get_num_threads()), "--out", str(tmp_path / "ab")]
+    argv += [] if name in WHOLE_PRESET else ["--arms", arm]
+    assert main(argv) == 0, capsys.readouterr().err
+    run = json.loads((tmp_path / "ab" / "ab.json").read_text())["runs"][arm][0]
+    assert (run["loss"][0], run["grad_norm"][0]) == (logged["loss"], logged["grad_norm"]), name

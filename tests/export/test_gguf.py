@@ -104,6 +104,7 @@ def test_without_llama_cpps_query_key_order_the_check_fails_and_nothing_is_kept(
     _nothing_at(out)
 
 
+@pytest.mark.slow  # Qwen3's real 151k-token vocabulary: a minute or more on 2 cores
 def test_a_run_is_merged_then_written_and_the_cli_says_what_it_checked(qwen3_model_dir, tmp_path, capsys):
     """A LoRA run on a tiny Qwen3 with Qwen3's real tokenizer (its pre-tokenizer: llama.cpp's qwen2)."""
     run = _train(tmp_path, "run", {**RUN, "model": {"path": str(qwen3_model_dir), "dtype": "float32"}})
@@ -134,6 +135,7 @@ def test_the_pre_tokenizer_is_named_from_tokenizer_json(qwen3_tokenizer, tmp_pat
     assert pre_tokenizer_name({"pre_tokenizer": None}) is None
 
 
+@pytest.mark.slow  # Qwen3's real 151k-token vocabulary: a minute or more on 2 cores
 def test_a_qwen3_with_its_real_tokenizer_writes_qwens_pre_tokenizer_and_chatml_modelfile(qwen3_dir, tmp_path):
     out = tmp_path / "qwen3.gguf"
     report = export_gguf(qwen3_dir, out, quant="f16")
