@@ -58,7 +58,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from slipstream.objectives.grpo_agents import AgentPlan, load_toolset
-    from slipstream.objectives.grpo_rollouts import stop_ids
+    from slipstream.objectives.grpo_engines import stop_ids
     from slipstream.rollouts import CachedSampler, Sampling
     from slipstream.train.config import load_config
     from slipstream.train.precision import resolve_dtype
@@ -69,12 +69,12 @@ def main() -> None:
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))[0]
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     toolset = load_toolset(config.grpo)
+    room = config.data.max_seq_len - config.grpo.max_new_tokens
     plan = AgentPlan.make(
-        toolset, tokenizer, config.grpo.max_tool_calling_iterations, config.data.max_seq_len
+        toolset, tokenizer, config.grpo.max_tool_calling_iterations, config.data.max_seq_len, room
     )
     from slipstream.data.prompts import load_prompts
 
-    room = config.data.max_seq_len - config.grpo.max_new_tokens
     rows, _ = load_prompts(config.data.path, tokenizer, room=room, tools=plan.schema)
     s = config.grpo
     sampling = Sampling(s.temperature, s.top_p, s.top_k, s.max_new_tokens)
@@ -112,9 +112,7 @@ def main() -> None:
             for number in range(args.rounds):
                 batch = rows[number * args.prompts : (number + 1) * args.prompts]
                 with torch.no_grad():
-                    out = plan.rollouts(
-                        engine, model, batch, args.generations, sampling, 1000 + number, tokenizer, room
-                    )
+                    out = plan.rollouts(engine, model, batch, args.generations, sampling, 1000 + number)
                 every = [t for row in out.trajectories for t in row]
                 found.append(
                     {

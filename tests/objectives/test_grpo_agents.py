@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from slipstream.objectives import grpo as grpo_module
+from slipstream.objectives import grpo_engines
 from slipstream.objectives.grpo import GRPO, GRPOSettings
 from slipstream.objectives.grpo_rollouts import advantages_of
 from slipstream.train.config import ConfigError, load_config
@@ -125,7 +126,7 @@ def agent_config(folder, model_dir, **grpo):
 @pytest.fixture(params=[False, True], ids=["turn-by-turn", "kept-cache"])
 def scripted(request, monkeypatch, qwen3_tokenizer):
     engine = ScriptedEngine(qwen3_tokenizer, script, in_place=request.param)
-    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(grpo_engines, "CachedSampler", lambda *args, **kwargs: engine)
     return engine
 
 
@@ -176,7 +177,7 @@ def test_with_vllms_log_probs_the_correction_reads_the_sampled_tokens_only(
     """grpo.engine vllm with tools: the engine reports a log-prob per sampled token (here a fixed -2.0),
     the tool results none; TRL's correction compares the sampled tokens' alone, so the records are finite."""
     engine = ScriptedEngine(qwen3_tokenizer, script, logprob=-2.0)
-    monkeypatch.setattr(GRPO, "_vllm_engine", lambda self, context: engine)
+    monkeypatch.setattr(grpo_module, "start_engine", lambda *args: (engine, "scripted vLLM"))
     config = agent_config(tmp_path, qwen3_model_dir, engine="vllm", vllm_importance_sampling_clip_max=100.0)
     train(load_config(config), progress=False)
     found = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -242,7 +243,7 @@ def test_trls_agent_example_conventions_run_unchanged(
         return "*yes*" if "MAPK8" in text.rsplit("<tool_response>", 1)[1] else "*no*"
 
     engine = ScriptedEngine(qwen3_tokenizer, asks, in_place=True)
-    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(grpo_engines, "CachedSampler", lambda *args, **kwargs: engine)
     config = agent_config(tmp_path, qwen3_model_dir)
     (tmp_path / "trl_tools.py").write_text(TRL_DOCUMENTED.replace("DB = None", f"DB = {str(db)!r}"))
     (tmp_path / "trl_rewards.py").write_text(TRL_EXAMPLE_REWARDS)
@@ -278,7 +279,7 @@ def test_trajectories_that_share_their_tool_schemas_and_turns_train_the_same_as_
     micro-batch, the trajectories that made the same call and read the same result share it, and the
     steps train what one prompt per group trains (fp32)."""
     engine = ScriptedEngine(qwen3_tokenizer, script, in_place=False)
-    monkeypatch.setattr(grpo_module, "CachedSampler", lambda *args, **kwargs: engine)
+    monkeypatch.setattr(grpo_engines, "CachedSampler", lambda *args, **kwargs: engine)
     runs = {}
     for mode in ("off", "tree"):
         folder = tmp_path / mode

@@ -39,10 +39,12 @@ The step's metrics: the loss, the clipped share of tokens and the KL (read with 
 step's one read); the rewards (per function), the completion lengths, the share of groups whose
 rewards are all equal, and generation vs update time, from the host.
 
-Rooms: steps 1-3 and the packing of 4 are :mod:`.grpo_rollouts`; the loss of 4 is
-:func:`slipstream.loss.grpo.policy_loss`; here, the settings (:class:`GRPOSettings`, the config's
-``grpo:`` section), the prompts, the rounds, the update's step and evaluation; the config's checks are
-:mod:`.grpo_checks`.
+Rooms: steps 1-3 and the packing of 4 are :mod:`.grpo_rollouts`, behind two small protocols: who
+samples (a :class:`slipstream.rollouts.RolloutEngine`, started by :mod:`.grpo_engines`) and how a
+rollout unfolds (a :class:`.grpo_rollouts.Turns`: one completion, or a tool-calling trajectory,
+:mod:`.grpo_agents`); the loss of 4 is :func:`slipstream.loss.grpo.policy_loss`; here, the settings
+(:class:`GRPOSettings`, the config's ``grpo:`` section), the prompts, the rounds, the update's step and
+evaluation; the config's checks are :mod:`.grpo_checks`.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import torch
@@ -67,7 +68,7 @@ from ..loss.importance import importance_weights
 from ..modes import eval_mode
 from ..optimize import state_of
 from ..rewards import RewardCall, RewardError, RewardFunction, load_rewards, weighted
-from ..rollouts import CachedSampler, UnsupportedRollout, check_sampleable, context_length
+from ..rollouts import context_length
 from .answers import answer_sums
 from .base import (
     Objective,
@@ -79,9 +80,10 @@ from .base import (
     tokenizer_refusals,
 )
 from .evaluation import HeldOut, rank_share
-from .grpo_agents import AgentPlan, AgentRollouts, environment_reward, load_toolset
+from .grpo_agents import AgentPlan, environment_reward, load_toolset
 from .grpo_checks import validate_grpo
-from .grpo_rollouts import GRPOMicro, RolloutMaker, stop_ids
+from .grpo_engines import described, start_engine
+from .grpo_rollouts import GRPOMicro, RolloutMaker
 from .grpo_sharing import CompletionTrees
 from .sharing import LayoutCost
 
@@ -231,6 +233,7 @@ class GRPO(RolloutMaker, Objective):
                     tokenizer,
                     self.settings.max_tool_calling_iterations,
                     self.config.data.max_seq_len,
+                    room=self.config.data.max_seq_len - self.settings.max_new_tokens,
                 )
             except ToolError as error:
                 raise TrainError(str(error)) from None
@@ -263,17 +266,8 @@ class GRPO(RolloutMaker, Objective):
         self.evaluated_at = (0, context.steps)
         if self.tokenizer is None:
             self.tokenizer = context.tokenizer
-        if self.engine is None and self.settings.engine == "vllm":
-            self.engine = self._vllm_engine(context)
-        elif self.engine is None:
-            try:
-                check_sampleable(context.base_model, self.config.data.max_seq_len)
-            except UnsupportedRollout as error:
-                raise TrainError(f"{self.config.model.path or self.config.model.preset}: {error}") from None
-            pad = self.tokenizer.pad_token_id
-            if pad is None:
-                pad = self.tokenizer.eos_token_id or 0
-            self.engine = CachedSampler(stop_ids(self.tokenizer, context.base_model), int(pad))
+        if self.engine is None:  # hf: our sampler; vllm: its own process (.grpo_engines)
+            self.engine, self.engine_line = start_engine(self.config, self.settings, context, self.tokenizer)
         self.plan_agents(self.tokenizer, context.base_model)
         s = self.settings
         self.trees = None
@@ -284,19 +278,14 @@ class GRPO(RolloutMaker, Objective):
                 model,
                 lambda: LayoutCost.of(model, context.device, context.dtype),
             )
-        started = getattr(self, "engine_line", None)
         rewards = ", ".join(f"{fn.name} x {fn.weight:g}" for fn in self.rewards)
-        tools = f"; {self.agents.line()}" if self.agents is not None else ""
+        tools = f"; {line}" if (line := self.turns.line()) else ""
         layout = (
             "prompt | completions (the prompt once)" if s.prefix_sharing else "prompt + completion, G times"
         )
         if self.trees is not None:
             layout += f"; {self.trees.policy()}"
-        sampler = (
-            f"vLLM: {started}; importance sampling {self._correction_line()}"
-            if started
-            else f"{type(self.engine).__name__}: each prompt prefilled once, its KV cache shared by its samples"
-        )
+        sampler = getattr(self, "engine_line", None) or described(self.engine)
         return (
             f"grpo: {s.num_generations} completions per prompt ({sampler}), temperature {s.temperature:g}, top_p "
             f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens{tools}; rewards {rewards}; loss "
@@ -304,47 +293,6 @@ class GRPO(RolloutMaker, Objective):
             f"{s.epsilon_high if s.epsilon_high is not None else s.epsilon:g}, beta {s.beta:g}; the update packs "
             f"{layout}"
         )
-
-    def _vllm_engine(self, context: ObjectiveContext):
-        """vLLM in its own process, started now (minutes the first time); a refusal or a failed start
-        is one line naming it."""
-        from ..engines.vllm_engine import VLLMEngine, refuse_unsyncable
-
-        config = self.config
-        refuse_unsyncable(context.base_model, config)
-        rank = context.ranks.rank
-        log = Path(config.output_dir) / ("vllm.log" if rank == 0 else f"vllm-rank{rank}.log")
-        engine = VLLMEngine(
-            stop_ids=stop_ids(self.tokenizer, context.base_model),
-            max_model_len=config.data.max_seq_len,
-            sync_mode=self.settings.vllm_sync,
-            memory_share=self.settings.vllm_gpu_memory_utilization,
-            seed=config.seed + rank,
-            log_path=log,
-            lora_rank=config.lora.rank if config.lora.enabled else 0,
-        )
-        try:
-            self.engine_line = engine.start(context.base_model)
-        except BaseException:
-            engine.close()
-            raise
-        return engine
-
-    def _correction_line(self) -> str:
-        s = self.settings
-        if not s.vllm_importance_sampling_correction:
-            return "off"
-        low = (
-            "none"
-            if s.vllm_importance_sampling_clip_min is None
-            else f"{s.vllm_importance_sampling_clip_min:g}"
-        )
-        high = (
-            "none"
-            if s.vllm_importance_sampling_clip_max is None
-            else f"{s.vllm_importance_sampling_clip_max:g}"
-        )
-        return f"{s.vllm_importance_sampling_mode}, clip [{low}, {high}]"
 
     def after_training(self) -> None:
         """The engine's process stops with the run, however the run ends."""
@@ -508,12 +456,8 @@ class GRPO(RolloutMaker, Objective):
             }
             for index, (row, completion) in enumerate(every[: self.keeps_samples])
         ]
-        if isinstance(rollouts, AgentRollouts):  # whole trajectories: every turn, call and result
-            trajectories = [t for row in rollouts.trajectories for t in row]
-            for sample, t in zip(self._eval_samples, trajectories, strict=False):
-                sample.update(
-                    messages=t.messages, tool_calls=t.calls, tool_failures=t.failures, turns=t.turns
-                )
+        for sample, more in zip(self._eval_samples, self.turns.samples(rollouts), strict=False):
+            sample.update(more)  # a trajectory's turns, calls and results
 
     def eval_samples(self) -> list[dict]:
         return self._eval_samples

@@ -5,7 +5,8 @@ it opens each rollout's toolbox (its own environment instance, ``reset`` with th
 does), samples the trajectories, and gives the scoring what TRL's reward functions get: each completion
 as its list of assistant and tool messages, and ``environments`` (the rollouts' instances) where there is
 an environment. The update trains every token the model sampled and none of the tool results'
-(``model_masks``), and each step records what the tools did.
+(``model_masks``), and each step records what the tools did. It is one of GRPO's
+:class:`~.grpo_rollouts.Turns`, beside one completion a rollout.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..data.errors import DataError
 from ..data.prompts import tokenize_prompt
 from ..errors import TrainError
 from ..rewards import RewardFunction
+from .grpo_rollouts import sampled_groups
 
 
 def load_toolset(settings, base: Path | None = None) -> ToolSet | None:
@@ -52,18 +54,24 @@ def environment_reward(toolset: ToolSet) -> RewardFunction:
 
 @dataclass
 class AgentPlan:
+    """Multi-turn tool-calling rollouts (a :class:`~.grpo_rollouts.Turns`)."""
+
     toolset: ToolSet
     format: ToolFormat
     schema: list  # what the chat template renders as the tools
     max_iterations: int | None
     context: int  # the model's context (TRL ends a trajectory whose next result would reach it)
+    tokenizer: Any
+    room: int  # a prompt's tokens at most (reset()'s text appended: tokenized again within it)
 
     @classmethod
-    def make(cls, toolset: ToolSet, tokenizer, max_iterations: int | None, context: int) -> AgentPlan:
+    def make(
+        cls, toolset: ToolSet, tokenizer, max_iterations: int | None, context: int, room: int
+    ) -> AgentPlan:
         fmt = ToolFormat.of(tokenizer)
         schema = toolset.schema_tools()
         fmt.check(schema)
-        return cls(toolset, fmt, schema, max_iterations, context)
+        return cls(toolset, fmt, schema, max_iterations, context, tokenizer, room)
 
     def line(self) -> str:
         cap = "no cap" if self.max_iterations is None else f"at most {self.max_iterations}"
@@ -73,7 +81,7 @@ class AgentPlan:
             f"{self.toolset.timeout_s:g} s a call; tool results are context, never trained)"
         )
 
-    def rollouts(self, engine, model, prompts: list[dict], G: int, sampling, seed: int, tokenizer, room: int):
+    def rollouts(self, engine, model, prompts: list[dict], G: int, sampling, seed: int) -> AgentRollouts:
         """G trajectories of each prompt row; each rollout's toolbox opened (``reset``) first."""
         boxes, ids = [], []
         for row in prompts:
@@ -98,50 +106,65 @@ class AgentPlan:
                 )
             (observation,) = observations
             boxes.append([box for box, _ in opened])
-            ids.append(
-                row["prompt_ids"]
-                if observation is None
-                else self._observed(row, observation, tokenizer, room)
-            )
+            ids.append(row["prompt_ids"] if observation is None else self._observed(row, observation))
         return agent_rollouts(
             engine, model, ids, boxes, self.format, G, sampling, seed, self.max_iterations, self.context
         )
 
-    def _observed(self, row: dict, observation: str, tokenizer, room: int) -> list[int]:
+    def _observed(self, row: dict, observation: str) -> list[int]:
         """The prompt with ``reset``'s text appended to its last message (TRL's rule), tokenized again."""
         messages = [dict(m) for m in row["prompt"]]
         messages[-1]["content"] = messages[-1]["content"] + observation
         try:
             found = tokenize_prompt(
-                {"prompt": messages}, tokenizer, room=room, location=row["location"], tools=self.schema
+                {"prompt": messages},
+                self.tokenizer,
+                room=self.room,
+                location=row["location"],
+                tools=self.schema,
             )
             return found["prompt_ids"]
         except DataError as error:
             raise TrainError(str(error)) from None
 
+    def completions(self, prompts: list[dict], rollouts: AgentRollouts) -> tuple[list, dict]:
+        """What TRL's reward functions get of trajectories: each completion's messages, and the rollouts'
+        environment instances (``environments``) where there is an environment."""
+        messages = [t.messages for row in rollouts.trajectories for t in row]
+        extra = {}
+        if self.toolset.environment is not None:
+            extra["environments"] = [box.environment for row in rollouts.toolboxes for box in row]
+        return messages, extra
 
-def completions_and_columns(rollouts: AgentRollouts, has_environment: bool) -> tuple[list, dict]:
-    """What TRL's reward functions get of trajectories: each completion's messages, and the rollouts'
-    environment instances (``environments``) where there is an environment."""
-    messages = [t.messages for row in rollouts.trajectories for t in row]
-    extra = {}
-    if has_environment:
-        extra["environments"] = [box.environment for row in rollouts.toolboxes for box in row]
-    return messages, extra
+    def groups(self, prompts: list[dict], rollouts: AgentRollouts) -> list[dict]:
+        """The tokens the model sampled (1) and the tool results' (0: context only), and each prompt as
+        sampled from (with reset()'s text, where the environment gave one)."""
+        groups = sampled_groups(prompts, rollouts)
+        for group, row, prompt_ids in zip(groups, rollouts.trajectories, rollouts.prompt_ids, strict=True):
+            group["model_masks"] = [t.model_mask for t in row]
+            group["prompt_ids"] = list(prompt_ids)
+        return groups
 
+    def record(self, rollouts: AgentRollouts) -> dict[str, Any]:
+        """A step's tool metrics (hardware-independent counts beside the times)."""
+        every = [t for row in rollouts.trajectories for t in row]
+        calls = sum(t.calls for t in every)
+        tokens = sum(len(t.ids) for t in every)
+        return {
+            "tool_calls_per_trajectory": calls / len(every),
+            "tool_failure_rate": sum(t.failures for t in every) / calls if calls else 0.0,
+            "tool_calling_share": sum(1 for t in every if t.calls) / len(every),
+            "malformed_call_share": sum(1 for t in every if t.malformed) / len(every),
+            "turns_per_trajectory": statistics.fmean(t.turns for t in every),
+            "tool_token_share": sum(t.tool_tokens for t in every) / tokens if tokens else 0.0,
+            "tool_s": sum(t.tool_s for t in every),
+            "turn_generation_s": list(rollouts.turn_s),
+        }
 
-def agent_record(rollouts: AgentRollouts) -> dict[str, Any]:
-    """A step's tool metrics (hardware-independent counts beside the times)."""
-    every = [t for row in rollouts.trajectories for t in row]
-    calls = sum(t.calls for t in every)
-    tokens = sum(len(t.ids) for t in every)
-    return {
-        "tool_calls_per_trajectory": calls / len(every),
-        "tool_failure_rate": sum(t.failures for t in every) / calls if calls else 0.0,
-        "tool_calling_share": sum(1 for t in every if t.calls) / len(every),
-        "malformed_call_share": sum(1 for t in every if t.malformed) / len(every),
-        "turns_per_trajectory": statistics.fmean(t.turns for t in every),
-        "tool_token_share": sum(t.tool_tokens for t in every) / tokens if tokens else 0.0,
-        "tool_s": sum(t.tool_s for t in every),
-        "turn_generation_s": list(rollouts.turn_s),
-    }
+    def samples(self, rollouts: AgentRollouts) -> list[dict]:
+        """Whole trajectories for samples.jsonl: every turn, call and result."""
+        return [
+            {"messages": t.messages, "tool_calls": t.calls, "tool_failures": t.failures, "turns": t.turns}
+            for row in rollouts.trajectories
+            for t in row
+        ]

@@ -8,6 +8,10 @@ completions sampled by the objective's :class:`slipstream.rollouts.RolloutEngine
 each token's advantage and loss mask, and the reference's and the sampling policy's log-probs where
 the settings need them, read by ``no_grad`` forwards before the step's clock. :class:`RolloutMaker`
 is what :class:`.grpo.GRPO` inherits of it (the A/B's GRPO arms call the same methods).
+
+How a rollout unfolds is a :class:`Turns`: one completion (:class:`SingleTurn`) or a trajectory of turns
+and tool calls (:class:`.grpo_agents.AgentPlan`); what samples the tokens is the engine
+(:mod:`.grpo_engines`). Nothing here asks which.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,7 +34,6 @@ from ..rewards import RewardCall, RewardError, RewardFunction, score, weighted
 from ..rollouts import Rollouts, Sampling
 from .answers import answer_sums, reference_sums
 from .base import ObjectiveContext, StepPlan
-from .grpo_agents import AgentRollouts, agent_record, completions_and_columns
 
 GROUP_STD_EPSILON = 1e-4  # added to a group's reward std before dividing (TRL's)
 
@@ -72,19 +75,6 @@ class ScoredRound:
         return [self.prompts[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
 
 
-def stop_ids(tokenizer, model) -> tuple[int, ...]:
-    """The tokens that end a completion: the tokenizer's EOS and the model's generation config's."""
-    found: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        found.add(int(tokenizer.eos_token_id))
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    for token in eos if isinstance(eos, (list, tuple)) else [eos]:
-        if token is not None:
-            found.add(int(token))
-    return tuple(sorted(found))
-
-
 def advantages_of(
     rewards: Sequence[float], group: int, scale: str, batch_std: float | None = None
 ) -> list[float]:
@@ -109,6 +99,74 @@ def advantages_of(
     return out
 
 
+def sampled_groups(prompts: list[dict], rollouts: Rollouts) -> list[dict]:
+    """Per prompt, what the update packs: its ids and its completions' ids, ends and engine log-probs."""
+    return [
+        {
+            "prompt_ids": row["prompt_ids"],
+            "completions": [c.ids for c in completions],
+            "finished": [c.finished for c in completions],
+            "logprobs": [c.logprobs for c in completions],
+        }
+        for row, completions in zip(prompts, rollouts.completions, strict=True)
+    ]
+
+
+class Turns(Protocol):
+    """How a prompt's rollouts unfold, and what the rewards, the update and the log read of them."""
+
+    def rollouts(self, engine, model, prompts: list[dict], G: int, sampling: Sampling, seed: int) -> Rollouts:
+        """G rollouts of each prompt row, sampled by ``engine`` (seeded)."""
+
+    def completions(self, prompts: list[dict], rollouts) -> tuple[list, dict]:
+        """Each rollout as TRL's reward functions get it, and the columns it adds (``environments``)."""
+
+    def groups(self, prompts: list[dict], rollouts) -> list[dict]:
+        """:func:`sampled_groups`, with what the update must leave out of the loss (``model_masks``)."""
+
+    def record(self, rollouts) -> dict:
+        """The round's metrics beyond the completions' own (tool calls)."""
+
+    def samples(self, rollouts) -> list[dict]:
+        """What ``samples.jsonl`` keeps of each rollout beyond its text (its turns and calls)."""
+
+    def line(self) -> str:
+        """What the run's log says of them ("" where nothing more than the engine's line)."""
+
+
+@dataclass
+class SingleTurn:
+    """One completion a rollout: the engine's sample of the prompt, decoded for the rewards (a
+    conversational prompt's as one assistant message, as TRL hands it)."""
+
+    tokenizer: Any
+
+    def rollouts(self, engine, model, prompts, G, sampling, seed) -> Rollouts:
+        return engine.generate(model, [r["prompt_ids"] for r in prompts], G, sampling, seed)
+
+    def completions(self, prompts, rollouts) -> tuple[list, dict]:
+        texts = []
+        for row, completions in zip(prompts, rollouts.completions, strict=True):
+            for completion in completions:
+                text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
+                texts.append(
+                    [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
+                )
+        return texts, {}
+
+    def groups(self, prompts, rollouts) -> list[dict]:
+        return sampled_groups(prompts, rollouts)
+
+    def record(self, rollouts) -> dict:
+        return {}
+
+    def samples(self, rollouts) -> list[dict]:
+        return []
+
+    def line(self) -> str:
+        return ""
+
+
 class RolloutMaker:
     """Sampling, scoring and packing a round of rollouts (see the module docstring); a mixin of the
     GRPO objective, whose ``settings``, ``engine``, ``tokenizer``, ``rewards`` and ``chunked`` it reads."""
@@ -121,7 +179,7 @@ class RolloutMaker:
     chunked: bool
     corrects: bool  # the update weighs tokens by TRL's importance sampling (GRPO.corrects)
     synced_at: int | None = None  # the optimizer steps done when the engine last took the policy
-    agents: Any = None  # .grpo_agents.AgentPlan: multi-turn tool-calling rollouts (grpo.tools)
+    agents: Any = None  # .grpo_agents.AgentPlan: tool-calling rollouts (grpo.tools); None: single-turn
     trees: Any = None  # .grpo_sharing.CompletionTrees: data.share_prefixes on the update (None: off)
 
     @property
@@ -142,54 +200,33 @@ class RolloutMaker:
         with eval_mode(model), torch.no_grad():
             return self.generate_rollouts(model, prompts, self.settings.num_generations, seed)
 
+    @property
+    def turns(self) -> Turns:
+        """The run's tool-calling trajectories (``grpo.tools``), else one completion a rollout."""
+        return self.agents if self.agents is not None else SingleTurn(self.tokenizer)
+
     def generate_rollouts(self, model, prompts: list[dict], G: int, seed: int):
-        """The engine's G completions of each prompt row, or with tools G multi-turn trajectories."""
-        if self.agents is not None:
-            room = self.config.data.max_seq_len - self.settings.max_new_tokens
-            return self.agents.rollouts(
-                self.engine, model, prompts, G, self.sampling, seed, self.tokenizer, room
-            )
-        return self.engine.generate(model, [r["prompt_ids"] for r in prompts], G, self.sampling, seed)
+        """G rollouts of each prompt row, as the run's :class:`Turns` unfold them on its engine."""
+        return self.turns.rollouts(self.engine, model, prompts, G, self.sampling, seed)
 
     def score_rollouts(
         self, prompts: list[dict], rollouts: Rollouts, G: int, call: RewardCall | None = None
     ) -> tuple[list[list[float]], list[dict]]:
         """Every completion's per-function rewards; and each group's completion ids. ``call``: the
         step's ``trainer_state`` and what the functions log (default: step 0, kept nowhere)."""
-        texts, ids, prompt_values, columns = [], [], [], {}
-        trajectories = isinstance(rollouts, AgentRollouts)
-        for row, completions in zip(prompts, rollouts.completions, strict=True):
-            for completion in completions:
-                if not trajectories:  # a trajectory is read as its messages (below), not decoded whole
-                    text = self.tokenizer.decode(completion.ids, skip_special_tokens=True)
-                    texts.append(
-                        [{"role": "assistant", "content": text}] if isinstance(row["prompt"], list) else text
-                    )
-                ids.append(list(completion.ids))
-                prompt_values.append(row["prompt"])
-        names = sorted({key for row in prompts for key in row["columns"]})
-        for name in names:
-            columns[name] = [row["columns"].get(name) for row in prompts for _ in range(G)]
-        if trajectories:  # a reward sees each trajectory as TRL's list of assistant and tool messages
-            texts, extra = completions_and_columns(rollouts, self.agents.toolset.environment is not None)
-            columns.update(extra)
-        values = score(self.rewards, prompt_values, texts, ids, columns, call)
-        groups = [
-            {
-                "prompt_ids": row["prompt_ids"],
-                "completions": [c.ids for c in completions],
-                "finished": [c.finished for c in completions],
-                "logprobs": [c.logprobs for c in completions],
-            }
+        turns = self.turns
+        texts, extra = turns.completions(prompts, rollouts)
+        pairs = [
+            (row, c)
             for row, completions in zip(prompts, rollouts.completions, strict=True)
+            for c in completions
         ]
-        if trajectories:  # the tokens the model sampled (1) and the tool results' (0: context only)
-            for group, row, prompt_ids in zip(
-                groups, rollouts.trajectories, rollouts.prompt_ids, strict=True
-            ):
-                group["model_masks"] = [t.model_mask for t in row]
-                group["prompt_ids"] = list(prompt_ids)  # with reset()'s text, where the environment gave one
-        return values, groups
+        names = sorted({key for row in prompts for key in row["columns"]})
+        columns = {name: [row["columns"].get(name) for row in prompts for _ in range(G)] for name in names}
+        columns.update(extra)
+        prompt_values, ids = [row["prompt"] for row, _ in pairs], [list(c.ids) for _, c in pairs]
+        values = score(self.rewards, prompt_values, texts, ids, columns, call)
+        return values, turns.groups(prompts, rollouts)
 
     def replayed_bins(self, recorded: ScoredRound) -> list[list[dict]]:
         """A recorded round's bins (``slipstream ab``'s arms replay the run's rounds: ``plan_round``)."""
@@ -378,6 +415,5 @@ class RolloutMaker:
         record["generation_tokens_per_s"] = rollouts.stats.tokens_per_s
         record["reward_s"] = scored - generated
         record["reference_s"] = 0.0  # the update's reference forwards (plan_round)
-        if isinstance(rollouts, AgentRollouts):
-            record.update(agent_record(rollouts))
+        record.update(self.turns.record(rollouts))
         return record
