@@ -299,3 +299,39 @@ def test_trajectories_that_share_their_tool_schemas_and_turns_train_the_same_as_
         assert tree["tree_micro_batches"] == 1
         # the schemas once for both prompts, and the looked-up trajectory's call and result once for two
         assert tree["update_tokens"] < tree["update_tokens_today"] * 0.75
+
+
+def test_both_kinds_of_rollout_speak_the_turns_protocol_with_its_signatures():
+    """GRPO reads a rollout's unfolding only through ``Turns``: the tool-calling plan and the single
+    turn each define every method of it, with the protocol's parameters."""
+    import inspect
+
+    from slipstream.objectives.grpo_agents import AgentPlan
+    from slipstream.objectives.grpo_rollouts import SingleTurn, Turns
+
+    methods = [name for name, value in vars(Turns).items() if inspect.isfunction(value) and name[0] != "_"]
+    assert methods == ["rollouts", "completions", "groups", "record", "samples", "line"]
+    for kind in (SingleTurn, AgentPlan):
+        for name in methods:
+            ours, protocol = inspect.signature(getattr(kind, name)), inspect.signature(getattr(Turns, name))
+            assert list(ours.parameters) == list(protocol.parameters), (kind.__name__, name)
+
+
+def test_a_single_turn_scores_decoded_text_and_a_chat_prompt_as_one_assistant_message():
+    from slipstream.objectives.grpo_rollouts import SingleTurn
+    from slipstream.rollouts import Completion, Rollouts
+
+    class Decoder:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    prompts = [
+        {"prompt": "text", "prompt_ids": [1]},
+        {"prompt": [{"role": "user", "content": "hi"}], "prompt_ids": [2]},
+    ]
+    rollouts = Rollouts([[Completion([5, 6], True)], [Completion([7], False, [-0.5])]])
+    turns = SingleTurn(Decoder())
+    assert turns.completions(prompts, rollouts) == (["5 6", [{"role": "assistant", "content": "7"}]], {})
+    groups = turns.groups(prompts, rollouts)
+    assert groups[1] == {"prompt_ids": [2], "completions": [[7]], "finished": [False], "logprobs": [[-0.5]]}
+    assert "model_masks" not in groups[0] and turns.record(rollouts) == {} and turns.samples(rollouts) == []
