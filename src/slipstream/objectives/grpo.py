@@ -155,6 +155,7 @@ class GRPO(RolloutMaker, Objective):
         super().__init__(config)
         self.settings = settings if settings is not None else config.grpo
         self.engine = engine  # a RolloutEngine; ours (CachedSampler) when None, made in before_training
+        self.engine_line = ""  # what the log says of the engine (set with it)
         self.rewards: list[RewardFunction] = (
             load_rewards(self.settings.rewards) if self.settings.rewards else []
         )
@@ -181,15 +182,20 @@ class GRPO(RolloutMaker, Objective):
         """``grpo.num_iterations``: the steps that train on one round of rollouts."""
         return self.settings.num_iterations
 
+    @property
+    def prompt_room(self) -> int:
+        """A prompt's tokens at most: the packed length less the completion's budget."""
+        return self.config.data.max_seq_len - self.settings.max_new_tokens
+
     @classmethod
     def validate(cls, config, fail) -> None:
         validate_grpo(config, fail)  # the config's checks (.grpo_checks)
 
     # ------------------------------------------------------------------ rows and bins
     def read(self, tokenizer, info) -> ObjectiveData:
-        config, settings = self.config, self.settings
+        config = self.config
         self.tokenizer = tokenizer
-        room = config.data.max_seq_len - settings.max_new_tokens
+        room = self.prompt_room
         on_bad_row = "skip" if config.data.skip_bad_rows else "error"
 
         schema = self.plan_agents(tokenizer)
@@ -233,7 +239,7 @@ class GRPO(RolloutMaker, Objective):
                     tokenizer,
                     self.settings.max_tool_calling_iterations,
                     self.config.data.max_seq_len,
-                    room=self.config.data.max_seq_len - self.settings.max_new_tokens,
+                    room=self.prompt_room,
                 )
             except ToolError as error:
                 raise TrainError(str(error)) from None
@@ -268,6 +274,8 @@ class GRPO(RolloutMaker, Objective):
             self.tokenizer = context.tokenizer
         if self.engine is None:  # hf: our sampler; vllm: its own process (.grpo_engines)
             self.engine, self.engine_line = start_engine(self.config, self.settings, context, self.tokenizer)
+        elif not self.engine_line:  # an engine handed in
+            self.engine_line = described(self.engine)
         self.plan_agents(self.tokenizer, context.base_model)
         s = self.settings
         self.trees = None
@@ -285,7 +293,7 @@ class GRPO(RolloutMaker, Objective):
         )
         if self.trees is not None:
             layout += f"; {self.trees.policy()}"
-        sampler = getattr(self, "engine_line", None) or described(self.engine)
+        sampler = self.engine_line
         return (
             f"grpo: {s.num_generations} completions per prompt ({sampler}), temperature {s.temperature:g}, top_p "
             f"{s.top_p:g}, top_k {s.top_k}, up to {s.max_new_tokens} new tokens{tools}; rewards {rewards}; loss "

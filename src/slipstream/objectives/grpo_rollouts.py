@@ -216,15 +216,12 @@ class RolloutMaker:
         step's ``trainer_state`` and what the functions log (default: step 0, kept nowhere)."""
         turns = self.turns
         texts, extra = turns.completions(prompts, rollouts)
-        pairs = [
-            (row, c)
-            for row, completions in zip(prompts, rollouts.completions, strict=True)
-            for c in completions
-        ]
         names = sorted({key for row in prompts for key in row["columns"]})
         columns = {name: [row["columns"].get(name) for row in prompts for _ in range(G)] for name in names}
         columns.update(extra)
-        prompt_values, ids = [row["prompt"] for row, _ in pairs], [list(c.ids) for _, c in pairs]
+        rows = zip(prompts, rollouts.completions, strict=True)
+        prompt_values = [row["prompt"] for row, completions in rows for _ in completions]
+        ids = [list(c.ids) for completions in rollouts.completions for c in completions]
         values = score(self.rewards, prompt_values, texts, ids, columns, call)
         return values, turns.groups(prompts, rollouts)
 
