@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 BadRowPolicy = Literal["error", "skip"]
@@ -50,6 +51,20 @@ class DataReport:
 
     def skip(self, location: str, reason: str) -> None:
         self.skipped.append((location, reason))
+
+    def reject(self, error: DataError, on_bad_row: BadRowPolicy) -> None:
+        """A bad row: raised with ``on_bad_row="error"``, else recorded as skipped."""
+        if on_bad_row == "error":
+            raise error
+        self.skip(error.location, error.reason)
+
+    def count_used(self, used: int, path: str | Path, rows: str = "rows") -> None:
+        """Record ``used``; a load that kept no row at all raises, skip mode or not."""
+        self.rows_used = used
+        if not used:
+            raise DataError(
+                str(path), f"no usable {rows} ({self.rows_read} read, {len(self.skipped)} skipped)"
+            )
 
     def summary(self, max_listed: int = 5) -> str:
         """One line of counts, then the first ``max_listed`` skipped rows."""

@@ -81,20 +81,13 @@ def load_pairs(
         try:
             pair, cut = tokenize_pair(record, tokenizer, max_seq_len=max_seq_len, location=location)
         except DataError as error:
-            if on_bad_row == "error":
-                raise
-            report.data.skip(error.location, error.reason)
+            report.data.reject(error, on_bad_row)
             continue
         pairs.append(pair)
         report.truncated += cut
         report.prompt_tokens += len(pair["prompt_ids"])
         report.answer_tokens += len(pair["chosen_ids"]) + len(pair["rejected_ids"])
-    report.data.rows_used = len(pairs)
-    if not pairs:
-        raise DataError(
-            str(path),
-            f"no usable preference rows ({report.data.rows_read} read, {len(report.data.skipped)} skipped)",
-        )
+    report.data.count_used(len(pairs), path, "preference rows")
     return pairs, report
 
 

@@ -107,14 +107,8 @@ def load_prompts(
         try:
             rows.append(tokenize_prompt(record, tokenizer, room=room, location=location, tools=tools))
         except DataError as error:
-            if on_bad_row == "error":
-                raise
-            report.skip(error.location, error.reason)
-    report.rows_used = len(rows)
-    if not rows:
-        raise DataError(
-            str(path), f"no usable prompt rows ({report.rows_read} read, {len(report.skipped)} skipped)"
-        )
+            report.reject(error, on_bad_row)
+    report.count_used(len(rows), path, "prompt rows")
     return rows, report
 
 

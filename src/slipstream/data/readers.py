@@ -52,9 +52,7 @@ def _records(
         reason = (
             value.reason if isinstance(value, _BadRow) else f"expected a JSON object, got {json_type(value)}"
         )
-        if on_bad_row == "error":
-            raise DataError(location, reason)
-        report.skip(location, reason)
+        report.reject(DataError(location, reason), on_bad_row)
 
 
 def _values(path: Path) -> Iterator[tuple[Any, str]]:

@@ -70,9 +70,7 @@ def _load(path, tokenizer, response_only, on_bad_row, cache):
     def flush() -> None:
         for result in tokenize_planned(plans, tokenizer):
             if isinstance(result, DataError):
-                if on_bad_row == "error":
-                    raise result
-                report.skip(result.location, result.reason)
+                report.reject(result, on_bad_row)
             else:
                 samples.append(result)
         plans.clear()
@@ -81,15 +79,11 @@ def _load(path, tokenizer, response_only, on_bad_row, cache):
         try:
             plans.append(plan_row(record, tokenizer, response_only, location))
         except DataError as error:
-            if on_bad_row == "error":
-                raise
-            report.skip(error.location, error.reason)
+            report.reject(error, on_bad_row)
         if len(plans) >= BATCH_ROWS:
             flush()
     flush()
-    report.rows_used = len(samples)
-    if not samples:
-        raise DataError(str(path), f"no usable rows ({report.rows_read} read, {len(report.skipped)} skipped)")
+    report.count_used(len(samples), path)
     if entry is not None:
         _write_cache(entry, samples, report)
     return samples, report
