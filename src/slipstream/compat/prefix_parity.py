@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..modes import eval_mode
 from ..optimize import optimize, state_of
 from ..parity import SEED, Step, compare, copy_model, documents, grads_of, policies_of, problems
 from .arm import ArmResult, failed
@@ -71,21 +72,16 @@ def preference_pairs(
 def pair_reference(stock: torch.nn.Module, pairs: list[dict[str, list[int]]]) -> list[torch.Tensor]:
     """Per answer (pair i: chosen 2i, rejected 2i + 1), the stock log-prob [A] (fp32) of each of
     its tokens, ``prompt + answer`` run alone through the stock model (eval, no grad)."""
-    was_training = stock.training
-    stock.eval()
     expected = []
-    try:
-        with torch.no_grad():
-            for pair in pairs:
-                prompt = pair["prompt_ids"]
-                for key in ANSWER_KEYS:
-                    answer = pair[key]
-                    logits = stock(input_ids=torch.tensor([prompt + answer])).logits[0].float()
-                    rows = logits[len(prompt) - 1 : len(prompt) + len(answer) - 1]
-                    targets = torch.tensor(answer).unsqueeze(1)
-                    expected.append(rows.log_softmax(-1).gather(1, targets).squeeze(1))
-    finally:
-        stock.train(was_training)
+    with eval_mode(stock), torch.no_grad():
+        for pair in pairs:
+            prompt = pair["prompt_ids"]
+            for key in ANSWER_KEYS:
+                answer = pair[key]
+                logits = stock(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+                rows = logits[len(prompt) - 1 : len(prompt) + len(answer) - 1]
+                targets = torch.tensor(answer).unsqueeze(1)
+                expected.append(rows.log_softmax(-1).gather(1, targets).squeeze(1))
     return expected
 
 
@@ -273,16 +269,11 @@ def _check_shared_layout(
 
     model = stock
     try:
-        was_training = stock.training
-        stock.eval()
-        try:
-            with torch.no_grad():
-                expected = [
-                    stock(input_ids=torch.tensor([row["input_ids"]])).logits[0].float().log_softmax(-1)
-                    for row in rows
-                ]
-        finally:
-            stock.train(was_training)
+        with eval_mode(stock), torch.no_grad():
+            expected = [
+                stock(input_ids=torch.tensor([row["input_ids"]])).logits[0].float().log_softmax(-1)
+                for row in rows
+            ]
         model = copy_model(stock)
         optimize(model, **{**options, "chunked_loss": False})
         model.eval()

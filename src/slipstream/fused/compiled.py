@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..modes import eval_mode
+
 # Optimizer steps after which the fused kernels have paid back their cold start, per device type.
 # CPU: ~25 s cold start (empty inductor cache: 21.5 s for RMSNorm, the first compile of a process,
 # plus 2.9 s for SwiGLU). The step gain on SmolLM2-135M in bf16 measured 1.08-1.16x with the two
@@ -183,14 +185,9 @@ def _probe_mlp(module: torch.nn.Module) -> str:
         dtype = torch.bfloat16  # quantized bases (4-bit) take the compute dtype
     generator = torch.Generator(device="cpu").manual_seed(0)
     hidden = torch.randn(1, 3, width, generator=generator).to(device=parameter.device, dtype=dtype)
-    was_training = module.training
-    module.eval()
-    try:
-        with torch.no_grad():
-            own = type(module).forward(module, hidden)
-            ours = module.down_proj(swiglu_formula(module.gate_proj(hidden), module.up_proj(hidden)))
-    finally:
-        module.train(was_training)
+    with eval_mode(module), torch.no_grad():
+        own = type(module).forward(module, hidden)
+        ours = module.down_proj(swiglu_formula(module.gate_proj(hidden), module.up_proj(hidden)))
     if not isinstance(own, torch.Tensor) or own.shape != ours.shape or not torch.equal(own, ours):
         return "its forward is not down_proj(silu(gate_proj(x)) * up_proj(x))"
     return ""
