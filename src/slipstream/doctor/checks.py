@@ -20,12 +20,11 @@ path's one read of the expert counts per layer per forward.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,6 +37,7 @@ from ..parity import LENGTHS, TOLERANCE, compare, documents
 from ..parity import problems as beyond_tolerance
 from ..refusal import Refusal
 from ..speedups import Speedups, registry
+from ..utilisation.peak import torch_threads
 from .arm import ArmRun, run_arm
 from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line, quiet_transformers
 
@@ -180,21 +180,15 @@ def run_check(
                 lora=lora,
             )
     except Exception as error:  # noqa: BLE001 - the stock arm failing leaves nothing to compare with
-        check.verdict, check.reason = "skipped", f"the stock arm cannot run here: {one_line(error)}"
-        check.seconds = time.perf_counter() - started
-        return check
+        return _judged(check, started, "skipped", f"the stock arm cannot run here: {one_line(error)}")
     try:
         fast_run = run_arm(
             subject_.base, subject_.docs, fast, subject_.layout, device, dtype, offload=offload, lora=lora
         )
     except Refusal as error:  # a deliberate refusal (refusal.Refusal): said, not a fault
-        check.verdict, check.reason = "refused", one_line(error)
-        check.seconds = time.perf_counter() - started
-        return check
+        return _judged(check, started, "refused", one_line(error))
     except Exception as error:  # noqa: BLE001 - a fast path that crashes on this device is broken here
-        check.verdict, check.reason = "WRONG", f"crashed: {one_line(error)}"
-        check.seconds = time.perf_counter() - started
-        return check
+        return _judged(check, started, "WRONG", f"crashed: {one_line(error)}")
 
     errors = compare(fast_run, stock_run)
     check.loss_error, check.grad_error, check.worst_param = errors.loss, errors.grad, errors.worst_param
@@ -223,8 +217,12 @@ def run_check(
         check.details["offload_copies"] = fast_run.copies
         if not fast_run.copies.get("offloads"):
             problems.append("the offload schedule copied nothing to the host")
-    if problems:
-        check.verdict, check.reason = "WRONG", "; ".join(problems)
+    return _judged(check, started, "WRONG" if problems else "ok", "; ".join(problems))
+
+
+def _judged(check: Check, started: float, verdict: str, reason: str) -> Check:
+    """``check`` with its verdict, the reason for it, and the seconds since ``started``."""
+    check.verdict, check.reason = verdict, reason
     check.seconds = time.perf_counter() - started
     return check
 
@@ -236,20 +234,10 @@ def check_paths(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[list[Check], dict[str, Subject]]:
     """Every fast path against its stock arm on ``device``; also returns the models checked."""
-    with _one_thread(), quiet_transformers():
+    # The checks' models are tiny: one CPU thread runs them as fast, and never stalls on a core
+    # another process holds (two OpenMP threads then wait on each other, 100x slower).
+    with torch_threads(1), quiet_transformers():
         return _check_paths(checked, device, dtype, progress or (lambda text: None))
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """The checks' models are tiny: one CPU thread runs them as fast, and never stalls on a core
-    another process holds (two OpenMP threads then wait on each other, 100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _check_paths(

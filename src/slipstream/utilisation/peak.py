@@ -17,9 +17,11 @@ machine measures it once. A figure taken while the machine was busy would stick:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -50,6 +52,17 @@ def _cache_key(device: torch.device, dtype: torch.dtype, threads: int) -> dict:
         "threads": threads,
         "probe": PROBE_VERSION,
     }
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Inside, torch runs ``threads`` intra-op threads; after, as many as before."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _cache_path(key: dict) -> Path:
@@ -84,28 +97,24 @@ def _time_matmul(a: torch.Tensor, b: torch.Tensor, repeats: int) -> float:
 def _time_side_by_side(pairs: list[tuple[torch.Tensor, torch.Tensor]], repeats: int) -> float:
     """The best of ``repeats`` wall times (after one untimed round) of every ``a @ b`` in ``pairs``
     at once, one per thread, each thread's matmul on one intra-op thread. Seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # before the pool's threads exist: each starts with one intra-op thread
-    try:
-        with ThreadPoolExecutor(len(pairs) - 1) as pool:
+    # one intra-op thread before the pool's threads exist: each of them starts with one
+    with torch_threads(1), ThreadPoolExecutor(len(pairs) - 1) as pool:
 
-            def round_s() -> float:
-                began = time.perf_counter()
-                others = [pool.submit(torch.matmul, a, b) for a, b in pairs[1:]]
-                torch.matmul(*pairs[0])
-                for other in others:
-                    other.result()
-                return time.perf_counter() - began
+        def round_s() -> float:
+            began = time.perf_counter()
+            others = [pool.submit(torch.matmul, a, b) for a, b in pairs[1:]]
+            torch.matmul(*pairs[0])
+            for other in others:
+                other.result()
+            return time.perf_counter() - began
 
-            round_s()
-            best, began = float("inf"), time.perf_counter()
-            for repeat in range(repeats):
-                if repeat >= 2 and time.perf_counter() - began > SIZE_BUDGET_S:
-                    break
-                best = min(best, round_s())
-            return best
-    finally:
-        torch.set_num_threads(threads)
+        round_s()
+        best, began = float("inf"), time.perf_counter()
+        for repeat in range(repeats):
+            if repeat >= 2 and time.perf_counter() - began > SIZE_BUDGET_S:
+                break
+            best = min(best, round_s())
+        return best
 
 
 def measure_matmul_peak(
@@ -185,8 +194,7 @@ def matmul_peak(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    previous = torch.get_num_threads()
-    threads = threads or previous
+    threads = threads or torch.get_num_threads()
     key = _cache_key(device, dtype, threads)
     path = _cache_path(key)
     try:
@@ -197,11 +205,8 @@ def matmul_peak(
             return {**key, **cached["peak"], "measured": cached["measured"], "cached": True}
     except (OSError, ValueError, KeyError):
         cached = None
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         peak = measure_matmul_peak(device, dtype)
-    finally:
-        torch.set_num_threads(previous)
     measured = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     try:
         if cached is not None and cached["peak"]["flops_per_s"] >= peak["flops_per_s"]:
