@@ -84,12 +84,15 @@ class Subject:
     inductor: bool = False  # the sweep's --compile: the fused kernels built by inductor
 
 
-def _record_column(verdict: Verdict, column: str, result: ArmResult, shown: str, settings: str) -> None:
+def _record_column(
+    verdict: Verdict, column: str, result: ArmResult, shown: str, settings: str, refusal_fails: bool = False
+) -> None:
     """An extra arm's outcome: its column (``shown`` when it passed, else its status); a refusal
-    leaves the verdict as it was, WRONG / CRASH becomes the verdict, naming the column."""
+    leaves the verdict as it was (``refusal_fails``: is a CRASH), WRONG / CRASH becomes the verdict,
+    naming the column."""
     verdict.ablations[column] = result
     verdict.speedups[column] = shown if result.status == "pass" else result.status
-    if result.status in ("pass", "refused"):
+    if result.status == "pass" or (result.status == "refused" and not refusal_fails):
         return
     verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
     verdict.detail = f"{column} ({settings}): {result.detail}"
@@ -120,11 +123,7 @@ def check_case(verdict: Verdict, subject: Subject, case: ParityCase) -> None:
         result = run_arm(
             subject.stock, subject.docs, subject.ref, {**subject.options, **case.fast}, offload=False
         )
-        verdict.ablations[column] = result
-        verdict.speedups[column] = "on" if result.status == "pass" else result.status
-        if result.status != "pass":
-            verdict.status = "WRONG" if result.status == "WRONG" else "CRASH"
-            verdict.detail = f"{column} ({_settings(case.fast)}): {result.detail}"
+        _record_column(verdict, column, result, "on", _settings(case.fast), refusal_fails=True)
         return
     shown = case.shown(subject.stock) if case.shown is not None else "on"
     if shown is None:
@@ -150,34 +149,24 @@ def _check_shared_prefix(verdict: Verdict, subject: Subject, column: str) -> Non
     if verdict.speedups.get("packed attention") != "on":
         verdict.speedups[column] = "-"
         return
-    sharing, stock = column == "prefix_sharing", subject.stock
-    what = {
-        "prefix_sharing": "the stock reference: ",
-        "prefix_groups": "the groups: ",
-        "prefix_tree": "the tree: ",
-    }
-    try:  # the inputs, and the stock model itself on the pairs
-        if sharing:
-            pairs = preference_pairs(stock, seed=subject.seed)
-            expected = pair_reference(stock, pairs)
-        elif column == "prefix_groups":
-            groups = prefix_groups(stock, seed=subject.seed)
-        else:
-            trees = prefix_tree(stock, seed=subject.seed)
-    except Exception as error:  # noqa: BLE001
-        result = ArmResult("CRASH", what[column] + short(error) + " @ " + where(error), error=error)
-    else:
-        if sharing:
-            result = check_prefix_sharing(stock, pairs, expected, subject.options)
-        elif column == "prefix_groups":
-            result = check_prefix_groups(stock, groups, subject.options)
-        else:
-            result = check_prefix_tree(stock, trees, subject.options)
-    settings = {
-        "prefix_sharing": "collate_pairs(prefix_sharing=True)",
-        "prefix_groups": "collate_groups (N=4)",
-        "prefix_tree": "collate_trees (depth 4)",
+    stock = subject.stock
+    what, settings = {  # what a CRASH of the inputs names; the column's settings
+        "prefix_sharing": ("the stock reference: ", "collate_pairs(prefix_sharing=True)"),
+        "prefix_groups": ("the groups: ", "collate_groups (N=4)"),
+        "prefix_tree": ("the tree: ", "collate_trees (depth 4)"),
     }[column]
+    try:  # the inputs, and the stock model itself on the pairs
+        if column == "prefix_sharing":
+            pairs = preference_pairs(stock, seed=subject.seed)
+            check, inputs = check_prefix_sharing, (pairs, pair_reference(stock, pairs))
+        elif column == "prefix_groups":
+            check, inputs = check_prefix_groups, (prefix_groups(stock, seed=subject.seed),)
+        else:
+            check, inputs = check_prefix_tree, (prefix_tree(stock, seed=subject.seed),)
+    except Exception as error:  # noqa: BLE001
+        result = ArmResult("CRASH", what + short(error) + " @ " + where(error), error=error)
+    else:
+        result = check(stock, *inputs, subject.options)
     _record_column(verdict, column, result, "on", settings)
 
 
@@ -191,9 +180,7 @@ def check_columns(verdict: Verdict, subject: Subject, compile: bool = False) -> 
     early, late = _sweep_cases(compile)
     checks = [
         *(lambda v, s, case=case: check_case(v, s, case) for case in early),
-        lambda v, s: _check_shared_prefix(v, s, "prefix_sharing"),
-        lambda v, s: _check_shared_prefix(v, s, "prefix_groups"),
-        lambda v, s: _check_shared_prefix(v, s, "prefix_tree"),
+        *(lambda v, s, column=column: _check_shared_prefix(v, s, column) for _, column in PREFIX_COLUMNS),
         *(lambda v, s, case=case: check_case(v, s, case) for case in late),
     ]
     for check in checks:
