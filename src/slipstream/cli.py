@@ -469,6 +469,7 @@ def _cmd_generate(args) -> int:
     )
 
     transformers_logging.disable_progress_bar()  # no loading bars between the streamed answers
+    engine = None
     try:
         if not args.sample and (args.temperature is not None or args.top_p is not None):
             raise GenerateError("--temperature and --top-p apply to sampling: add --sample")
@@ -486,14 +487,10 @@ def _cmd_generate(args) -> int:
             prompts = prompt_lines(sys.stdin)
             if not prompts:
                 raise GenerateError("no prompt: give --prompt, --file, or prompts on stdin (one per line)")
-        engine = None
         if args.engine == "vllm":
             engine = EngineAnswers.start(
                 generator, prompts, args.max_new_tokens, args.vllm_gpu_memory_utilization
             )
-    except GenerateError as error:
-        return _error("generate", error)
-    try:
         return _answer_all(generator, engine, prompts, interactive, args, options)
     except GenerateError as error:
         return _error("generate", error)
