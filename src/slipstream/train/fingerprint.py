@@ -140,10 +140,6 @@ def fingerprint(config, tokenizer, *, world_size: int, dtype: torch.dtype) -> di
     }
 
 
-def _show(value: Any) -> str:
-    return json.dumps(value)
-
-
 def compare(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     """What differs between a checkpoint's fingerprint and this run's, in words."""
     changes = []
@@ -154,7 +150,9 @@ def compare(saved: dict[str, Any], current: dict[str, Any]) -> list[Change]:
     for structural in (True, False):
         keys = [key for key in differ if (key in STRUCTURAL) == structural]
         if keys:
-            shown = ", ".join(f"{key} {_show(old_config[key])} -> {_show(new_config[key])}" for key in keys)
+            shown = ", ".join(
+                f"{key} {json.dumps(old_config[key])} -> {json.dumps(new_config[key])}" for key in keys
+            )
             changes.append(Change(f"config changed: {shown}", structural))
     old_data, new_data = saved.get("data"), current["data"]
     if old_data is not None and old_data.get("sha256") != new_data["sha256"]:
