@@ -84,13 +84,12 @@ class FlopProfile:
 
     def micro_batch_flops(self, seq_lens: Sequence[int], head_rows: int, causal: Causal = "half") -> int:
         """Model FLOPs of forward + backward of one packed micro-batch (documents of ``seq_lens``)."""
-        tokens = sum(seq_lens)
         attention = sum(
             layers * per_pair * self.attention_pairs(length, window, causal)
             for layers, per_pair, window in self.attention
             for length in seq_lens
         )
-        return tokens * self.token_flops + head_rows * self.head_row_flops + attention
+        return self.linear_flops(seq_lens, head_rows) + attention
 
     def linear_flops(self, seq_lens: Sequence[int], head_rows: int) -> int:
         """The linear layers' share of ``micro_batch_flops`` (no attention): the matmuls' work."""
