@@ -110,14 +110,5 @@ def block_order(blocks: Sequence[Sequence[int]], seed: int) -> Callable[[int], l
     epoch a seeded permutation of the blocks."""
     if not blocks:
         raise ValueError("block_order: no steps")
-    orders: dict[int, list[int]] = {}
-
-    def bins_for(step: int) -> list[int]:
-        epoch, position = divmod(step, len(blocks))
-        if epoch not in orders:
-            order = list(range(len(blocks)))
-            random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            orders[epoch] = order
-        return list(blocks[orders[epoch][position]])
-
-    return bins_for
+    block_for = step_order(len(blocks), 1, seed)  # each step one block, in step_order's permutations
+    return lambda step: list(blocks[block_for(step)[0]])
