@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,9 @@ def run_doctor(
     # the packed attention's figures training weighs here (measured once per device, dtype, threads)
     costs = attention_costs(device, torch_dtype, remeasure=recalibrate)
     found_versions = versions(info)
-    console.print(_key_value_table("Device", device_rows(device_facts)))
+    console.print(_table("Device", ("", ""), device_rows(device_facts)))
     shown = [(k, v if v is not None else "not installed") for k, v in found_versions.items()]
-    console.print(_key_value_table("Versions", shown))
+    console.print(_table("Versions", ("", ""), shown))
     console.print(
         f"model: {checked.describe()}; checked as a tiny random model: {shape_of(checked.tiny)}, "
         f"{str(torch_dtype).removeprefix('torch.')} on {device}"
@@ -77,7 +78,8 @@ def run_doctor(
             f"MoE check on a tiny {subjects['moe'].label} ({checked.family} has no experts): "
             f"{shape_of(subjects['moe'].base.config)}"
         )
-    console.print(_decisions_table(chosen))
+    decided = [(row["path"], row["choice"], row["why"]) for row in chosen]
+    console.print(_table("Fast paths on this device: what runs, and why", ("path", "choice", "why"), decided))
     console.print(_checks_table(checks, checked.asked))
 
     counts = {verdict: sum(c.verdict == verdict for c in checks) for verdict in VERDICTS}
@@ -115,22 +117,13 @@ def run_doctor(
     return report, status
 
 
-def _key_value_table(title: str, rows: list[tuple[str, str]]) -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in rows:
-        table.add_row(key, str(value))
-    return table
-
-
-def _decisions_table(rows: list[dict[str, str]]) -> Table:
-    table = Table(title="Fast paths on this device: what runs, and why", title_justify="left")
-    table.add_column("path", style="bold")
-    table.add_column("choice")
-    table.add_column("why")
+def _table(title: str, headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> Table:
+    """A table titled on the left, its first column bold; no header row where the headers are all ""."""
+    table = Table(title=title, show_header=any(headers), title_justify="left")
+    for index, header in enumerate(headers):
+        table.add_column(header, style="bold" if index == 0 else None)
     for row in rows:
-        table.add_row(row["path"], row["choice"], row["why"])
+        table.add_row(*map(str, row))
     return table
 
 
@@ -149,9 +142,7 @@ def _syncs(check) -> str:
 
 
 def _checks_table(checks, main_model: str) -> Table:
-    table = Table(title="Checks: each fast path vs its stock arm, one training step", title_justify="left")
-    for column in ("path", "compares", "loss Δ", "grad Δ", "host syncs", "verdict", "reason / how judged"):
-        table.add_column(column, style="bold" if column == "path" else None)
+    rows = []
     for check in checks:
         compares = check.arms + (f"; on the {check.model}" if check.model != main_model else "")
         if check.layout == "alone" and check.path != "packed attention":
@@ -160,13 +151,16 @@ def _checks_table(checks, main_model: str) -> Table:
         copies = check.details.get("offload_copies")
         if copies and check.verdict == "ok":
             reason += f"; {copies.get('offloads', 0)} offloads, {copies.get('reloads', 0)} reloads"
-        table.add_row(
-            check.path,
-            compares,
-            _number(check.loss_error),
-            _number(check.grad_error),
-            _syncs(check),
-            f"[{VERDICT_STYLE[check.verdict]}]{check.verdict}[/]",
-            reason,
+        rows.append(
+            (
+                check.path,
+                compares,
+                _number(check.loss_error),
+                _number(check.grad_error),
+                _syncs(check),
+                f"[{VERDICT_STYLE[check.verdict]}]{check.verdict}[/]",
+                reason,
+            )
         )
-    return table
+    headers = ("path", "compares", "loss Δ", "grad Δ", "host syncs", "verdict", "reason / how judged")
+    return _table("Checks: each fast path vs its stock arm, one training step", headers, rows)
