@@ -241,9 +241,7 @@ def _cmd_pack(args) -> int:
         )
     except (DataError, FileNotFoundError) as error:
         return _error("pack", error)
-    print(report.summary())
-    if not samples:
-        return _error("pack", "no usable rows")
+    print(report.summary())  # (a file with no usable row raised DataError above)
     _, packing = pack_samples(samples, args.max_seq_len, seed=args.seed, overflow=args.overflow)
     print(packing.summary())
     return 0
