@@ -346,6 +346,12 @@ def cumulative(lengths) -> list[int]:
     return [0, *itertools.accumulate(lengths)]
 
 
+def cut(values: Sequence, sizes) -> list:
+    """``values`` cut in order into consecutive runs of ``sizes`` items each."""
+    ends = cumulative(sizes)
+    return [values[start:end] for start, end in zip(ends, ends[1:], strict=False)]
+
+
 def _as_int_list(values: Any, name: str, index: int) -> list[int]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
