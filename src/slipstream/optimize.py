@@ -14,9 +14,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from .loss import ChunkedLoss
-from .packing.costs import AttentionCosts
-from .packing.grouping import GroupingCounts
 from .speedups import ApplyContext, Speedups, registry
 from .speedups.attention_grouping import AttentionGroupingState
 from .speedups.checkpointing import CheckpointingState
@@ -31,6 +28,11 @@ _STATE_ATTR = "slipstream"  # the one attribute slipstream puts on a model: its 
 
 
 T = TypeVar("T")
+
+
+def _state_field(kind: type, name: str) -> property:
+    """A read-only property of ``OptimizeState``: field ``name`` of its speedup state ``kind``."""
+    return property(lambda state: getattr(state.of(kind), name))
 
 
 @dataclass
@@ -55,43 +57,16 @@ class OptimizeState:
             found = self.states[kind] = kind()
         return found
 
-    @property
-    def packed_attention(self) -> str | None:
-        """The packed attention's backend name, None when stock."""
-        return self.of(PackedAttentionState).backend
-
-    @property
-    def attention_costs(self) -> AttentionCosts:
-        """What the packed SDPA path's "auto" choices weigh (measured on a CPU, else built in)."""
-        return self.of(AttentionGroupingState).costs
-
-    @property
-    def grouping_counts(self) -> GroupingCounts:
-        """Batches and attention calls the packed SDPA path ran grouped / per document."""
-        return self.of(AttentionGroupingState).counts
-
-    @property
-    def chunked_loss(self) -> ChunkedLoss | None:
-        return self.of(ChunkedLossState).loss
-
-    @property
-    def checkpointing(self) -> str | None:
-        """The checkpointing mode running, None when untouched."""
-        return self.of(CheckpointingState).mode
-
-    @property
-    def offload_manager(self) -> Any:
-        return self.of(CheckpointingState).offload_manager
-
-    @property
-    def compiled(self) -> bool:
-        """Whether the decoder layers run compiled (``slipstream.compile``)."""
-        return self.of(CompileState).compiled
-
-    @property
-    def fused_kernels(self) -> str | None:
-        """ "liger" / "compiled" when fused kernels are on, None when stock."""
-        return self.of(FusedKernelsState).kind
+    packed_attention = _state_field(PackedAttentionState, "backend")  # its backend's name; None: stock
+    # what the packed SDPA path's "auto" choices weigh (measured on a CPU, else built in)
+    attention_costs = _state_field(AttentionGroupingState, "costs")
+    # batches and attention calls the packed SDPA path ran grouped / per document
+    grouping_counts = _state_field(AttentionGroupingState, "counts")
+    chunked_loss = _state_field(ChunkedLossState, "loss")  # the installed loss.ChunkedLoss; None: stock
+    checkpointing = _state_field(CheckpointingState, "mode")  # the mode running; None: untouched
+    offload_manager = _state_field(CheckpointingState, "offload_manager")
+    compiled = _state_field(CompileState, "compiled")  # whether the decoder layers run compiled
+    fused_kernels = _state_field(FusedKernelsState, "kind")  # "liger" / "compiled"; None: stock
 
     def say(self, policy: str, log: str | None = None) -> None:
         """A decision: into the policy log and the ``slipstream`` logger (``log``: its wording there)."""

@@ -21,7 +21,6 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, Protocol
 
 import torch
@@ -29,6 +28,7 @@ import torch
 from ..errors import TrainError
 from ..loss.grpo import loss_divisor
 from ..modes import eval_mode
+from ..packing.batch import cut
 from ..packing.completions import collate_completions, completion_documents, completion_tokens
 from ..rewards import RewardCall, RewardError, RewardFunction, score, weighted
 from ..rollouts import Rollouts, Sampling
@@ -71,8 +71,7 @@ class ScoredRound:
 
     def bins(self) -> list[list[dict]]:
         """The round's prompt rows, a bin per micro-batch (what the step's ``step_bins`` held)."""
-        cuts = [0, *accumulate(self.sizes)]
-        return [self.prompts[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
+        return cut(self.prompts, self.sizes)
 
 
 def advantages_of(
@@ -335,13 +334,14 @@ class RolloutMaker:
         tokens each completion counts in the loss (0: masked out); ``tokens_all``: the step's counted
         tokens over every rank."""
         settings, G = self.settings, self.settings.num_generations
-        micro, offset = [], 0
+        micro = []
         trees = self.trees if settings.prefix_sharing else None
         if trees is not None:
             trees.take_step()  # this call's counts start at zero
-        for count in sizes:
-            first = offset * G
-            mine = groups[offset : offset + count]
+        completion_sizes = [count * G for count in sizes]
+        for mine, mine_advantages, mine_counted in zip(
+            cut(groups, sizes), cut(advantages, completion_sizes), cut(counted, completion_sizes), strict=True
+        ):
             if trees is not None:  # data.share_prefixes: trees where they share more than their prompts
                 packed, documents = trees.pack(mine, settings.temperature)
             else:
@@ -353,7 +353,7 @@ class RolloutMaker:
             sampling = None
             if self.corrects:  # the engine's log-prob of each token, in the packed order
                 reported = []
-                for g in groups[offset : offset + count]:
+                for g in mine:
                     for logprobs, ids in zip(g.get("logprobs") or [None] * G, g["completions"], strict=True):
                         known = logprobs is not None and len(logprobs) == len(ids)
                         reported += logprobs if known else [math.nan] * len(ids)
@@ -362,15 +362,13 @@ class RolloutMaker:
                     raise ValueError(
                         f"{sampling.numel()} sampled log-probs for {owner.numel()} completion tokens"
                     )
-            adv = torch.tensor(advantages[first : first + count * G], dtype=torch.float32)
-            keep = torch.tensor([1.0 if c else 0.0 for c in counted[first : first + count * G]])
+            adv = torch.tensor(mine_advantages, dtype=torch.float32)
+            keep = torch.tensor([1.0 if c else 0.0 for c in mine_counted])
             token_keep = keep.index_select(0, owner)
-            if any("model_masks" in g for g in groups[offset : offset + count]):  # tool results: context
-                sampled = [
-                    m for g in groups[offset : offset + count] for mask in g["model_masks"] for m in mask
-                ]
+            if any("model_masks" in g for g in mine):  # tool results: context
+                sampled = [m for g in mine for mask in g["model_masks"] for m in mask]
                 token_keep = token_keep * torch.tensor(sampled, dtype=torch.float32)
-            seq_tokens = torch.tensor(counted[first : first + count * G], dtype=torch.float32)
+            seq_tokens = torch.tensor(mine_counted, dtype=torch.float32)
             micro.append(
                 GRPOMicro(
                     completions=packed.to(device),
@@ -383,7 +381,6 @@ class RolloutMaker:
                     documents=documents,
                 )
             )
-            offset += count
         return micro
 
     def loss_divisor(self, completions: float, tokens: float) -> float:

@@ -10,31 +10,17 @@ answer's mean over its own tokens, and the step averages pairs, so every pair we
 (TRL averages the NLL over the batch's chosen tokens: the same where answers are equally long).
 Rewards are ``beta * a`` (as TRL logs them); the step also logs the NLL and the log-odds.
 
-Settings (:class:`ORPOSettings`): ``lambda`` is ``preference.beta``, as TRL's ``ORPOConfig.beta``
-is the paper's lambda (default 0.1), and pairs are packed as DPO packs them
-(``preference.prefix_sharing``: the prompt once per pair). ``preference.reference`` is not read:
-nothing runs before step 0.
+Settings (the ``preference`` section, as every pair objective reads it): ``lambda`` is
+``preference.beta``, as TRL's ``ORPOConfig.beta`` is the paper's lambda (default 0.1), and pairs are
+packed as DPO packs them (``preference.prefix_sharing``: the prompt once per pair).
+``preference.reference`` and ``simpo_gamma`` are not read: nothing runs before step 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..loss.preference import METRICS, orpo_terms
 from .base import register_objective
-from .pairs import PairObjective, PairSettings
-
-
-@dataclass(frozen=True)
-class ORPOSettings:
-    """ORPO's settings, read from the ``preference`` section: ``beta`` is the paper's lambda."""
-
-    beta: float = 0.1
-    prefix_sharing: bool = True
-
-    @classmethod
-    def of(cls, config) -> ORPOSettings:
-        return cls(config.preference.beta, config.preference.prefix_sharing)
+from .pairs import PairObjective
 
 
 @register_objective
@@ -42,12 +28,6 @@ class ORPO(PairObjective):
     name = "orpo"
     reference_free = True
     metrics = (*METRICS, "nll", "log_odds")
-
-    def __init__(self, config=None, settings: PairSettings | None = None) -> None:
-        if settings is None:
-            orpo = ORPOSettings.of(config)
-            settings = PairSettings(beta=orpo.beta, prefix_sharing=orpo.prefix_sharing)
-        super().__init__(config, settings)
 
     def pair_terms(self, policy, reference, lengths):
         return orpo_terms(policy, lengths, self.settings.beta)

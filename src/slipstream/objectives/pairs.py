@@ -34,6 +34,7 @@ from ..data.steps import history_steps
 from ..fields import Range
 from ..loss.preference import METRICS, PairTerms
 from ..optimize import state_of
+from ..packing.batch import cut
 from ..packing.pairs import (
     collate_pair_trees,
     collate_pairs,
@@ -312,10 +313,7 @@ class PairObjective(Objective):
     @staticmethod
     def _by_step(steps, sums) -> dict[tuple[int, ...], list[torch.Tensor]]:
         """The tree reference sums, in ``reference_items``' order, per step (its bins) as its micro-batches."""
-        found, at = {}, 0
-        for key, count in steps:
-            found[key], at = sums[at : at + count], at + count
-        return found
+        return dict(zip((key for key, _ in steps), cut(sums, [count for _, count in steps]), strict=True))
 
     def reference_log_probs(self, model, bins, device) -> list[torch.Tensor] | None:
         """Every bin's reference sums (the one reference pass, :func:`.answers.reference_pass`), as this

@@ -319,6 +319,18 @@ class AnswerSpans:
     # the log-probs of the distribution logits / temperature (online RL reads the one it sampled from)
     temperature: float = 1.0
 
+    @classmethod
+    def of(cls, positions, targets, lengths: Sequence[int], temperature: float = 1.0) -> AnswerSpans:
+        """Answers of ``lengths`` tokens each, in order, their tokens (``targets``) read at ``positions``."""
+        return cls(
+            positions=torch.as_tensor(positions, dtype=torch.long),
+            targets=torch.as_tensor(targets, dtype=torch.long),
+            index=owners(lengths),
+            lengths=tuple(lengths),
+            token_counts=torch.tensor(lengths, dtype=torch.float32),
+            temperature=float(temperature),
+        )
+
     @property
     def num_answers(self) -> int:
         return len(self.lengths)
@@ -344,6 +356,17 @@ def host_tensor(values: list[int], device: torch.device, dtype: torch.dtype = to
 def cumulative(lengths) -> list[int]:
     """``[0, l0, l0 + l1, ...]``: cu_seqlens from the host lengths."""
     return [0, *itertools.accumulate(lengths)]
+
+
+def owners(lengths: Sequence[int]) -> torch.Tensor:
+    """Each token's answer, for answers of ``lengths`` tokens in order: ``[0] * l0 + [1] * l1 + ...``."""
+    return torch.tensor([n for n, length in enumerate(lengths) for _ in range(length)], dtype=torch.long)
+
+
+def cut(values: Sequence, sizes) -> list:
+    """``values`` cut in order into consecutive runs of ``sizes`` items each."""
+    ends = cumulative(sizes)
+    return [values[start:end] for start, end in zip(ends, ends[1:], strict=False)]
 
 
 def _as_int_list(values: Any, name: str, index: int) -> list[int]:

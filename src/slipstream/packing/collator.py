@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .batch import PACKED_BATCH_KWARG, TENSOR_FIELDS, PackedBatch, collate_packed
+from .batch import PACKED_BATCH_KWARG, TENSOR_FIELDS, PackedBatch, collate_packed, cut
 
 
 class PackedInputs(dict):
@@ -120,13 +120,10 @@ def _documents(feature: dict[str, Any], index: int) -> list[dict[str, list[int]]
             f"feature {index}: seq_lengths sum to {sum(seq_lengths)}, but it has {len(input_ids)} input_ids "
             f"and {len(labels)} labels"
         )
-    documents, start = [], 0
-    for length in seq_lengths:
-        documents.append(
-            {"input_ids": input_ids[start : start + length], "labels": labels[start : start + length]}
-        )
-        start += length
-    return documents
+    return [
+        {"input_ids": ids, "labels": doc_labels}
+        for ids, doc_labels in zip(cut(input_ids, seq_lengths), cut(labels, seq_lengths), strict=True)
+    ]
 
 
 def _has_padding(mask: Any) -> bool:

@@ -33,7 +33,7 @@ import torch
 
 from ..data.prefix_groups import MIN_SHARED_TOKENS
 from ..data.prefix_tree import Tree, TrieNode, tree_items
-from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
+from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch, owners
 from .groups import answer_row
 from .trees import collate_trees
 
@@ -86,18 +86,12 @@ def collate_completions(
     if not groups:
         raise ValueError("collate_completions needs at least one group")
     parsed = (_parsed(group, number) for number, group in enumerate(groups))
-    row, positions, targets, owner, lengths = answer_row(parsed, prefix_sharing)
+    row, positions, targets, lengths = answer_row(parsed, prefix_sharing)
     count = len(positions)
-    answers = AnswerSpans(
-        positions=torch.tensor(positions, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        index=torch.arange(count, dtype=torch.long),  # every token its own answer: [tokens] log-probs
-        lengths=(1,) * count,
-        token_counts=torch.ones(count, dtype=torch.float32),
-        temperature=float(temperature),
-    )
+    # every token its own answer: [tokens] log-probs
+    answers = AnswerSpans.of(positions, targets, [1] * count, temperature)
     batch = row.batch(num_label_tokens=count, loss_positions=answers.positions, answers=answers)
-    found = CompletionBatch(batch, torch.tensor(owner, dtype=torch.long), tuple(lengths))
+    found = CompletionBatch(batch, owners(lengths), tuple(lengths))
     return found.to(device) if device is not None else found
 
 
@@ -158,21 +152,14 @@ def collate_completion_trees(
         raise ValueError("completion trees: the trees' rows are not the groups' completions")
     order = [index for number in range(len(lengths)) for index in range(*blocks[number])]
     pick = torch.tensor(order, dtype=torch.long)
-    count = len(order)
-    answers = AnswerSpans(
-        positions=batch.loss_positions.index_select(0, pick),
-        targets=batch.loss_targets.index_select(0, pick),
-        index=torch.arange(count, dtype=torch.long),  # every token its own answer: [tokens] log-probs
-        lengths=(1,) * count,
-        token_counts=torch.ones(count, dtype=torch.float32),
-        temperature=float(temperature),
-    )
+    positions, targets = batch.loss_positions.index_select(0, pick), batch.loss_targets.index_select(0, pick)
+    # every token its own answer: [tokens] log-probs
+    answers = AnswerSpans.of(positions, targets, [1] * len(order), temperature)
     # the answers carry the targets: the SFT path of explicit targets stays off (as for completion groups)
     batch = dataclasses.replace(
         batch, answers=answers, loss_positions=answers.positions, loss_targets=None, _memo={}
     )
-    owner = torch.tensor([n for n, length in enumerate(lengths) for _ in range(length)], dtype=torch.long)
-    found = CompletionBatch(batch, owner, tuple(lengths))
+    found = CompletionBatch(batch, owners(lengths), tuple(lengths))
     return found.to(device) if device is not None else found
 
 

@@ -96,11 +96,11 @@ class GroupRow:
 
 def answer_row(
     groups: Iterable[tuple[list[int], list[list[int]]]], prefix_sharing: bool
-) -> tuple[GroupRow, list[int], list[int], list[int], list[int]]:
+) -> tuple[GroupRow, list[int], list[int], list[int]]:
     """A row of ``(prompt, answers)`` groups, the answers labelled (pairs, completions): the row, and per
-    answer token the row position that predicts it, the token and its answer; every answer's length."""
+    answer token the row position that predicts it and the token; every answer's length."""
     row = GroupRow()
-    positions, targets, index, lengths = [], [], [], []
+    positions, targets, lengths = [], [], []
     for prompt, answers in groups:
         P = len(prompt)
         if prefix_sharing:
@@ -115,9 +115,8 @@ def answer_row(
             # answer after the first: its first token from the prompt's last row position when shared)
             positions.extend(rows[P - 1 : P + len(answer) - 1])
             targets.extend(answer)
-            index.extend([len(lengths)] * len(answer))
             lengths.append(len(answer))
-    return row, positions, targets, index, lengths
+    return row, positions, targets, lengths
 
 
 def collate_groups(

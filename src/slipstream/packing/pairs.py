@@ -74,16 +74,10 @@ def collate_pairs(
         raise ValueError("collate_pairs needs at least one pair")
     # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
     parsed = ([_ids(pair, key, number) for key in PAIR_KEYS] for number, pair in enumerate(pairs))
-    row, positions, targets, index, lengths = answer_row(
+    row, positions, targets, lengths = answer_row(
         ((prompt, [chosen, rejected]) for prompt, chosen, rejected in parsed), prefix_sharing
     )
-    answers = AnswerSpans(
-        positions=torch.tensor(positions, dtype=torch.long),
-        targets=torch.tensor(targets, dtype=torch.long),
-        index=torch.tensor(index, dtype=torch.long),
-        lengths=tuple(lengths),
-        token_counts=torch.tensor(lengths, dtype=torch.float32),
-    )
+    answers = AnswerSpans.of(positions, targets, lengths)
     batch = row.batch(num_label_tokens=len(positions), loss_positions=answers.positions, answers=answers)
     return batch.to(device) if device is not None else batch
 
@@ -104,14 +98,7 @@ def collate_pair_trees(
     lengths = [len(tree["tree_nodes"][end]["input_ids"]) for tree in trees for end in tree["tree_rows"]]
     if sum(lengths) != batch.num_label_tokens:
         raise ValueError("a pair tree labels tokens outside its answers")
-    index = [number for number, length in enumerate(lengths) for _ in range(length)]
-    answers = AnswerSpans(
-        positions=batch.loss_positions,
-        targets=batch.loss_targets,
-        index=torch.tensor(index, dtype=torch.long),
-        lengths=tuple(lengths),
-        token_counts=torch.tensor(lengths, dtype=torch.float32),
-    )
+    answers = AnswerSpans.of(batch.loss_positions, batch.loss_targets, lengths)
     # the answers carry the targets: the SFT path of explicit targets stays off (as for collate_pairs)
     batch = dataclasses.replace(batch, answers=answers, loss_targets=None, _memo={})
     return batch.to(device) if device is not None else batch
