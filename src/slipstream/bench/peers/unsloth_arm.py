@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..arms import run_steps
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "unsloth_worker.py"
 MAKE_VENV = HERE / "make_unsloth_venv.sh"
@@ -123,7 +125,7 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
             "--lr", str(config.train.optimizer.lr),
             "--schedule", config.train.optimizer.schedule,
             "--lr-warmup-steps", str(config.train.optimizer.warmup_steps),
-            "--schedule-steps", str(config.train.training.steps or config.ab.steps),
+            "--schedule-steps", str(run_steps(config)),
             "--weight-decay", str(config.train.optimizer.weight_decay),
             "--betas", ",".join(str(b) for b in config.train.optimizer.betas),
             "--max-grad-norm", str(config.train.optimizer.max_grad_norm),
@@ -142,11 +144,9 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
     return {
         "arm": arm,
         "step_s": [s["seconds"] for s in steps],
-        "forward_s": [s["forward_s"] for s in steps],
-        "backward_s": [s["backward_s"] for s in steps],
-        "tokens": [s["tokens"] for s in steps],
-        "loss": [s["loss"] for s in steps],
-        "grad_norm": [s["grad_norm"] for s in steps],
+        **{
+            key: [s[key] for s in steps] for key in ("forward_s", "backward_s", "tokens", "loss", "grad_norm")
+        },
         "host_syncs_per_step": None,  # not counted: the worker runs without slipstream's counter
         "host_syncs_by_op": {},
         "peak_memory_mb": result["rss_mb"]["peak"],
