@@ -15,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..arms import run_steps
-
 
 class ForwardClock:
     """The time a trainer's model spends in its forwards (synced on CUDA), for a peer arm's
@@ -55,7 +53,7 @@ def trainer_run(config) -> dict:
     accumulation, as slipstream's arms train them."""
     optimizer = config.train.optimizer
     return dict(
-        steps=run_steps(config),  # the schedule runs over the run's steps
+        steps=config.train.training.steps or config.ab.steps,  # the schedule runs over the run's steps
         lr=optimizer.lr,
         betas=tuple(optimizer.betas),
         weight_decay=optimizer.weight_decay,

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 
-from ..arms import run_steps
-
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "unsloth_worker.py"
 MAKE_VENV = HERE / "make_unsloth_venv.sh"
@@ -125,7 +123,7 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
             "--lr", str(config.train.optimizer.lr),
             "--schedule", config.train.optimizer.schedule,
             "--lr-warmup-steps", str(config.train.optimizer.warmup_steps),
-            "--schedule-steps", str(run_steps(config)),
+            "--schedule-steps", str(config.train.training.steps or config.ab.steps),
             "--weight-decay", str(config.train.optimizer.weight_decay),
             "--betas", ",".join(str(b) for b in config.train.optimizer.betas),
             "--max-grad-norm", str(config.train.optimizer.max_grad_norm),
