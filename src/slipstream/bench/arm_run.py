@@ -27,7 +27,7 @@ from .arms import ARM_SPECS, micro_batch_inputs, run_steps, train_config_of
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
-from .peers import PeerStep
+from .peers import PeerStep, PeerUnavailable
 from .peers.trl_base import trainer_run
 
 
@@ -219,18 +219,15 @@ def open_arm(
             vllm_python(create=False)  # ab does not install it: train does, or make_vllm_venv.sh
         except EngineError as error:
             return {"arm": arm, "skipped": str(error)}
-    if spec.engine:
-        # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
+    session = RowsArmSession
+    if spec.engine:  # online RL: sampling, then the update on shared rollouts (bench/grpo_arms.py)
         from .grpo_arms import GrpoArmSession
-        from .peers import PeerUnavailable
 
-        try:
-            return GrpoArmSession(
-                config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir
-            )
-        except PeerUnavailable as error:  # the peer's trainer refused to start here, in its words
-            return {"arm": arm, "skipped": str(error)}
-    return RowsArmSession(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
+        session = GrpoArmSession
+    try:
+        return session(config, arm, plan, vocab_size, perturb, fp32=fp32, gradient_dir=gradient_dir)
+    except PeerUnavailable as error:  # a peer's trainer refused to start here (trl-grpo), in its words
+        return {"arm": arm, "skipped": str(error)}
 
 
 def run_arm(

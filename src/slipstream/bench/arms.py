@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from .. import speedups as speedups_module  # read at call time: a plug-in's rebuilt Speedups counts
 from ..data.labels import count_label_tokens
 from ..optimize import optimize, state_of
 from ..packing import collate_packed, collate_padded
@@ -176,8 +177,6 @@ def _tables() -> dict[str, object]:
     """The arms and the presets: the fixed ones, one leave-one-out arm per registered speedup with an
     ablation (``slipstream`` with it off) and the ``ablation`` preset of them; built again only when
     the registry or the ``Speedups`` class changed (a speedup registered after import has its arm)."""
-    from .. import speedups as speedups_module  # read now: a plug-in's rebuilt Speedups counts
-
     key = (registry.registered(), speedups_module.Speedups)
     if _BUILT.get("key") != key:
         slipstream = speedups_module.Speedups()
@@ -291,8 +290,6 @@ def arm_speedups(config, arm: str) -> Speedups:
     """What an arm runs: its own Speedups, the run's checkpointing where it sets none, and the
     run's speedup options on the fields it leaves at their default (slipstream arms only)."""
     spec = ARM_SPECS[arm]
-    from .. import speedups as speedups_module  # read now: a plug-in's rebuilt Speedups counts
-
     run = config.train.speedups
     checkpointing = spec.speedups.checkpointing or run.checkpointing or "off"
     if spec.stock:

@@ -13,6 +13,8 @@ import sys
 from functools import reduce
 from pathlib import Path
 
+import yaml
+
 from .. import speedups as speedups_module  # read at call time: a new field is a new option
 from ..fields import choices, field_types, is_kind
 from ..train.config import TrainConfig, load_config
@@ -271,8 +273,6 @@ _TRAIN_KEY_OF = {
 def ab_section_sets(sets: list[str], section: dict | None = None, path: str = "--set") -> dict:
     """``section`` (an ``ab:`` mapping) with ``--set ab.KEY=VALUE`` applied, as ABSection fields;
     ValueError naming ``ab.KEY`` for a key it does not know, or one the train config sets (naming it)."""
-    import yaml
-
     section = dict(section or {})
     for override in sets:
         key, _, raw = override.partition("=")
@@ -294,8 +294,6 @@ def ab_section_sets(sets: list[str], section: dict | None = None, path: str = "-
 def ab_section(path: str, sets: list[str]) -> dict:
     """The ``ab:`` section of a train config (arms or preset, steps, warmup, repeats, threads,
     interleave, out, ...) with ``--set ab.KEY=VALUE`` applied, as ABSection fields."""
-    import yaml
-
     try:
         section = (yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}).get("ab") or {}
     except (OSError, yaml.YAMLError, AttributeError):

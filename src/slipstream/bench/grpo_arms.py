@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from itertools import accumulate
+from itertools import pairwise
 
 import torch
 
@@ -31,6 +31,7 @@ from ..errors import TrainError
 from ..objectives.grpo import GRPO
 from ..objectives.grpo_rollouts import ScoredRound, advantages_of
 from ..optimize import base_model
+from ..packing.batch import cumulative
 from ..packing.completions import completion_documents
 from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
@@ -135,10 +136,10 @@ def _model_tokens(group: dict, index: int) -> int:
     return sum(masks[index]) if masks else len(group["completions"][index])
 
 
-def _micro_groups(scored: ScoredRound) -> list[list[dict]]:
-    """A round's groups, cut into its micro-batches (a bin of prompts each)."""
-    cuts = [0, *accumulate(scored.sizes)]
-    return [scored.groups[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
+def _cut(items: list, sizes) -> list[list]:
+    """``items`` cut into consecutive pieces of ``sizes`` (a round's groups into its micro-batches, a bin
+    of prompts each: ``_cut(scored.groups, scored.sizes)``)."""
+    return [items[start:end] for start, end in pairwise(cumulative(sizes))]
 
 
 class GrpoArmSession(ArmSession):
@@ -177,7 +178,7 @@ class GrpoArmSession(ArmSession):
             self.driver.prepare()  # the objective's sampler, as train's before step 0
         model_flops = [
             self.profile.step_flops(
-                docs_micro_batch(completion_documents(groups)) for groups in _micro_groups(r)
+                docs_micro_batch(completion_documents(groups)) for groups in _cut(r.groups, r.sizes)
             )
             for r in self.plan
         ]
@@ -200,10 +201,9 @@ class GrpoArmSession(ArmSession):
     def _update(self, scored: ScoredRound) -> dict:
         """One optimizer step on the recorded round of this step."""
         if self.peer is not None:
-            G, micro_groups = self.settings.num_generations, _micro_groups(scored)
+            G, micro_groups = self.settings.num_generations, _cut(scored.groups, scored.sizes)
             advantages = advantages_of(scored.rewards, G, self.settings.scale_rewards)  # one process
-            cuts = [0, *accumulate(len(micro) * G for micro in micro_groups)]
-            per_micro = [advantages[start:end] for start, end in zip(cuts, cuts[1:], strict=False)]
+            per_micro = _cut(advantages, [len(micro) * G for micro in micro_groups])
             counted = self.objective.counted_tokens(scored.groups)
             return {**self.peer.update(micro_groups, per_micro, sum(counted)), "update_tokens": None}
         plan = self.objective.plan_round(self.driver.context(), scored)  # as train packs its own round

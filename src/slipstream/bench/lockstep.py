@@ -147,8 +147,12 @@ class ArmProcess:
         self.steps_done += 1
         return seconds
 
-    def finish(self) -> dict:
+    def finish(self, steps: int) -> dict:
+        """Train the steps left of ``steps``, then the arm's result (at once where it already finished:
+        skipped, or ran in full)."""
         if self.result is None:
+            for step in range(self.steps_done, steps):
+                self.step(step)
             self.connection.send(("finish", None))
             self._receive()
         return self.result
@@ -201,7 +205,7 @@ def run_lockstep(
                 process.step(0)
                 live.append(process)
             else:  # skipped, or a peer that ran every step in its own process
-                results[process.arm] = process.finish()
+                results[process.arm] = process.finish(len(plan))
         lockstep = why is None and len(live) > 1
         if lockstep:
             why = ("asked for (--interleave steps); " if mode == "steps" else "") + _room(live)
@@ -214,16 +218,12 @@ def run_lockstep(
             for process in live[turn:] + live[:turn]:
                 process.step(step)
         for process in live:  # (one after another: each open arm's remaining steps in turn)
-            for step in range(process.steps_done, len(plan)):
-                process.step(step)
-            results[process.arm] = process.finish()
+            results[process.arm] = process.finish(len(plan))
         for arm in pending:
             process = ArmProcess(config_dict, arm, plan, vocab_size, gradient_dir)
             live.append(process)
-            if process.wait_ready():
-                for step in range(len(plan)):
-                    process.step(step)
-            results[arm] = process.finish()
+            process.wait_ready()  # (False: it finished already)
+            results[arm] = process.finish(len(plan))
     finally:
         for process in live:
             if process.result is None:

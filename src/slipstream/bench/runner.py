@@ -17,6 +17,7 @@ on unlabelled rows are work the model does not need, and MFU does not count them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -125,18 +126,13 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     if data.share_prefixes == "off":
         record["sharing_policy"] = "shared prefixes off (--share-prefixes off): every row runs whole"
     else:  # what sharing each step's rows saves; whether an arm shares is its own policy line
-        steps = [
-            share_rows([row for docs in step for row in docs], data.max_seq_len, seed=seed + number)[1]
-            for number, step in enumerate(slim)
-        ]
-        record["sharing"] = combined(steps).as_dict()
-        trees = [
-            share_rows_as_trees([row for docs in step for row in docs], data.max_seq_len, seed=seed + number)[
-                1
-            ]
-            for number, step in enumerate(slim)
-        ]
-        record["sharing"]["tree"] = combined_tree_reports(trees).as_dict()
+
+        def per_step(share) -> list:  # each step's report of ``share`` (groups or trees) over its rows
+            rows = ([row for docs in step for row in docs] for step in slim)
+            return [share(step, data.max_seq_len, seed=seed + number)[1] for number, step in enumerate(rows)]
+
+        record["sharing"] = combined(per_step(share_rows)).as_dict()
+        record["sharing"]["tree"] = combined_tree_reports(per_step(share_rows_as_trees)).as_dict()
         record["sharing_policy"] = (
             f"--share-prefixes {data.share_prefixes}: each step's rows regrouped by the arms that share "
             "(the same rows a step as every other arm)"
@@ -147,6 +143,12 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
 def _median(values) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
+
+
+def _timed(runs: list[dict], key: str, warmup: int) -> list:
+    """The per-step ``key`` of every repeat after its warm-up steps, one repeat after another ([] where
+    the runs do not keep it)."""
+    return [value for run in runs for value in run.get(key, [])[warmup:]]
 
 
 def skipped_reason(runs: list[dict]) -> str | None:
@@ -180,9 +182,8 @@ def machine_state(config: ABConfig, runs: list[dict]) -> dict[str, Any]:
     held warm between steps (``bench/host_pages.py``; the largest), and how many of its steps ran while
     other work took cores beyond those the arm left free (``hardware.OtherLoad``: then that step's time
     is not this machine's alone)."""
-    timed = slice(config.ab.warmup, None)
-    faults = [f for run in runs for f in run.get("page_faults", [])[timed]]
-    others = [c for run in runs for c in run.get("other_cores", [])[timed] if c is not None]
+    faults = _timed(runs, "page_faults", config.ab.warmup)
+    others = [c for c in _timed(runs, "other_cores", config.ab.warmup) if c is not None]
     threads = config.ab.threads or torch.get_num_threads()
     return {
         "median_page_faults": _median(faults) if faults else None,
@@ -218,14 +219,13 @@ def summarize(
         if arm not in ran:
             summary[arm] = {"skipped": skipped_reason(runs)}
             continue
-        step_s = [s for run in runs for s in run["step_s"][warmup:]]
-        tokens = [t for run in runs for t in run["tokens"][warmup:]]
+        step_s, tokens = _timed(runs, "step_s", warmup), _timed(runs, "tokens", warmup)
         timed[arm] = step_s
         first = runs[0]
         summary[arm] = {
             "median_step_s": statistics.median(step_s),
-            "median_forward_s": _median(f for run in runs for f in run.get("forward_s", [])[warmup:]),
-            "median_backward_s": _median(b for run in runs for b in run.get("backward_s", [])[warmup:]),
+            "median_forward_s": _median(_timed(runs, "forward_s", warmup)),
+            "median_backward_s": _median(_timed(runs, "backward_s", warmup)),
             "tokens_per_s": sum(tokens) / sum(step_s),
             "peak_memory_mb": max(run["peak_memory_mb"] for run in runs),
             "memory_kind": first["memory_kind"],
@@ -245,13 +245,9 @@ def summarize(
         }
         if first.get("generation_s") is not None:  # --objective grpo: sampling and the update apart
             summary[arm].update(_rollout_figures(config, runs))
-            timed_parts[arm] = {
-                half: [t for run in runs for t in run[f"{half}_s"][warmup:]]
-                for half in ("generation", "update")
-            }
+            timed_parts[arm] = {half: _timed(runs, f"{half}_s", warmup) for half in ("generation", "update")}
         if first.get("pairs"):
-            pairs = [n for run in runs for n in run["pairs"][warmup:]]
-            summary[arm]["pairs_per_s"] = sum(pairs) / sum(step_s)
+            summary[arm]["pairs_per_s"] = sum(_timed(runs, "pairs", warmup)) / sum(step_s)
             summary[arm]["final_reward_margin"] = first["reward_margin"][-1]
             summary[arm]["reference_pass_s"] = first.get("reference_pass_s", 0.0)
     if not ran:
@@ -288,30 +284,24 @@ def summarize(
             )
     baselines = [a for a in ran if ARM_SPECS[a].stock]
     for arm in ran:
-        if ARM_SPECS[arm].stock:
+        mine = ARM_SPECS[arm]
+        if mine.stock:
             continue
+        # the slipstream arms that train its objective (in the run's order)
+        kin = [a for a in ran if not ARM_SPECS[a].stock and ARM_SPECS[a].objective == mine.objective]
         # the prompt shared against the same packing without it: that optimization's own share
-        unshared = [a for a in ran if ARM_SPECS[arm].pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
+        unshared = [a for a in ran if mine.pairs == "shared" and ARM_SPECS[a].pairs == "unshared"]
         # rows' shared start run once against the same rows packed whole: that optimization's own share
         unshared += [a for a in ran if shares_prefixes(arm) and ARM_SPECS[a].prefixes == "unshared"]
         # prefix trees against one shared start a group (or, for GRPO, one prompt a group): the trees' own share
-        unshared += [
-            a
-            for a in ran
-            if ARM_SPECS[arm].prefixes == "tree"
-            and ARM_SPECS[a].prefixes in ("groups", "off")
-            and ARM_SPECS[a].objective == ARM_SPECS[arm].objective
-            and not ARM_SPECS[a].stock
-        ]
+        unshared += [a for a in kin if mine.prefixes == "tree" and ARM_SPECS[a].prefixes in ("groups", "off")]
         # another rollout engine against slipstream's own sampler, the update otherwise the same
         unshared += [
             a
-            for a in ran
-            if ARM_SPECS[arm].engine == "vllm"
+            for a in kin
+            if mine.engine == "vllm"
             and ARM_SPECS[a].engine == "hf"
-            and not ARM_SPECS[a].stock
-            and ARM_SPECS[a].objective == ARM_SPECS[arm].objective
-            and ARM_SPECS[a].prefixes == ARM_SPECS[arm].prefixes
+            and ARM_SPECS[a].prefixes == mine.prefixes
         ]
         for base in baselines + unshared:
             summary[arm][f"speedup_vs_{base}"] = summary[arm]["tokens_per_s"] / summary[base]["tokens_per_s"]
@@ -337,10 +327,7 @@ def _rollout_figures(config: ABConfig, runs: list[dict]) -> dict[str, float]:
     """A GRPO arm's figures after warm-up: completions per second of the whole step, of its sampling
     alone and of its update alone (every arm samples and trains the same number of completions a step),
     its generated tokens per second and the mean length of what it sampled."""
-
-    def timed(key):
-        return [v for run in runs for v in run[key][config.ab.warmup :]]
-
+    timed = functools.partial(_timed, runs, warmup=config.ab.warmup)
     completions, generated = sum(timed("completions")), sum(timed("generated_tokens"))
     generation, scoring, update = sum(timed("generation_s")), sum(timed("scoring_s")), sum(timed("update_s"))
     calls = [c for c in timed("tool_calls") if c is not None] if runs[0].get("tool_calls") else []

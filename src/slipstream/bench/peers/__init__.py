@@ -20,6 +20,7 @@ goes into the record, the tables and ``slipstream report``.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Literal, Protocol
@@ -58,8 +59,6 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
     if peer == "trl" and importlib.util.find_spec("trl") is None:
         return "TRL is not installed (pip install 'slipstream[trl]')"
     if peer == "trl" and (config.train.grpo.tools or config.train.grpo.environment):
-        import inspect
-
         from trl import GRPOTrainer, __version__
 
         if "environment_factory" not in inspect.signature(GRPOTrainer.__init__).parameters:
@@ -113,8 +112,6 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
 def _checkpointing_enable_name(model_class) -> str | None:
     """transformers' offloading checkpointing switch: ``activation_checkpointing_enable`` since it was
     renamed, ``gradient_checkpointing_enable(offload=...)`` before (5.17)."""
-    import inspect
-
     for name in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
         method = getattr(model_class, name, None)
         if method is not None and "offload" in inspect.signature(method).parameters:

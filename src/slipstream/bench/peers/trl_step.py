@@ -21,9 +21,8 @@ from contextlib import nullcontext
 
 import torch
 
+from ...packing import IGNORE_INDEX
 from .trl_base import TrlTrainerStep
-
-IGNORE_INDEX = -100
 
 
 class TrlStep(TrlTrainerStep):

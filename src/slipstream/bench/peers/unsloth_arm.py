@@ -142,11 +142,9 @@ def run_unsloth_arm(config, arm: str, plan: list, vocab_size: int) -> dict:
     return {
         "arm": arm,
         "step_s": [s["seconds"] for s in steps],
-        "forward_s": [s["forward_s"] for s in steps],
-        "backward_s": [s["backward_s"] for s in steps],
-        "tokens": [s["tokens"] for s in steps],
-        "loss": [s["loss"] for s in steps],
-        "grad_norm": [s["grad_norm"] for s in steps],
+        **{
+            key: [s[key] for s in steps] for key in ("forward_s", "backward_s", "tokens", "loss", "grad_norm")
+        },
         "host_syncs_per_step": None,  # not counted: the worker runs without slipstream's counter
         "host_syncs_by_op": {},
         "peak_memory_mb": result["rss_mb"]["peak"],
