@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from itertools import pairwise
 
 import torch
 
@@ -31,7 +30,7 @@ from ..errors import TrainError
 from ..objectives.grpo import GRPO
 from ..objectives.grpo_rollouts import ScoredRound, advantages_of
 from ..optimize import base_model
-from ..packing.batch import cumulative
+from ..packing.batch import cut
 from ..packing.completions import completion_documents
 from ..utilisation import docs_micro_batch
 from .ab_config import ABConfig, resolve_device
@@ -136,12 +135,6 @@ def _model_tokens(group: dict, index: int) -> int:
     return sum(masks[index]) if masks else len(group["completions"][index])
 
 
-def _cut(items: list, sizes) -> list[list]:
-    """``items`` cut into consecutive pieces of ``sizes`` (a round's groups into its micro-batches, a bin
-    of prompts each: ``_cut(scored.groups, scored.sizes)``)."""
-    return [items[start:end] for start, end in pairwise(cumulative(sizes))]
-
-
 class GrpoArmSession(ArmSession):
     """One GRPO arm in this process: its own sampling and scoring of each step's prompts, then the
     update on the recorded round (the step driver's for slipstream's arms, TRL's for its peer)."""
@@ -178,7 +171,7 @@ class GrpoArmSession(ArmSession):
             self.driver.prepare()  # the objective's sampler, as train's before step 0
         model_flops = [
             self.profile.step_flops(
-                docs_micro_batch(completion_documents(groups)) for groups in _cut(r.groups, r.sizes)
+                docs_micro_batch(completion_documents(groups)) for groups in cut(r.groups, r.sizes)
             )
             for r in self.plan
         ]
@@ -201,9 +194,9 @@ class GrpoArmSession(ArmSession):
     def _update(self, scored: ScoredRound) -> dict:
         """One optimizer step on the recorded round of this step."""
         if self.peer is not None:
-            G, micro_groups = self.settings.num_generations, _cut(scored.groups, scored.sizes)
+            G, micro_groups = self.settings.num_generations, cut(scored.groups, scored.sizes)
             advantages = advantages_of(scored.rewards, G, self.settings.scale_rewards)  # one process
-            per_micro = _cut(advantages, [len(micro) * G for micro in micro_groups])
+            per_micro = cut(advantages, [len(micro) * G for micro in micro_groups])
             counted = self.objective.counted_tokens(scored.groups)
             return {**self.peer.update(micro_groups, per_micro, sum(counted)), "update_tokens": None}
         plan = self.objective.plan_round(self.driver.context(), scored)  # as train packs its own round

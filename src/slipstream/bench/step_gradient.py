@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import math
 import os
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..packing.batch import cumulative
+from ..packing.batch import cut
 
 # Above this many trainable values (1 GiB as fp32) an arm keeps no gradient: its cosine is not measured.
 GRADIENT_LIMIT = 2**28
@@ -89,8 +88,8 @@ class HeldGradient:
 
 def _by_name(kept: dict) -> dict[str, np.ndarray]:
     values = np.memmap(kept["file"], dtype=np.float32, mode="r")
-    bounds = pairwise(cumulative(kept["sizes"]))  # each parameter's values, one after another
-    return {name: values[start:end] for name, (start, end) in zip(kept["names"], bounds, strict=True)}
+    # each parameter's values, one after another
+    return dict(zip(kept["names"], cut(values, kept["sizes"]), strict=True))
 
 
 def gradient_cosine(reference: dict | None, other: dict | None) -> tuple[float | None, str | None]:
