@@ -44,6 +44,7 @@ from .. import hardware
 from ..atomic import write_text_atomically
 from ..data.cache import cache_root
 from ..hardware import device_identity
+from ..utilisation.peak import torch_threads
 from .collator import collate_packed
 from .costs import BUILTIN, AttentionCosts
 from .grouping import _FromSlots, _ToSlots, document_groups
@@ -222,12 +223,8 @@ def attention_costs(
             pass  # unreadable: measured again below
     if not remeasure and path.name in _UNDECIDED:
         return _UNDECIDED[path.name]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         costs, load = _measure_quietly(dtype, threads)
-    finally:
-        torch.set_num_threads(before)
     if load.busy:
         _UNDECIDED[path.name] = costs
         return costs
