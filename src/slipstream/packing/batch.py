@@ -276,10 +276,7 @@ class PackedBatch:
         accumulated batch, so every token weighs the same whichever micro-batch it sits in.
         """
         inputs: dict[str, Any] = {
-            "input_ids": self.input_ids,
-            "labels": self.labels,
-            "position_ids": self.position_ids,
-            "use_cache": False,
+            **self.stock_inputs(),
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens,
             "max_length_q": self.max_seqlen,
