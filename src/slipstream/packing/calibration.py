@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -177,11 +178,9 @@ def measure(dtype: torch.dtype) -> AttentionCosts:
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     ratios = _short_kernel_ratios(dtype, generator)
-    limit = 0
-    for length in SHORT_LENGTHS:
-        if ratios[length] < 1 + SHORT_MARGIN:
-            break
-        limit = length
+    # the longest length of the unbroken run, from the shortest, where the short kernel is faster
+    faster = itertools.takewhile(lambda length: ratios[length] >= 1 + SHORT_MARGIN, SHORT_LENGTHS)
+    limit = max(faster, default=0)
     grouping = _grouping_costs(dtype, generator)
     seconds = time.perf_counter() - started
     name = str(dtype).removeprefix("torch.")
