@@ -110,7 +110,9 @@ def test_the_sweep_reports_the_short_kernel_wrong_when_it_loses_its_causal_mask(
     from slipstream.packing.costs import BUILTIN
 
     monkeypatch.setattr(
-        short_attention, "_additive_mask", lambda length, window, device: torch.zeros(length, length)
+        short_attention,
+        "_additive_mask",
+        lambda length, window, device, key_length: torch.zeros(length, key_length),
     )
     # the built-in costs, not this machine's calibration: the main arm's short kernel (auto) then runs
     # where the built-in reach says, on every machine; the ablation column forces it on either way

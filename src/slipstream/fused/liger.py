@@ -106,10 +106,8 @@ def liger_plan(
     ``model``: the transformers model (under any PEFT wrapper); ``device``: where its
     parameters are. "liger" raises :class:`FusedKernelsUnavailable` instead of returning None.
     """
-    plan, why = None, ""
     ok, why = liger_available(device, mode)
-    if ok:
-        plan, why = _plan_for(model)
+    plan, why = _plan_for(model) if ok else (None, why)
     if plan is None and mode == "liger":
         raise FusedKernelsUnavailable(
             f"fused_kernels='liger': {why}. Use {optimize_call(FusedKernelsUnavailable.avoid)} (on only where "

@@ -47,9 +47,5 @@ def importance_weights(
     low = clip_min if clip_min is not None else -float("inf")
     high = clip_max if clip_max is not None else float("inf")
     outside = (ratio < low) | (ratio > high)
-    if mode.endswith("truncate"):
-        no_cap = clip_min is None and clip_max is None
-        weight = ratio if no_cap else ratio.clamp(min=clip_min, max=clip_max)
-    else:
-        weight = ratio.masked_fill(outside, 0.0)
+    weight = ratio.clamp(min=low, max=high) if mode.endswith("truncate") else ratio.masked_fill(outside, 0.0)
     return weight, outside.float() * mask, difference.abs()

@@ -207,16 +207,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         param_grads = iter(
             (grad * grad_loss).to(dtype) for grad, dtype in zip(saved, ctx.param_dtypes, strict=True)
         )
-        return (
-            hidden_grad,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            *(next(param_grads) if need else None for need in ctx.need_params),
-        )
+        none = [None] * 6  # targets_N, divisor, head, transform, chunk_tokens, ignore_index: no gradient
+        return (hidden_grad, *none, *(next(param_grads) if need else None for need in ctx.need_params))
 
 
 def _module_chunk(

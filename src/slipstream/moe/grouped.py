@@ -94,8 +94,8 @@ class _LoopGroupedLinear(torch.autograd.Function):
         ctx.counts, ctx.transposed = counts, transposed
         ctx.save_for_backward(x_S, weight, bias)
         pieces = []
-        for expert, x_e in _nonempty(counts, x_S):
-            w = weight[expert]
+        for expert, rows in _nonempty(counts):
+            x_e, w = x_S[rows], weight[expert]
             y = x_e @ w if transposed else x_e @ w.T
             if bias is not None:
                 y = y + bias[expert]
@@ -112,30 +112,27 @@ class _LoopGroupedLinear(torch.autograd.Function):
         grad_x = torch.empty_like(x_S) if need_x else None
         grad_w = torch.zeros_like(weight) if need_w else None
         grad_b = torch.zeros_like(bias) if need_b else None
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            g = grad_S[start : start + count]
+        for expert, rows in _nonempty(counts):
+            g = grad_S[rows]
             if need_x:
                 w = weight[expert]
-                grad_x[start : start + count] = g @ w.T if transposed else g @ w
+                grad_x[rows] = g @ w.T if transposed else g @ w
             if need_w:
-                x_e = x_S[start : start + count]
+                x_e = x_S[rows]
                 grad_w[expert] = x_e.T @ g if transposed else g.T @ x_e
             if need_b:
                 grad_b[expert] = g.sum(0)
-            start += count
-        if need_x and start < x_S.shape[0]:
-            grad_x[start:] = 0
+        if need_x:
+            grad_x[sum(counts) :] = 0  # rows past every expert's (none when the counts cover x_S)
         return grad_x, grad_w, grad_b, None, None
 
 
-def _nonempty(counts: Sequence[int], x_S: torch.Tensor):
+def _nonempty(counts: Sequence[int]):
+    """(expert, the slice of its rows) of every expert that has rows, in order."""
     start = 0
     for expert, count in enumerate(counts):
         if count:
-            yield expert, x_S[start : start + count]
+            yield expert, slice(start, start + count)
             start += count
 
 

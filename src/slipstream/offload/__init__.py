@@ -22,9 +22,11 @@ from .policy import MODES, CheckpointPolicy, DeviceDescription, choose_policy
 logger = logging.getLogger("slipstream")
 
 _LEAVE_AS_IS = {"checkpointing": None}  # the Speedups default: the model's checkpointing untouched
+OFFLOAD_TOKENS = 8192  # the tokens one reload buffer is sized for (offload-double's second one must fit)
 
 __all__ = [
     "MODES",
+    "OFFLOAD_TOKENS",
     "CheckpointPolicy",
     "CudaEngine",
     "DeviceDescription",
@@ -69,7 +71,7 @@ def enable_checkpointing(
         if engine is not None:  # an injected engine stands in for the streams
             device = DeviceDescription(has_cuda=True, name="injected engine", free_bytes=1 << 62)
     hidden = getattr(model.config, "hidden_size", 0)
-    buffer_bytes = hidden * 8192 * parameter.element_size()  # one reload buffer at 8k tokens
+    buffer_bytes = hidden * OFFLOAD_TOKENS * parameter.element_size()
     policy = choose_policy(mode, device, buffer_bytes)
     manager = None
     for layer in layers:

@@ -171,14 +171,14 @@ class OffloadManager:
             # handed to the recompute as it was.
             if not torch.is_grad_enabled():  # nothing to save for a backward that will not come
                 return function(hidden_states, *args)
-            problem = _side_input_problem(function, args)
+            keywords = getattr(function, "keywords", None) or {}
+            problem = _side_input_problem(keywords, args)
             if problem:
                 raise UnsupportedCheckpointing(
                     f"decoder layer {layer} {problem}; the offloaded layer runs without autograd in forward, so "
                     f"that gradient would be lost. Use {RECOMPUTE}",
                     refused=f"offloading decoder layer {layer}, whose side inputs need a gradient",
                 )
-            keywords = getattr(function, "keywords", None) or {}
             function = bind_running(function)  # the recompute sees the packed batch of this forward
             return _OffloadedCheckpoint.apply(
                 function, self, layer, args, keywords, _GRAD_ANCHOR, hidden_states
@@ -197,7 +197,7 @@ def _needs_grad(value) -> bool:
     return False
 
 
-def _side_input_problem(function, args: tuple) -> str | None:
+def _side_input_problem(keywords: dict, args: tuple) -> str | None:
     """Why a layer's inputs other than its hidden states make offloading it inexact, if they do.
 
     transformers hands the layer's keyword arguments in ``functools.partial(layer.__call__, **kw)``.
@@ -205,7 +205,6 @@ def _side_input_problem(function, args: tuple) -> str | None:
     forward run without autograd. (A layer that writes into a dict or list argument, a channel
     for KV shared across layers, is caught after its forward: see ``_containers``.)
     """
-    keywords = getattr(function, "keywords", None) or {}
     for index, value in enumerate(args):
         if _needs_grad(value):
             return f"takes positional input {index + 1} that needs a gradient"

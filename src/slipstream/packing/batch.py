@@ -276,10 +276,7 @@ class PackedBatch:
         accumulated batch, so every token weighs the same whichever micro-batch it sits in.
         """
         inputs: dict[str, Any] = {
-            "input_ids": self.input_ids,
-            "labels": self.labels,
-            "position_ids": self.position_ids,
-            "use_cache": False,
+            **self.stock_inputs(),
             "cu_seq_lens_q": self.cu_seqlens,
             "cu_seq_lens_k": self.cu_seqlens,
             "max_length_q": self.max_seqlen,
@@ -369,15 +366,22 @@ def cut(values: Sequence, sizes) -> list:
     return [values[start:end] for start, end in zip(ends, ends[1:], strict=False)]
 
 
+def int_list(values: Any, where: str) -> list[int]:
+    """``values`` (a tensor or an iterable) as a list of ints, or TypeError naming ``where``."""
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    values = list(values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{where} must contain only ints")
+    return values
+
+
 def _as_int_list(values: Any, name: str, index: int) -> list[int]:
     if isinstance(values, torch.Tensor):
         values = values.tolist()
     if not isinstance(values, Sequence) or isinstance(values, str | bytes):
         raise TypeError(f"sample {index}: {name!r} must be a list of ints, got {type(values).__name__}")
-    out = list(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
-        raise TypeError(f"sample {index}: {name!r} must contain only ints")
-    return out
+    return int_list(values, f"sample {index}: {name!r}")
 
 
 def collate_packed(

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import time
 from pathlib import Path
@@ -44,6 +45,7 @@ from .. import hardware
 from ..atomic import write_text_atomically
 from ..data.cache import cache_root
 from ..hardware import device_identity
+from ..utilisation.peak import torch_threads
 from .collator import collate_packed
 from .costs import BUILTIN, AttentionCosts
 from .grouping import _FromSlots, _ToSlots, document_groups
@@ -176,11 +178,9 @@ def measure(dtype: torch.dtype) -> AttentionCosts:
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     ratios = _short_kernel_ratios(dtype, generator)
-    limit = 0
-    for length in SHORT_LENGTHS:
-        if ratios[length] < 1 + SHORT_MARGIN:
-            break
-        limit = length
+    # the longest length of the unbroken run, from the shortest, where the short kernel is faster
+    faster = itertools.takewhile(lambda length: ratios[length] >= 1 + SHORT_MARGIN, SHORT_LENGTHS)
+    limit = max(faster, default=0)
     grouping = _grouping_costs(dtype, generator)
     seconds = time.perf_counter() - started
     name = str(dtype).removeprefix("torch.")
@@ -222,12 +222,8 @@ def attention_costs(
             pass  # unreadable: measured again below
     if not remeasure and path.name in _UNDECIDED:
         return _UNDECIDED[path.name]
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         costs, load = _measure_quietly(dtype, threads)
-    finally:
-        torch.set_num_threads(before)
     if load.busy:
         _UNDECIDED[path.name] = costs
         return costs

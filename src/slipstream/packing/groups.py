@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..data.prefix_groups import group_tokens
-from .batch import IGNORE_INDEX, PackedBatch, collate_packed, cumulative
+from .batch import IGNORE_INDEX, PackedBatch, collate_packed, cumulative, int_list
 
 
 class GroupRow:
@@ -198,12 +198,12 @@ def _parse(
     """(prefix ids, prefix labels, [(ids, labels) per continuation]), checked."""
     if "continuations" not in group or not group["continuations"]:
         raise ValueError(f"group {number} has no continuations")
-    prefix = _ints(group.get("prefix_ids", []), f"group {number}: 'prefix_ids'")
+    prefix = int_list(group.get("prefix_ids", []), f"group {number}: 'prefix_ids'")
     prefix_labels = group.get("prefix_labels")
     prefix_labels = (
         [IGNORE_INDEX] * len(prefix)
         if prefix_labels is None
-        else _ints(prefix_labels, f"group {number}: 'prefix_labels'")
+        else int_list(prefix_labels, f"group {number}: 'prefix_labels'")
     )
     if len(prefix_labels) != len(prefix):
         raise ValueError(f"group {number}: {len(prefix_labels)} prefix_labels for {len(prefix)} prefix_ids")
@@ -212,21 +212,12 @@ def _parse(
         where = f"group {number}, continuation {j}"
         if "input_ids" not in continuation:
             raise KeyError(f"{where} has no 'input_ids'")
-        ids = _ints(continuation["input_ids"], f"{where}: 'input_ids'")
+        ids = int_list(continuation["input_ids"], f"{where}: 'input_ids'")
         if not ids:
             raise ValueError(f"{where} is empty")
         labels = continuation.get("labels")
-        labels = list(ids) if labels is None else _ints(labels, f"{where}: 'labels'")
+        labels = list(ids) if labels is None else int_list(labels, f"{where}: 'labels'")
         if len(labels) != len(ids):
             raise ValueError(f"{where}: {len(labels)} labels for {len(ids)} input_ids")
         continuations.append((ids, labels))
     return prefix, prefix_labels, continuations
-
-
-def _ints(values: Any, where: str) -> list[int]:
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    values = list(values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"{where} must contain only ints")
-    return values

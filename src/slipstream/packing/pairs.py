@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..data.binpack import best_fit_decreasing
-from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch
+from .batch import IGNORE_INDEX, AnswerSpans, PackedBatch, int_list
 from .groups import answer_row
 from .trees import collate_trees
 
@@ -107,14 +107,9 @@ def collate_pair_trees(
 def _ids(pair: dict[str, Any], key: str, number: int) -> list[int]:
     if key not in pair:
         raise KeyError(f"pair {number} has no {key!r}")
-    ids = pair[key]
-    if isinstance(ids, torch.Tensor):
-        ids = ids.tolist()
-    ids = list(ids)
+    ids = int_list(pair[key], f"pair {number}: {key!r}")
     if not ids:
         raise ValueError(f"pair {number}: {key!r} is empty")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in ids):
-        raise TypeError(f"pair {number}: {key!r} must contain only ints")
     return ids
 
 

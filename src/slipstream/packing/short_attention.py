@@ -122,12 +122,9 @@ def takes_short_kernel(
     return query.device.type == "cpu" and length <= costs.short_limit(query.dtype)
 
 
-def _additive_mask(
-    length: int, window: int | None, device: torch.device, key_length: int | None = None
-) -> torch.Tensor:
+def _additive_mask(length: int, window: int | None, device: torch.device, key_length: int) -> torch.Tensor:
     """fp32 [L, Lk]: 0 where query i sees key j (j <= i, and j > i - window), -inf elsewhere; the
     queries aligned to the end of the keys (``key_length`` > ``length``: a shared prefix first)."""
-    key_length = length if key_length is None else key_length
     keys = torch.arange(key_length, device=device).unsqueeze(0)
     queries = torch.arange(key_length - length, key_length, device=device).unsqueeze(1)
     hidden = keys > queries
@@ -209,8 +206,6 @@ def short_causal_attention(query, key, value, scale: float, window: int | None, 
     heads_per_key = query.shape[1] // key.shape[1]
 
     def build() -> torch.Tensor:
-        if key_length == length:
-            return _additive_mask(length, window, query.device).repeat(heads_per_key, 1)
         return _additive_mask(length, window, query.device, key_length).repeat(heads_per_key, 1)
 
     if batch is None:

@@ -54,7 +54,7 @@ CHECKPOINTING_MODES: tuple[str, ...] = get_args(Checkpointing)
 def _option(speedup: type[Speedup], name: str) -> Any:
     """The dataclass field of ``speedup``'s option ``name``: its default and help, from its module."""
     option = next(option for option in speedup.options if option.name == name)
-    return option.dataclass_field()[2]
+    return option.dataclass_field()
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def build_speedups_class(speedups: tuple[Speedup, ...] | None = None) -> type[Sp
         "__doc__": Speedups.__doc__,
     }
     for option in added:
-        namespace[option.name] = option.dataclass_field()[2]
+        namespace[option.name] = option.dataclass_field()
     return dataclass(frozen=True)(type("Speedups", (Speedups,), namespace))
 
 

@@ -43,8 +43,8 @@ class Option:
     help: str
     stock: Any = NO_STOCK  # the value of the stock arm (the model as transformers and PEFT run it)
 
-    def dataclass_field(self) -> tuple[str, Any, dataclasses.Field]:
-        return self.name, self.annotation, field(default=self.default, metadata={"help": self.help})
+    def dataclass_field(self) -> dataclasses.Field:
+        return field(default=self.default, metadata={"help": self.help})
 
 
 @dataclass

@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 
-from ..offload import enable_checkpointing
+from ..offload import OFFLOAD_TOKENS, enable_checkpointing
 from ..offload.policy import Checkpointing, DeviceDescription, choose_policy
 from .base import ApplyContext, DecisionContext, Option, ParityCase, Speedup
 
 ENV_CHECKPOINTING = "SLIPSTREAM_CHECKPOINTING"
-OFFLOAD_TOKENS = 8192  # the reload buffer doctor sizes offload's second copy by (see enable_checkpointing)
 
 
 @dataclass

@@ -125,8 +125,7 @@ def _fallback_unpacked(module, query, key, value, attention_mask, scaling, dropo
     if chunk and length == key.shape[-2] and length > chunk:
         # A chunked-attention layer (Llama 4) over a whole row: the model's mask builder, which
         # would cut it into chunks, does not run for slipstream's attention, so cut it here.
-        pieces = [chunk] * (length // chunk) + ([length % chunk] if length % chunk else [])
-        parts = zip(query.split(pieces, 2), key.split(pieces, 2), value.split(pieces, 2), strict=True)
+        parts = zip(query.split(chunk, 2), key.split(chunk, 2), value.split(chunk, 2), strict=True)
         out = torch.cat([one(q, k, v) for q, k, v in parts], dim=2)
     else:
         out = one(query, key, value)
