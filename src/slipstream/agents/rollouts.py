@@ -138,18 +138,14 @@ def agent_rollouts(
     loop = _Loop(
         fmt, sampling.max_new_tokens, context, math.inf if max_iterations is None else max_iterations
     )
-    if getattr(engine, "continues_turns", False) and not _windowed(model):
+    # not under a sliding window or chunked attention: the in-place cache's padding columns would count in it
+    if getattr(engine, "continues_turns", False) and not windows_in_use(text_config(model)):
         found = _in_place(engine, model, prompts, toolboxes, loop, num_generations, sampling, seed)
     else:
         found = _turn_by_turn(engine, model, prompts, toolboxes, loop, num_generations, sampling, seed)
     found.toolboxes = [list(row) for row in toolboxes]
     found.prompt_ids = [list(p) for p in prompts]
     return found
-
-
-def _windowed(model) -> bool:
-    """A sliding window or chunked attention in use: the in-place cache's padding columns would count in it."""
-    return bool(windows_in_use(text_config(model)))
 
 
 def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed) -> AgentRollouts:
