@@ -47,7 +47,6 @@ def step_order(num_bins: int, per_step: int, seed: int) -> Callable[[int], list[
 # first tokens: a conversation's rows, one per turn; a prompt's answers) go into the same step, so the
 # step can run what they share once (``data.share_prefixes``); each epoch a seeded permutation of those
 # steps. Either order is the one plan of a run: every layout, every arm of ``slipstream ab`` takes it.
-STEP_ORDERS = ("shuffled", "histories")
 
 
 def _row_key(row: dict) -> tuple[list[int], list[int]]:
