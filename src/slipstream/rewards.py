@@ -165,10 +165,7 @@ class RewardFunction:
         self, prompts, completions, completion_ids, columns: dict[str, list], call: RewardCall | None = None
     ) -> list[float]:
         """The function's values, checked: one per completion, each finite (None read as NaN: left out)."""
-        values = self.start(prompts, completions, completion_ids, columns, call or RewardCall())
-        if inspect.isawaitable(values):
-            values = asyncio.run(self.finish(values))
-        return self.check(values, len(completions))
+        return [values[0] for values in score([self], prompts, completions, completion_ids, columns, call)]
 
     def start(self, prompts, completions, completion_ids, columns: dict[str, list], call: RewardCall) -> Any:
         """The function called in TRL's convention: its values, or its coroutine (an async function)."""

@@ -175,10 +175,13 @@ def test_a_sliding_window_model_goes_turn_by_turn(qwen3_tokenizer, tool_file):
 
     from transformers import MistralConfig, Qwen2Config
 
-    from slipstream.agents import rollouts as module
+    from slipstream.rollouts import text_config, windows_in_use
 
-    assert not module._windowed(SimpleNamespace(config=Qwen2Config()))  # use_sliding_window false
-    assert module._windowed(SimpleNamespace(config=Qwen2Config(use_sliding_window=True)))
-    windowed = SimpleNamespace(config=MistralConfig(sliding_window=4096))
-    _, engine, _, _ = setup(qwen3_tokenizer, tool_file, two_lookups, in_place=True, model=windowed)
+    def windowed(config) -> bool:
+        return bool(windows_in_use(text_config(SimpleNamespace(config=config))))
+
+    assert not windowed(Qwen2Config())  # use_sliding_window false
+    assert windowed(Qwen2Config(use_sliding_window=True))
+    model = SimpleNamespace(config=MistralConfig(sliding_window=4096))
+    _, engine, _, _ = setup(qwen3_tokenizer, tool_file, two_lookups, in_place=True, model=model)
     assert [n for _, n, _ in engine.requests] == [3, 1, 1]  # the first turns, then each going one alone

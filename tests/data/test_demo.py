@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from slipstream import atomic
-from slipstream.data import demo_bpe, demo_rows, demo_samples, demo_tokenizer, tokenize_row
+from slipstream.data import cache_root, demo_bpe, demo_rows, demo_samples, demo_tokenizer, tokenize_row
 
 
 def test_rows_are_deterministic_per_seed():
@@ -77,9 +77,9 @@ def test_tokenizer_is_cached_and_loaded_from_the_cache(tokenizer, tokenizer_cach
 
 def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
-    assert demo_bpe._cache_root(None) == tmp_path
+    assert cache_root() == tmp_path
     monkeypatch.delenv("SLIPSTREAM_CACHE")
-    assert str(demo_bpe._cache_root(None)).endswith(os.path.join(".cache", "slipstream"))
+    assert str(cache_root()).endswith(os.path.join(".cache", "slipstream"))
 
 
 def test_two_fresh_builds_are_identical(tokenizer, tmp_path):

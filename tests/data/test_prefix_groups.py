@@ -12,7 +12,6 @@ from slipstream.data.prefix_groups import (
     find_groups,
     group_rows,
     group_tokens,
-    pack_shared,
     share_rows,
 )
 
@@ -34,14 +33,14 @@ def tool_set(rng: random.Random, rows: int = 40, system: int = 300) -> list[dict
 def test_rows_sharing_a_system_prompt_become_one_group_and_nothing_is_lost():
     rng = random.Random(0)
     samples = tool_set(rng)
-    bins, packing, sharing = pack_shared(samples, max_seq_len=1024)
+    bins, sharing = share_rows(samples, max_seq_len=1024)
     groups = [g for b in bins for g in b]
     assert rows_key(r for g in groups for r in group_rows(g)) == rows_key(samples)
     assert sharing.groups == 1 and sharing.rows_in_groups == 40
     assert sharing.longest_shared == 300
     assert all(sum(group_tokens(g) for g in b) <= 1024 for b in bins)
     assert all(len(g["prefix_ids"]) in (0, 300) for g in groups)
-    assert sharing.shared_tokens == sum(group_tokens(g) for g in groups) == packing.real_tokens
+    assert sharing.shared_tokens == sum(group_tokens(g) for g in groups)
     assert sharing.unshared_tokens == sum(len(s["input_ids"]) for s in samples)
     # every part that holds the prompt once saves it for each row beyond the first
     assert sharing.saved_tokens == sum(300 * (len(g["continuations"]) - 1) for g in groups if g["prefix_ids"])
@@ -50,7 +49,7 @@ def test_rows_sharing_a_system_prompt_become_one_group_and_nothing_is_lost():
 
 def test_a_group_split_to_fit_holds_its_start_in_every_part():
     samples = tool_set(random.Random(1), rows=30, system=200)
-    bins, _, sharing = pack_shared(samples, max_seq_len=400)
+    bins, sharing = share_rows(samples, max_seq_len=400)
     groups = [g for b in bins for g in b]
     assert sharing.parts > 1
     assert all(group_tokens(g) <= 400 for g in groups)
@@ -81,7 +80,7 @@ def test_only_tokens_labelled_alike_are_shared():
 def test_every_row_keeps_a_token_of_its_own():
     prefix = list(range(10, 60))
     samples = [row(prefix, [], label_prefix=True), row(prefix, [], label_prefix=True), row(prefix, [3], True)]
-    bins, _, _ = pack_shared(samples, max_seq_len=512)
+    bins, _ = share_rows(samples, max_seq_len=512)
     groups = [g for b in bins for g in b]
     assert all(c["input_ids"] for g in groups for c in g["continuations"])
     assert rows_key(r for g in groups for r in group_rows(g)) == rows_key(samples)
@@ -90,7 +89,7 @@ def test_every_row_keeps_a_token_of_its_own():
 def test_rows_that_share_little_are_not_grouped():
     rng = random.Random(3)
     samples = [row([1, 2, 3], [rng.randrange(5, 1000) for _ in range(50)]) for _ in range(20)]
-    bins, _, sharing = pack_shared(samples, max_seq_len=512)
+    bins, sharing = share_rows(samples, max_seq_len=512)
     assert sharing.groups == 0 and sharing.saved_tokens == 0
     assert all(not g["prefix_ids"] and len(g["continuations"]) == 1 for b in bins for g in b)
     assert "no two of 20 rows" in sharing.summary()
@@ -112,5 +111,5 @@ def test_one_steps_rows_regroup_into_fewer_bins_and_the_reports_add_up():
 
 def test_same_seed_same_bins():
     samples = tool_set(random.Random(5))
-    first = pack_shared(samples, 512, seed=3)[0]
-    assert first == pack_shared(samples, 512, seed=3)[0]
+    first = share_rows(samples, 512, seed=3)[0]
+    assert first == share_rows(samples, 512, seed=3)[0]

@@ -35,9 +35,8 @@ class Turn:
     """One assistant turn as the reward functions and the tools see it (TRL's message shape)."""
 
     content: str
-    calls: list[dict] = field(
-        default_factory=list
-    )  # [{"type": "function", "function": {"name", "arguments"}}]
+    # [{"type": "function", "function": {"name", "arguments"}}]
+    calls: list[dict] = field(default_factory=list)
     malformed: bool = False  # it tried to call a tool and the call did not parse
     reasoning: str | None = None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..rollouts import Completion, RolloutStats, Sampling, text_config, windows_in_use
 from .calls import ToolFormat
@@ -99,12 +99,13 @@ class _Loop:
         return suffix
 
     def add_turn(self, t: Trajectory, ids: list[int], finished: bool, logprobs: list[float] | None) -> None:
-        """A turn the model sampled, appended and parsed."""
+        """A turn the model sampled, appended, counted and parsed."""
         t.ids += ids
         t.model_mask += [1] * len(ids)
         if t.logprobs is not None:
             t.logprobs = t.logprobs + list(logprobs) if logprobs is not None else None
         t.finished = finished
+        t.turns += 1
         if ids:
             parsed = self.fmt.parse(ids)
             t.malformed += int(parsed.malformed)
@@ -137,7 +138,8 @@ def agent_rollouts(
     loop = _Loop(
         fmt, sampling.max_new_tokens, context, math.inf if max_iterations is None else max_iterations
     )
-    if getattr(engine, "continues_turns", False) and not _windowed(model):
+    # not under a sliding window or chunked attention: the in-place cache's padding columns would count in it
+    if getattr(engine, "continues_turns", False) and not windows_in_use(text_config(model)):
         found = _in_place(engine, model, prompts, toolboxes, loop, num_generations, sampling, seed)
     else:
         found = _turn_by_turn(engine, model, prompts, toolboxes, loop, num_generations, sampling, seed)
@@ -146,18 +148,12 @@ def agent_rollouts(
     return found
 
 
-def _windowed(model) -> bool:
-    """A sliding window or chunked attention in use: the in-place cache's padding columns would count in it."""
-    return bool(windows_in_use(text_config(model)))
-
-
 def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed) -> AgentRollouts:
     every = [_empty(False) for _ in range(len(prompts) * G)]
 
     def turn_end(row: int, tokens: list[int]) -> list[int] | None:
         t = every[row]
         loop.add_turn(t, tokens[len(t.ids) :], True, None)
-        t.turns += 1
         return loop.answer(t, toolboxes[row // G][row % G], len(prompts[row // G]))
 
     out = engine.generate(model, prompts, G, sampling, seed, turn_end=turn_end)
@@ -166,7 +162,6 @@ def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed)
         rest = completion.ids[len(t.ids) :]
         if rest or not t.messages:  # a turn cut at the budget (or a first turn that never stopped)
             loop.add_turn(t, rest, completion.finished, None)
-            t.turns += 1
         t.finished = completion.finished
         if t.ids != list(completion.ids):
             raise RuntimeError("the sampler's completion and the trajectory it was fed differ")
@@ -178,9 +173,7 @@ def _in_place(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed)
 def _turn_by_turn(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, seed) -> AgentRollouts:
     began = time.perf_counter()
     first = engine.generate(model, prompts, G, sampling, seed)
-    stats = RolloutStats(**{k: getattr(first.stats, k) for k in ("prompts", "completions", "prefill_tokens")})
-    stats.generated_tokens = first.stats.generated_tokens
-    stats.decode_steps = first.stats.decode_steps
+    stats = replace(first.stats)  # its seconds are this whole call's, set at the end
     turn_s = [first.stats.seconds]
     trajectories: list[list[Trajectory]] = []
     for group in first.completions:
@@ -188,7 +181,6 @@ def _turn_by_turn(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, s
         for c in group:
             t = _empty(c.logprobs is not None)
             loop.add_turn(t, list(c.ids), c.finished, c.logprobs)
-            t.turns = 1
             row.append(t)
         trajectories.append(row)
     pending = [(p, g) for p, row in enumerate(trajectories) for g, t in enumerate(row) if t.finished]
@@ -222,7 +214,6 @@ def _turn_by_turn(engine, model, prompts, toolboxes, loop: _Loop, G, sampling, s
             finished = completion.finished and len(ids) == len(completion.ids)
             logprobs = completion.logprobs[: len(ids)] if completion.logprobs is not None else None
             loop.add_turn(t, ids, finished, logprobs)
-            t.turns += 1
             if finished:
                 pending.append((p, g))
     stats.seconds = time.perf_counter() - began

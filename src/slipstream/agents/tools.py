@@ -63,9 +63,8 @@ def _schema(fn: Callable, where: str) -> dict:
 
     try:
         return get_json_schema(fn)
-    except (
-        Exception
-    ) as error:  # transformers raises its own TypeHintParsingException / DocstringParsingException
+    # transformers raises its own TypeHintParsingException / DocstringParsingException
+    except Exception as error:
         raise ToolError(
             f"{where}: {' '.join(str(error).split())} (a tool needs type hints and a docstring whose Args: "
             "describe each parameter, as TRL's tools do)"

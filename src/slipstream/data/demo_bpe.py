@@ -39,7 +39,8 @@ RECIPE_VERSION = 1  # bump when the build below changes in a way the hash cannot
 
 def demo_tokenizer(cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:
     """The demo tokenizer, built on first use and loaded from the cache after that."""
-    folder = _cache_root(cache_dir) / f"demo-tokenizer-v{RECIPE_VERSION}-{_recipe_hash()}"
+    root = Path(cache_dir) if cache_dir is not None else cache_root()
+    folder = root / f"demo-tokenizer-v{RECIPE_VERSION}-{_recipe_hash()}"
     if not (folder / "tokenizer.json").exists():
         # a concurrent builder that renamed its copy first wins: its copy is used
         with atomic_directory(folder, existing="keep") as staging:
@@ -56,10 +57,6 @@ def demo_samples(
     return [
         tokenize_row(row, tokenizer, response_only, f"demo row {index}") for index, row in enumerate(rows)
     ]
-
-
-def _cache_root(cache_dir: str | Path | None) -> Path:
-    return Path(cache_dir) if cache_dir is not None else cache_root()
 
 
 def _recipe_hash() -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat import has_chat_template, render_chat
-from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy, json_type
+from .errors import BadRowPolicy, DataError, DataReport, json_type
 from .prompts import split_prompts
 from .readers import read_rows
 from .shapes import _chat_messages, _with_eos
@@ -74,7 +74,6 @@ def load_pairs(
     on_bad_row: BadRowPolicy = "error",
 ) -> tuple[list[Pair], PairReport]:
     """Read and tokenize every preference row of ``path``; see the module docstring."""
-    check_bad_row_policy(on_bad_row)
     report = PairReport()
     pairs: list[Pair] = []
     for record, location in read_rows(path, on_bad_row, report.data):

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .binpack import Overflow, PackingReport, Sample, _fit_to_length, best_fit_decreasing
+from .binpack import Sample, best_fit_decreasing
 
 # A shared start shorter than this is not worth a group: a chat template's role header
 # (``<|im_start|>user\n``) is 3-4 tokens; the shortest system prompts are tens.
@@ -205,27 +205,6 @@ def share_rows(
     rng.shuffle(bins)
     sharing.shared_tokens = sum(group_tokens(item) for item in items)
     return bins, sharing
-
-
-def pack_shared(
-    samples: Sequence[Sample],
-    max_seq_len: int,
-    seed: int = 0,
-    overflow: Overflow = "truncate",
-    min_shared: int = MIN_SHARED_TOKENS,
-) -> tuple[list[list[Group]], PackingReport, SharingReport]:
-    """All of ``samples`` grouped by their shared start and packed best-fit: bins of groups (what the
-    whole set would save; a run shares each step's rows, :func:`share_rows`)."""
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
-    packing = PackingReport(num_samples=len(samples), num_bins=0, real_tokens=0, capacity=0, efficiency=0.0)
-    pieces = _fit_to_length(samples, max_seq_len, overflow, packing)
-    bins, sharing = share_rows(pieces, max_seq_len, seed=seed, min_shared=min_shared)
-    packing.num_bins = len(bins)
-    packing.real_tokens = sharing.shared_tokens
-    packing.capacity = len(bins) * max_seq_len
-    packing.efficiency = packing.real_tokens / packing.capacity if packing.capacity else 0.0
-    return bins, packing, sharing
 
 
 def combined(reports: Sequence[SharingReport]) -> SharingReport:

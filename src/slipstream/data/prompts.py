@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat import has_chat_template, render_chat
-from .errors import BadRowPolicy, DataError, DataReport, check_bad_row_policy, json_type
+from .errors import BadRowPolicy, DataError, DataReport, json_type
 from .readers import read_rows
 
 # Names a reward function takes positionally: a column may not reuse them.
@@ -100,7 +100,6 @@ def load_prompts(
 ) -> tuple[list[dict[str, Any]], DataReport]:
     """Every prompt row of ``path``, tokenized (``tools``: rendered into each); bad rows raise (or are
     skipped and reported)."""
-    check_bad_row_policy(on_bad_row)
     report = DataReport()
     rows = []
     for record, location in read_rows(path, on_bad_row, report):

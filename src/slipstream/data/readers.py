@@ -208,15 +208,8 @@ def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as error:
         raise DataError(str(path), f"not a readable Parquet file ({error})") from None
-    return _parquet_records(parquet, path)
-
-
-def _parquet_records(parquet: Any, path: Path) -> Iterator[tuple[Any, str]]:
-    index = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            yield record, f"{path}: row {index}"
-            index += 1
+    records = (record for batch in parquet.iter_batches(batch_size=1024) for record in batch.to_pylist())
+    return ((record, f"{path}: row {index}") for index, record in enumerate(records))
 
 
 def _dataset_dir_rows(path: Path) -> Iterator[tuple[Any, str]]:

@@ -15,6 +15,8 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .binpack import _tokens, best_fit_decreasing
+
 
 def steps_per_epoch(num_bins: int, per_step: int) -> int:
     return math.ceil(num_bins / per_step)
@@ -45,11 +47,6 @@ def step_order(num_bins: int, per_step: int, seed: int) -> Callable[[int], list[
 # first tokens: a conversation's rows, one per turn; a prompt's answers) go into the same step, so the
 # step can run what they share once (``data.share_prefixes``); each epoch a seeded permutation of those
 # steps. Either order is the one plan of a run: every layout, every arm of ``slipstream ab`` takes it.
-STEP_ORDERS = ("shuffled", "histories")
-
-
-def _row_tokens(row: dict) -> int:
-    return len(row["input_ids"])
 
 
 def _row_key(row: dict) -> tuple[list[int], list[int]]:
@@ -60,7 +57,7 @@ def history_steps(
     pieces: Sequence[dict],
     max_seq_len: int,
     per_step: int,
-    size: Callable[[dict], int] = _row_tokens,
+    size: Callable[[dict], int] = _tokens,
     key: Callable[[dict], Any] = _row_key,
 ) -> tuple[list[list[dict]], list[list[int]]]:
     """Rows (each at most ``max_seq_len`` tokens) in the order of their tokens (rows that share a
@@ -68,8 +65,6 @@ def history_steps(
     row while its rows still pack best-fit into ``per_step`` bins. Returns the bins (each step's
     together) and, per step, its bins' indices. Only the last step may hold fewer bins. Preference
     pairs: ``size`` their packed tokens, ``key`` their prompt then answers."""
-    from .binpack import best_fit_decreasing
-
     if per_step < 1:
         raise ValueError(f"history_steps: {per_step} bins a step: must be at least 1")
     order = sorted(range(len(pieces)), key=lambda i: key(pieces[i]))

@@ -19,13 +19,14 @@ forwards (FSDP2 gathers parameters in each).
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
 import torch
 
 from ..data import pack_samples
+from ..data.errors import DataError
 from ..data.labels import count_label_tokens
+from ..data.prompts import split_prompts
 from ..errors import TrainError
 from ..host_reads import read_to_host
 from ..loss import chunked_evaluation
@@ -68,19 +69,12 @@ class HeldOut:
 
 
 def split_rows(samples: list[dict], fraction: float, seed: int, source: str) -> tuple[list[dict], list[dict]]:
-    """``(train, eval)``: a seeded ``fraction`` of the rows for evaluation, the rest, in order, for training."""
-    count = len(samples)
-    share = min(count - 1, max(1, round(fraction * count)))
-    if share < 1:
-        raise TrainError(
-            f"{source}: data.eval_fraction {fraction:g} needs at least 2 usable rows, got {count}"
-        )
-    order = list(range(count))
-    random.Random(f"slipstream eval split {seed}").shuffle(order)
-    chosen = set(order[:share])
-    train = [sample for index, sample in enumerate(samples) if index not in chosen]
-    held_out = [sample for index, sample in enumerate(samples) if index in chosen]
-    return train, held_out
+    """``(train, eval)``: a seeded ``fraction`` of the rows for evaluation, the rest, in order, for training
+    (the split GRPO's prompts and the pairs take; too few rows a TrainError, as SFT's set-up says it)."""
+    try:
+        return split_prompts(samples, fraction, seed, source, noun="rows")
+    except DataError as error:
+        raise TrainError(str(error)) from None
 
 
 def eval_set(samples: list[dict], source: str, *, max_seq_len: int, seed: int, overflow: str) -> EvalSet:

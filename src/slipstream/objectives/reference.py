@@ -75,7 +75,6 @@ def precomputed_reference(
     bins: Sequence[Sequence[dict]],
     compute: Callable[[Sequence[dict]], torch.Tensor],
     cache: bool = True,
-    progress: Callable[[int, int], None] | None = None,
     read: bool = True,
 ) -> tuple[list[torch.Tensor], str]:
     """Per bin, its [answers] reference sums (CPU, fp32): read from the cache, or computed by
@@ -89,11 +88,7 @@ def precomputed_reference(
                 return found, f"reference log-probs read from the cache ({path})"
         except (OSError, RuntimeError, EOFError):
             pass  # a damaged entry: computed again and replaced
-    sums = []
-    for number, pairs in enumerate(bins):
-        sums.append(compute(pairs).float().cpu())
-        if progress is not None:
-            progress(number + 1, len(bins))
+    sums = [compute(pairs).float().cpu() for pairs in bins]
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(path) as temporary:

@@ -216,7 +216,7 @@ class SFT(Objective):
     def collate(self, rows, device, prepared: Any = None):
         if rows and is_tree(rows[0]):
             batch = collate_trees(rows, device=device)
-        elif _grouped(rows):
+        elif rows and "continuations" in rows[0]:  # prefix groups
             batch = collate_groups(rows, device=device)
         else:
             batch = collate_packed(rows, device=device)
@@ -240,10 +240,6 @@ class SFT(Objective):
 
     def evaluate(self, model, evals, info, device) -> dict[str, float]:
         return {"loss": evaluate(model, evals, info, device)}
-
-
-def _grouped(rows: Sequence[dict]) -> bool:
-    return bool(rows) and "continuations" in rows[0]
 
 
 def check_labels_left(no_labels: int, config) -> None:

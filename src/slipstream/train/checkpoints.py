@@ -424,7 +424,7 @@ def apply_checkpoint(checkpoint: Checkpoint, model, optimizer, scheduler) -> int
 # ----------------------------------------------------------------------------- the final adapter
 def save_final(
     out: Path, model, tokenizer, summary: dict, *, state: dict | None = None, expert_lora: bool = False
-) -> Path:
+) -> None:
     """The adapter (or the fine-tuned model) in PEFT / transformers format, then ``run.json``.
 
     ``state``: the full trainable state when the model is sharded (FSDP2), gathered on every rank.
@@ -439,4 +439,3 @@ def save_final(
             save_expert_lora(model, tmp / "experts")
         tokenizer.save_pretrained(tmp)
     write_text_atomically(Path(out) / FINISHED, json.dumps({"status": "finished", **summary}, indent=1))
-    return adapter

@@ -199,9 +199,8 @@ def _run_steps(
                     tqdm.write(line)
             if samples.enabled and _evaluation_point(run, step + 1):
                 answered = time.perf_counter()
-                samples.write(
-                    driver.model, driver.tokenizer, step + 1
-                )  # training.sample_prompts' answers (rank 0)
+                # training.sample_prompts' answers (rank 0)
+                samples.write(driver.model, driver.tokenizer, step + 1)
                 tqdm.write(f"slipstream train: samples at step {step + 1} -> {samples.path}")
                 eval_seconds += time.perf_counter() - answered
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **postfix)

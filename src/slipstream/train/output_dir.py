@@ -84,7 +84,7 @@ def _remove(path: Path) -> None:
         raise TrainError(f"{path}: cannot remove it ({error.strerror or error})") from None
 
 
-def remove_leftovers(out: Path) -> list[str]:
+def remove_leftovers(out: Path) -> None:
     """Delete the temporary files and folders of interrupted writes in ``out`` and its checkpoints."""
     removed = []
     for folder in (Path(out), Path(out) / CHECKPOINTS):
@@ -96,7 +96,6 @@ def remove_leftovers(out: Path) -> list[str]:
                 removed.append(str(entry))
     if removed:
         logger.info("removed %d leftover(s) of an interrupted write: %s", len(removed), ", ".join(removed))
-    return removed
 
 
 def _clear(out: Path, entries: list[str], overwrite: bool) -> None:
