@@ -33,13 +33,14 @@ import torch
 from ..bench.ablation import remembered as remembered_ablations
 from ..models import build_model
 from ..moe.experts import is_moe_model
+from ..noise import quiet_transformers
 from ..parity import LENGTHS, TOLERANCE, compare, documents
 from ..parity import problems as beyond_tolerance
 from ..refusal import Refusal
 from ..speedups import ParityCase, Speedups, registry
 from ..utilisation.peak import torch_threads
 from .arm import ArmRun, run_arm
-from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line, quiet_transformers
+from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line
 
 BF16_FACTOR = 4.0
 # The least loss distance to fp32 a reduced-precision arm is allowed, whatever the stock arm's: an exact
