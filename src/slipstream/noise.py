@@ -135,3 +135,17 @@ def known_noise_hidden(hide: bool = True) -> Iterator[None]:
             _hidden_depth -= 1
             for logger, drop in added:
                 logger.removeFilter(drop)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Within the block, transformers logs errors only: its warnings about a shrunk config (its rope
+    scaling, ...) or a GGUF file it loads are not the user's concern there. After it, as before."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)

@@ -13,9 +13,9 @@ from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .. import host_reads
-from ..host_reads import read_to_host  # noqa: F401 - where callers found it before
 
 # ATen ops that read a device value back to the host (or need its value to size an output).
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"})
@@ -71,17 +71,9 @@ class LargeTensorWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
+        for tensor in (leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)):
             numel = tensor.numel()
             self.largest_numel = max(self.largest_numel, numel)
             if numel >= self.min_numel:
                 self.seen.append((_op_name(func), tuple(tensor.shape)))
         return out
-
-
-def _tensors(value) -> Iterable[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _tensors(item)

@@ -80,8 +80,7 @@ def vocab_size(config, tokenizer) -> int:
         from transformers import AutoConfig
 
         model_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
-        text = getattr(model_config, "get_text_config", lambda: model_config)()
-        return int(text.vocab_size)
+        return int(model_config.get_text_config().vocab_size)
     return preset_vocab_size(config.model) or len(tokenizer)
 
 

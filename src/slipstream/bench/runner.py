@@ -140,8 +140,7 @@ def prepare_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, dict]:
     return slim, vocab, record
 
 
-def _median(values) -> float:
-    values = list(values)
+def _median(values: list) -> float:
     return statistics.median(values) if values else 0.0
 
 

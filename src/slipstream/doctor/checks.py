@@ -33,13 +33,14 @@ import torch
 from ..bench.ablation import remembered as remembered_ablations
 from ..models import build_model
 from ..moe.experts import is_moe_model
+from ..noise import quiet_transformers
 from ..parity import LENGTHS, TOLERANCE, compare, documents
 from ..parity import problems as beyond_tolerance
 from ..refusal import Refusal
-from ..speedups import Speedups, registry
+from ..speedups import ParityCase, Speedups, registry
 from ..utilisation.peak import torch_threads
 from .arm import ArmRun, run_arm
-from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line, quiet_transformers
+from .models import MOE_STAND_IN, CheckedModel, dtype_name, one_line
 
 BF16_FACTOR = 4.0
 # The least loss distance to fp32 a reduced-precision arm is allowed, whatever the stock arm's: an exact
@@ -148,23 +149,21 @@ def _judge_low_precision(check: Check, fast: ArmRun, stock: ArmRun, reference: A
 
 
 def run_check(
-    path: str,
+    case: ParityCase,
     subject_: Subject,
-    fast: Speedups,
-    stock: Speedups,
+    fast: dict[str, Any],
     device: torch.device,
     dtype: torch.dtype,
-    *,
-    stock_layout: str | None = None,
-    offload: bool = False,
-    arms: str = "",
-    model: str = "",
-    lora: bool = False,
+    arms: str,
+    model: str,
 ) -> Check:
-    """Run ``fast`` and ``stock`` on ``subject_`` and judge the fast arm (see the module docstring)."""
+    """Run ``case``'s two arms on ``subject_`` (its speedups with ``fast`` / ``case.stock`` on top; the
+    case's stock layout, offload and LoRA) and judge the fast arm (see the module docstring)."""
     started = time.perf_counter()
-    check = Check(path, "ok", model=model or subject_.label, arms=arms, layout=subject_.layout)
-    stock_layout = stock_layout or subject_.layout
+    check = Check(case.label, "ok", model=model or subject_.label, arms=arms, layout=subject_.layout)
+    fast, stock = subject_.speedups.replace(**fast), subject_.speedups.replace(**case.stock)
+    lora, offload = case.lora, case.offload
+    stock_layout = case.stock_layout or subject_.layout
     try:
         stock_run = run_arm(subject_.base, subject_.docs, stock, stock_layout, device, dtype, lora=lora)
         reference = None
@@ -267,19 +266,8 @@ def _check_paths(
             model = "" if moe is main else f"{MOE_STAND_IN} stand-in ({checked.family} has no experts)"
         elif case.packed_only:  # an option of the per-document SDPA path: on the packed row, that backend
             on, fast = dataclasses.replace(main, packs=True), {**fast, "attention_backend": "sdpa"}
-        check = run_check(
-            case.label,
-            on,
-            on.speedups.replace(**fast),
-            on.speedups.replace(**case.stock),
-            device,
-            dtype,
-            stock_layout=case.stock_layout,
-            offload=case.offload,
-            lora=case.lora,
-            arms=f"{case.arms} ({engine})" if case.offload else case.arms,
-            model=model,
-        )
+        arms = f"{case.arms} ({engine})" if case.offload else case.arms
+        check = run_check(case, on, fast, device, dtype, arms, model)
         checks.append(check)
         if case.sets_layout:  # the other paths run on top of packed attention only where it is right here
             main.packs = check.verdict == "ok"

@@ -3,8 +3,7 @@ the decisions read, and the tiny random model of its family, which the checks bu
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from ..models import TINY, build_config, build_model, model_names
 from ..models.tiny_any import causal_lm_class, random_model, shrink_config, tiny_config
+from ..noise import quiet_transformers
 from ..speedups.base import dtype_name, one_line  # noqa: F401 - doctor's rooms take them from here
 
 DEFAULT_MODEL = "demo"  # the demo's model (`slipstream ab` with no arguments): a Qwen3 shape
@@ -61,19 +61,6 @@ def shape_of(config: Any) -> str:
         parts.append(f"window {window}")
     parts.append(f"vocab {get('vocab_size')}")
     return ", ".join(parts)
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings about a shrunk config (its rope scaling, ...) are not the user's concern here."""
-    import transformers
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(verbosity)
 
 
 def resolve_model(asked: str | None) -> CheckedModel:

@@ -47,6 +47,7 @@ import torch
 
 from .. import hardware
 from ..errors import TrainError
+from ..optimize import base_model
 from ..rollouts import Completion, Rollouts, RolloutStats, Sampling
 
 HERE = Path(__file__).resolve().parent
@@ -95,11 +96,10 @@ def vllm_python(create: bool = True) -> str:
 
 
 # ----------------------------------------------------------------------------- the policy's weights
-def _lora_layers(model) -> dict[str, torch.nn.Module]:
-    """transformers' name of each module PEFT wrapped with a LoRA (its ``.weight`` is what changes)."""
+def _lora_layers(inner) -> dict[str, torch.nn.Module]:
+    """transformers' name of each module PEFT wrapped with a LoRA in ``inner`` (its ``.weight`` changes)."""
     from peft.tuners.lora import LoraLayer
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return {name: module for name, module in inner.named_modules() if isinstance(module, LoraLayer)}
 
 
@@ -113,8 +113,8 @@ def policy_weights(model, changed_only: bool, merge: bool = True) -> dict[str, t
     """The policy's weights under transformers' names, LoRA merged (computed beside the weights: the
     model is not changed; ``merge`` False: the base's own). ``changed_only``: just those training
     moves (the LoRA-wrapped weights and ``modules_to_save``), else every weight (the engine's start)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    wrapped = _lora_layers(model)
+    inner = base_model(model)
+    wrapped = _lora_layers(inner)
     found: dict[str, torch.Tensor] = {}
     for name, module in wrapped.items():
         weight = module.get_base_layer().weight
@@ -180,10 +180,10 @@ def refuse_inexact(
         )
     if expert_lora:
         raise EngineError(f"{where}: expert LoRA (lora.experts) is not merged for the engine yet; {instead}")
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     text = getattr(getattr(inner, "config", None), "get_text_config", lambda: None)()
     tied = getattr(text, "tie_word_embeddings", False)
-    for name in _lora_layers(model):
+    for name in _lora_layers(inner):
         if tied and name.split(".")[-1] in ("embed_tokens", "lm_head", "wte", "embed_in"):
             raise EngineError(
                 f"{where}: a LoRA on {name} of a model with tied embeddings changes one side of the tie; "
@@ -435,7 +435,7 @@ def _write_base(model, directory: Path, merge: bool) -> None:
     tokenizer: the engine takes and returns token ids)."""
     from safetensors.torch import save_file
 
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     directory.mkdir(parents=True)
     config = copy.deepcopy(inner.config)
     if not getattr(config, "architectures", None):  # a model built from a config names none: vLLM needs it

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..noise import quiet_transformers
 from .gguf_gemma import llama_cpp_query_scalar
 
 HELD_PROMPTS = (
@@ -180,12 +181,9 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
     """The file as transformers' GGUF loader reads it (dequantized to fp32)."""
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
 
     folder, name = str(gguf_path.parent), gguf_path.name
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
+    with quiet_transformers():
         tokenizer = _gguf_tokenizer(AutoTokenizer, folder, name)
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         # the loader's map skips the head size for some families (Qwen3: its config then defaults to 128):
@@ -203,8 +201,6 @@ def check_transformers(gguf_path: Path, ref: Reference, quant: str) -> GGUFCheck
             folder, gguf_file=name, config=config, dtype=torch.float32
         ).eval()
         _apply_rope_freqs(model, reader)
-    finally:
-        logging.set_verbosity(verbosity)
     ids = [tokenizer(text)["input_ids"] for text in HELD_PROMPTS]
     # the file's add-BOS rule, where an older loader (5.17) drops it for SentencePiece
     if "tokenizer.ggml.add_bos_token" in fields and fields["tokenizer.ggml.add_bos_token"].contents():

@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 from typing import Any
 
 import torch
@@ -63,13 +62,12 @@ def _shrink(attrs: dict[str, Any], key: str, target: int, out: dict[str, Any]) -
 
 def _read_attrs(config) -> dict[str, Any]:
     """The config's attributes; per-layer attributes of a heterogeneous config read as their global value."""
-    read = getattr(config, "_getattr_without_heterogeneous_validation", None)
     attrs: dict[str, Any] = {}
     for key in config.to_dict():
         if key == "per_layer_config":
             continue
         with contextlib.suppress(AttributeError):
-            attrs[key] = read(key) if read is not None else getattr(config, key)
+            attrs[key] = config._getattr_without_heterogeneous_validation(key)
     return attrs
 
 
@@ -291,9 +289,7 @@ def _rebuild(config, kwargs: dict[str, Any]):
     """
     base: dict[str, Any] = {}
     if dataclasses.is_dataclass(config):
-        read = getattr(
-            config, "_getattr_without_heterogeneous_validation", functools.partial(getattr, config)
-        )
+        read = config._getattr_without_heterogeneous_validation
         for field in dataclasses.fields(config):
             if not field.init or field.default is dataclasses.MISSING or field.default is None:
                 continue

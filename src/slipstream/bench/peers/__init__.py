@@ -59,10 +59,6 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
     if peer == "trl" and importlib.util.find_spec("trl") is None:
         return "TRL is not installed (pip install 'slipstream[trl]')"
     if peer == "trl" and (config.train.grpo.tools or config.train.grpo.environment):
-        from trl import GRPOTrainer, __version__
-
-        if "environment_factory" not in inspect.signature(GRPOTrainer.__init__).parameters:
-            return f"this TRL ({__version__}) has no GRPOTrainer tools / environment_factory"
         from ..inputs import ab_tokenizer
         from .trl_grpo_step import tool_template_refusal
 
@@ -77,17 +73,12 @@ def unavailable(peer: Peer, config, device: str) -> str | None:
                 "not claimed)"
             )
         return "TRL's GRPOTrainer with use_vllm (colocate) is not driven by this harness yet (not measured, not claimed)"
-    if peer == "transformers-offload":
-        if device != "cuda":
-            return (
-                "transformers' activation_checkpointing_enable(offload=True) copies activations from "
-                "the accelerator to pinned host memory; on a CPU they already live there, and a "
-                "CPU-only torch cannot pin memory (CUDA only)"
-            )
-        from transformers import PreTrainedModel
-
-        if _checkpointing_enable_name(PreTrainedModel) is None:
-            return "this transformers' checkpointing has no offload option"
+    if peer == "transformers-offload" and device != "cuda":
+        return (
+            "transformers' activation_checkpointing_enable(offload=True) copies activations from "
+            "the accelerator to pinned host memory; on a CPU they already live there, and a "
+            "CPU-only torch cannot pin memory (CUDA only)"
+        )
     if peer == "liger":
         if device != "cuda":
             return "Liger-Kernel's Triton kernels need a CUDA GPU"

@@ -79,10 +79,7 @@ def _with_response_template(tokenizer, format_name: str):
         return trl_templates.add_response_schema(tokenizer)
     except ValueError:  # "Unrecognized chat template": set as its error message says, by hand
         family = {"hermes": "qwen3", "llama3": "llama3"}[format_name]
-    if getattr(trl_templates, "_SUPPORTS_RESPONSE_TEMPLATE", False):  # transformers >= 5.13
-        tokenizer.response_template = getattr(trl_templates, f"{family}_template")
-    else:
-        tokenizer.response_schema = getattr(trl_templates, f"{family}_schema")
+    tokenizer.response_template = getattr(trl_templates, f"{family}_template")
     return tokenizer
 
 
