@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from ..refusal import Refusal, optimize_call
+from ..utilisation.flops import EXPERT_COUNT_KEYS, experts_modules  # noqa: F401  (experts_modules: re-exported)
 from .grouped import GroupedLinear
 from .routing import combine_top_k, group_by_expert, tokens_in_expert_order
 
@@ -134,14 +135,6 @@ def use_sorted_experts(model: torch.nn.Module) -> None:
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
-def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The experts modules transformers dispatches through its registry (decorated classes)."""
-    return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
-
-
-MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
 # Sub-configs some families declare their experts in (DBRX: ``config.ffn_config.moe_num_experts``).
 MOE_SUB_CONFIGS = ("ffn_config", "moe_config", "text_config")
 
@@ -153,5 +146,5 @@ def is_moe_model(model: torch.nn.Module) -> bool:
         isinstance(getattr(config, key, None), int) and getattr(config, key) > 1
         for config in configs
         if config is not None
-        for key in MOE_CONFIG_KEYS
+        for key in EXPERT_COUNT_KEYS
     )

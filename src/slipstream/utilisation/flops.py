@@ -117,8 +117,8 @@ def _routing(config) -> tuple[int | None, int | None]:
     return _first_int(configs, EXPERT_COUNT_KEYS), _first_int(configs, TOP_K_KEYS)
 
 
-def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    # transformers' @use_experts_implementation modules (moe.experts.experts_modules, by duck type)
+def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules transformers dispatches through its registry (decorated classes, by duck type)."""
     return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
 
 
@@ -199,7 +199,7 @@ def flop_profile(model: torch.nn.Module) -> FlopProfile:
         weight = getattr(module, "weight", None)
         if "Router" in type(module).__name__ and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             breakdown["router"] += _linear_cost(weight.shape[1], weight.shape[0], weight.requires_grad)
-    for module in _experts_modules(base):
+    for module in experts_modules(base):
         for key, per_pair in _expert_projection_flops(module).items():
             breakdown[key] += per_pair * (top_k or 1)
     return FlopProfile(
