@@ -138,10 +138,6 @@ def _quantize_projection(weight_E: torch.Tensor, settings: NF4Settings) -> dict[
     return out
 
 
-def _projection_names(module) -> tuple[str, str]:
-    return ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
-
-
 def quantize_experts(
     model: torch.nn.Module, double_quant: bool = False, blocksize: int = 64, compute_dtype: str | None = None
 ) -> torch.nn.Module:
@@ -157,7 +153,7 @@ def quantize_experts(
     for module in modules:
         if getattr(module, "slipstream_nf4", None) is not None:
             continue
-        names = _projection_names(module)
+        names = ("gate_up_proj" if module.has_gate else "up_proj", "down_proj")
         dtype = compute_dtype or str(getattr(module, names[0]).dtype).removeprefix("torch.")
         settings = NF4Settings(blocksize=blocksize, double_quant=double_quant, compute_dtype=dtype)
         holder = NF4Experts({n: tuple(getattr(module, n).shape) for n in names}, settings)
