@@ -50,11 +50,6 @@ def _train_step(run: _Run, step: int) -> tuple[float, float, int, bool]:
     return done.loss, done.grad_norm, done.tokens, done.finite
 
 
-def _step_flops(run: _Run) -> int:
-    """Model FLOPs of the last step on every rank: each bin's documents, the LM head on its labelled rows."""
-    return run.flops.step_flops(docs_micro_batch(documents) for documents in run.last_plan.documents)
-
-
 def _evaluate(run: _Run, step: int) -> dict[str, float | None]:
     """The eval metrics after step ``step`` (every rank); the loss, where the objective has one, kept
     in ``run.eval_losses``; a non-finite value is None, and said."""
@@ -158,7 +153,9 @@ def _run_steps(
         for step in bar:
             stepped = time.perf_counter()
             loss, grad_norm, tokens, finite = _train_step(run, step)  # (its loss is read: the step is done)
-            run.step_work.append((_step_flops(run), time.perf_counter() - stepped, tokens))
+            # the step's model FLOPs on every rank: each bin's documents, the LM head on its labelled rows
+            flops = run.flops.step_flops(docs_micro_batch(documents) for documents in run.last_plan.documents)
+            run.step_work.append((flops, time.perf_counter() - stepped, tokens))
             tokens_seen += tokens
             elapsed = time.perf_counter() - begin
             record = {
