@@ -171,9 +171,5 @@ class Speedup:
     def parity_cases(self) -> tuple[ParityCase, ...]:
         return ()
 
-    @property
-    def ablation_arm(self) -> str | None:
-        return f"slipstream-no-{self.ablation_name}" if self.ablation is not None else None
-
     def stock_values(self) -> dict[str, Any]:
         return {option.name: option.stock for option in self.options if option.stock is not NO_STOCK}

@@ -58,7 +58,7 @@ def unregister(speedup: Speedup) -> None:
 
 def ablation_arms() -> dict[str, Speedup]:
     """``slipstream-no-<name>`` -> the speedup it leaves out, for every speedup with an ablation."""
-    return {speedup.ablation_arm: speedup for speedup in _REGISTERED if speedup.ablation is not None}
+    return {f"slipstream-no-{s.ablation_name}": s for s in _REGISTERED if s.ablation is not None}
 
 
 def doctor_rows() -> list[Speedup]:
