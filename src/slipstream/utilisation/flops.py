@@ -109,14 +109,6 @@ def _first_int(configs, keys) -> int | None:
     return None
 
 
-def _routing(config) -> tuple[int | None, int | None]:
-    """(experts, top_k) from the config or its ffn / moe sub-config; (None, None) for a dense model."""
-    configs = [config] + [
-        getattr(config, key) for key in ("ffn_config", "moe_config") if hasattr(config, key)
-    ]
-    return _first_int(configs, EXPERT_COUNT_KEYS), _first_int(configs, TOP_K_KEYS)
-
-
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The experts modules transformers dispatches through its registry (decorated classes, by duck type)."""
     return [m for m in model.modules() if hasattr(m, "has_gate") and hasattr(m, "is_transposed")]
@@ -173,7 +165,11 @@ def flop_profile(model: torch.nn.Module) -> FlopProfile:
     ``model`` may be a PEFT wrapper, carry 4-bit linears or experts, and expert LoRA."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    experts, top_k = _routing(config)
+    # (experts, top_k) from the config or its ffn / moe sub-config; (None, None) for a dense model
+    configs = [config] + [
+        getattr(config, key) for key in ("ffn_config", "moe_config") if hasattr(config, key)
+    ]
+    experts, top_k = _first_int(configs, EXPERT_COUNT_KEYS), _first_int(configs, TOP_K_KEYS)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     head_ids = {id(m) for m in head.modules()} if head is not None else set()
     breakdown = dict.fromkeys(
