@@ -333,9 +333,7 @@ class PairObjective(Objective):
         """The step's bins as they are, or, where pair trees are on, this rank's pairs regrouped into
         trees (the same pairs), each micro-batch with its reference sums in that layout."""
         if self.trees is None:
-            plan = super().plan_step(context, step, step_bins)
-            plan.record["micro_batches"] = len(plan.micro)  # this rank's
-            return plan
+            return super().plan_step(context, step, step_bins)
         layout = self.trees.layout(context, step_bins)
         micro = [trees for parts, _ in layout for trees in parts]
         reference = self.tree_reference.get(tuple(step_bins)) if self.tree_reference is not None else None
