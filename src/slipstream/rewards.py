@@ -138,11 +138,7 @@ class RewardCall:
         return TrainerState(global_step=self.step, max_steps=self.max_steps)
 
     def keywords(self) -> dict[str, Any]:
-        return {
-            "trainer_state": self.trainer_state,
-            "log_extra": self.log_extra,
-            "log_metric": self.log_metric,
-        }
+        return {name: getattr(self, name) for name in TRL_KEYWORDS}
 
     def metric_means(self) -> dict[str, float]:
         return {name: sum(values) / len(values) for name, values in self.metrics.items() if values}

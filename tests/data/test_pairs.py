@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from slipstream.data.errors import DataError
-from slipstream.data.pairs import load_pairs, split_pairs, tokenize_pair
+from slipstream.data.pairs import load_pairs, tokenize_pair
+from slipstream.data.prompts import split_prompts
 from slipstream.packing.pairs import pack_pairs, pair_tokens
 
 
@@ -295,6 +297,7 @@ def test_answers_that_become_the_same_once_cut_are_refused(tokenizer):
 
 
 def test_split_pairs_is_seeded_disjoint_and_holds_out_the_fraction():
+    split_pairs = functools.partial(split_prompts, noun="pairs")  # the split the pair objectives take
     pairs = [{"prompt_ids": [i], "chosen_ids": [1], "rejected_ids": [2]} for i in range(20)]
     train, held = split_pairs(pairs, 0.25, seed=0, source="x.jsonl")
     assert len(held) == 5 and len(train) == 15

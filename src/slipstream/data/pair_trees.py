@@ -28,7 +28,7 @@ from typing import Any
 
 from .labels import IGNORE_INDEX
 from .prefix_groups import MIN_SHARED_TOKENS
-from .prefix_tree import Tree, TreeSharingReport, pack_trees, tree_items
+from .prefix_tree import Tree, TreeSharingReport, share_rows_as_trees, tree_items
 
 
 def pair_tree_items(
@@ -103,7 +103,4 @@ def share_pairs_as_trees(
 ) -> tuple[list[list[Tree]], TreeSharingReport]:
     """One step's pairs as prefix trees packed best-fit by their size; each tree's ``tree_pairs`` are
     the pairs' numbers in ``pairs``."""
-    if max_seq_len < 2:
-        raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
-    items, report = pair_tree_items(pairs, max_seq_len, min_shared)
-    return pack_trees(items, max_seq_len, seed), report
+    return share_rows_as_trees(pairs, max_seq_len, seed, min_shared, items_of=pair_tree_items)

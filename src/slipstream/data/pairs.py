@@ -27,7 +27,6 @@ from typing import Any
 
 from .chat import has_chat_template, render_chat
 from .errors import BadRowPolicy, DataError, DataReport, json_type
-from .prompts import split_prompts
 from .readers import read_rows
 from .shapes import _chat_messages, _with_eos
 
@@ -228,8 +227,3 @@ def _chat(prompt, chosen, rejected, tokenizer, location: str):
         answers.append(ids)
     prompt_ids = _encode(tokenizer, prompt_text, False)
     return prompt_ids, *answers
-
-
-def split_pairs(pairs: list[Pair], fraction: float, seed: int, source: str) -> tuple[list[Pair], list[Pair]]:
-    """``(train, eval)``: a seeded ``fraction`` of the pairs held out (never trained on)."""
-    return split_prompts(pairs, fraction, seed, source, noun="pairs")

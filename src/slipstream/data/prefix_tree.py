@@ -333,24 +333,23 @@ def tree_items(
 
 
 def share_rows_as_trees(
-    rows: Sequence[dict], max_seq_len: int, seed: int = 0, min_shared: int = MIN_SHARED_TOKENS
+    rows: Sequence[dict],
+    max_seq_len: int,
+    seed: int = 0,
+    min_shared: int = MIN_SHARED_TOKENS,
+    items_of: Callable[..., tuple[list[Tree], TreeSharingReport]] = tree_items,
 ) -> tuple[list[list[Tree]], TreeSharingReport]:
-    """Rows that each fit a bin (one step's) as prefix trees packed best-fit by their size: bins of
-    trees, fewer or shorter than the rows' own where they share histories."""
+    """Rows that each fit a bin (one step's) as prefix trees (``items_of``: :func:`tree_items`, or
+    pairs' :func:`.pair_trees.pair_tree_items`) packed best-fit-decreasing by their size, ties and the
+    bins in a seeded order: bins of trees, fewer or shorter than the rows' own where they share histories."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len={max_seq_len}: must be at least 2")
-    items, report = tree_items(rows, max_seq_len, min_shared)
-    return pack_trees(items, max_seq_len, seed), report
-
-
-def pack_trees(items: list[Tree], max_seq_len: int, seed: int) -> list[list[Tree]]:
-    """Trees packed best-fit-decreasing by their size into bins of ``max_seq_len``, ties and the bins
-    in a seeded order."""
+    items, report = items_of(rows, max_seq_len, min_shared)
     rng = random.Random(seed)
     rng.shuffle(items)  # a seeded order among equal sizes, kept by the stable sort
     bins = best_fit_decreasing(items, max_seq_len, size=tree_tokens)
     rng.shuffle(bins)
-    return bins
+    return bins, report
 
 
 def combined_tree_reports(reports: Sequence[TreeSharingReport]) -> TreeSharingReport:

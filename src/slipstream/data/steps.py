@@ -67,7 +67,6 @@ def history_steps(
     pairs: ``size`` their packed tokens, ``key`` their prompt then answers."""
     if per_step < 1:
         raise ValueError(f"history_steps: {per_step} bins a step: must be at least 1")
-    order = sorted(range(len(pieces)), key=lambda i: key(pieces[i]))
     capacity = per_step * max_seq_len
     steps: list[list[dict]] = []
     current: list[dict] = []
@@ -81,8 +80,7 @@ def history_steps(
             total <= capacity - max_seq_len or len(best_fit_decreasing(rows, max_seq_len, size)) <= per_step
         )
 
-    for index in order:
-        row = pieces[index]
+    for row in sorted(pieces, key=key):  # a stable sort: rows with equal keys keep their order
         length = size(row)
         if current and not fits([*current, row], tokens + length):
             steps.append(current)

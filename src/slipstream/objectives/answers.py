@@ -131,12 +131,9 @@ def evaluate_pairs(
     sums, pairs = None, 0
     with eval_mode(model), torch.no_grad():
         for batch, ref, *counted in batches:
-            policy = answer_sums(model, batch, chunked)
-            found_terms = terms(
-                policy, None if ref is None else ref.to(policy.device), batch.answers.token_counts
-            )
+            _, found = pair_loss(model, batch, ref, terms, chunked, pairs=1)  # its metric sums
             counts = not counted or counted[0]
-            found = metric_sums(found_terms) * (1.0 if counts else 0.0)
+            found = found * (1.0 if counts else 0.0)
             sums = found if sums is None else sums + found
             pairs += batch.answers.num_pairs if counts else 0
     count = torch.tensor([float(pairs)], device=sums.device)

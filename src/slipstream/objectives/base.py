@@ -217,6 +217,7 @@ class Objective:
             tokens=sum(self.tokens(bins[index]) for index in step_bins),
             documents=[self.documents(bins[index]) for index in step_bins],
             pairs=sum(self.pairs(bins[index]) for index in step_bins),
+            record={"micro_batches": len(micro)},  # this rank's
         )
 
     def replayed_bins(self, recorded: Any) -> list[list[dict]]:

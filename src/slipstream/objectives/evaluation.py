@@ -46,12 +46,7 @@ class EvalSet:
     label_tokens: int
 
     def summary(self) -> dict:
-        return {
-            "source": self.source,
-            "rows": self.rows,
-            "tokens": self.tokens,
-            "label_tokens": self.label_tokens,
-        }
+        return {name: getattr(self, name) for name in ("source", "rows", "tokens", "label_tokens")}
 
 
 @dataclass

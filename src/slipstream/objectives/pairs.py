@@ -17,6 +17,7 @@ forward runs in the step, under ``disable_adapter()``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -29,7 +30,8 @@ from tqdm import tqdm
 from ..data import PackingReport
 from ..data.cache import cache_root
 from ..data.pair_trees import pair_history_key
-from ..data.pairs import load_pairs, split_pairs
+from ..data.pairs import load_pairs
+from ..data.prompts import split_prompts
 from ..data.steps import history_steps
 from ..fields import Range
 from ..loss.preference import METRICS, PairTerms
@@ -169,7 +171,7 @@ class PairObjective(Objective):
             info,
             pairs,
             load=load,
-            split=split_pairs,
+            split=functools.partial(split_prompts, noun="pairs"),
             eval_set=lambda held_out, source: HeldOut(
                 pack_pairs(held_out, config.data.max_seq_len, config.seed), source, len(held_out), "pairs"
             ),
@@ -333,9 +335,7 @@ class PairObjective(Objective):
         """The step's bins as they are, or, where pair trees are on, this rank's pairs regrouped into
         trees (the same pairs), each micro-batch with its reference sums in that layout."""
         if self.trees is None:
-            plan = super().plan_step(context, step, step_bins)
-            plan.record["micro_batches"] = len(plan.micro)  # this rank's
-            return plan
+            return super().plan_step(context, step, step_bins)
         layout = self.trees.layout(context, step_bins)
         micro = [trees for parts, _ in layout for trees in parts]
         reference = self.tree_reference.get(tuple(step_bins)) if self.tree_reference is not None else None

@@ -175,9 +175,7 @@ class SFT(Objective):
         (the bins it would have trained) in micro-batches that hold each shared start once."""
         sharing = getattr(self, "sharing", None)
         if sharing is None or not sharing.on:
-            plan = super().plan_step(context, step, step_bins)
-            plan.record["micro_batches"] = len(plan.micro)  # this rank's
-            return plan
+            return super().plan_step(context, step, step_bins)
         info = context.ranks
         ranks = [
             sharing.share([context.bins[i] for i in step_bins[rank :: info.world_size]], step)

@@ -222,6 +222,7 @@ class PrefixSharing:
         candidates = ["tree"] if self.pairs else [self.mode] if self.mode in LAYOUTS else list(LAYOUTS)
         shared_steps: dict[str, list] = {}
         summaries: list[str] = []
+        saved: dict[str, int] = {}  # per layout, the tokens it saves
         for layout in candidates:
             reports, micro = [], []
             for number, bins in enumerate(steps):
@@ -231,16 +232,12 @@ class PrefixSharing:
                 micro.append(shared)
             shared_steps[layout] = micro
             if layout == "tree":
-                self.tree_report = combined_tree_reports(reports)
-                summaries.append(self.tree_report.summary())
+                report = self.tree_report = combined_tree_reports(reports)
             else:
-                self.report = combined(reports)
-                summaries.append(self.report.summary())
+                report = self.report = combined(reports)
+            summaries.append(report.summary())
+            saved[layout] = report.saved_tokens
         summary = "; ".join(summaries) + f" (over {len(steps)} steps, each step's own rows)"
-        saved = {
-            layout: (self.tree_report if layout == "tree" else self.report).saved_tokens
-            for layout in candidates
-        }
         if self.mode in LAYOUTS or (self.pairs and self.mode == "on"):
             self.on, self.layout = True, candidates[0]
             self.policy = f"shared prefixes on as {self._name(self.layout)} (data.share_prefixes: {self.mode}): {summary}"
