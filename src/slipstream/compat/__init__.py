@@ -15,10 +15,10 @@ Its rooms, each one job:
 
 from __future__ import annotations
 
-from ..parity import LENGTHS, SEED, TOLERANCE, documents, gradient_errors, reference
+from ..parity import LENGTHS, SEED, TOLERANCE, documents, reference
 from ..speedups.fused_kernels import SWEEP_BACKENDS as FUSED_BACKENDS
-from .architectures import ABLATIONS, NOT_CHECKABLE, causal_lm_model_types, check_architecture, sweep
-from .arm import ArmResult, Verdict, advice_of, run_arm
+from .architectures import causal_lm_model_types, check_architecture, sweep
+from .arm import ArmResult, advice_of, run_arm
 from .columns import columns
 from .prefix_parity import (
     GROUP_SHAPES,
@@ -35,15 +35,13 @@ from .prefix_parity import (
     prefix_groups,
     prefix_tree,
 )
-from .render import _cell, render_audit, render_markdown
+from .render import _cell, render_markdown
 
 __all__ = [
-    "ABLATIONS",
     "FUSED_BACKENDS",
     "GROUP_SHAPES",
     "GROUP_TOLERANCE",
     "LENGTHS",
-    "NOT_CHECKABLE",
     "PAIR_LENGTHS",
     "PAIR_TOLERANCE",
     "SEED",
@@ -51,7 +49,6 @@ __all__ = [
     "TREE_ROWS",
     "TREE_SPANS",
     "ArmResult",
-    "Verdict",
     "_cell",
     "advice_of",
     "causal_lm_model_types",
@@ -61,13 +58,11 @@ __all__ = [
     "check_prefix_sharing",
     "check_prefix_tree",
     "documents",
-    "gradient_errors",
     "pair_reference",
     "preference_pairs",
     "prefix_groups",
     "prefix_tree",
     "reference",
-    "render_audit",
     "render_markdown",
     "run_arm",
     "sweep",

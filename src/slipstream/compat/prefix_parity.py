@@ -331,17 +331,13 @@ def _tree_rows(trees: list[dict[str, Any]]) -> list[list[int]]:
     rows, start = [], 0
     for tree in trees:
         nodes = tree["tree_nodes"]
-        starts = []
-        for node in nodes:
-            starts.append(start)
-            start += len(node["input_ids"])
+        starts = list(accumulate((len(node["input_ids"]) for node in nodes), initial=start))
+        start = starts[-1]
         for end in tree["tree_rows"]:
             path = [end]
             while nodes[path[-1]]["parent"] >= 0:
                 path.append(nodes[path[-1]]["parent"])
-            rows.append(
-                [p for i in reversed(path) for p in range(starts[i], starts[i] + len(nodes[i]["input_ids"]))]
-            )
+            rows.append([p for i in reversed(path) for p in range(starts[i], starts[i + 1])])
     return rows
 
 

@@ -125,13 +125,12 @@ def describe_device(
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         description = DeviceDescription.detect(device)
-        integrated = getattr(props, "is_integrated", None)
         facts.update(
             memory_bytes=int(props.total_memory),
             free_bytes=description.free_bytes,
             compute_capability=f"{props.major}.{props.minor}",
             multiprocessors=props.multi_processor_count,
-            unified_memory=None if integrated is None else bool(integrated),
+            unified_memory=description.is_integrated,
             pinned_ok=description.pinned_ok,
             driver=info.get("driver"),
         )
@@ -149,9 +148,7 @@ def device_rows(facts: dict[str, Any]) -> list[tuple[str, str]]:
     """(what, value) lines for the device table."""
     rows = []
     if facts["type"] == "cuda":
-        unified = facts.get("unified_memory")
-        shared = "yes (integrated GPU)" if unified else "no (discrete GPU)"
-        shared = "unknown (this torch has no is_integrated)" if unified is None else shared
+        shared = "yes (integrated GPU)" if facts["unified_memory"] else "no (discrete GPU)"
         rows += [
             ("device", f"{facts['name']} (CUDA)"),
             ("memory", f"{gib(facts['memory_bytes'])} ({gib(facts['free_bytes'])} free)"),

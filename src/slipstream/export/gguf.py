@@ -316,12 +316,8 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     if plan.rope_factors is not None:  # llama.cpp divides each pair's frequency by its factor
         writer.add_tensor("rope_freqs.weight", plan.rope_factors.numpy())
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps") or 1e-6))
-    file_type = {
-        "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-        "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-        "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1, "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0,
-        "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
-    }[plan.quant]  # fmt: skip
+    # gguf's name for each of PYTHON_TYPES: ALL_F32, else MOSTLY_ and the type (MOSTLY_Q8_0)
+    file_type = gguf.LlamaFileType["ALL_F32" if plan.quant == "f32" else f"MOSTLY_{plan.quant.upper()}"]
     writer.add_file_type(int(file_type))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 

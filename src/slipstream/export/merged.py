@@ -47,7 +47,7 @@ import torch
 
 from .._version import __version__
 from ..atomic import atomic_directory
-from ..train.checkpoints import DamagedCheckpoint, read_checkpoint
+from ..train.checkpoints import DamagedCheckpoint, _step_dirs, read_checkpoint
 from ..train.config import ConfigError, TrainConfig, run_config
 from ..train.errors import TrainError
 from ..train.output_dir import ADAPTER, CHECKPOINTS, CONFIG, FINISHED, MARKER
@@ -121,11 +121,7 @@ def _run_config(run_dir: Path) -> TrainConfig:
 
 
 def _checkpoint_steps(run_dir: Path) -> str:
-    steps = sorted(
-        int(p.name.removeprefix("step-"))
-        for p in (run_dir / CHECKPOINTS).glob("step-*")
-        if p.is_dir() and p.name.removeprefix("step-").isdigit()
-    )
+    steps = sorted(step for step, _ in _step_dirs(run_dir))
     return ", ".join(map(str, steps)) if steps else "none"
 
 
