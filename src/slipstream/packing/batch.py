@@ -357,7 +357,10 @@ def cumulative(lengths) -> list[int]:
 
 def owners(lengths: Sequence[int]) -> torch.Tensor:
     """Each token's answer, for answers of ``lengths`` tokens in order: ``[0] * l0 + [1] * l1 + ...``."""
-    return torch.tensor([n for n, length in enumerate(lengths) for _ in range(length)], dtype=torch.long)
+    # one vectorised call (GRPO's completions: an answer per token, thousands a micro-batch); its size
+    # from the host lengths, so nothing is read back
+    counts = torch.as_tensor(lengths, dtype=torch.long)
+    return torch.arange(len(counts)).repeat_interleave(counts, output_size=sum(lengths))
 
 
 def cut(values: Sequence, sizes) -> list:
