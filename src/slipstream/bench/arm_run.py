@@ -9,6 +9,7 @@ in a row; the lockstep scheduler (``lockstep.py``) drives several sessions a ste
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 from typing import Any
 
@@ -27,23 +28,22 @@ from .arms import ARM_SPECS, micro_batch_inputs, run_steps, train_config_of
 from .counters import HostSyncCounter
 from .host_pages import Held, WarmPages
 from .inputs import ab_tokenizer
-from .peers import PeerStep, PeerUnavailable
+from .peers import TRL_PAIR_STEPS, PeerStep, PeerUnavailable
 from .peers.trl_base import trainer_run
 
 
 def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
-    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` arm's steps (``peers/trl_step.py``,
-    ``peers/trl_dpo_step.py``), built on ``model`` for the run's workload; None for any other arm."""
+    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` / ``trl-reward`` arm's steps (``peers/trl_step.py``,
+    ``peers/trl_dpo_step.py``, ``peers/trl_reward_step.py``), built on ``model`` for the run's workload; None
+    for any other arm."""
     spec = ARM_SPECS[arm]
     if spec.peer != "trl":
         return None
     run = trainer_run(config)
-    if spec.pairs == "peer":
-        from .peers.trl_dpo_step import TrlDpoStep
-
-        return TrlDpoStep(
-            model, ab_tokenizer(config), beta=config.train.preference.beta, device=device, **run
-        )
+    if spec.pairs == "peer":  # the trainer TRL has for the arm's objective (peers.TRL_PAIR_STEPS)
+        module, name = TRL_PAIR_STEPS[spec.objective].split(":")
+        step = getattr(importlib.import_module(f".peers.{module}", __package__), name)
+        return step.for_run(model, ab_tokenizer(config), config.train, device=device, **run)
     from .peers.trl_step import TrlStep
 
     return TrlStep(model, ab_tokenizer(config), device=device, **run)

@@ -114,6 +114,11 @@ _FIXED_ARMS: dict[str, Arm] = {
     # GRPOTrainer with use_vllm (its best configuration; skipped where it cannot run, with the reason)
     "slipstream-grpo-vllm": Arm("packed", SLIPSTREAM, objective="grpo", engine="vllm"),
     "trl-grpo-vllm": Arm("padded", STOCK, stock=True, peer="trl-vllm", objective="grpo", engine="hf"),
+    # the reward model (--objective reward): TRL's RewardTrainer as users run it (padded pairs, the prompt
+    # twice), and slipstream's packed pairs without and with the prompt shared
+    "trl-reward": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer", objective="reward"),
+    "slipstream-reward-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="reward"),
+    "slipstream-reward": Arm("packed", SLIPSTREAM, pairs="shared", objective="reward"),
     # ORPO (--objective orpo): slipstream's packed pairs without and with the prompt shared
     "slipstream-orpo-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="orpo"),
     "slipstream-orpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="orpo"),
@@ -149,6 +154,8 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
     # --objective dpo on pairs whose prompts share history (--step-order histories): TRL's DPOTrainer,
     # slipstream's pairs each packed with its prompt once, and as prefix trees across pairs
     "dpo-trees": ("trl-dpo", "slipstream-dpo", "slipstream-dpo-tree"),
+    # --objective reward: TRL's RewardTrainer, slipstream's packed pairs without and with the prompt shared
+    "reward": ("trl-reward", "slipstream-reward-no-prefix-sharing", "slipstream-reward"),
     # --objective orpo: slipstream's packed pairs, with and without the prompt shared
     "orpo": ("slipstream-orpo-no-prefix-sharing", "slipstream-orpo"),
     # --max-tokens-within: the memory ceiling of stock, TRL's fused head and slipstream (+ offload)

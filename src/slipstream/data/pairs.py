@@ -16,11 +16,17 @@ without one (strings only) the prompt is tokenized with the tokenizer's special 
 answer after it, ending with EOS. A row whose answers are identical or empty, or whose prompt alone
 leaves no room for an answer within ``max_seq_len``, is a ``DataError`` naming the row (or skipped
 and counted with ``on_bad_row="skip"``). A pair longer than ``max_seq_len`` (prompt once, both
-answers) keeps its prompt whole and cuts its longer answer first; it is counted.
+answers) keeps its prompt whole and cuts its longer answer first; it is counted. With ``cut=False`` (a
+reward model, which scores each answer's last token: a cut answer would be scored at another token)
+such a pair is a ``DataError`` instead, as TRL's ``RewardTrainer`` drops pairs past its ``max_length``.
+
+An optional ``"margin"`` (a finite number, TRL's ``RewardTrainer`` column) is kept on the pair as
+``"margin"``; the reward model's loss subtracts it (a pair objective that has no margin ignores it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +36,8 @@ from .errors import BadRowPolicy, DataError, DataReport, json_type
 from .readers import read_rows
 from .shapes import _chat_messages, _with_eos
 
-Pair = dict[str, list[int]]
-PAIR_FIELDS = ("prompt", "chosen", "rejected", "system")
+Pair = dict[str, Any]  # the three token-id lists, and "margin" where the row gives one
+PAIR_FIELDS = ("prompt", "chosen", "rejected", "system", "margin")
 
 
 @dataclass
@@ -71,18 +77,21 @@ def load_pairs(
     *,
     max_seq_len: int,
     on_bad_row: BadRowPolicy = "error",
+    cut: bool = True,
 ) -> tuple[list[Pair], PairReport]:
     """Read and tokenize every preference row of ``path``; see the module docstring."""
     report = PairReport()
     pairs: list[Pair] = []
     for record, location in read_rows(path, on_bad_row, report.data):
         try:
-            pair, cut = tokenize_pair(record, tokenizer, max_seq_len=max_seq_len, location=location)
+            pair, was_cut = tokenize_pair(
+                record, tokenizer, max_seq_len=max_seq_len, location=location, cut=cut
+            )
         except DataError as error:
             report.data.reject(error, on_bad_row)
             continue
         pairs.append(pair)
-        report.truncated += cut
+        report.truncated += was_cut
         report.prompt_tokens += len(pair["prompt_ids"])
         report.answer_tokens += len(pair["chosen_ids"]) + len(pair["rejected_ids"])
     report.data.count_used(len(pairs), path, "preference rows")
@@ -90,9 +99,10 @@ def load_pairs(
 
 
 def tokenize_pair(
-    record: dict[str, Any], tokenizer: Any, *, max_seq_len: int, location: str = "?"
+    record: dict[str, Any], tokenizer: Any, *, max_seq_len: int, location: str = "?", cut: bool = True
 ) -> tuple[Pair, bool]:
-    """One row to a pair, and whether its answers were cut to fit ``max_seq_len``."""
+    """One row to a pair, and whether its answers were cut to fit ``max_seq_len`` (``cut=False``: a
+    pair that does not fit is a DataError)."""
     unknown = [key for key in record if key not in PAIR_FIELDS]
     if unknown and not any(key in record for key in ("chosen", "rejected")):
         raise DataError(
@@ -120,7 +130,14 @@ def tokenize_pair(
             f"the prompt alone is {len(prompt_ids)} tokens, leaving no room for the answers within "
             f"data.max_seq_len {max_seq_len}",
         )
-    cut = len(chosen_ids) + len(rejected_ids) > room
+    too_long = len(chosen_ids) + len(rejected_ids) > room
+    if too_long and not cut:
+        raise DataError(
+            location,
+            f"the pair is {len(prompt_ids) + len(chosen_ids) + len(rejected_ids)} tokens (prompt once, both "
+            f"answers), past data.max_seq_len {max_seq_len}; a reward model scores each answer's last "
+            "token, so the pair is not cut: raise data.max_seq_len or drop the row (data.skip_bad_rows)",
+        )
     while len(chosen_ids) + len(rejected_ids) > room:
         if len(chosen_ids) >= len(rejected_ids):
             chosen_ids = chosen_ids[: max(1, room - len(rejected_ids))]
@@ -130,7 +147,16 @@ def tokenize_pair(
         raise DataError(
             location, f"cut to data.max_seq_len {max_seq_len}, 'chosen' and 'rejected' are the same"
         )
-    return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}, cut
+    pair: dict[str, Any] = {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+    if "margin" in record:
+        pair["margin"] = _margin(record["margin"], location)
+    return pair, too_long
+
+
+def _margin(value: Any, location: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise DataError(location, f"'margin' must be a finite number, got {json_type(value)} {value!r}")
+    return float(value)
 
 
 def _prompt_and_answers(record, location):

@@ -1,5 +1,7 @@
 """``slipstream export RUN_DIR --merged OUT``: the run's adapter merged into its base weights, as a
-plain transformers directory that loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` alone.
+plain transformers directory that loads with ``AutoModelForCausalLM.from_pretrained(OUT)`` alone (a reward
+model's run, ``training.objective: reward``: with ``AutoModelForSequenceClassification``, one label, the
+pad token id set, as ``grpo.rewards`` and TRL's ``GRPOTrainer`` load a reward model).
 
 The base is rebuilt as training built it (``train.loop``: the ``model.path`` directory, or the
 preset with the run's seed, in the run's dtype); the adapter is the final ``adapter/`` or
@@ -217,6 +219,7 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
     """Base + adapter, as the run trained them (eval mode); the base dequantized if asked."""
     from peft import PeftModel
 
+    from ..models.heads import say_which_id_pads
     from ..models.qlora import dequantize_model
     from ..moe.experts import use_sorted_experts
     from ..moe.lora import load_expert_lora
@@ -230,6 +233,7 @@ def _attached(config: TrainConfig, tokenizer, dtype: torch.dtype, source, *, deq
         raise ExportError(f"the run's base model: {error}") from None
     if dequantize:
         dequantize_model(base, dtype)
+    say_which_id_pads(base, tokenizer)  # a reward model's: the probe's rows, and the written config
     tied = _untie(base)
     if isinstance(source, Path):
         try:
@@ -304,7 +308,9 @@ def _logits(model, probe: torch.Tensor) -> torch.Tensor:
 
     device = next(p.device for p in model.parameters())
     with training_4bit_forward(model):  # a 4-bit base computes as it did in training
-        return model(input_ids=probe.to(device)).logits.float().cpu()
+        logits = model(input_ids=probe.to(device)).logits.float().cpu()
+    # a reward model's (sequence classifier's) [rows, 1]: one score per row, compared as [rows, 1, 1]
+    return logits if logits.dim() == 3 else logits[:, None, :]
 
 
 def _tolerance(*dtypes: torch.dtype) -> float:
@@ -353,8 +359,8 @@ def export_merged(
     Raises ``ExportError`` (one line) and writes nothing if the inputs are wrong or the merged
     model's probe logits differ from base + adapter by more than ``TOLERANCE``.
     """
-    from transformers import AutoModelForCausalLM
-
+    from ..models.heads import auto_class
+    from ..train.driver import model_head
     from ..train.inputs import load_tokenizer
 
     run_dir, out = Path(run_dir), Path(out)
@@ -416,7 +422,8 @@ def export_merged(
     with atomic_directory(out, existing="replace") as tmp:
         _write(merged, tokenizer, tmp)
         del merged
-        loaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=export_dtype, local_files_only=True).eval()
+        auto, extra = auto_class(tmp, model_head(config))  # a reward run: its sequence classifier
+        loaded = auto.from_pretrained(tmp, dtype=export_dtype, local_files_only=True, **extra).eval()
         check = compare_logits(reference, _logits(loaded, probe), tolerance)
         del loaded
         if not check.ok:

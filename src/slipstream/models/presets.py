@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     GptOssConfig,
     LlamaConfig,
     PreTrainedConfig,
     Qwen3Config,
     Qwen3MoeConfig,
 )
+
+from .heads import build_with_head
 
 # Tiny shapes for tests and the demo: every family feature on (GQA, sliding windows, sinks, MoE).
 # Each starts from one small shape and states only what differs from it.
@@ -200,14 +201,16 @@ def build_model(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
+    head: str = "causal-lm",
     **overrides,
 ) -> torch.nn.Module:
-    """A randomly initialised causal LM with the shape called ``name``; the same seed gives the same weights."""
+    """A randomly initialised model with the shape called ``name``: a causal LM, or with ``head="reward"``
+    a one-label sequence classifier (:mod:`.heads`); the same seed gives the same weights."""
     config = build_config(name, vocab_size=vocab_size, layers=layers, **overrides)
     if isinstance(config, GptOssConfig) and attn_implementation == "sdpa":
         attn_implementation = "eager"  # GPT-OSS refuses sdpa (sinks)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    model = build_with_head(config, head, attn_implementation=attn_implementation, dtype=dtype)
     if isinstance(config, GptOssConfig):
         # Sinks start at zero in some versions; give them a value so tests exercise them.
         with torch.no_grad():

@@ -116,22 +116,20 @@ def reference_pass(
 
 def evaluate_pairs(
     model: torch.nn.Module,
-    batches: Sequence[
-        tuple[PackedBatch, torch.Tensor | None] | tuple[PackedBatch, torch.Tensor | None, bool]
-    ],
+    batches: Sequence[tuple[PackedBatch, Any] | tuple[PackedBatch, Any, bool]],
     *,
-    terms: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], PairTerms],
+    step: Callable[[torch.nn.Module, tuple[PackedBatch, Any]], torch.Tensor],
     metrics: Sequence[str] = METRICS,
-    chunked: bool = True,
     reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """The ``metrics`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same.
-    A batch given as ``(batch, reference, False)`` runs but does not count (under FSDP2 every rank
+    """The ``metrics`` over held-out pairs (``no_grad``, eval mode), every pair weighing the same;
+    ``step(model, (batch, prepared))``: a micro-batch's metric sums (the objective's own, as it trains).
+    A batch given as ``(batch, prepared, False)`` runs but does not count (under FSDP2 every rank
     runs as many forwards, the last ones padded with a repeated batch)."""
     sums, pairs = None, 0
     with eval_mode(model), torch.no_grad():
-        for batch, ref, *counted in batches:
-            _, found = pair_loss(model, batch, ref, terms, chunked, pairs=1)  # its metric sums
+        for batch, prepared, *counted in batches:
+            found = step(model, (batch, prepared))
             counts = not counted or counted[0]
             found = found * (1.0 if counts else 0.0)
             sums = found if sums is None else sums + found

@@ -127,6 +127,8 @@ class Objective:
     reads: ClassVar[str] = "samples"
     # the metrics of one step and of an evaluation, in the order micro_batch's sums stack them
     metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    # the head the model is loaded with (models.heads): "causal-lm", or "reward" (a scalar score head)
+    model_head: ClassVar[str] = "causal-lm"
 
     # optimizer steps trained on one round (GRPO's num_iterations): the loop hands each step of a
     # round that round's bins (``step_bins``); 1: every step its own bins

@@ -78,6 +78,8 @@ class PairObjective(Objective):
     reads = "pairs"
     metrics: ClassVar[tuple[str, ...]] = METRICS
     reference_free: ClassVar[bool] = False
+    # a pair past data.max_seq_len has its longer answer cut (else it is a bad row: the reward model)
+    cuts_answers: ClassVar[bool] = True
 
     def __init__(self, config: Any = None, settings: PairSettings | None = None) -> None:
         super().__init__(config)
@@ -162,7 +164,10 @@ class PairObjective(Objective):
 
         max_seq_len, on_bad_row = config.data.max_seq_len, "skip" if config.data.skip_bad_rows else "error"
         load = tokenizer_refusals(
-            config, lambda path: load_pairs(path, tokenizer, max_seq_len=max_seq_len, on_bad_row=on_bad_row)
+            config,
+            lambda path: load_pairs(
+                path, tokenizer, max_seq_len=max_seq_len, on_bad_row=on_bad_row, cut=self.cuts_answers
+            ),
         )
 
         pairs, report = load(config.data.path)
@@ -388,9 +393,8 @@ class PairObjective(Objective):
         return evaluate_pairs(
             model,
             batches,
-            terms=self.pair_terms,
+            step=lambda model, micro: self.micro_batch(model, micro, 1)[1],
             metrics=self.metrics,
-            chunked=self.chunked,
             reduce=info.sum_tensor,
         )
 

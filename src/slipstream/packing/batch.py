@@ -315,9 +315,14 @@ class AnswerSpans:
     token_counts: torch.Tensor  # ``lengths`` as an fp32 [answers] tensor, moved with the batch
     # the log-probs of the distribution logits / temperature (online RL reads the one it sampled from)
     temperature: float = 1.0
+    # [answers]: the row position of each answer's last token, where a sequence classifier (a reward
+    # model) reads prompt + answer's score; None where the layout does not say (pair trees)
+    ends: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, positions, targets, lengths: Sequence[int], temperature: float = 1.0) -> AnswerSpans:
+    def of(
+        cls, positions, targets, lengths: Sequence[int], temperature: float = 1.0, ends=None
+    ) -> AnswerSpans:
         """Answers of ``lengths`` tokens each, in order, their tokens (``targets``) read at ``positions``."""
         return cls(
             positions=torch.as_tensor(positions, dtype=torch.long),
@@ -326,6 +331,7 @@ class AnswerSpans:
             lengths=tuple(lengths),
             token_counts=torch.tensor(lengths, dtype=torch.float32),
             temperature=float(temperature),
+            ends=None if ends is None else torch.as_tensor(ends, dtype=torch.long),
         )
 
     @property
@@ -338,7 +344,8 @@ class AnswerSpans:
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AnswerSpans:
         tensors = ("positions", "targets", "index", "token_counts")
-        return replace(self, **{name: move(getattr(self, name)) for name in tensors})
+        moved = {name: move(getattr(self, name)) for name in tensors}
+        return replace(self, **moved, ends=None if self.ends is None else move(self.ends))
 
 
 def host_tensor(values: list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

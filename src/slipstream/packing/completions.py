@@ -86,7 +86,7 @@ def collate_completions(
     if not groups:
         raise ValueError("collate_completions needs at least one group")
     parsed = (_parsed(group, number) for number, group in enumerate(groups))
-    row, positions, targets, lengths = answer_row(parsed, prefix_sharing)
+    row, positions, targets, lengths, _ = answer_row(parsed, prefix_sharing)
     count = len(positions)
     # every token its own answer: [tokens] log-probs
     answers = AnswerSpans.of(positions, targets, [1] * count, temperature)

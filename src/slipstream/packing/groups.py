@@ -95,12 +95,15 @@ class GroupRow:
 
 
 def answer_row(
-    groups: Iterable[tuple[list[int], list[list[int]]]], prefix_sharing: bool
-) -> tuple[GroupRow, list[int], list[int], list[int]]:
+    groups: Iterable[tuple[list[int], list[list[int]]]], prefix_sharing: bool, pad_id: int | None = None
+) -> tuple[GroupRow, list[int], list[int], list[int], list[int]]:
     """A row of ``(prompt, answers)`` groups, the answers labelled (pairs, completions): the row, and per
-    answer token the row position that predicts it and the token; every answer's length."""
+    answer token the row position that predicts it and the token; every answer's length, and the row
+    position where a sequence classifier reads prompt + answer's score: its last token that is not
+    ``pad_id``, as transformers pools it (``(index * (ids != pad)).argmax()``: position 0 where every
+    token is ``pad_id``; the last token without one)."""
     row = GroupRow()
-    positions, targets, lengths = [], [], []
+    positions, targets, lengths, ends = [], [], [], []
     for prompt, answers in groups:
         P = len(prompt)
         if prefix_sharing:
@@ -116,7 +119,15 @@ def answer_row(
             positions.extend(rows[P - 1 : P + len(answer) - 1])
             targets.extend(answer)
             lengths.append(len(answer))
-    return row, positions, targets, lengths
+            ends.append(rows[_last_scored(prompt + answer, pad_id)])
+    return row, positions, targets, lengths, ends
+
+
+def _last_scored(ids: list[int], pad_id: int | None) -> int:
+    """The index a sequence classifier reads ``ids`` at: the last that is not ``pad_id`` (else 0)."""
+    if pad_id is None:
+        return len(ids) - 1
+    return next((i for i in range(len(ids) - 1, -1, -1) if ids[i] != pad_id), 0)
 
 
 def collate_groups(

@@ -63,8 +63,10 @@ def collate_pairs(
     pairs: Sequence[dict[str, Any]],
     prefix_sharing: bool = True,
     device: torch.device | str | None = None,
+    pad_id: int | None = None,
 ) -> PackedBatch:
     """Pack ``pairs`` (``{"prompt_ids", "chosen_ids", "rejected_ids"}``, token id lists) into one row.
+    ``pad_id``: the id a reward model's config pads with (``answers.ends`` skips it, as transformers does).
 
     Answer ``2i`` is pair i's chosen answer, ``2i + 1`` its rejected one (``batch.answers``).
     ``labels`` mark the answer tokens (for code that counts them); the log-probs are read at
@@ -74,10 +76,10 @@ def collate_pairs(
         raise ValueError("collate_pairs needs at least one pair")
     # a pair is a prefix group of two: the prompt, then the chosen and rejected answers
     parsed = ([_ids(pair, key, number) for key in PAIR_KEYS] for number, pair in enumerate(pairs))
-    row, positions, targets, lengths = answer_row(
-        ((prompt, [chosen, rejected]) for prompt, chosen, rejected in parsed), prefix_sharing
+    row, positions, targets, lengths, ends = answer_row(
+        ((prompt, [chosen, rejected]) for prompt, chosen, rejected in parsed), prefix_sharing, pad_id
     )
-    answers = AnswerSpans.of(positions, targets, lengths)
+    answers = AnswerSpans.of(positions, targets, lengths, ends=ends)
     batch = row.batch(num_label_tokens=len(positions), loss_positions=answers.positions, answers=answers)
     return batch.to(device) if device is not None else batch
 

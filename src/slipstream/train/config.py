@@ -33,6 +33,7 @@ from ..fields import field_types as _field_types
 from ..objectives import objective_for, objective_names  # the registry (importing it registers)
 from ..objectives.grpo import GRPOSettings
 from ..objectives.pairs import PairSettings
+from ..objectives.reward import RewardSettings
 from ..speedups import Speedups
 from .distributed import Strategy
 
@@ -158,6 +159,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     preference: PairSettings = field(default_factory=PairSettings)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)  # training.objective reward
     speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes
     output_dir: str = "runs/train"
     seed: NonNegative = 0

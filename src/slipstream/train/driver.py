@@ -21,14 +21,15 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import get_scheduler
 
 from ..data.steps import block_order, step_order, steps_per_epoch
 from ..models import build_model
+from ..models.heads import PEFT_TASKS, auto_class
 from ..models.qlora import load_for_qlora
 from ..moe.experts import experts_modules
 from ..moe.lora import add_expert_lora
-from ..objectives import Objective
+from ..objectives import Objective, objective_for
 from ..objectives.base import ObjectiveContext, StepPlan
 from ..optimize import optimize, state_of
 from ..packing.batch import cumulative
@@ -181,7 +182,16 @@ def config_advice(error: BaseException) -> str:
     return f" (in the config: {', '.join(lines)})" if lines else ""
 
 
+def model_head(config: TrainConfig) -> str:
+    """What the objective trains on top of the body: "causal-lm" (the LM head) or "reward" (a scalar
+    ``score`` head, as ``AutoModelForSequenceClassification`` with ``num_labels=1`` places it)."""
+    return objective_for(config.training.objective).model_head
+
+
 def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
+    """The config's model with its objective's head (:func:`model_head`), in ``dtype``; a head the
+    architecture has no class for is refused by name (:func:`slipstream.models.heads.auto_class`)."""
+    head = model_head(config)
     if config.model.preset is not None:
         if config.quantization.four_bit:
             raise ConfigError(
@@ -194,6 +204,7 @@ def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
                 layers=config.model.layers,
                 seed=config.seed,
                 dtype=dtype,
+                head=head,
             )
         except KeyError as error:
             raise ConfigError(f"model.preset: {error.args[0]}") from None
@@ -205,9 +216,16 @@ def load_model(config: TrainConfig, vocab_size: int, dtype: torch.dtype):
             compute_dtype=dtype,
             trust_remote_code=config.model.trust_remote_code,
         )
+    auto, extra = auto_class(path, head, config.model.trust_remote_code)
+    # a head the checkpoint lacks (a reward model's score, from a causal LM) starts from the run's seed
+    torch.manual_seed(config.seed)
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=dtype, trust_remote_code=config.model.trust_remote_code
+        return auto.from_pretrained(
+            path,
+            local_files_only=True,
+            dtype=dtype,
+            trust_remote_code=config.model.trust_remote_code,
+            **extra,
         )
     except Exception as error:  # safetensors, torch and transformers each raise their own kinds
         raise weights_error(path, error) from None
@@ -224,7 +242,7 @@ def apply_lora(model, config: TrainConfig):
         lora_alpha=config.lora.alpha,
         lora_dropout=config.lora.dropout,
         target_modules=config.lora.target_modules,
-        task_type="CAUSAL_LM",
+        task_type=PEFT_TASKS[model_head(config)],
         modules_to_save=config.lora.modules_to_save or None,
     )
     model = get_peft_model(model, lora)

@@ -32,6 +32,11 @@ Peer = Literal[
 ]
 
 
+# A pair arm's TRL trainer by the objective it trains ("module:class" under this package), each stepped by
+# the harness: ``cls.for_run(model, tokenizer, train_config, device=..., **trainer_run)``.
+TRL_PAIR_STEPS = {"dpo": "trl_dpo_step:TrlDpoStep", "reward": "trl_reward_step:TrlRewardStep"}
+
+
 class PeerUnavailable(RuntimeError):
     """A peer's own trainer refused to start here for a reason of its own (an optional dependency of
     the peer's that is missing): its arm is skipped with the peer's words."""

@@ -94,6 +94,11 @@ class TrlDpoStep(TrlTrainerStep):
             "read to the host every micro-batch, training_step, its adamw_torch optimizer and clipping",
         ]
 
+    @classmethod
+    def for_run(cls, model, tokenizer, train, *, device: str, **run):
+        """The arm's trainer on the run's ``TrainConfig`` (its ``preference.beta``)."""
+        return cls(model, tokenizer, beta=train.preference.beta, device=device, **run)
+
     def collate(self, pairs: list[dict]) -> tuple[dict, int]:
         """TRL's padded micro-batch of ``pairs`` on the device, and the number of pairs in it."""
         batch = self.trainer.data_collator(
