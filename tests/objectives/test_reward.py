@@ -160,7 +160,7 @@ def test_a_bad_reward_row_is_one_line_naming_file_and_line(tmp_path, capsys, cha
     capsys.readouterr()
     assert main(["train", str(config)]) != 0
     err = capsys.readouterr().err
-    assert f"pairs.jsonl:3: " in err and message in err and "Traceback" not in err, err
+    assert "pairs.jsonl:3: " in err and message in err and "Traceback" not in err, err
     assert not (tmp_path / "out" / "run.json").exists()
 
 
