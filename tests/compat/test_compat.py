@@ -372,3 +372,36 @@ def test_the_whole_registry_is_exact_or_refused():
     assert not bad
     assert sum(v["status"] == "unchecked" for v in verdicts) <= 5
     assert sum(v["status"] == "pass" for v in verdicts) >= 97
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen3_moe"])
+def test_the_reward_head_on_packed_pairs_matches_transformers_on_each_sequence(model_type):
+    from slipstream.compat.reward_parity import REWARD_TOLERANCE, check_reward
+
+    stock = tiny_model(model_type, seed=compat.SEED)
+    result = check_reward(stock, preference_pairs(stock), {})
+    assert result.status == "pass", result.detail
+    assert result.logits_error <= REWARD_TOLERANCE
+    assert any(p.startswith("packed attention: slipstream") for p in result.policies)
+
+
+def test_the_reward_column_refuses_an_architecture_without_a_sequence_classifier_by_name():
+    from slipstream.compat.reward_parity import check_reward
+
+    stock = tiny_model("cohere", seed=compat.SEED)
+    result = check_reward(stock, preference_pairs(stock), {})
+    assert result.status == "refused" and "no sequence-classification class for CohereConfig" in result.detail
+
+
+def test_the_reward_check_sees_a_rejected_answer_without_its_prompt(monkeypatch, tiny_llama):
+    from slipstream.compat.reward_parity import check_reward
+    from slipstream.packing import pairs as pairs_module
+
+    collate = pairs_module.collate_pairs
+
+    def without_prefixes(pairs, prefix_sharing=True, device=None, pad_id=None):
+        return dataclasses.replace(collate(pairs, prefix_sharing, device, pad_id), prefix_lens=None, _memo={})
+
+    monkeypatch.setattr(pairs_module, "collate_pairs", without_prefixes)
+    result = check_reward(tiny_llama, preference_pairs(tiny_llama), {})
+    assert result.status == "WRONG" and "packed rewards off by" in result.detail, result.detail

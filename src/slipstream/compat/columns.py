@@ -7,7 +7,8 @@ Every column of ``docs/compatibility.md`` after the verdict, in table order (:fu
 * each registered speedup's ``ParityCase`` with ``sweep=True``: an arm of its own on top of the
   passing arm's options, against the same stock reference (the parity kit), its column the case's
   label (:func:`check_columns`, in order while the verdict holds; a WRONG / CRASH names the column);
-* the shared-prefix columns (data layouts, not speedups: ``prefix_parity``);
+* the shared-prefix columns (data layouts, not speedups: ``prefix_parity``) and the reward head's
+  (``reward_parity``);
 * the cases only the sweep's ``--compile`` runs (inductor builds), last.
 
 A speedup registered in a test alone has its columns here with no edit.
@@ -33,9 +34,15 @@ from .prefix_parity import (
     prefix_groups,
     prefix_tree,
 )
+from .reward_parity import check_reward
 
 # The shared-prefix columns: (header, Verdict.speedups key), after the speedups' parity cases.
-PREFIX_COLUMNS = (("prefix", "prefix_sharing"), ("groups", "prefix_groups"), ("tree", "prefix_tree"))
+PREFIX_COLUMNS = (
+    ("prefix", "prefix_sharing"),
+    ("groups", "prefix_groups"),
+    ("tree", "prefix_tree"),
+    ("reward", "reward_head"),  # the reward model's score head on packed pairs (compat.reward_parity)
+)
 
 
 def _sweep_cases(compile: bool) -> tuple[list[ParityCase], list[ParityCase]]:
@@ -154,11 +161,14 @@ def _check_shared_prefix(verdict: Verdict, subject: Subject, column: str) -> Non
         "prefix_sharing": ("the stock reference: ", "collate_pairs(prefix_sharing=True)"),
         "prefix_groups": ("the groups: ", "collate_groups (N=4)"),
         "prefix_tree": ("the tree: ", "collate_trees (depth 4)"),
+        "reward_head": ("the pairs: ", "reward head, collate_pairs(prefix_sharing=True)"),
     }[column]
     try:  # the inputs, and the stock model itself on the pairs
         if column == "prefix_sharing":
             pairs = preference_pairs(stock, seed=subject.seed)
             check, inputs = check_prefix_sharing, (pairs, pair_reference(stock, pairs))
+        elif column == "reward_head":
+            check, inputs = check_reward, (preference_pairs(stock, seed=subject.seed),)
         elif column == "prefix_groups":
             check, inputs = check_prefix_groups, (prefix_groups(stock, seed=subject.seed),)
         else:

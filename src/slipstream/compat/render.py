@@ -16,6 +16,7 @@ from ..packing.rowpos import AUDIT
 from ..parity import LENGTHS, TOLERANCE
 from .columns import columns
 from .prefix_parity import GROUP_TOLERANCE, PAIR_LENGTHS, PAIR_TOLERANCE, TREE_ROWS, TREE_SPANS
+from .reward_parity import REWARD_TOLERANCE
 
 _STATUS_TEXT = {
     "pass": "packed, exact",
@@ -138,6 +139,12 @@ def render_markdown(verdicts: list[dict[str, Any]], seconds: float | None = None
         "ending where a shared span ends, labelled shared spans; every node attends to its ancestors and itself,",
         "never a sibling or a cousin), checked as *groups* against each row run alone; *refused*: slipstream",
         "refuses prefix trees for this model (`data.share_prefixes: off`); `-`: not packed.",
+        "*reward* = the architecture's one-label sequence classifier (`training.objective: reward`) on the",
+        "*prefix* pairs packed with their prompt shared, each answer's reward read from `score` at its last",
+        "token that is not the pad id, against transformers' own forward of each `prompt + answer` alone",
+        f"(eval, fp32), within {REWARD_TOLERANCE:g} of the largest reward (relative); *refused*: transformers has no",
+        "sequence-classification class for it, or its classifier reads another module or token (named);",
+        "`-`: not packed.",
         "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE (`fused_kernels='liger'`): this sweep runs",
         "on a CPU, where they never run (Triton, CUDA only); `tests/fused/test_gpu.py` checks them on a GPU.",
         "",

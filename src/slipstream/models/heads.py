@@ -19,13 +19,16 @@ from typing import Any
 
 import torch
 
+from ..refusal import Refusal
+
 # the PEFT task of each head: SEQ_CLS trains the reward model's score head in full (modules_to_save), as TRL's
 # RewardTrainer does with a PEFT config
 PEFT_TASKS = {"causal-lm": "CAUSAL_LM", "reward": "SEQ_CLS"}
 
 
-class HeadError(ValueError):
-    """The architecture cannot carry the objective's head exactly; the message names it."""
+class HeadError(Refusal, ValueError):
+    """The architecture cannot carry the objective's head exactly; the message names it (no speedup avoids
+    it: the model must change)."""
 
 
 def sequence_classifier_class(config: Any, where: str):

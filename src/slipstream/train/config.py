@@ -347,11 +347,17 @@ def config_from_data(
 
 
 def _reward_near(spec: Any, base: Path) -> Any:
-    """A ``grpo.rewards`` entry naming a file next to the config (``rewards.py:fn``, ``rewards:fn``),
-    made absolute; a built-in or an importable module is left as it is."""
+    """A ``grpo.rewards`` entry naming a file next to the config (``rewards.py:fn``, ``rewards:fn``) or a
+    reward model directory relative to it, made absolute; a built-in or an importable module is left as it is."""
     function = spec.get("function") if isinstance(spec, dict) else spec
-    if not isinstance(function, str) or ":" not in function:
+    if not isinstance(function, str):
         return spec
+    if ":" not in function:
+        folder = Path(function) if Path(function).is_absolute() else base / function
+        if not (folder / "config.json").is_file():
+            return spec
+        resolved = str(folder.resolve())
+        return resolved if isinstance(spec, str) else {**spec, "function": resolved}
     module, _, name = function.rpartition(":")
     if module.endswith(".py"):
         candidate = Path(module) if Path(module).is_absolute() else base / module
