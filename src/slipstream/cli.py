@@ -333,8 +333,9 @@ def _add_export(sub) -> None:
         help="merge a run's adapter into its base model: a plain transformers directory",
         description="Merge RUN_DIR's final adapter (or checkpoint N) into the base weights the run trained "
         "on (4-bit bases dequantized, per-expert LoRA included) and write a transformers directory that "
-        "AutoModelForCausalLM.from_pretrained loads alone; checked against base + adapter on a probe batch "
-        "before anything is written.",
+        "AutoModelForCausalLM.from_pretrained loads alone (a reward model's run: "
+        "AutoModelForSequenceClassification, what grpo.rewards and TRL load); checked against base + adapter on "
+        "a probe batch before anything is written.",
     )
     p.add_argument(
         "run_dir",
