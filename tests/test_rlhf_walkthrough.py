@@ -61,7 +61,9 @@ def test_the_rlhf_walkthrough_runs_on_the_real_model(smollm2, tmp_path, monkeypa
     assert start["step"] == 0 and end["step"] == 8
     assert end["eval_reward_accuracy"] > start["eval_reward_accuracy"] and end["eval_reward_accuracy"] >= 0.9
     assert end["eval_loss"] < start["eval_loss"]
-    assert AutoConfig.from_pretrained(runs / "reward-merged").architectures == ["LlamaForSequenceClassification"]
+    assert AutoConfig.from_pretrained(runs / "reward-merged").architectures == [
+        "LlamaForSequenceClassification"
+    ]
     # GRPO scored by that reward model: the held-out reward rises from the SFT model's
     start, *_, end = evals(runs / "grpo")
     assert start["step"] == 0 and end["step"] == 6

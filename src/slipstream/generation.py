@@ -186,6 +186,13 @@ def _from_run(run: Path, device: torch.device, dtype_name: str | None) -> Genera
         config = run_config(run / CONFIG)
     except ConfigError as error:
         raise GenerateError(str(error)) from None
+    from .train.driver import model_head
+
+    if model_head(config) != "causal-lm":
+        raise GenerateError(
+            f"{run}: a reward model's run (training.objective {config.training.objective}): it scores sequences, "
+            "it does not generate; score with it through grpo.rewards after export --merged"
+        )
     dtype = _dtype(dtype_name or config.model.dtype, device)
     if not (adapter / "adapter_config.json").is_file():  # trained without LoRA: the whole model
         tokenizer = _tokenizer(adapter, f"{adapter}: no tokenizer saved with the model")

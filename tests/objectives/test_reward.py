@@ -231,3 +231,17 @@ def test_the_exported_reward_model_scores_alike_in_grpo_rewards_and_trls_grpo_tr
     theirs = trainer._calculate_rewards(inputs, prompts, completions, [[1]] * 3)[:, 0].tolist()
     assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-7)
     assert len(set(ours)) == 3  # three different scores: the head reads each row, not one
+
+
+def test_a_reward_run_neither_generates_nor_goes_to_gguf(tmp_path):
+    from slipstream.export.gguf_export import export_gguf
+    from slipstream.export.merged import ExportError
+    from slipstream.generation import GenerateError, load_generator
+
+    run(reward_config(tmp_path, training={"steps": 1}))
+    with pytest.raises(GenerateError, match="a reward model's run .*it does not generate"):
+        load_generator(tmp_path / "out")
+    pytest.importorskip("gguf")
+    with pytest.raises(ExportError, match="a reward model's run .*--gguf writes a causal LM"):
+        export_gguf(tmp_path / "out", tmp_path / "rm.gguf")
+    assert not (tmp_path / "rm.gguf").exists()

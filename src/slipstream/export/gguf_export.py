@@ -77,6 +77,31 @@ def _check_out(out: Path, overwrite: bool) -> None:
             raise ExportError(f"{out} exists: pass --overwrite to replace it")
 
 
+def _refuse_a_classifier(source: Path, is_run: bool) -> None:
+    """A reward model (a sequence classifier) has no LM head for llama.cpp to generate with: refused by name."""
+    import json
+
+    if is_run:
+        from ..train.config import ConfigError, run_config
+        from ..train.driver import model_head
+
+        try:
+            config = run_config(source / "config.json")
+        except ConfigError:
+            return  # said, by name, where the merge reads it
+        classifier = model_head(config) != "causal-lm"
+        what = f"a reward model's run (training.objective {config.training.objective})"
+    else:
+        architectures = json.loads((source / "config.json").read_text()).get("architectures") or []
+        classifier = any(name.endswith("ForSequenceClassification") for name in architectures)
+        what = f"a sequence classifier ({', '.join(architectures)})"
+    if classifier:
+        raise ExportError(
+            f"{source}: {what}: --gguf writes a causal LM for llama.cpp and Ollama to generate with; a reward "
+            "model is scored through transformers (export --merged, then grpo.rewards or TRL)"
+        )
+
+
 def export_gguf(
     source: str | Path,
     out: str | Path,
@@ -101,6 +126,7 @@ def export_gguf(
         raise ExportError(
             f"{source}: neither a slipstream run directory nor a merged model directory (config.json)"
         )
+    _refuse_a_classifier(source, is_run)
     with tempfile.TemporaryDirectory(
         prefix=".gguf-merge-", dir=out.parent if out.parent.exists() else None
     ) as scratch:

@@ -93,6 +93,12 @@ class RewardModel(PairObjective):
                 f"prefix trees across pairs (data.share_prefixes {config.data.share_prefixes}) are not supported "
                 "for the reward model yet: set data.share_prefixes off or auto",
             )
+        if config.training.sample_prompts:
+            fail(
+                "training.sample_prompts",
+                "training.objective reward trains a sequence classifier: it scores, it does not answer prompts; "
+                "leave training.sample_prompts out",
+            )
         if config.quantization.four_bit:
             fail(
                 "quantization.four_bit",
