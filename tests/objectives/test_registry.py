@@ -18,15 +18,15 @@ from tests.train.test_train import TINY, losses, write_config
 ROOT = Path(slipstream.__file__).parent
 # a comparison of an objective's name: `objective == "dpo"`, `... != 'sft'`, `x == "simpo"`
 NAME_COMPARISON = re.compile(
-    r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo|grpo|dapo|dr_grpo)['"]"""
+    r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo|kto|grpo|dapo|dr_grpo)['"]"""
 )
 
 
 def test_the_registered_objectives():
-    assert {"sft", "dpo", "ipo", "simpo", "orpo", "grpo"} <= set(objective_names())
+    assert {"sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"} <= set(objective_names())
     assert objective_for("orpo").reads == "pairs" and objective_for("sft").reads == "samples"
-    with pytest.raises(KeyError, match="registered: dpo, grpo, ipo, orpo, sft, simpo"):
-        objective_for("kto")
+    with pytest.raises(KeyError, match="registered: dpo, grpo, ipo, kto, orpo, sft, simpo"):
+        objective_for("bco")
 
 
 def test_no_code_outside_an_objectives_own_module_compares_an_objective_name():
@@ -53,15 +53,15 @@ def test_no_code_outside_an_objectives_own_module_compares_an_objective_name():
 
 
 def test_an_unknown_objective_is_refused_by_key_with_the_registered_names(tmp_path):
-    data = {**TINY, "training": {"steps": 2, "objective": "kto"}}
+    data = {**TINY, "training": {"steps": 2, "objective": "bco"}}
     with pytest.raises(ConfigError) as error:
         load_config(write_config(tmp_path, data))
     message = str(error.value)
     assert re.match(r".*config\.yaml:\d+: ", message), message  # file:line
     assert (
         "'training.objective'" in message
-        and "dpo, grpo, ipo, orpo, sft, simpo" in message
-        and "'kto'" in message
+        and "dpo, grpo, ipo, kto, orpo, sft, simpo" in message
+        and "'bco'" in message
     )
 
 
