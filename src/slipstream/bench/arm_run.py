@@ -31,19 +31,42 @@ from .peers import PeerStep, PeerUnavailable
 from .peers.trl_base import trainer_run
 
 
+def _trl_dpo(config: ABConfig, model: torch.nn.Module, device: str, run: dict) -> PeerStep:
+    from .peers.trl_dpo_step import TrlDpoStep
+
+    return TrlDpoStep(model, ab_tokenizer(config), beta=config.train.preference.beta, device=device, **run)
+
+
+def _trl_kto(config: ABConfig, model: torch.nn.Module, device: str, run: dict) -> PeerStep:
+    from .peers.trl_kto_step import TrlKtoStep
+
+    kto = config.train.kto
+    return TrlKtoStep(
+        model,
+        ab_tokenizer(config),
+        beta=config.train.preference.beta,
+        desirable_weight=kto.desirable_weight,
+        undesirable_weight=kto.undesirable_weight,
+        loss_type=kto.loss_type,
+        device=device,
+        **run,
+    )
+
+
+# the TRL trainer a pair arm's peer steps, by the objective the arm trains (``Arm.objective``)
+TRL_PAIR_PEERS = {"dpo": _trl_dpo, "kto": _trl_kto}
+
+
 def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
-    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` arm's steps (``peers/trl_step.py``,
-    ``peers/trl_dpo_step.py``), built on ``model`` for the run's workload; None for any other arm."""
+    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` / ``trl-kto`` arm's steps (``peers/trl_step.py``,
+    ``peers/trl_dpo_step.py``, ``peers/trl_kto_step.py``), built on ``model`` for the run's workload; None
+    for any other arm."""
     spec = ARM_SPECS[arm]
     if spec.peer != "trl":
         return None
     run = trainer_run(config)
     if spec.pairs == "peer":
-        from .peers.trl_dpo_step import TrlDpoStep
-
-        return TrlDpoStep(
-            model, ab_tokenizer(config), beta=config.train.preference.beta, device=device, **run
-        )
+        return TRL_PAIR_PEERS[spec.objective](config, model, device, run)
     from .peers.trl_step import TrlStep
 
     return TrlStep(model, ab_tokenizer(config), device=device, **run)
@@ -162,7 +185,8 @@ class RowsArmSession(ArmSession):
         if self.spec.pairs:
             result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
-            result.reward_accuracy.append(metrics["reward_accuracy"])
+            # KTO's rows have no pair to be right about: NaN
+            result.reward_accuracy.append(metrics.get("reward_accuracy", float("nan")))
 
     def _after_figures(self) -> None:
         """Held pages back; the compile and grouping counts; the optional profiled step (its overhead
