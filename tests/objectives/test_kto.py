@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import yaml
 
 from slipstream.errors import TrainError
 from slipstream.train.config import ConfigError, load_config
 from slipstream.train.loop import train
 from tests.objectives.test_pairs import WORDS
+from tests.ports import free_port
 
 
 def kto_rows(count: int = 16, seed: int = 0) -> list[dict]:
@@ -145,3 +150,50 @@ def test_a_bin_of_one_row_is_refused_as_trl_refuses_a_batch_of_one(tmp_path):
     config = kto_config(tmp_path, write_rows(tmp_path, rows), data={"max_seq_len": 40})
     with pytest.raises(TrainError, match="2 of 2 bins hold a single row"):
         train(load_config(config), progress=False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not dist.is_available(), reason="no torch.distributed")
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_two_ranks_train_the_rows_of_one_process_with_the_same_global_batch(tmp_path, loss_type):
+    """Under DDP each rank's micro-batch takes the ranks' mean KL baseline (TRL's gather): without a KL
+    baseline every step equals one process's with the same bins; with one, step 1 does (policy =
+    reference, KL 0), and the ranks' collective in every micro-batch runs to the end without a hang
+    (one process with two micro-batches takes each micro-batch's own baseline instead)."""
+    config = kto_config(
+        tmp_path,
+        write_rows(tmp_path),
+        training={"objective": "kto", "steps": 3},
+        kto={"loss_type": loss_type},
+    )
+
+    def launch(args):
+        done = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    launch(
+        [
+            "-m",
+            "slipstream",
+            "train",
+            str(config),
+            "--set",
+            f"output_dir={tmp_path / 'single'}",
+            "--set",
+            "training.grad_accum=2",
+        ]
+    )
+    ranks = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    launch([*ranks, "-m", "slipstream", "train", str(config), "--set", f"output_dir={tmp_path / 'ranks'}"])
+    one = [r["loss"] for r in records(tmp_path / "single")]
+    two = [r["loss"] for r in records(tmp_path / "ranks")]
+    assert len(one) == len(two) == 3 and all(math.isfinite(loss) for loss in two)
+    compared = two if loss_type == "apo_zero_unpaired" else two[:1]
+    assert max(abs(a - b) / abs(a) for a, b in zip(one[: len(compared)], compared, strict=True)) <= 1e-5
+    assert json.loads((tmp_path / "ranks" / "run.json").read_text())["world_size"] == 2
