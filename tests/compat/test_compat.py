@@ -94,6 +94,7 @@ def test_each_architecture_is_exact_or_refused_with_a_verified_fallback(model_ty
             "prefix_sharing": "on",
             "prefix_groups": "on",
             "prefix_tree": "on",
+            "reward_head": "on",
         }
     if verdict.speedups.get("fused", "-") != "-":
         assert verdict.ablations["fused"].status == "pass"
@@ -312,14 +313,15 @@ def test_the_table_counts_every_outcome():
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
-    assert "| fused | prefix | groups | tree | note |" in text and "*prefix* = preference pairs" in text
+    assert "| fused | prefix | groups | tree | reward | note |" in text and "*prefix* = preference pairs" in text
+    assert "*reward* = the architecture's one-label sequence classifier" in text
     assert "*tree* = a prefix tree of depth 4" in text
     assert "*groups* = prefix groups" in text
     assert (
-        "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on | on |"
+        "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on | on | on |"
         in text
     )
-    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - | - |" in text
+    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - | - | - |" in text
 
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)

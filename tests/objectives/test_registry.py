@@ -18,14 +18,14 @@ from tests.train.test_train import TINY, losses, write_config
 ROOT = Path(slipstream.__file__).parent
 # a comparison of an objective's name: `objective == "dpo"`, `... != 'sft'`, `x == "simpo"`
 NAME_COMPARISON = re.compile(
-    r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo|grpo|dapo|dr_grpo|reward)['"]"""
+    r"""objective *[!=]= *['"]|[!=]= *['"](sft|dpo|ipo|simpo|orpo|kto|reward|grpo|dapo|dr_grpo)['"]"""
 )
 
 
 def test_the_registered_objectives():
-    assert {"sft", "dpo", "ipo", "simpo", "orpo", "grpo", "reward"} <= set(objective_names())
+    assert {"sft", "dpo", "ipo", "simpo", "orpo", "kto", "reward", "grpo"} <= set(objective_names())
     assert objective_for("orpo").reads == "pairs" and objective_for("sft").reads == "samples"
-    with pytest.raises(KeyError, match="registered: dpo, grpo, ipo, orpo, reward, sft, simpo"):
+    with pytest.raises(KeyError, match="registered: dpo, grpo, ipo, kto, orpo, reward, sft, simpo"):
         objective_for("ppo")
 
 
@@ -60,7 +60,7 @@ def test_an_unknown_objective_is_refused_by_key_with_the_registered_names(tmp_pa
     assert re.match(r".*config\.yaml:\d+: ", message), message  # file:line
     assert (
         "'training.objective'" in message
-        and "dpo, grpo, ipo, orpo, reward, sft, simpo" in message
+        and "dpo, grpo, ipo, kto, orpo, reward, sft, simpo" in message
         and "'ppo'" in message
     )
 

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 
 from slipstream.cli import main
 from slipstream.models import build_model
-from slipstream.objectives.reward import reward_scores
+from slipstream.models.heads import reward_scores
 from slipstream.optimize import optimize
 from slipstream.packing.pairs import collate_pairs
 from slipstream.speedups import Speedups

@@ -33,8 +33,8 @@ from .peers.trl_base import trainer_run
 
 
 def trl_peer_step(config: ABConfig, arm: str, model: torch.nn.Module, device: str) -> PeerStep | None:
-    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` / ``trl-reward`` arm's steps (``peers/trl_step.py``,
-    ``peers/trl_dpo_step.py``, ``peers/trl_reward_step.py``), built on ``model`` for the run's workload; None
+    """The TRL trainer that drives a ``trl`` / ``trl-dpo`` / ``trl-reward`` / ``trl-kto`` arm's steps
+    (``peers/trl_step.py``, and the pair trainers of ``peers.TRL_PAIR_STEPS``), built on ``model`` for the run's workload; None
     for any other arm."""
     spec = ARM_SPECS[arm]
     if spec.peer != "trl":
@@ -162,7 +162,8 @@ class RowsArmSession(ArmSession):
         if self.spec.pairs:
             result.pairs.append(metrics.get("pairs") or sum(len(pairs) for pairs in micro_docs))
             result.reward_margin.append(metrics["reward_margin"])
-            result.reward_accuracy.append(metrics["reward_accuracy"])
+            # KTO's rows have no pair to be right about: NaN
+            result.reward_accuracy.append(metrics.get("reward_accuracy", float("nan")))
 
     def _after_figures(self) -> None:
         """Held pages back; the compile and grouping counts; the optional profiled step (its overhead

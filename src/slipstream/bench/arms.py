@@ -97,6 +97,12 @@ _FIXED_ARMS: dict[str, Arm] = {
     "slipstream-dpo": Arm("packed", SLIPSTREAM, pairs="shared", objective="dpo"),
     # pairs whose prompts share history (a preference at every turn of a chat): every history once
     "slipstream-dpo-tree": Arm("packed", SLIPSTREAM, pairs="shared", prefixes="tree", objective="dpo"),
+    # KTO on unpaired rows (--objective kto): TRL's KTOTrainer as users run it (padded rows, the prompt again
+    # in its no-grad KL forward, the reference every step), slipstream's rows packed with the KL completion
+    # as a second document and with it after the prompt once (the reference computed once before step 0)
+    "trl-kto": Arm("padded", STOCK, stock=True, peer="trl", pairs="peer", objective="kto"),
+    "slipstream-kto-no-prefix-sharing": Arm("packed", SLIPSTREAM, pairs="unshared", objective="kto"),
+    "slipstream-kto": Arm("packed", SLIPSTREAM, pairs="shared", objective="kto"),
     # GRPO (--objective grpo; bench/grpo_arms.py): TRL's GRPOTrainer as users run it (no vLLM: its
     # transformers generate with every prompt repeated G times, the padded update), slipstream's
     # update with each completion packed after its own copy of the prompt, and slipstream's (the prompt
@@ -127,6 +133,8 @@ _FIXED_PRESETS: dict[str, tuple[str, ...]] = {
     "default": ("stock-padded", "stock-packed", "slipstream"),
     # --objective dpo: preference pairs, the peers' DPO and slipstream's, with and without the prompt shared
     "dpo": ("trl-dpo", "unsloth-dpo", "slipstream-dpo-no-prefix-sharing", "slipstream-dpo"),
+    # --objective kto: TRL's KTOTrainer and slipstream's packed rows, without and with the prompt once
+    "kto": ("trl-kto", "slipstream-kto-no-prefix-sharing", "slipstream-kto"),
     # --objective grpo: TRL's GRPOTrainer without and with vLLM, slipstream without and with each
     # group's prompt run once, and with vLLM sampling (the vLLM arms skipped, saying why, where it
     # is not installed: `ab` does not install it)

@@ -6,7 +6,7 @@ The architecture's sequence-classification twin of the stock model (its class fr
 is exercised) runs the sweep's preference pairs two ways: each ``prompt + answer`` alone through its stock
 forward (eval, no grad: ``logits[0, 0]``, transformers' own pooling), and packed with the prompt shared
 (``collate_pairs(prefix_sharing=True)``) through a copy under the verdict's options, each reward read from
-``score`` at the answer's last non-pad token (:func:`slipstream.objectives.reward.reward_scores`). Within
+``score`` at the answer's last non-pad token (:func:`slipstream.models.heads.reward_scores`). Within
 ``REWARD_TOLERANCE`` (relative to the largest reward) it passes; an architecture without a
 sequence-classification class, or whose classifier is placed differently (another module than ``score``,
 another token: :func:`slipstream.models.heads.check_reward_head`), is *refused* by name.
@@ -45,7 +45,7 @@ def check_reward(
     stock: torch.nn.Module, pairs: list[dict[str, list[int]]], options: dict[str, Any]
 ) -> ArmResult:
     """The reward column's outcome for ``stock`` on ``pairs`` under ``optimize(**options)``."""
-    from ..objectives.reward import reward_scores
+    from ..models.heads import reward_scores
     from ..packing.pairs import collate_pairs
 
     model = stock

@@ -15,11 +15,14 @@ token (``AnswerSpans.ends``), so a model is trained as a reward model only where
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..refusal import Refusal
+
+if TYPE_CHECKING:
+    from ..packing.batch import PackedBatch
 
 # the PEFT task of each head: SEQ_CLS trains the reward model's score head in full (modules_to_save), as TRL's
 # RewardTrainer does with a PEFT config
@@ -142,3 +145,21 @@ def say_which_id_pads(model: torch.nn.Module, tokenizer: Any) -> int | None:
     if text.pad_token_id is None:
         text.pad_token_id = pad_id_of(tokenizer)
     return text.pad_token_id
+
+
+def reward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """[answers] fp32: each packed answer's reward, ``score`` read at its last token (differentiable)."""
+    ends = batch.answers.ends
+    if ends is None:
+        raise ValueError(
+            "a reward model reads each answer's last token: this batch's layout does not give it"
+        )
+    seen: list[torch.Tensor] = []
+    hook = score_module(model).register_forward_hook(lambda module, args, output: seen.append(output))
+    inputs = batch.model_inputs()
+    inputs.pop("labels")  # no loss inside the model: the pairs' loss is read from the scores
+    try:
+        model(**inputs)
+    finally:
+        hook.remove()
+    return seen[-1][0, ends, 0].float()

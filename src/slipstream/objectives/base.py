@@ -21,6 +21,7 @@ its name. What an objective says, method by method:
   backpropagates (its share of the step's mean) and its detached metric sums ``[len(metrics)]``
   (``metrics[0]`` is "loss");
   ``divisor(total)``: what the step's summed metrics are divided by (1 where they are means);
+  ``finish_metrics(metrics)``: those means as the objective reports them (KTO: per-label rewards);
 - ``evaluate(model, evals, info, device)``: the held-out metrics (``"loss"`` first);
 - ``summary(bins, last)``: its keys of ``run.json`` ({}: none);
 - ``plan_step(context, step, step_bins)``: what one optimizer step trains, as a :class:`StepPlan`
@@ -187,6 +188,11 @@ class Objective:
 
     def divisor(self, total: int) -> float:
         return 1.0
+
+    def finish_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics once divided by ``divisor`` (KTO: its rewards as means over the desirable and
+        the undesirable rows, not over every row); as they are by default."""
+        return metrics
 
     def evaluate(
         self, model: torch.nn.Module, evals: Any, info: Ranks, device: torch.device

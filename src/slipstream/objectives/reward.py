@@ -35,8 +35,7 @@ from ..errors import TrainError
 from ..fields import Range
 from ..loss.preference import metric_sums
 from ..loss.reward import reward_terms
-from ..models.heads import HeadError, check_reward_head, say_which_id_pads, score_module
-from ..packing.batch import PackedBatch
+from ..models.heads import HeadError, check_reward_head, reward_scores, say_which_id_pads
 from ..packing.pairs import collate_pairs
 from .base import ObjectiveContext, register_objective
 from .pairs import PairObjective
@@ -50,24 +49,6 @@ class RewardSettings:
 
     # TRL's center_rewards_coefficient: + coefficient * (r_c + r_r)^2 per pair, pulling rewards to mean 0
     center_rewards_coefficient: Annotated[float, Range(ge=0)] | None = None
-
-
-def reward_scores(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """[answers] fp32: each packed answer's reward, ``score`` read at its last token (differentiable)."""
-    ends = batch.answers.ends
-    if ends is None:
-        raise ValueError(
-            "a reward model reads each answer's last token: this batch's layout does not give it"
-        )
-    seen: list[torch.Tensor] = []
-    hook = score_module(model).register_forward_hook(lambda module, args, output: seen.append(output))
-    inputs = batch.model_inputs()
-    inputs.pop("labels")  # no loss inside the model: the pairs' loss is read from the scores
-    try:
-        model(**inputs)
-    finally:
-        hook.remove()
-    return seen[-1][0, ends, 0].float()
 
 
 @register_objective

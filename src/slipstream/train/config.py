@@ -32,6 +32,7 @@ from ..fields import coerce as _coerce
 from ..fields import field_types as _field_types
 from ..objectives import objective_for, objective_names  # the registry (importing it registers)
 from ..objectives.grpo import GRPOSettings
+from ..objectives.kto import KTOSettings
 from ..objectives.pairs import PairSettings
 from ..objectives.reward import RewardSettings
 from ..speedups import Speedups
@@ -158,6 +159,7 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     preference: PairSettings = field(default_factory=PairSettings)
+    kto: KTOSettings = field(default_factory=KTOSettings)  # training.objective kto (beta: preference.beta)
     grpo: GRPOSettings = field(default_factory=GRPOSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)  # training.objective reward
     speedups: Speedups = field(default_factory=Speedups)  # the same type optimize() takes

@@ -79,7 +79,9 @@ def train_step(
     # The step's one host read: the metric sums and the grad norm in one transfer, before the update.
     values = torch.cat([sums.float(), grad_norm.float().reshape(1).to(sums.device)]).tolist()
     norm, divisor = values[-1], objective.divisor(total)
-    metrics = {name: value / divisor for name, value in zip(objective.metrics, values[:-1], strict=True)}
+    metrics = objective.finish_metrics(
+        {name: value / divisor for name, value in zip(objective.metrics, values[:-1], strict=True)}
+    )
     finite = math.isfinite(metrics["loss"]) and math.isfinite(norm)
     if finite:
         optimizer.step()

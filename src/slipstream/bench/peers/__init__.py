@@ -34,7 +34,11 @@ Peer = Literal[
 
 # A pair arm's TRL trainer by the objective it trains ("module:class" under this package), each stepped by
 # the harness: ``cls.for_run(model, tokenizer, train_config, device=..., **trainer_run)``.
-TRL_PAIR_STEPS = {"dpo": "trl_dpo_step:TrlDpoStep", "reward": "trl_reward_step:TrlRewardStep"}
+TRL_PAIR_STEPS = {
+    "dpo": "trl_dpo_step:TrlDpoStep",
+    "reward": "trl_reward_step:TrlRewardStep",
+    "kto": "trl_kto_step:TrlKtoStep",
+}
 
 
 class PeerUnavailable(RuntimeError):
