@@ -313,7 +313,9 @@ def test_the_table_counts_every_outcome():
     assert "No column for Liger-Kernel's fused RMSNorm / SwiGLU / RoPE" in text  # CPU: never run here
     assert all(_cell(finding.feature) in text for finding in AUDIT)
     assert "compiled |" not in text and "--compile" in text  # the compiled column is opt-in
-    assert "| fused | prefix | groups | tree | reward | note |" in text and "*prefix* = preference pairs" in text
+    assert (
+        "| fused | prefix | groups | tree | reward | note |" in text and "*prefix* = preference pairs" in text
+    )
     assert "*reward* = the architecture's one-label sequence classifier" in text
     assert "*tree* = a prefix tree of depth 4" in text
     assert "*groups* = prefix groups" in text
@@ -321,7 +323,9 @@ def test_the_table_counts_every_outcome():
         "| `llama` | LlamaForCausalLM | packed, exact | on | - | on | on | on | on | RMSNorm+SwiGLU | on | on | on |"
         in text
     )
-    assert "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - | - | - |" in text
+    assert (
+        "| `mamba` | MambaForCausalLM | refused | off | - | on | on | - | - | RMSNorm | - | - | - |" in text
+    )
 
 
 @pytest.mark.slow  # tens of seconds on a 2-core fp32-only CPU: make test-slow (.ci/run)
