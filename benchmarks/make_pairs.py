@@ -8,6 +8,10 @@ preference and ``generate`` shows it. All text invented here, seeded, the same o
 
     python benchmarks/make_pairs.py --rows 2000 --out runs/data/pairs.jsonl
     python benchmarks/make_pairs.py --rows 48 --out examples/data/pairs.jsonl --conversational-share 0.5
+    python benchmarks/make_pairs.py --rows 1000 --unpaired --out runs/data/kto.jsonl   # KTO's rows
+
+``--unpaired`` writes each pair as TRL's ``unpair_preference_dataset`` does: two unpaired rows,
+``{"prompt", "completion": chosen, "label": true}`` and ``{..., "completion": rejected, "label": false}``.
 """
 
 from __future__ import annotations
@@ -81,14 +85,21 @@ def main() -> None:
     parser.add_argument(
         "--conversational-share", type=float, default=0.5, help="rows in TRL's message format"
     )
+    parser.add_argument("--unpaired", action="store_true", help="KTO's rows: each pair as two, labelled")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     rows = [pair(rng, rng.random() < args.conversational_share) for _ in range(args.rows)]
+    if args.unpaired:
+        rows = [
+            {"prompt": row["prompt"], "completion": row[key], "label": key == "chosen"}
+            for row in rows
+            for key in ("chosen", "rejected")
+        ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     temporary = args.out.with_name(args.out.name + ".tmp")
     temporary.write_text("".join(json.dumps(row) + "\n" for row in rows))
     os.replace(temporary, args.out)
-    print(f"{args.out}: {len(rows)} pairs")
+    print(f"{args.out}: {len(rows)} {'rows' if args.unpaired else 'pairs'}")
 
 
 if __name__ == "__main__":
