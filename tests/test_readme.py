@@ -192,7 +192,10 @@ def test_every_readme_command_parses_and_builds_its_config(command, tmp_path):
             config_path.write_text("model:\n  preset: demo\ntraining:\n  steps: 2\n")
         else:
             config_path = ROOT / args.config
-        load_config(config_path, args.set)
+        from tests.reward_stand_in import stand_in_reward_models
+
+        # a reward model an earlier command exports (docs/rlhf.md): a tiny one in its place
+        load_config(config_path, [*args.set, *stand_in_reward_models(config_path, tmp_path)])
     elif args.command == "ab":
         if "MODEL_DIR" in command:  # the reader's own model: a tiny saved one
             command = command.replace("MODEL_DIR", str(_tiny_model_dir(tmp_path)))

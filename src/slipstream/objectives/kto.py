@@ -78,6 +78,7 @@ class KTO(PairObjective):
 
     name = "kto"
     reads = "rows"  # unpaired rows (prompt, completion, label), binned with their KL completions
+    prompt_shared_by = "a row's completion and its KL completion"
     metrics = KTO_METRICS
 
     def __init__(self, config=None, settings=None, kto: KTOSettings | None = None) -> None:
@@ -92,13 +93,6 @@ class KTO(PairObjective):
     @classmethod
     def validate(cls, config, fail) -> None:
         super().validate(config, fail)
-        if config.data.share_prefixes in ("tree", "on"):
-            fail(
-                "data.share_prefixes",
-                f"training.objective kto runs each row's prompt once for its completion and KL completion; "
-                f"data.share_prefixes {config.data.share_prefixes} (prompts shared across rows) is not "
-                "supported yet: set off or auto",
-            )
         if config.data.step_order != "shuffled":
             fail(
                 "data.step_order",

@@ -80,6 +80,9 @@ class PairObjective(Objective):
     reference_free: ClassVar[bool] = False
     # a pair past data.max_seq_len has its longer answer cut (else it is a bad row: the reward model)
     cuts_answers: ClassVar[bool] = True
+    # what shares one prompt in its packed row (said where prefix trees across them are refused); None:
+    # prefix trees across pairs are supported (data.share_prefixes tree / on)
+    prompt_shared_by: ClassVar[str | None] = None
 
     def __init__(self, config: Any = None, settings: PairSettings | None = None) -> None:
         super().__init__(config)
@@ -124,6 +127,13 @@ class PairObjective(Objective):
                 f"{config.data.batching} is for SFT rows (set bfd)",
             )
         shares = config.data.share_prefixes
+        if shares in ("tree", "on") and cls.prompt_shared_by is not None:
+            fail(
+                "data.share_prefixes",
+                f"{objective} runs each prompt once for {cls.prompt_shared_by} (preference.prefix_sharing); "
+                f"data.share_prefixes {shares} (prompts shared across them, as prefix trees) is not supported "
+                "for it yet: set data.share_prefixes off or auto",
+            )
         if shares == "groups":
             fail(
                 "data.share_prefixes",

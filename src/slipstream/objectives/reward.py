@@ -57,6 +57,7 @@ class RewardModel(PairObjective):
     model_head = "reward"
     reference_free = True
     cuts_answers = False
+    prompt_shared_by = "a pair's two answers"
 
     def __init__(self, config: Any = None, settings=None, reward: RewardSettings | None = None) -> None:
         super().__init__(config, settings)
@@ -67,13 +68,6 @@ class RewardModel(PairObjective):
     @classmethod
     def validate(cls, config, fail) -> None:
         super().validate(config, fail)
-        if config.data.share_prefixes in ("tree", "on"):
-            fail(
-                "data.share_prefixes",
-                f"training.objective reward runs each pair's prompt once (preference.prefix_sharing); pairs as "
-                f"prefix trees across pairs (data.share_prefixes {config.data.share_prefixes}) are not supported "
-                "for the reward model yet: set data.share_prefixes off or auto",
-            )
         if config.training.sample_prompts:
             fail(
                 "training.sample_prompts",

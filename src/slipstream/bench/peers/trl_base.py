@@ -165,5 +165,36 @@ class TrlTrainerStep:
             "backward_s": total - self.clock.seconds,
         }
 
+    def mean_step(
+        self, inputs: list[dict], model_context
+    ) -> tuple[list[float], dict[str, list], dict[str, float]]:
+        """One optimizer step of a trainer whose loss is each micro-batch's mean (DPO, reward, KTO): every
+        micro-batch's mean loss (the Trainer's division by the micro-batch count undone), the metrics TRL
+        logged, one value a micro-batch, and the step's grad norm, lr and times; TRL's metrics cleared after,
+        as ``Trainer.log`` clears them every logging step."""
+        trainer = self.trainer
+        lr = self.begin()
+        # the Trainer's loop sets it to the number of micro-batches in the update; training_step divides by it
+        trainer.current_gradient_accumulation_steps = len(inputs)
+        metrics = trainer._metrics["train"]
+        metrics.clear()
+        losses = []
+        for micro in inputs:
+            with model_context():
+                losses.append(trainer.training_step(self.model, micro))
+        timed = self.end(lr)
+        logged = {key: list(values) for key, values in metrics.items()}
+        metrics.clear()
+        return [float(loss) * len(inputs) for loss in losses], logged, timed
+
     def close(self) -> None:
         shutil.rmtree(self._output_dir, ignore_errors=True)
+
+
+def weighted(means: list[float], counts: list[int]) -> float:
+    """Per-micro-batch means over all their items (pairs, rows): each mean weighted by its count; NaN
+    where there are none (TRL logs a mean only where a micro-batch holds such items)."""
+    total = sum(counts)
+    if not total:
+        return float("nan")
+    return sum(mean * count for mean, count in zip(means, counts, strict=True)) / total

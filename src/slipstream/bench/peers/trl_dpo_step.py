@@ -38,7 +38,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .trl_base import TrlTrainerStep
+from .trl_base import TrlTrainerStep, weighted
 
 # TRL's per-micro-batch metrics this arm returns, by the name it returns them under.
 REWARD_METRICS = {
@@ -109,25 +109,7 @@ class TrlDpoStep(TrlTrainerStep):
 
     def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
         """One optimizer step over ``micro_batches``; the step's DPO loss and TRL's reward metrics, pair means."""
-        trainer = self.trainer
-        lr = self.begin()
-        # The Trainer's loop sets it to the number of micro-batches in the update; training_step divides by it.
-        trainer.current_gradient_accumulation_steps = len(micro_batches)
-        metrics = trainer._metrics["train"]
-        metrics.clear()
-        losses = []
-        for inputs, _ in micro_batches:
-            with model_context():
-                losses.append(trainer.training_step(self.model, inputs))
-        timed = self.end(lr)
+        means, logged, timed = self.mean_step([inputs for inputs, _ in micro_batches], model_context)
         counts = [count for _, count in micro_batches]
-        pairs = sum(counts)
-        # Undo the division by the micro-batch count, then weight each micro-batch mean by its pairs.
-        means = [float(loss) * len(micro_batches) for loss in losses]
-        loss = sum(mean * count for mean, count in zip(means, counts, strict=True)) / pairs
-        result = {
-            name: sum(value * count for value, count in zip(metrics[key], counts, strict=True)) / pairs
-            for name, key in REWARD_METRICS.items()
-        }
-        metrics.clear()  # as Trainer.log does every logging step
-        return {"loss": loss, **timed, **result}
+        found = {name: weighted(logged[key], counts) for name, key in REWARD_METRICS.items()}
+        return {"loss": weighted(means, counts), **timed, **found}

@@ -39,7 +39,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .trl_base import TrlTrainerStep
+from .trl_base import TrlTrainerStep, weighted
 
 
 class TrlKtoStep(TrlTrainerStep):
@@ -140,36 +140,15 @@ class TrlKtoStep(TrlTrainerStep):
         self, micro_batches: list[tuple[dict, list[bool]]], model_context=nullcontext
     ) -> dict[str, float]:
         """One optimizer step; the step's loss as the row mean, and TRL's metrics weighted by their rows."""
-        trainer = self.trainer
-        lr = self.begin()
-        trainer.current_gradient_accumulation_steps = len(micro_batches)
-        metrics = trainer._metrics["train"]
-        metrics.clear()
-        losses = []
-        for inputs, _ in micro_batches:
-            with model_context():
-                losses.append(trainer.training_step(self.model, inputs))
-        timed = self.end(lr)
+        means, logged, timed = self.mean_step([inputs for inputs, _ in micro_batches], model_context)
         counts = [len(labels) for _, labels in micro_batches]
         chosen = [sum(labels) for _, labels in micro_batches]
         rejected = [count - wanted for count, wanted in zip(counts, chosen, strict=True)]
-        rows = sum(counts)
-        # undo the Trainer's division by the micro-batch count, then weight each micro-batch mean by its rows
-        means = [float(loss) * len(micro_batches) for loss in losses]
         found = {
-            "loss": sum(mean * count for mean, count in zip(means, counts, strict=True)) / rows,
-            "kl": sum(kl * count for kl, count in zip(metrics["kl"], counts, strict=True)) / rows,
-            "chosen_reward": _weighted(metrics["rewards/chosen"], [c for c in chosen if c]),
-            "rejected_reward": _weighted(metrics["rewards/rejected"], [r for r in rejected if r]),
+            "loss": weighted(means, counts),
+            "kl": weighted(logged["kl"], counts),
+            "chosen_reward": weighted(logged["rewards/chosen"], [c for c in chosen if c]),
+            "rejected_reward": weighted(logged["rewards/rejected"], [r for r in rejected if r]),
         }
         found["reward_margin"] = found["chosen_reward"] - found["rejected_reward"]
-        metrics.clear()  # as Trainer.log does every logging step
         return {**found, **timed}
-
-
-def _weighted(means: list[float], counts: list[int]) -> float:
-    """TRL's per-micro-batch means (logged only where a micro-batch has such rows) over all those rows."""
-    total = sum(counts)
-    if not total:
-        return float("nan")
-    return sum(mean * count for mean, count in zip(means, counts, strict=True)) / total
