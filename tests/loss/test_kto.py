@@ -23,21 +23,26 @@ KL_REFERENCE = torch.tensor([-16.0, -12.5, -24.0, -22.0, -9.5, -17.25])
 
 
 class _LogProbs:
-    """A model whose per-token log-probs are given: each row's sum sits on its one completion token."""
+    """A model whose per-token log-probs are given: each row's sum sits on its one completion token. As
+    TRL 1.16's fused head returns them (``log_probs``), and as logits whose log-softmax at the target
+    (token 1) gives them, for TRL 1.8 (the floor), which reads ``logits``: [a, 0] with
+    ``-log(1 + e^a) = sum``, in float64."""
 
     training = True
 
     def __init__(self, completion, kl):
         self.completion, self.kl = completion, kl
 
-    def __call__(self, input_ids, labels, **_):
+    def __call__(self, input_ids, labels=None, **_):
         sums = (
             self.kl if input_ids.shape[1] == 3 else self.completion
         )  # the KL sequences are one token longer
         per_token = torch.zeros(input_ids.shape[0], input_ids.shape[1] - 1)
         per_token[:, -1] = sums
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], 2, dtype=torch.float64)
+        logits[:, -2, 0] = torch.log(torch.expm1(-sums.double()))
         return SimpleNamespace(
-            log_probs=per_token, entropy=torch.zeros_like(per_token), mean_logits=per_token
+            log_probs=per_token, entropy=torch.zeros_like(per_token), mean_logits=per_token, logits=logits
         )
 
 

@@ -43,7 +43,7 @@ SHAPES = [(9, 5), (6, 7), (12, 3), (4, 6)]
 def test_the_kl_completions_are_trls_rotation_of_the_same_rows():
     datasets = pytest.importorskip("datasets")
     trl_kto = pytest.importorskip("trl.trainer.kto_trainer")
-    from types import SimpleNamespace
+    from types import MethodType, SimpleNamespace
 
     from trl import KTOConfig
 
@@ -65,6 +65,8 @@ def test_the_kl_completions_are_trls_rotation_of_the_same_rows():
     trainer = SimpleNamespace(
         calculate_KL=True, _tokenizer=tokenizer, desirable_weight=1.0, undesirable_weight=1.0
     )
+    if hasattr(trl_kto.KTOTrainer, "_get_kl_dataset"):  # TRL 1.8 (the floor): the rotation is its own method
+        trainer._get_kl_dataset = MethodType(trl_kto.KTOTrainer._get_kl_dataset, trainer)
     prepared = trl_kto.KTOTrainer._prepare_dataset(
         trainer, datasets.Dataset.from_list(text), tokenizer, args, "train"
     )
