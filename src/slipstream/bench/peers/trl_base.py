@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -189,6 +190,19 @@ class TrlTrainerStep:
 
     def close(self) -> None:
         shutil.rmtree(self._output_dir, ignore_errors=True)
+
+
+class PairMeansStep(TrlTrainerStep):
+    """A pair trainer whose micro-batches are ``(inputs, pairs)`` (DPO, reward): the step's loss and the
+    ``logged`` metrics TRL keeps (``{name: TRL's key}``), each the mean over the step's pairs."""
+
+    logged: dict[str, str] = {}
+
+    def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
+        means, logged, timed = self.mean_step([inputs for inputs, _ in micro_batches], model_context)
+        counts = [count for _, count in micro_batches]
+        found = {name: weighted(logged[key], counts) for name, key in self.logged.items()}
+        return {"loss": weighted(means, counts), **timed, **found}
 
 
 def weighted(means: list[float], counts: list[int]) -> float:

@@ -34,11 +34,9 @@ run's, as in the stock arms. Dropout is disabled, TRL's default.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import torch
 
-from .trl_base import TrlTrainerStep, weighted
+from .trl_base import PairMeansStep
 
 # TRL's per-micro-batch metrics this arm returns, by the name it returns them under.
 REWARD_METRICS = {
@@ -49,8 +47,10 @@ REWARD_METRICS = {
 }
 
 
-class TrlDpoStep(TrlTrainerStep):
+class TrlDpoStep(PairMeansStep):
     """Drives a real ``DPOTrainer`` one optimizer step at a time over the harness's micro-batches of pairs."""
+
+    logged = REWARD_METRICS
 
     def __init__(
         self,
@@ -106,10 +106,3 @@ class TrlDpoStep(TrlTrainerStep):
         )
         inputs = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
         return inputs, len(pairs)
-
-    def __call__(self, micro_batches: list[tuple[dict, int]], model_context=nullcontext) -> dict[str, float]:
-        """One optimizer step over ``micro_batches``; the step's DPO loss and TRL's reward metrics, pair means."""
-        means, logged, timed = self.mean_step([inputs for inputs, _ in micro_batches], model_context)
-        counts = [count for _, count in micro_batches]
-        found = {name: weighted(logged[key], counts) for name, key in REWARD_METRICS.items()}
-        return {"loss": weighted(means, counts), **timed, **found}
