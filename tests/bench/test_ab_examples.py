@@ -29,7 +29,12 @@ CHATS = ROOT / "examples" / "data" / "chats.jsonl"
 # the presets' own examples run in the default suite; those that load a model directory take longer
 QUICK = {"tiny.yaml", "tiny-lora.yaml"}
 # the slipstream arm of each kind of objective
-ARM = {"samples": "slipstream", "pairs": "slipstream-{objective}", "prompts": "slipstream-grpo"}
+ARM = {
+    "samples": "slipstream",
+    "pairs": "slipstream-{objective}",
+    "rows": "slipstream-{objective}",  # KTO's unpaired rows
+    "prompts": "slipstream-grpo",
+}
 
 
 def _family(path: str) -> str:
@@ -71,6 +76,10 @@ def _sets(name: str, tiny_dirs, out: Path) -> list[str]:
     data = raw.get("data", {}).get("path")
     if data is not None and not (path.parent / data).exists():
         sets.append(f"data.path={CHATS}")
+    from tests.reward_stand_in import stand_in_reward_models
+
+    # a reward model an earlier walk-through stage exports (rlhf-grpo.yaml): a tiny one in its place
+    sets += stand_in_reward_models(path, out.parent / "reward-models")
     if raw.get("lora", {}).get("dropout"):
         sets.append("lora.dropout=0")  # an A/B runs without dropout (each arm would draw its own masks)
     if raw.get("data", {}).get("max_seq_len", 1024) > 1024:

@@ -341,8 +341,8 @@ def test_the_opt_in_compiled_arm_is_checked_and_gets_its_column(monkeypatch):
     assert any(p.startswith("compile: decoder layers") for p in verdict.ablations["compiled"].policies)
     text = render_markdown([verdict.to_dict()])
     assert (
-        "| grouped | short | fused | prefix | groups | tree | compiled | note |" in text
-        and "| on | on | RMSNorm+SwiGLU | on | on | on |" in text
+        "| grouped | short | fused | prefix | groups | tree | reward | compiled | note |" in text
+        and "| on | on | RMSNorm+SwiGLU | on | on | on | on | on |" in text
     )
 
 
