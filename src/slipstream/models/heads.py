@@ -72,10 +72,15 @@ def build_with_head(config: Any, head: str, **kwargs) -> torch.nn.Module:
     return AutoModelForSequenceClassification.from_config(config, **kwargs)
 
 
+def classifier_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under any wrapper (DDP's ``module``, PEFT's base model)."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def score_module(model: torch.nn.Module) -> torch.nn.Module:
     """The reward model's ``score`` head under any wrapper (DDP, PEFT: its trained copy's wrapper)."""
-    inner = getattr(model, "module", model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    base = classifier_of(model)
     head = getattr(base, "score", None)
     if head is None:
         raise HeadError(
@@ -90,8 +95,7 @@ def check_reward_head(model: torch.nn.Module, input_ids: list[int]) -> None:
     ``score`` output at the last token, else the head is placed differently (HeadError naming it)."""
     head = score_module(model)
     name = type(getattr(model, "module", model)).__name__
-    base = getattr(model, "module", model)
-    base = base.get_base_model() if hasattr(base, "get_base_model") else base
+    base = classifier_of(model)
     if getattr(base.config, "num_labels", None) != 1:
         raise HeadError(
             f"{type(base).__name__}: a reward model has num_labels 1, not {base.config.num_labels}"
@@ -137,8 +141,7 @@ def say_which_id_pads(model: torch.nn.Module, tokenizer: Any) -> int | None:
     (:func:`pad_id_of`; TRL sets it so too), so right-padded rows score as each row alone. Note that a
     sequence ending with that id (EOS, where EOS pads) is scored at the token before it, by transformers
     and TRL alike, and so by slipstream (``AnswerSpans.ends``). Returns the id (None: not a reward model)."""
-    inner = getattr(model, "module", model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    inner = classifier_of(model)
     if getattr(inner.config, "num_labels", None) != 1:
         return None
     text = inner.config.get_text_config()

@@ -35,7 +35,7 @@ from ..errors import TrainError
 from ..fields import Range
 from ..loss.preference import metric_sums
 from ..loss.reward import reward_terms
-from ..models.heads import HeadError, check_reward_head, reward_scores, say_which_id_pads
+from ..models.heads import HeadError, check_reward_head, classifier_of, reward_scores, say_which_id_pads
 from ..packing.pairs import collate_pairs
 from .base import ObjectiveContext, register_objective
 from .pairs import PairObjective
@@ -102,8 +102,7 @@ class RewardModel(PairObjective):
             check_reward_head(context.base_model, sequence)
         except HeadError as error:
             raise TrainError(f"{self.config.model.path or self.config.model.preset}: {error}") from None
-        model = getattr(context.base_model, "module", context.base_model)
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner = classifier_of(context.base_model)
         center = self.reward.center_rewards_coefficient
         return (
             f"reward head: {type(inner).__name__}.score read at each answer's last token (checked against "
