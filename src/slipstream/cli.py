@@ -312,17 +312,24 @@ def _cmd_export_gguf(args) -> int:
             checkpoint=args.checkpoint,
             verify=args.verify,
             overwrite=args.overwrite,
+            llama_cpp_source=args.llama_cpp_source,
         )
     except ExportError as error:
         return _error("export", error)
     for check in report.checks:
         print(f"checked {check.describe()}")
+    if report.reference is not None:
+        print(f"compared with {report.reference.describe()}")
     for skipped in report.skipped:
         print(f"not checked: {skipped}")
-    tensors = ", ".join(f"{count} {kind}" for kind, count in sorted(report.written["tensors"].items()))
+    written = report.written
+    tensors = ", ".join(f"{count} {kind}" for kind, count in written["tensors"].items())
+    finer = "; ".join(f"{kind}: {len(names)}" for kind, names in written.get("kept_finer", {}).items())
     print(
-        f"wrote {report.out} ({report.quant}: {tensors}; {report.written['tokens']:,} tokens, pre-tokenizer "
-        f"{report.written['pre_tokenizer']}) and {report.modelfile} in {report.seconds:.1f} s"
+        f"wrote {report.out} ({report.quant}, quantizer {written['quantizer']}: {tensors}"
+        f"{f' (not {report.quant}: {finer})' if finer else ''}; {written['bytes'] / 2**20:,.1f} MiB; "
+        f"{written['tokens']:,} tokens, pre-tokenizer {written['pre_tokenizer']}) and {report.modelfile} in "
+        f"{report.seconds:.1f} s"
     )
     return 0
 
@@ -354,8 +361,17 @@ def _add_export(sub) -> None:
         "--quant",
         default="f16",
         metavar="TYPE",
-        help="with --gguf: f16 (default), bf16, f32, q8_0, q5_1, q5_0, q4_1 or q4_0 (k-quants: llama.cpp's "
-        "llama-quantize on an f16 export)",
+        help="with --gguf: f16 (default), bf16, f32; q8_0, q5_1, q5_0, q4_1, q4_0; the k-quants q6_k, q5_k_m, "
+        "q5_k_s, q4_k_m (Ollama's default), q4_k_s, q3_k_l, q3_k_m, q3_k_s, q2_k. Block types are made by "
+        "llama.cpp's own quantizer where llama-cpp-python is installed (k-quants: only there)",
+    )
+    p.add_argument(
+        "--llama-cpp-source",
+        metavar="PATH",
+        default=None,
+        help="with --gguf: a llama.cpp checkout or a llama-cpp-python source archive; its "
+        "convert_hf_to_gguf.py + the same quantizer make a reference file that the export must match "
+        "within half a point of top-1 (default: $SLIPSTREAM_LLAMA_CPP_SOURCE; without it, sanity floors)",
     )
     p.add_argument(
         "--no-verify",

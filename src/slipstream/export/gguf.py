@@ -47,16 +47,15 @@ import numpy as np
 import torch
 
 from .gguf_gemma import GEMMA_TYPES, GemmaKeys, _add_gemma_keys, gemma_keys
+from .gguf_quantize import IMATRIX_TYPES, INSTALL, K_QUANTS, llama_cpp_available
 from .gguf_vocab import Vocabulary, _loaded_tokenizer, _specials, tokens_of, vocabulary_of
 from .merged import ExportError
 
-# the block types the gguf package quantizes in Python, and the plain ones
-PYTHON_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
-# llama.cpp's own quantizer only (llama-quantize): refused, naming it
-LLAMA_CPP_TYPES = (
-    "q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k",
-    "iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_s", "iq3_m", "iq4_nl", "iq4_xs",
-)  # fmt: skip
+# the block types the gguf package quantizes in Python (llama.cpp's quantizer makes them where installed),
+# and the plain ones, written directly
+PLAIN_TYPES = ("f32", "f16", "bf16")
+PYTHON_TYPES = (*PLAIN_TYPES, "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")
+ALL_TYPES = (*PYTHON_TYPES, *K_QUANTS)
 
 
 @dataclass(frozen=True)
@@ -100,22 +99,44 @@ class GGUFPlan:
     rope_factors: (
         torch.Tensor | None
     )  # Llama 3.1's RoPE divisors, rope_freqs.weight (None: no llama3 scaling)
+    # who makes the blocks: "" (a plain type, written directly), "llama.cpp" (its quantizer, from the f16 file
+    # written first) or "gguf" (the gguf package in Python: llama-cpp-python is not installed)
+    quantizer: str = ""
+
+
+def quantizer_for(quant: str) -> str:
+    """Who quantizes ``quant``: llama.cpp's own quantizer wherever llama-cpp-python is installed (the file
+    ``llama-quantize`` would write: its per-tensor types, its head), else the gguf package for the block
+    types it has; the k-quants only llama.cpp makes (an ExportError saying how to install it)."""
+    if quant in PLAIN_TYPES:
+        return ""
+    if llama_cpp_available():
+        return "llama.cpp"
+    if quant in K_QUANTS:
+        raise ExportError(f"--quant {quant}: llama.cpp's own quantizer makes it: {INSTALL}")
+    return "gguf"
+
+
+def plan_gguf_type(quant: str) -> tuple[str, str]:
+    """``quant`` (any case) and who quantizes it; an ExportError naming a type the export does not write,
+    one that needs an importance matrix, or a quantizer that is not installed."""
+    quant = quant.lower()
+    if quant in IMATRIX_TYPES:
+        raise ExportError(
+            f"--quant {quant}: llama.cpp makes it from an importance matrix (llama-imatrix over calibration "
+            f"text), which the export does not compute; the k-quants need none ({', '.join(K_QUANTS)})"
+        )
+    if quant not in ALL_TYPES:
+        raise ExportError(
+            f"--quant {quant}: not a GGUF type the export writes (choose {', '.join(ALL_TYPES)})"
+        )
+    return quant, quantizer_for(quant)
 
 
 def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
     """Read ``model_dir`` (a merged transformers directory) and refuse, one line naming it, what cannot be
     written exactly: another family, a type llama.cpp quantizes itself, another tokenizer, RoPE scaling."""
-    quant = quant.lower()
-    if quant in LLAMA_CPP_TYPES:
-        raise ExportError(
-            f"--quant {quant}: llama.cpp's own quantizer makes it (the gguf package quantizes only "
-            f"{', '.join(PYTHON_TYPES)}): export --quant f16 (or bf16), then llama-quantize OUT.gguf "
-            f"OUT-{quant}.gguf {quant.upper()}"
-        )
-    if quant not in PYTHON_TYPES:
-        raise ExportError(
-            f"--quant {quant}: not a GGUF type the export writes (choose {', '.join(PYTHON_TYPES)})"
-        )
+    quant, quantizer = plan_gguf_type(quant)
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as error:
@@ -151,7 +172,7 @@ def plan_gguf(model_dir: Path, quant: str) -> GGUFPlan:
     vocabulary = vocabulary_of(tokenizer, model_dir / "tokenizer.json")
     rope_factors = llama3_rope_factors(model_dir) if kind == "llama3" else None
     return GGUFPlan(
-        family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer, gemma, rope_factors
+        family, model_type, quant, config, tokenizer, vocabulary, hf_tokenizer, gemma, rope_factors, quantizer
     )
 
 

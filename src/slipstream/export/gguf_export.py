@@ -10,6 +10,7 @@ existing OUT is replaced only with ``overwrite`` and only where it is a GGUF fil
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,11 +19,25 @@ from typing import Any
 
 from ..atomic import atomic_file
 from ..train.output_dir import MARKER
-from .gguf import plan_gguf, write_gguf
-from .gguf_check import GGUFCheck, check_llama_cpp, check_transformers, llama_cpp_available, reference
+from .gguf import plan_gguf, plan_gguf_type, write_gguf
+from .gguf_check import GGUFCheck, check_llama_cpp, check_transformers, reference
+from .gguf_quantize import (
+    INSTALL,
+    higher_than_nominal,
+    llama_cpp_available,
+    mixture,
+    quantize_with_llama_cpp,
+    tensor_types,
+)
+from .gguf_reference import MARGIN, ConverterReference, compare_with_converter, find_converter
 from .merged import ExportError, export_merged
 
 GGUF_MAGIC = b"GGUF"
+QUANTIZERS = {
+    "": "none (a plain type, written directly)",
+    "llama.cpp": "llama.cpp's own (llama_model_quantize, from the f16 file)",
+    "gguf": "the gguf package's, in Python (llama-cpp-python is not installed)",
+}
 
 
 @dataclass
@@ -34,6 +49,7 @@ class GGUFReport:
     written: dict[str, Any]
     checks: list[GGUFCheck] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # runtimes not checked, and why
+    reference: ConverterReference | None = None  # llama.cpp's own converter + quantizer, where it ran
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,10 +126,12 @@ def export_gguf(
     checkpoint: int | None = None,
     verify: bool = True,
     overwrite: bool = False,
+    llama_cpp_source: str | Path | None = None,
 ) -> GGUFReport:
     """Write ``source`` (a run directory, merged first, or a merged transformers directory) to ``out`` as GGUF
     of type ``quant``, with an Ollama Modelfile beside it; with ``verify``, both kept only where every
-    installed runtime agrees with the merged model (:mod:`.gguf_check`)."""
+    installed runtime agrees with the merged model (:mod:`.gguf_check`), judged against llama.cpp's own
+    converter where its source is at hand (``llama_cpp_source``, :mod:`.gguf_reference`)."""
     import importlib.util
 
     started = time.perf_counter()
@@ -127,13 +145,15 @@ def export_gguf(
             f"{source}: neither a slipstream run directory nor a merged model directory (config.json)"
         )
     _refuse_a_classifier(source, is_run)
+    plan_gguf_type(quant)  # a type it cannot write, or a quantizer that is not installed: before the merge
     with tempfile.TemporaryDirectory(
         prefix=".gguf-merge-", dir=out.parent if out.parent.exists() else None
-    ) as scratch:
+    ) as scratch_name:
+        scratch = Path(scratch_name)
         if (
             is_run
         ):  # its adapter merged into the base first (checked there), in fp32: one rounding, at the end
-            merged_dir = Path(scratch) / "merged"
+            merged_dir = scratch / "merged"
             export_merged(source, merged_dir, dtype="float32", checkpoint=checkpoint)
         else:
             if checkpoint is not None:
@@ -151,30 +171,91 @@ def export_gguf(
         report = GGUFReport(str(out), str(out.with_suffix(".Modelfile")), str(source), plan.quant, {})
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(out.with_suffix(".Modelfile")) as model_tmp, atomic_file(out) as tmp:
-            report.written = write_gguf(merged_dir, tmp, plan, template)
+            base = _write(merged_dir, tmp, plan, template, scratch, report)
             if verify:
-                ref = reference(merged_dir)
-                misreads = plan.family.transformers_misreads
-                if misreads is None:
-                    report.checks.append(check_transformers(tmp, ref, plan.quant))
-                else:
-                    report.skipped.append(f"transformers' GGUF loader: {misreads}")
-                if llama_cpp_available():
-                    report.checks.append(
-                        check_llama_cpp(tmp, ref, plan.quant, bool(report.written["add_bos"]))
-                    )
-                else:
-                    report.skipped.append(
-                        "llama.cpp: llama-cpp-python is not installed (pip install 'slipstream[gguf]')"
-                    )
-                failed = [check for check in report.checks if not check.ok]
-                if failed:
-                    raise ExportError(
-                        f"{out}: not written: " + "; ".join(check.describe() for check in failed)
-                    )
+                _verify(merged_dir, tmp, base, plan, scratch, report, llama_cpp_source)
             else:
                 report.skipped.append("every runtime: --no-verify")
             model_tmp.write_text(modelfile(out.name, template, tokenizer.eos_token))
             _check_out(out, overwrite)  # again, just before the rename: what is there now may go
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _write(merged_dir: Path, tmp: Path, plan, template, scratch: Path, report: GGUFReport) -> Path:
+    """The file at ``tmp``: written directly (a plain type, or the gguf package's blocks), or written in f16
+    and quantized by llama.cpp's own quantizer. Returns the unquantized file (``tmp`` itself for a plain
+    type) and fills ``report.written`` with every tensor's type."""
+    base = tmp
+    if plan.quantizer == "llama.cpp":
+        base = scratch / "base-f16.gguf"
+        report.written = write_gguf(
+            merged_dir, base, dataclasses.replace(plan, quant="f16", quantizer=""), template
+        )
+        quantizing = time.perf_counter()
+        quantize_with_llama_cpp(base, tmp, plan.quant)
+        report.written["quantize_seconds"] = round(time.perf_counter() - quantizing, 2)
+    else:
+        report.written = write_gguf(merged_dir, tmp, plan, template)
+    types = tensor_types(tmp)
+    report.written |= {
+        "quantizer": QUANTIZERS[plan.quantizer],
+        "tensors": mixture(types),
+        "tensor_types": types,
+        "kept_finer": higher_than_nominal(types, plan.quant) if plan.quantizer else {},
+        "bytes": tmp.stat().st_size,
+    }
+    return base
+
+
+def _verify(merged_dir: Path, tmp: Path, base: Path, plan, scratch: Path, report: GGUFReport, source) -> None:
+    """Load ``tmp`` back in every installed runtime and compare it with the merged model; with llama.cpp's
+    converter at hand, each runtime's agreement is judged against the reference file's in the same runtime
+    (:mod:`.gguf_reference`), else against the sanity floors. An ExportError (nothing kept) where a runtime
+    falls short."""
+    ref = reference(merged_dir)
+    add_bos = bool(report.written["add_bos"])
+    misreads = plan.family.transformers_misreads
+    if misreads is not None:
+        report.skipped.append(f"transformers' GGUF loader: {misreads}")
+    if not llama_cpp_available():
+        report.skipped.append(f"llama.cpp: llama-cpp-python is not installed ({INSTALL})")
+
+    def judge(path: Path) -> list[GGUFCheck]:
+        checks = [] if misreads is not None else [check_transformers(path, ref, plan.quant)]
+        if llama_cpp_available():
+            checks.append(check_llama_cpp(path, ref, plan.quant, add_bos))
+        return checks
+
+    report.checks = judge(tmp)
+    converter, where = find_converter(source, scratch) if llama_cpp_available() else (None, "")
+    if converter is None:
+        if where:
+            report.skipped.append(f"llama.cpp's own converter: {where}: judged by the sanity floors")
+    else:
+        try:
+            report.reference = compare_with_converter(
+                converter, where, merged_dir, tmp, base, plan.quant, plan.quantizer, scratch, judge
+            )
+        except (RuntimeError, ExportError) as error:
+            report.skipped.append(
+                f"llama.cpp's own converter ({where}) failed on this model ({error}): judged by the sanity floors"
+            )
+        else:
+            theirs = {check.runtime: check for check in report.reference.checks}
+            for check in report.checks:
+                found = theirs[check.runtime].top1
+                check.floor = found - MARGIN
+                check.floor_reason = (
+                    f": llama.cpp's own converter + quantizer's file {found:.1%}, less {MARGIN:.1%}"
+                )
+    failed = [check for check in report.checks if not check.ok]
+    if failed:
+        hint = (
+            ""
+            if report.reference is not None or not llama_cpp_available()
+            else " (the floors are sanity bounds; --llama-cpp-source judges against llama.cpp's own file instead)"
+        )
+        raise ExportError(
+            f"{report.out}: not written: " + "; ".join(check.describe() for check in failed) + hint
+        )
