@@ -307,7 +307,7 @@ def _refused(source: Path, out: Path, words: str, **options) -> None:
 
 def test_what_cannot_be_written_exactly_is_refused_and_leaves_nothing(llama_dir, tmp_path):
     out = tmp_path / "out.gguf"
-    _refused(llama_dir, out, "llama-quantize", quant="q4_k_m")
+    _refused(llama_dir, out, "from an importance matrix", quant="iq4_xs")
     _refused(llama_dir, out, "not a GGUF type the export writes", quant="q3")
     _refused(llama_dir, tmp_path / "out.bin", "must end in .gguf")
     _refused(tmp_path, out, "neither a slipstream run directory nor a merged model directory")
