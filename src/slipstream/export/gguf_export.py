@@ -56,27 +56,21 @@ class GGUFReport:
         return {**asdict(self), "checks": [asdict(c) | {"ok": c.ok} for c in self.checks]}
 
 
-def modelfile(gguf_name: str, chat_template: str | None, eos_token: str | None) -> str:
-    """An Ollama Modelfile for ``gguf_name``: ChatML's template and stop token where the chat template is
-    ChatML (SmolLM2, Qwen), else the GGUF's own template (Ollama reads ``tokenizer.chat_template``)."""
-    lines = [f"FROM ./{gguf_name}"]
-    stops = []
-    if chat_template and "<|im_start|>" in chat_template:
-        lines += [
-            'TEMPLATE """{{- if .System }}<|im_start|>system',
-            "{{ .System }}<|im_end|>",
-            "{{ end }}{{- range .Messages }}<|im_start|>{{ .Role }}",
-            "{{ .Content }}<|im_end|>",
-            "{{ end }}<|im_start|>assistant",
-            '"""',
-        ]
-        stops.append("<|im_end|>")
-    else:
-        lines.append("# the chat template: the GGUF file's own (tokenizer.chat_template), as Ollama reads it")
-    if eos_token and eos_token not in stops:
-        stops.append(eos_token)
-    lines += [f'PARAMETER stop "{stop}"' for stop in stops]
-    return "\n".join(lines) + "\n"
+def modelfile(
+    gguf_name: str,
+    chat_template: str | None,
+    eos_token: str | None,
+    *,
+    bos_token: str | None = None,
+    add_bos: bool = False,
+) -> str:
+    """An Ollama Modelfile for ``gguf_name``: a TEMPLATE in Ollama's Go syntax where the chat template renders
+    exactly as one of the formats :mod:`.ollama` knows (ChatML, Llama 3, Gemma, Mistral), its end-of-turn
+    and EOS tokens as stops; else a comment saying why, and Ollama takes the GGUF's own template.
+    ``bos_token``: the tokenizer's BOS text; ``add_bos``: whether the GGUF adds BOS (``add_bos_token``)."""
+    from .ollama import modelfile_lines
+
+    return "\n".join(modelfile_lines(gguf_name, chat_template, eos_token, bos_token, add_bos)) + "\n"
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
