@@ -72,7 +72,8 @@ test-vllm: $(STAMP)
 
 # slipstream export --gguf read back by llama.cpp itself: llama-cpp-python built from its source once (several
 # minutes; portable: no -march=native) and its wheel kept in ~/.cache/slipstream-wheels, like vLLM's venv; the
-# source is kept too: its models/ggml-vocab-*.gguf are real tokenizers with llama.cpp's own expected tokens
+# source is kept too: its models/ggml-vocab-*.gguf are real tokenizers with llama.cpp's own expected tokens, and its
+# convert_hf_to_gguf.py makes the reference files the export is judged against (export --llama-cpp-source)
 LLAMA_CPP_WHEELS ?= $(HOME)/.cache/slipstream-wheels
 LLAMA_CPP_SDIST = $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36.tar.gz
 test-gguf: $(STAMP)
@@ -80,7 +81,7 @@ test-gguf: $(STAMP)
 		llama-cpp-python==0.3.36 -d $(LLAMA_CPP_WHEELS)
 	ls $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || CMAKE_ARGS="-DGGML_NATIVE=OFF" \
 		$(BIN)/python -m pip wheel -q --no-deps $(LLAMA_CPP_SDIST) -w $(LLAMA_CPP_WHEELS)
-	$(BIN)/python -m pip install -q $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl
+	$(BIN)/python -m pip install -q $(LLAMA_CPP_WHEELS)/llama_cpp_python-0.3.36-*.whl sentencepiece==0.2.3  # the converter's
 	SLIPSTREAM_LLAMA_CPP_SDIST=$(LLAMA_CPP_SDIST) $(BIN)/python -m pytest -q --runslow -m llamacpp tests/export
 
 # Every causal LM transformers registers, packed vs each document alone (~2 min on 2 cores).

@@ -49,10 +49,10 @@ def main() -> None:
         x = torch.randn(rows, args.hidden, dtype=dtype)
         h = torch.randn(rows, args.intermediate, dtype=dtype)
         shapes = (
-            lambda: torch.nn.functional.linear(x, up),
-            lambda: torch.nn.functional.linear(h, down),
-            lambda: h @ up,
-            lambda: x @ down,
+            lambda x=x: torch.nn.functional.linear(x, up),
+            lambda h=h: torch.nn.functional.linear(h, down),
+            lambda h=h: h @ up,
+            lambda x=x: x @ down,
         )
         per_row = [median_ms(fn, args.repeats) / rows * 1e3 for fn in shapes]
         print(f"{rows:5d}  " + "  ".join(f"{v:6.2f}" for v in per_row) + f"  {sum(per_row):6.2f}")

@@ -5,7 +5,8 @@ chat template, greedy, ``--max-tokens`` tokens, three ways: the merged transform
 and llama.cpp (``llama-cpp-python``) on each GGUF file given. For each, the answers that hold the trained
 answer's fact (its last word), and for llama.cpp the answers identical to the merged model's own. The prompt
 tokens are the merged tokenizer's (``apply_chat_template``), handed to both runtimes as ids, so the two
-answer the very same prompts.
+answer the very same prompts. For llama.cpp also its speed: tokens generated over the answers' wall time
+(each prompt's processing included, ``--threads`` threads).
 
     python benchmarks/gguf_recall.py --merged MERGED_DIR --gguf out/f16.gguf out/q8_0.gguf
 """
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--gguf", nargs="+", type=Path, required=True)
     parser.add_argument("--chats", type=Path, default=Path("examples/data/chats.jsonl"))
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     args = parser.parse_args()
 
     import llama_cpp
@@ -73,9 +75,10 @@ def main() -> None:
         },
     }
     for path in args.gguf:
-        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False, seed=0)
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, verbose=False, seed=0, n_threads=args.threads)
         started = time.perf_counter()
         answers = []
+        generated = 0
         for ids in prompts:
             llm.reset()
             found: list[int] = []
@@ -83,14 +86,19 @@ def main() -> None:
                 if token in stops or len(found) >= args.max_tokens:
                     break
                 found.append(token)
+            generated += len(found)
             answers.append(tokenizer.decode(found, skip_special_tokens=True))
+        seconds = time.perf_counter() - started
         llm.close()
         record[path.name] = {
             "holds_trained_answer": sum(holds(a, t) for a, (_, t) in zip(answers, chats, strict=True)),
             "identical_to_merged": sum(
                 a.strip() == r.strip() for a, r in zip(answers, reference, strict=True)
             ),
-            "seconds": round(time.perf_counter() - started, 1),
+            "seconds": round(seconds, 1),
+            # prompt processing included: llama.cpp's whole answer, as a user waits for it
+            "generated_tokens": generated,
+            "tokens_per_s": round(generated / seconds, 1),
             "example": {"question": chats[2][0], "answer": answers[2], "merged": reference[2]},
         }
     print(json.dumps(record, indent=1))

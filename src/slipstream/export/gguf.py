@@ -20,10 +20,11 @@ What is written (llama.cpp's layout, read with the ``gguf`` package's writer and
   the weight it reads; its graph scales the embedding by sqrt(width) itself, and rotates halves as
   transformers does).
 
-Types: ``f32``, ``f16``, ``bf16`` and the block types the ``gguf`` package quantizes in Python (``q8_0``,
-``q5_1``, ``q5_0``, ``q4_1``, ``q4_0``); norms and biases stay f32, as llama.cpp's converter keeps them, and
-under a block type the LM head stays f16 (``_head_copies``). The
-k-quants (``q4_k_m`` ...) need llama.cpp's own quantizer and are refused with the command that makes them.
+Types: ``f32``, ``f16`` and ``bf16`` written here; the block types (``q8_0``, ``q5_x``, ``q4_x``) and the
+k-quants (``q6_k`` ... ``q2_k``) made by llama.cpp's own quantizer from the f16 file written here, wherever
+llama-cpp-python is installed (:mod:`.gguf_quantize`); without it the block types the ``gguf`` package
+quantizes in Python, with norms and biases f32 as llama.cpp's converter keeps them and the LM head f16
+(``_head_copies``), and the k-quants refused with the line that installs it.
 
 Families: Llama (SmolLM2 included), Mistral without a sliding window shorter than its context (llama.cpp's
 ``llama`` architecture has none), Qwen2 / Qwen2.5 and Qwen3, Gemma 2 and Gemma 3 text (llama.cpp's ``gemma2``

@@ -170,7 +170,15 @@ def export_gguf(
                 _verify(merged_dir, tmp, base, plan, scratch, report, llama_cpp_source)
             else:
                 report.skipped.append("every runtime: --no-verify")
-            model_tmp.write_text(modelfile(out.name, template, tokenizer.eos_token))
+            model_tmp.write_text(
+                modelfile(
+                    out.name,
+                    template,
+                    tokenizer.eos_token,
+                    bos_token=tokenizer.bos_token,
+                    add_bos=bool(report.written["add_bos"]),
+                )  # fmt: skip
+            )
             _check_out(out, overwrite)  # again, just before the rename: what is there now may go
     report.seconds = time.perf_counter() - started
     return report
