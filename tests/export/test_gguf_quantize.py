@@ -269,3 +269,23 @@ def test_where_llama_cpps_converter_cannot_run_the_report_says_so(llama_dir, tmp
         "llama.cpp's own converter" in line and "failed on this model" in line for line in report.skipped
     )
     assert all(check.floor == TOP1_FLOOR["q8_0"] for check in report.checks)
+
+
+def test_the_converter_gets_paths_that_hold_from_its_own_directory(tmp_path, monkeypatch):
+    """It runs in llama.cpp's tree (where it imports its gguf-py): a run's relative paths must reach it whole."""
+    from slipstream.export.gguf_reference import convert
+
+    tree = tmp_path / "llama.cpp"
+    tree.mkdir()
+    (tree / CONVERTER).write_text(
+        "import sys, pathlib\n"
+        "model, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[sys.argv.index('--outfile') + 1])\n"
+        "assert model.is_dir(), model\n"
+        "out.write_text(sys.argv[sys.argv.index('--outtype') + 1])\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "merged").mkdir(parents=True)
+    convert(tree, Path("runs/merged"), Path("runs/reference.gguf"), "f16")
+    assert (tmp_path / "runs" / "reference.gguf").read_text() == "f16"
+    with pytest.raises(RuntimeError, match="AssertionError"):
+        convert(tree, Path("runs/absent"), Path("runs/other.gguf"), "f16")

@@ -109,7 +109,16 @@ def convert(converter_dir: Path, merged_dir: Path, out: Path, outtype: str) -> N
     """llama.cpp's ``convert_hf_to_gguf.py`` on ``merged_dir``, in a subprocess of this Python (it imports
     its own gguf-py, not the installed one). RuntimeError with its last line where it fails."""
     done = subprocess.run(
-        [sys.executable, CONVERTER, str(merged_dir), "--outtype", outtype, "--outfile", str(out)],
+        # absolute paths: it runs in its own directory (where it imports its gguf-py and conversion/ from)
+        [
+            sys.executable,
+            CONVERTER,
+            str(merged_dir.resolve()),
+            "--outtype",
+            outtype,
+            "--outfile",
+            str(out.resolve()),
+        ],
         cwd=converter_dir,
         capture_output=True,
         text=True,
