@@ -63,12 +63,15 @@ CONVERSATION = (
 GREEDY_PROMPTS = 6
 GREEDY_TOKENS = 32
 # sanity bounds, not quality targets: a file this far from the merged model is another model (a wrong
-# layout, a wrong tokenizer); how close a type can come on a model is the reference file's to say
+# layout, a wrong tokenizer reads near 0%); how close a type can come on a model is the reference file's to
+# say. Set under what llama.cpp's own converter + quantizer reach on the real SmolLM2-135M (BENCHMARKS.md,
+# issue 64: q8_0 95.1%, q6_k 93.0%, q5_k_m 78.0%, q4_k_m 82.9-85.1%, q3_k_m 78.0%, q2_k 59.5% in llama.cpp),
+# so that a small model's own llama.cpp file passes them
 TOP1_FLOOR = {
-    "f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 0.95, "q6_k": 0.93,
-    "q5_1": 0.90, "q5_0": 0.90, "q5_k_m": 0.90, "q5_k_s": 0.90,
-    "q4_1": 0.85, "q4_0": 0.85, "q4_k_m": 0.85, "q4_k_s": 0.85,
-    "q3_k_l": 0.70, "q3_k_m": 0.70, "q3_k_s": 0.70, "q2_k": 0.50,
+    "f32": 0.99, "f16": 0.99, "bf16": 0.99, "q8_0": 0.93, "q6_k": 0.90,
+    "q5_1": 0.75, "q5_0": 0.75, "q5_k_m": 0.75, "q5_k_s": 0.75,
+    "q4_1": 0.75, "q4_0": 0.75, "q4_k_m": 0.75, "q4_k_s": 0.75,
+    "q3_k_l": 0.65, "q3_k_m": 0.65, "q3_k_s": 0.65, "q2_k": 0.50,
 }  # fmt: skip
 
 
