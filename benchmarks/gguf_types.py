@@ -66,6 +66,7 @@ def main() -> None:
                 "seconds": round(ref.seconds, 1),
             },
             "skipped": report.skipped,
+            "no_reference": report.no_reference,
         }
         print(json.dumps(record), flush=True)
 

@@ -320,6 +320,8 @@ def _cmd_export_gguf(args) -> int:
         print(f"checked {check.describe()}")
     if report.reference is not None:
         print(f"compared with {report.reference.describe()}")
+    elif report.no_reference:
+        print(f"not compared with llama.cpp's own converter: {report.no_reference}")
     for skipped in report.skipped:
         print(f"not checked: {skipped}")
     written = report.written
