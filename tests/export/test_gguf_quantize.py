@@ -249,6 +249,8 @@ def test_our_file_is_llama_cpps_own_converter_and_quantizers_byte_for_byte(wide_
     assert found is not None, report.skipped
     assert found.types_equal, found.type_differences
     assert found.base_identical == found.base_compared > 0, found.base_differing
+    if quant != "f16":  # the same quantizer on the same bytes: the same blocks
+        assert found.quantized_identical == len(found.types), found.describe()
     theirs = {check.runtime: check.top1 for check in found.checks}
     for check in report.checks:  # the same file: the same agreement, and the floor half a point under it
         assert check.ok and check.floor == pytest.approx(theirs[check.runtime] - MARGIN), check.describe()

@@ -54,7 +54,13 @@ class ConverterReference:
     base_identical: int = 0  # base tensors (f16 / f32 / bf16) byte-identical in the two unquantized files
     base_compared: int = 0
     base_differing: list[str] = field(default_factory=list)
+    quantized_identical: int | None = (
+        None  # tensors byte-identical in the two quantized files (None: a plain type)
+    )
     checks: list[GGUFCheck] = field(default_factory=list)  # each runtime on the reference file
+    types: dict[str, str] = field(
+        default_factory=dict
+    )  # our file's tensor types (the reference's, where equal)
     seconds: float = 0.0
 
     def describe(self) -> str:
@@ -64,6 +70,8 @@ class ConverterReference:
             else f"per-tensor types differ ({'; '.join(self.type_differences[:3])})"
         )
         base = f"{self.base_identical} of {self.base_compared} unquantized tensors byte-identical"
+        if self.quantized_identical is not None:
+            base += f", {self.quantized_identical} of the quantized file's {len(self.types)}"
         top1 = "".join(f"; top-1 in {check.runtime} {check.top1:.1%}" for check in self.checks)
         return f"llama.cpp's own converter + quantizer ({self.file_type}): {types}; {base}{top1}"
 
@@ -175,6 +183,10 @@ def compare_with_converter(
         base_compared=len(shared),
         base_differing=differing,
     )
+    found.types = mine
+    if not plain:
+        ours_final, their_final = _tensor_bytes(ours), _tensor_bytes(final)
+        found.quantized_identical = sum(ours_final[n] == their_final.get(n) for n in ours_final)
     found.checks = judge(final)
     found.seconds = time.perf_counter() - started
     return found
