@@ -316,23 +316,8 @@ def _cmd_export_gguf(args) -> int:
         )
     except ExportError as error:
         return _error("export", error)
-    for check in report.checks:
-        print(f"checked {check.describe()}")
-    if report.reference is not None:
-        print(f"compared with {report.reference.describe()}")
-    elif report.no_reference:
-        print(f"not compared with llama.cpp's own converter: {report.no_reference}")
-    for skipped in report.skipped:
-        print(f"not checked: {skipped}")
-    written = report.written
-    tensors = ", ".join(f"{count} {kind}" for kind, count in written["tensors"].items())
-    finer = "; ".join(f"{kind}: {len(names)}" for kind, names in written.get("kept_finer", {}).items())
-    print(
-        f"wrote {report.out} ({report.quant}, quantizer {written['quantizer']}: {tensors}"
-        f"{f' (not {report.quant}: {finer})' if finer else ''}; {written['bytes'] / 2**20:,.1f} MiB; "
-        f"{written['tokens']:,} tokens, pre-tokenizer {written['pre_tokenizer']}) and {report.modelfile} in "
-        f"{report.seconds:.1f} s"
-    )
+    for line in report.lines():
+        print(line)
     return 0
 
 

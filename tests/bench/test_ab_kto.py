@@ -71,4 +71,6 @@ def test_a_short_kto_ab_trains_the_same_rows_to_trls_losses(rows_file, tmp_path)
         assert summary["loss_vs_trl-kto"] in ("identical", "within tolerance"), summary["loss_parity"]
         assert summary["reward_margin_parity"]["verdict"] != "differs", summary["reward_margin_parity"]
         assert summary["host_syncs_per_step"] == 0
-    assert "trl-kto" in markdown_report(record)
+    markdown = markdown_report(record)
+    assert "trl-kto" in markdown and "| arm | rows/s |" in markdown  # KTO's rows, not pairs
+    assert "Rows (each with its KL completion): " in markdown

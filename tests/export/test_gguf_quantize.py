@@ -56,7 +56,7 @@ def test_a_type_made_from_an_importance_matrix_is_refused_by_name(llama_dir, tmp
 def test_every_type_is_written_or_refused_and_no_type_is_both():
     assert not set(K_QUANTS) & set(IMATRIX_TYPES)
     assert set(K_QUANTS) <= set(TOP1_FLOOR)  # every k-quant has its sanity bound
-    assert plan_gguf_type("Q4_K_M")[0] == "q4_k_m"
+    assert plan_gguf_type("Q8_0")[0] == "q8_0" and plan_gguf_type("F16") == ("f16", "")
 
 
 def test_without_llama_cpp_a_k_quant_is_one_line_saying_how_to_install_it(llama_dir, tmp_path, monkeypatch):

@@ -356,14 +356,20 @@ def preference_lines(record: dict) -> list[str]:
     if not judged:
         return []
     packing = record.get("packing", {})
+    unit = packing.get("unit", "pairs")  # KTO: rows, each a completion and its KL completion
+    entries, answers = (
+        ("Preference pairs", "prompt + chosen + prompt + rejected")
+        if unit == "pairs"
+        else ("Rows (each with its KL completion)", "prompt + completion + prompt + KL completion")
+    )
     lines = [
         "",
-        f"Preference pairs: {packing.get('pairs_trained', '?')} trained, prompt "
+        f"{entries}: {packing.get('pairs_trained', '?')} trained, prompt "
         f"{packing.get('mean_prompt_tokens_trained', 0):.0f} tokens on average, each answer "
-        f"{packing.get('mean_answer_tokens_trained', 0):.0f}; tokens/s counts prompt + chosen + prompt + "
-        "rejected for every arm, so its ratios are the pairs/s ratios.",
+        f"{packing.get('mean_answer_tokens_trained', 0):.0f}; tokens/s counts {answers} for every arm, so its "
+        f"ratios are the {unit}/s ratios.",
         "",
-        "| arm | pairs/s | final reward margin | reward margin vs the first arm | reference pass before step 0 (s) |",
+        f"| arm | {unit}/s | final reward margin | reward margin vs the first arm | reference pass before step 0 (s) |",
         "|---|---:|---:|---|---:|",
     ]
     for arm, s in judged.items():

@@ -30,6 +30,7 @@ from ..data.prefix_groups import combined, share_rows
 from ..data.prefix_tree import combined_tree_reports, share_rows_as_trees
 from ..data.token_ids import check_ids_in_vocab
 from ..hardware import crowded
+from ..objectives import objective_for
 from ..utilisation import matmul_peak
 from . import ablation
 from .ab_config import ABConfig, record_config, resolve_device
@@ -91,6 +92,8 @@ def prepare_pair_bins(config: ABConfig) -> tuple[list[list[list[dict]]], int, di
             "efficiency": shared_tokens / (needed * data.max_seq_len),  # the bins' fill, prompt once
             **record.data.report.to_dict(),
             "pairs_trained": len(used),
+            # what one trained entry is: "pairs" (chosen / rejected), "rows" (KTO: a completion, its KL one)
+            "unit": objective_for(config.train.training.objective).reads,
             "bins": needed,
             "run_steps": record.run_steps,
             "mean_pairs_per_bin": len(used) / needed,

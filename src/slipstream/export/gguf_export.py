@@ -56,6 +56,26 @@ class GGUFReport:
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "checks": [asdict(c) | {"ok": c.ok} for c in self.checks]}
 
+    def lines(self) -> list[str]:
+        """What ``slipstream export --gguf`` prints: each check, the comparison with llama.cpp's own file (or
+        why there was none), what went unchecked, and what was written."""
+        found = [f"checked {check.describe()}" for check in self.checks]
+        if self.reference is not None:
+            found.append(f"compared with {self.reference.describe()}")
+        elif self.no_reference:
+            found.append(f"not compared with llama.cpp's own converter: {self.no_reference}")
+        found += [f"not checked: {skipped}" for skipped in self.skipped]
+        written = self.written
+        tensors = ", ".join(f"{count} {kind}" for kind, count in written["tensors"].items())
+        finer = "; ".join(f"{kind}: {len(names)}" for kind, names in written.get("kept_finer", {}).items())
+        found.append(
+            f"wrote {self.out} ({self.quant}, quantizer {written['quantizer']}: {tensors}"
+            f"{f' (not {self.quant}: {finer})' if finer else ''}; {written['bytes'] / 2**20:,.1f} MiB; "
+            f"{written['tokens']:,} tokens, pre-tokenizer {written['pre_tokenizer']}) and {self.modelfile} in "
+            f"{self.seconds:.1f} s"
+        )
+        return found
+
 
 def modelfile(
     gguf_name: str,
