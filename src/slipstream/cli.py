@@ -399,8 +399,8 @@ def _cmd_export(args) -> int:
     except ExportError as error:
         return _error("export", error)
     print(
-        f"merged {report.source} into its base model ({report.dtype}); probe of {report.check.tokens} tokens: "
-        f"max |logit difference| {report.check.max_abs:.3g}, relative {report.check.relative:.3g} "
+        f"merged {report.source} into its base model ({report.dtype}); probe of {report.check.probed}: "
+        f"max |{report.check.kind} difference| {report.check.max_abs:.3g}, relative {report.check.relative:.3g} "
         f"(tolerance {report.check.tolerance:g}); wrote {report.out}"
     )
     return 0

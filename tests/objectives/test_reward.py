@@ -202,7 +202,8 @@ def test_the_exported_reward_model_scores_alike_in_grpo_rewards_and_trls_grpo_tr
     config = reward_config(tmp_path, training={"steps": 2}, optimizer={"lr": 3e-2})
     run(config)
     report = export_merged(tmp_path / "out", tmp_path / "rm")
-    assert report.check.ok
+    assert report.check.ok and report.check.kind == "score"  # one score a probe row, said as such
+    assert report.check.probed.endswith("sequences' scores") and "vocabulary" not in report.check.describe()
     saved = json.loads((tmp_path / "rm" / "config.json").read_text())
     assert saved["architectures"] == ["Qwen3ForSequenceClassification"] and saved["pad_token_id"] is not None
     prompts = ["Question 1: the river runs north?", "Question 2: old mills?", "Question 3: quiet towns?"]

@@ -78,16 +78,27 @@ class ProbeCheck:
     row: int
     position: int
     token: int
-    tokens: int  # probe rows x positions
+    tokens: int  # probe rows x positions (a reward model: rows, one score each)
+    kind: str = "logit"  # "score": a sequence classifier's one score per row
 
     @property
     def ok(self) -> bool:
         return self.relative <= self.tolerance
 
+    @property
+    def probed(self) -> str:
+        """What the probe compared, counted: "48 tokens' logits", or "3 sequences' scores"."""
+        return f"{self.tokens} sequences' scores" if self.kind == "score" else f"{self.tokens} tokens' logits"
+
     def describe(self) -> str:
+        where = (
+            f"probe row {self.row}"
+            if self.kind == "score"
+            else f"probe row {self.row}, position {self.position}, vocabulary entry {self.token}"
+        )
         return (
-            f"max |logit difference| {self.max_abs:.3g} (relative {self.relative:.3g}, tolerance "
-            f"{self.tolerance:g}) at probe row {self.row}, position {self.position}, vocabulary entry {self.token}"
+            f"max |{self.kind} difference| {self.max_abs:.3g} (relative {self.relative:.3g}, tolerance "
+            f"{self.tolerance:g}) at {where}"
         )
 
 
@@ -328,7 +339,8 @@ def compare_logits(reference: torch.Tensor, merged: torch.Tensor, tolerance: flo
     max_abs = float(diff.max())
     scale = max(float(reference.abs().max()), 1e-12)
     tokens = reference.shape[0] * reference.shape[1]
-    return ProbeCheck(max_abs, max_abs / scale, tolerance, row, position, token, tokens)
+    kind = "score" if reference.shape[1:] == (1, 1) else "logit"  # _logits' [rows, 1, 1] of a classifier
+    return ProbeCheck(max_abs, max_abs / scale, tolerance, row, position, token, tokens, kind)
 
 
 # ----------------------------------------------------------------------------- writing
