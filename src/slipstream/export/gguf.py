@@ -299,7 +299,8 @@ def _head_copies(name: str, tied: bool, quant: str) -> list[tuple[str, str]]:
 
 
 def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | None) -> dict[str, Any]:
-    """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns what was written."""
+    """Write ``model_dir``'s weights and tokenizer to ``out`` as ``plan`` says; returns the tokenizer and
+    special tokens written."""
     import gguf
 
     config, family = plan.config, plan.family
@@ -367,7 +368,7 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
     if chat_template:
         writer.add_chat_template(chat_template)
 
-    counts: dict[str, int] = {}
+    written_any = False
     # Gemma's configs tie the head unless they say otherwise (an older config.json may not say)
     tied = bool(config.get("tie_word_embeddings", plan.model_type in GEMMA_TYPES))
     for key, tensor in _stacked_experts(_checkpoint(model_dir, skip_head=tied), experts):
@@ -387,16 +388,14 @@ def write_gguf(model_dir: Path, out: Path, plan: GGUFPlan, chat_template: str | 
         for written, quant in copies:
             data, raw = _as_numpy(tensor, quant)
             writer.add_tensor(written, data, raw_dtype=raw)
-            kind = raw.name if raw is not None else str(data.dtype)
-            counts[kind] = counts.get(kind, 0) + 1
-    if not counts:
+            written_any = True
+    if not written_any:
         raise ExportError(f"{model_dir}: no .safetensors weights to write")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {
-        "tensors": counts,
+    return {  # each tensor's type is read back from the file (gguf_export)
         "tokens": len(tokens),
         "merges": len(merges),
         "tokenizer_model": vocabulary.model,

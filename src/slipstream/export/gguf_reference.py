@@ -137,10 +137,24 @@ def convert(converter_dir: Path, merged_dir: Path, out: Path, outtype: str) -> N
         raise RuntimeError(lines[-1] if lines else f"exit status {done.returncode}")
 
 
-def _tensor_bytes(path: Path) -> dict[str, tuple[str, bytes]]:
+def _byte_identical(ours: Path, theirs: Path) -> tuple[list[str], list[str]]:
+    """The tensors both files hold, and those among them whose type or bytes differ: compared one tensor at
+    a time through the readers' memory maps (no copy of either file: an 8B model's f16 file is 16 GB)."""
+    import numpy as np
     from gguf import GGUFReader
 
-    return {t.name: (t.tensor_type.name, t.data.tobytes()) for t in GGUFReader(str(path)).tensors}
+    their = {t.name: t for t in GGUFReader(str(theirs)).tensors}
+    shared, differing = [], []
+    for tensor in GGUFReader(str(ours)).tensors:
+        other = their.get(tensor.name)
+        if other is None:
+            continue
+        shared.append(tensor.name)
+        if tensor.tensor_type != other.tensor_type or not np.array_equal(
+            tensor.data.view(np.uint8), other.data.view(np.uint8)
+        ):
+            differing.append(tensor.name)
+    return shared, differing
 
 
 def compare_with_converter(
@@ -171,9 +185,7 @@ def compare_with_converter(
         for name in dict.fromkeys([*mine, *theirs])
         if mine.get(name) != theirs.get(name)
     ]
-    ours_bytes, their_bytes = _tensor_bytes(ours_base), _tensor_bytes(base)
-    shared = [name for name in ours_bytes if name in their_bytes]
-    differing = [name for name in shared if ours_bytes[name] != their_bytes[name]]
+    shared, differing = _byte_identical(ours_base, base)
     found = ConverterReference(
         converter=converter_name,
         file_type=quant,
@@ -185,8 +197,8 @@ def compare_with_converter(
     )
     found.types = mine
     if not plain:
-        ours_final, their_final = _tensor_bytes(ours), _tensor_bytes(final)
-        found.quantized_identical = sum(ours_final[n] == their_final.get(n) for n in ours_final)
+        quantized_shared, quantized_differing = _byte_identical(ours, final)
+        found.quantized_identical = len(quantized_shared) - len(quantized_differing)
     found.checks = judge(final)
     found.seconds = time.perf_counter() - started
     return found
